@@ -1,0 +1,132 @@
+"""The errors resident-pool raises to its callers.
+
+Each carries what an operator needs as attributes (slug, reason, exit code and
+its hint, transcript path and last lines) and crosses process boundaries as
+plain data: it pickles (Prefect pickles exceptions) and round-trips through
+``to_dict``/``error_from_dict`` over the pool's socket.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .exits import exit_hint
+
+__all__ = [
+    "AdmissionRefused",
+    "AdmissionTimeout",
+    "KitUnavailable",
+    "ManifestError",
+    "ResidentPoolError",
+    "StateDirError",
+    "WorkerRequestError",
+    "WorkerStartError",
+    "error_from_dict",
+]
+
+_FIELDS = ("slug", "reason", "exit_code", "hint", "transcript", "transcript_tail", "details")
+
+
+class ResidentPoolError(Exception):
+    """Base of every error resident-pool raises on purpose."""
+
+    default_reason = "error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        slug: str | None = None,
+        reason: str | None = None,
+        exit_code: int | None = None,
+        hint: str | None = None,
+        transcript: str | None = None,
+        transcript_tail: list[str] | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.slug = slug
+        self.reason = reason or self.default_reason
+        self.exit_code = exit_code
+        self.hint = hint if hint is not None else exit_hint(exit_code)
+        self.transcript = transcript
+        self.transcript_tail = list(transcript_tail or [])
+        self.details = dict(details or {})
+
+    def __reduce__(self):
+        return (_rebuild, (type(self).__name__, self.to_dict()))
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {name: getattr(self, name) for name in _FIELDS}
+        data["type"] = type(self).__name__
+        data["error"] = self.message
+        return data
+
+
+class WorkerStartError(ResidentPoolError):
+    """The worker exited or hung before it answered on its socket."""
+
+    default_reason = "start_failed"
+
+
+class WorkerRequestError(ResidentPoolError):
+    """A request failed: the model raised, the worker exited, or it died."""
+
+    default_reason = "request_failed"
+
+
+class AdmissionTimeout(ResidentPoolError, TimeoutError):
+    """A worker waited for GPU memory longer than its admission timeout."""
+
+    default_reason = "admission_timeout"
+
+
+class AdmissionRefused(ResidentPoolError):
+    """A worker can never be admitted here (its budget exceeds every device)."""
+
+    default_reason = "admission_refused"
+
+
+class KitUnavailable(ResidentPoolError):
+    """The provider's optimization kit could not be probed or applied."""
+
+    default_reason = "kit_unavailable"
+
+
+class ManifestError(ResidentPoolError, ValueError):
+    """A provider manifest that cannot be used; names the file and the field."""
+
+    default_reason = "bad_manifest"
+
+
+class StateDirError(ResidentPoolError, PermissionError):
+    """The state directory is not private to this user."""
+
+    default_reason = "state_dir_unsafe"
+
+
+_TYPES = {
+    cls.__name__: cls
+    for cls in (
+        ResidentPoolError,
+        WorkerStartError,
+        WorkerRequestError,
+        AdmissionTimeout,
+        AdmissionRefused,
+        KitUnavailable,
+        ManifestError,
+        StateDirError,
+    )
+}
+
+
+def _rebuild(type_name: str, data: dict[str, Any]) -> ResidentPoolError:
+    return error_from_dict({**data, "type": type_name})
+
+
+def error_from_dict(data: dict[str, Any]) -> ResidentPoolError:
+    """Rebuild an error sent as data; an unknown type becomes the base class."""
+    cls = _TYPES.get(str(data.get("type")), ResidentPoolError)
+    kwargs = {name: data.get(name) for name in _FIELDS}
+    return cls(str(data.get("error", "")), **kwargs)

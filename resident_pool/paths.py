@@ -1,0 +1,59 @@
+"""Where the pool keeps its sockets, ledger and transcripts."""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from .errors import StateDirError
+
+__all__ = ["ensure_private_dir", "log_dir", "state_dir"]
+
+
+def state_dir() -> Path:
+    """The per-user state directory, created 0700 and checked to be private."""
+    configured = os.environ.get("RESIDENT_POOL_STATE_DIR")
+    if configured:
+        path = Path(configured)
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "resident-pool"
+    else:
+        path = Path(tempfile.gettempdir()) / f"resident-pool-{os.getuid()}"
+    return ensure_private_dir(path, "state directory", "RESIDENT_POOL_STATE_DIR")
+
+
+def log_dir() -> Path:
+    """The per-user transcript directory; it outlives the pool and its state dir."""
+    configured = os.environ.get("RESIDENT_POOL_LOG_DIR")
+    if configured:
+        path = Path(configured)
+    else:
+        base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+        path = Path(base) / "resident-pool" / "logs"
+    return ensure_private_dir(path, "log directory", "RESIDENT_POOL_LOG_DIR")
+
+
+def ensure_private_dir(path: Path, what: str, variable: str) -> Path:
+    """Create ``path`` 0700, or refuse one that another user could reach."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StateDirError(
+            f"{what} {path} cannot be created ({exc.strerror}); set {variable} to a directory you own"
+        ) from exc
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise StateDirError(f"{what} {path} is not a plain directory; set {variable} to a directory you own")
+    if info.st_uid != os.getuid():
+        raise StateDirError(
+            f"{what} {path} is owned by uid {info.st_uid}, not by you (uid {os.getuid()}); "
+            f"another user could read or replace its sockets: set {variable} to a directory you own"
+        )
+    if info.st_mode & 0o077:
+        raise StateDirError(
+            f"{what} {path} has mode {stat.S_IMODE(info.st_mode):04o}, open to group or others; "
+            f"run `chmod 700 {path}` or set {variable} to a private directory"
+        )
+    return path

@@ -1,0 +1,95 @@
+"""Process helpers shared by the supervisor and the ledger; no internal imports."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import time
+
+__all__ = ["group_members", "pid_alive", "signal_group", "terminate_group", "wait_exit"]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie no one has reaped yet counts as dead."""
+    try:
+        os.kill(pid, 0)
+    except OSError as exc:
+        if exc.errno == errno.ESRCH:
+            return False
+        if exc.errno != errno.EPERM:  # EPERM: alive, owned by someone else
+            raise
+    if not os.path.isdir("/proc"):
+        return True
+    # The state follows the command name, which may itself hold spaces.
+    fields = _stat_fields(str(pid))
+    return bool(fields) and fields[0] not in (b"Z", b"X")
+
+
+def signal_group(pgid: int, signum: int) -> bool:
+    """Send ``signum`` to a process group; False when no member is left."""
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait_exit(proc: subprocess.Popen, timeout: float) -> int | None:
+    """Reap ``proc`` within ``timeout`` seconds; its return code, or None if still running."""
+    try:
+        return proc.wait(timeout=max(0.0, timeout))
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _stat_fields(pid: str) -> list[bytes] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) pids in process group ``pgid``."""
+    if not os.path.isdir("/proc"):
+        return [pgid] if signal_group(pgid, 0) else []
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = _stat_fields(entry)
+        # Fields after the name: state, ppid, pgrp, ...
+        if fields and fields[0] not in (b"Z", b"X") and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+def _group_alive(pgid: int) -> bool:
+    # Orphaned children are reparented to pid 1, which in some containers
+    # never reaps them: a zombie must not count as a survivor.
+    return bool(group_members(pgid))
+
+
+def terminate_group(proc: subprocess.Popen, grace_s: float = 5.0) -> int:
+    """SIGTERM the worker's process group, wait, then SIGKILL what is left.
+
+    The worker runs in a session of its own (``start_new_session``), so its
+    group id is its pid and its children (DataLoader workers, a kit's helpers)
+    go with it.
+    """
+    pgid = proc.pid
+    signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    rc = wait_exit(proc, grace_s)
+    # Children may linger after the leader; give them the rest of the grace.
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    signal_group(pgid, signal.SIGKILL)
+    if rc is None:
+        rc = proc.wait()
+    return rc

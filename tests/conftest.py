@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import uuid
+
+import pytest
+from helpers import TAG_VARIABLE, describe_pids, tagged_processes, wait_until
+
+# Every process the suite starts inherits this tag, so the leak check can
+# find them even after they were reparented.
+TAG = uuid.uuid4().hex
+os.environ[TAG_VARIABLE] = TAG
+
+
+@pytest.fixture(autouse=True)
+def isolated_dirs(monkeypatch):
+    """A private state and log directory per test; short, for AF_UNIX paths."""
+    state = tempfile.mkdtemp(prefix="rp-")
+    logs = tempfile.mkdtemp(prefix="rp-logs-")
+    monkeypatch.setenv("RESIDENT_POOL_STATE_DIR", os.path.join(state, "s"))
+    monkeypatch.setenv("RESIDENT_POOL_LOG_DIR", logs)
+    yield {"state": os.path.join(state, "s"), "logs": logs}
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_processes():
+    """Fail a test that leaves a process of its own running (and kill it)."""
+    yield
+    try:
+        wait_until(lambda: not tagged_processes(TAG), timeout=10, message="the test's processes to exit")
+    except AssertionError:
+        leaked = tagged_processes(TAG)
+        report = describe_pids(leaked)
+        for pid in leaked:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        pytest.fail(f"processes left running after the test:\n{report}")
+
+
+@pytest.fixture
+def workers():
+    """Make ResidentWorkers that are closed when the test ends."""
+    from resident_pool import ResidentWorker
+
+    made = []
+
+    def make(slug="testworker", build_command=None, **kwargs):
+        worker = ResidentWorker(slug, build_command, **kwargs)
+        made.append(worker)
+        return worker
+
+    yield make
+    for worker in made:
+        worker.close()

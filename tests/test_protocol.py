@@ -1,0 +1,136 @@
+from __future__ import annotations
+
+import math
+import socket
+import threading
+
+import pytest
+
+from resident_pool import protocol
+from resident_pool.protocol import ProtocolError, SocketPathError, recv_line, send_line
+
+
+@pytest.fixture
+def pair():
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    yield left, right
+    left.close()
+    right.close()
+
+
+def test_round_trip_keeps_leftover_bytes_for_the_next_call(pair):
+    left, right = pair
+    left.sendall(b'{"a":1}\n{"b":')
+    buf = bytearray()
+    assert recv_line(right, buf) == {"a": 1}
+    left.sendall(b'2}\n')
+    assert recv_line(right, buf) == {"b": 2}
+    assert buf == b""
+
+
+def test_clean_close_between_messages_is_none(pair):
+    left, right = pair
+    left.close()
+    assert recv_line(right, bytearray()) is None
+
+
+def test_close_mid_message_is_a_protocol_error(pair):
+    left, right = pair
+    left.sendall(b'{"a": 1')
+    left.close()
+    with pytest.raises(ProtocolError, match="mid-message") as info:
+        recv_line(right, bytearray())
+    assert not info.value.recoverable
+
+
+@pytest.mark.parametrize(
+    ("line", "what"),
+    [(b"not json\n", "not JSON"), (b"[1, 2]\n", "not an object"), (b'"text"\n', "not an object"),
+     (b"\xff\xfe\n", "not UTF-8"), (b"[" * 100_000 + b"\n", "not JSON")],
+)
+def test_malformed_lines_are_recoverable_errors(pair, line, what):
+    left, right = pair
+    left.sendall(line + b'{"ok": true}\n')
+    buf = bytearray()
+    with pytest.raises(ProtocolError, match=what) as info:
+        recv_line(right, buf)
+    assert info.value.recoverable
+    assert recv_line(right, buf) == {"ok": True}
+
+
+def test_line_over_the_cap_never_buffers_past_it(pair):
+    left, right = pair
+    cap = 1000
+    sender = threading.Thread(target=lambda: left.sendall(b"x" * 50_000 + b"\n"))
+    sender.start()
+    buf = bytearray()
+    peak = []
+    real_recv = right.recv
+
+    class Spy:
+        def recv(self, size):
+            peak.append(len(buf) + size)
+            return real_recv(size)
+
+    with pytest.raises(ProtocolError, match="over the cap") as info:
+        recv_line(Spy(), buf, max_bytes=cap)
+    assert not info.value.recoverable
+    assert max(peak) <= cap + 1
+    sender.join()
+
+
+def test_cap_is_at_least_64_mib():
+    assert protocol.MAX_LINE_BYTES >= 64 * 1024 * 1024
+
+
+def test_nan_is_refused_when_sending(pair):
+    left, _ = pair
+    with pytest.raises(ValueError):
+        send_line(left, {"value": math.nan})
+
+
+def test_socket_path_over_the_limit_names_the_path(tmp_path):
+    long_path = "/tmp/" + "d" * 120 + "/w.sock"
+    with pytest.raises(SocketPathError) as info:
+        protocol.check_socket_path(long_path)
+    assert long_path in str(info.value)
+    assert "RESIDENT_POOL_STATE_DIR" in str(info.value)
+    with pytest.raises(SocketPathError):
+        protocol.bind_unix(long_path)
+
+
+def test_bound_socket_is_0600_and_replaces_a_stale_one(isolated_dirs):
+    import os
+    import stat
+
+    from resident_pool import paths
+
+    path = str(paths.state_dir() / "t.sock")
+    first = protocol.bind_unix(path)
+    first.close()  # leaves a stale socket file behind
+    assert os.path.exists(path)
+    second = protocol.bind_unix(path)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        client = protocol.connect(path)
+        client.close()
+    finally:
+        second.close()
+
+
+def test_protocol_is_standard_library_only():
+    """Loaded by path in the model's environment: it may import nothing of ours."""
+    import ast
+    from pathlib import Path
+
+    import resident_pool
+
+    package = Path(resident_pool.__file__).parent
+    for name in ("protocol.py", "worker_base.py"):
+        tree = ast.parse((package / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                assert node.module.split(".")[0] in {"__future__", "typing", "collections"}, node.module
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert alias.name.split(".")[0] not in {"resident_pool", "pydantic", "prefect", "torch"}

@@ -1,0 +1,123 @@
+"""The model side, spoken to over its raw socket."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+from helpers import TEST_WORKER, wait_until
+
+from resident_pool import paths, protocol, worker_base
+from resident_pool.protocol import recv_line, send_line
+from resident_pool.supervisor import PROTOCOL_PATH, WORKER_BASE_PATH
+
+
+@pytest.fixture
+def raw_worker():
+    """The test worker started by hand, so the test owns every connection to it."""
+    socket_path = str(paths.state_dir() / "raw.sock")
+    env = {**os.environ, "RESIDENT_POOL_PROTOCOL": PROTOCOL_PATH, "RESIDENT_POOL_WORKER_BASE": WORKER_BASE_PATH}
+    with subprocess.Popen([sys.executable, str(TEST_WORKER), socket_path], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        wait_until(lambda: os.path.exists(socket_path), message="the worker's socket")
+        yield socket_path, proc
+        proc.kill()
+
+
+def _ask(socket_path, message):
+    with protocol.connect(socket_path) as conn:
+        send_line(conn, message)
+        return recv_line(conn, bytearray())
+
+
+@pytest.mark.parametrize("bad", [b"this is not json\n", b"[1, 2, 3]\n", b"\xff\xfe\xfd\n", b"{\"op\": \n"])
+def test_bad_lines_get_an_error_reply_and_the_connection_serves_on(raw_worker, bad):
+    socket_path, proc = raw_worker
+    with protocol.connect(socket_path) as conn:
+        conn.sendall(bad)
+        buf = bytearray()
+        reply = recv_line(conn, buf)
+        assert reply["ok"] is False and reply["reason"] == "bad_request"
+        send_line(conn, {"op": "ping", "id": 1})
+        assert recv_line(conn, buf)["ok"] is True
+    assert proc.poll() is None
+
+
+def test_a_line_over_the_cap_closes_that_connection_and_the_worker_serves_the_next_client(raw_worker, monkeypatch):
+    socket_path, proc = raw_worker
+    conn = protocol.connect(socket_path)
+    conn.settimeout(60)
+    over = b"x" * (protocol.MAX_LINE_BYTES + protocol.RECV_CHUNK * 2)
+    sender = threading.Thread(target=lambda: _send_ignoring_reset(conn, over))
+    sender.start()
+    buf = bytearray()
+    reply = recv_line(conn, buf)
+    assert reply["reason"] == "bad_request" and "over the cap" in reply["error"]
+    sender.join(timeout=60)
+    conn.close()
+    assert _ask(socket_path, {"op": "ping", "id": 2})["ok"] is True
+    assert proc.poll() is None
+
+
+def _send_ignoring_reset(conn, data):
+    try:
+        conn.sendall(data)
+    except OSError:
+        pass  # the worker closed the stream once the cap was passed: expected
+
+
+def test_unknown_op_and_a_silent_client_do_not_block_others(raw_worker):
+    socket_path, _ = raw_worker
+    silent = protocol.connect(socket_path)
+    silent.sendall(b'{"op": "ping"')  # half a line, then nothing
+    try:
+        reply = _ask(socket_path, {"op": "fly", "id": 3})
+        assert reply["reason"] == "unknown_op" and "ping" in reply["error"]
+        assert _ask(socket_path, {"op": "predict", "id": 4, "payload": {"action": "echo", "value": 9}})["result"]["echo"] == 9
+    finally:
+        silent.close()
+
+
+def test_unsendable_results_are_named_errors_and_the_worker_stays_up(raw_worker):
+    socket_path, proc = raw_worker
+    nan = _ask(socket_path, {"op": "predict", "id": 5, "payload": {"action": "nan"}})
+    assert nan["ok"] is False and "cannot be sent" in nan["error"]
+    assert _ask(socket_path, {"op": "ping", "id": 6})["ok"] is True
+    assert proc.poll() is None
+
+
+def test_shutdown_is_acknowledged_and_the_socket_removed(raw_worker):
+    socket_path, proc = raw_worker
+    assert _ask(socket_path, {"op": "shutdown", "id": 7})["stopping"] is True
+    assert proc.wait(timeout=10) == 0
+    assert not os.path.exists(socket_path)
+
+
+def test_release_cublas_workspaces_is_zero_without_cuda():
+    assert worker_base.release_cublas_workspaces() == 0
+
+
+def test_exit_code_rules_for_a_last_reply():
+    code = worker_base._exit_code
+    assert code(SystemExit(5)) == 5
+    assert code(SystemExit()) == 0
+    assert code(SystemExit("refused: no fa3")) == 1
+    assert code(KeyboardInterrupt()) is None
+
+    class Refusal(BaseException):
+        reason = "kernel census refused: fa3 required"
+
+    assert worker_base._readable(Refusal("opaque")) == "kernel census refused: fa3 required"
+    line = type("Line", (BaseException,), {"line": "KERNELS route=sdpa"})
+    assert worker_base._readable(line()) == "KERNELS route=sdpa"
+    assert worker_base._readable(SystemExit("refused: no fa3")) == "refused: no fa3"
+
+
+def test_bytes_on_a_socket_path_that_is_not_ours_fail_clearly(tmp_path):
+    with pytest.raises((ConnectionRefusedError, FileNotFoundError)):
+        protocol.connect(str(tmp_path / "nothing.sock"), timeout=1)
+    assert socket.AF_UNIX

@@ -1,0 +1,117 @@
+"""A purpose-built worker for tests: each behaviour the supervisor must handle.
+
+Start-time behaviour comes from argv; per-request behaviour from the payload's
+``action``. Loads worker_base by path, exactly as a real provider does.
+"""
+
+import ctypes
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+
+def load(name, variable):
+    spec = importlib.util.spec_from_file_location(name, os.environ[variable])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class KitRefusal(BaseException):
+    """What a kit raises when it must not run: a readable ``.reason``."""
+
+    def __init__(self, reason):
+        super().__init__("refused")
+        self.reason = reason
+
+
+def main():
+    socket_path = sys.argv[1]
+    options = sys.argv[2:]
+    print(f"testworker pid {os.getpid()} starting with {options}", flush=True)
+    if "--exit-before-bind" in options:
+        code = int(options[options.index("--exit-before-bind") + 1])
+        print(f"REFUSED: testworker told to exit {code} before binding", file=sys.stderr, flush=True)
+        sys.exit(code)
+    if "--hang-at-start" in options:
+        time.sleep(3600)
+    if "--ignore-term" in options:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    worker_base = load("worker_base", "RESIDENT_POOL_WORKER_BASE")
+    releases = []
+    real_release = worker_base.release_cublas_workspaces
+
+    def counting_release():
+        releases.append(time.monotonic())
+        return real_release()
+
+    worker_base.release_cublas_workspaces = counting_release
+    state = {"in_flight": 0, "max_in_flight": 0, "children": []}
+    lock = threading.Lock()
+
+    def on_predict(payload):
+        with lock:
+            state["in_flight"] += 1
+            state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
+        try:
+            return act(payload or {})
+        finally:
+            with lock:
+                state["in_flight"] -= 1
+
+    def act(payload):
+        action = payload.get("action", "echo")
+        print(f"action {action}", flush=True)
+        if action == "echo":
+            return {"echo": payload.get("value"), "pid": os.getpid()}
+        if action == "sleep":
+            time.sleep(float(payload["seconds"]))
+            if payload.get("marker"):
+                with open(payload["marker"], "w") as handle:
+                    handle.write("done")
+            return {"slept": payload["seconds"], "pid": os.getpid()}
+        if action == "raise":
+            raise ValueError(payload.get("message", "bad input"))
+        if action == "exit":
+            raise SystemExit(payload.get("code", 0))
+        if action == "refuse":
+            raise KitRefusal(payload.get("reason", "kernel census: route 'fa3' required, 'sdpa' loaded"))
+        if action == "os_exit":
+            os._exit(int(payload.get("code", 7)))
+        if action == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action == "abort":
+            os.abort()
+        if action == "segfault":
+            ctypes.string_at(0)
+        if action == "spawn_child":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            state["children"].append(child.pid)
+            return {"child": child.pid}
+        if action == "env":
+            return {"env": dict(os.environ)}
+        if action == "nan":
+            return {"value": float("nan")}
+        if action == "big":
+            return {"blob": "x" * int(payload["bytes"])}
+        raise ValueError(f"unknown action {action!r}")
+
+    def ready():
+        return {"releases": len(releases), "max_in_flight": state["max_in_flight"], "options": options}
+
+    worker_base.serve(
+        slug=os.environ.get("TESTWORKER_SLUG", "testworker"),
+        socket_path=socket_path,
+        on_predict=on_predict,
+        ready=ready,
+        release_cublas="--no-release" not in options,
+    )
+
+
+if __name__ == "__main__":
+    main()
