@@ -19,6 +19,7 @@ __all__ = [
     "ManifestError",
     "ResidentPoolError",
     "StateDirError",
+    "WeightsMismatch",
     "WorkerRequestError",
     "WorkerStartError",
     "error_from_dict",
@@ -100,6 +101,12 @@ class ManifestError(ResidentPoolError, ValueError):
     default_reason = "bad_manifest"
 
 
+class WeightsMismatch(ResidentPoolError):
+    """Pinned weights are missing, short or altered; the launch is stopped."""
+
+    default_reason = "weights_mismatch"
+
+
 class StateDirError(ResidentPoolError, PermissionError):
     """The state directory is not private to this user."""
 
@@ -117,6 +124,7 @@ _TYPES = {
         KitUnavailable,
         ManifestError,
         StateDirError,
+        WeightsMismatch,
     )
 }
 

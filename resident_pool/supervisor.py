@@ -199,6 +199,7 @@ class ResidentWorker:
             os.unlink(socket_path)
         except FileNotFoundError:
             pass
+        self.device = admission_env.get("CUDA_VISIBLE_DEVICES")
         argv, extra_env = self.build_command(self)
         env = child_env(
             {
@@ -208,7 +209,6 @@ class ResidentWorker:
                 **admission_env,
             }
         )
-        self.device = env.get("CUDA_VISIBLE_DEVICES") if admission_env else None
         self._open_transcript(argv)
         self.starts += 1
         try:

@@ -1,0 +1,61 @@
+"""all-MiniLM-L6-v2 as a resident worker: load once, embed many.
+
+argv: <socket> <weights_root>. Payload: {"inputs": [str, ...]}; result:
+{"items": [{"embedding": [...384 floats], "tokens": n, "truncated": bool}], ...}.
+"""
+
+import importlib.util
+import os
+import sys
+import time
+
+# Weights are never fetched: the pinned copy on disk is the only source.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def load_worker_base():
+    spec = importlib.util.spec_from_file_location("worker_base", os.environ["RESIDENT_POOL_WORKER_BASE"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main():
+    socket_path, weights_root = sys.argv[1], sys.argv[2]
+    worker_base = load_worker_base()
+    started = time.monotonic()
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = SentenceTransformer(weights_root, device=device)
+    max_tokens = model.max_seq_length
+    model.encode(["warm up"])  # the first pass allocates; pay it before the first request
+    load_s = time.monotonic() - started
+    print(f"minilm: loaded from {weights_root} on {device} in {load_s:.1f} s", flush=True)
+
+    def on_predict(payload):
+        inputs = payload.get("inputs") if isinstance(payload, dict) else None
+        if not isinstance(inputs, list) or not all(isinstance(text, str) for text in inputs):
+            raise ValueError('payload must be {"inputs": [str, ...]}')
+        if not inputs:
+            return {"items": [], "dim": 384}
+        tokens = [len(ids) for ids in model.tokenizer(inputs, add_special_tokens=True)["input_ids"]]
+        vectors = model.encode(inputs, batch_size=int(payload.get("batch_size", 32)), normalize_embeddings=True)
+        digits = int(payload.get("digits", 5))
+        items = [
+            {"embedding": [round(float(x), digits) for x in vector], "tokens": count, "truncated": count > max_tokens}
+            for vector, count in zip(vectors, tokens, strict=True)
+        ]
+        return {"items": items, "dim": int(vectors.shape[1]), "pid": os.getpid(), "device": device}
+
+    def ready():
+        return {"device": device, "load_s": round(load_s, 3), "max_tokens": max_tokens}
+
+    worker_base.serve(slug="minilm", socket_path=socket_path, on_predict=on_predict, ready=ready)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Provider manifests: ``manifests/<slug>/manifest.toml`` as pydantic models."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import string
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ManifestError
+from .protocol import DEFAULT_REQUEST_TIMEOUT_S
+
+__all__ = [
+    "PLACEHOLDERS",
+    "Manifest",
+    "json_schema",
+    "load_manifest",
+    "load_manifests",
+]
+
+PLACEHOLDERS = frozenset({"socket", "slug", "weights_root", "python", "kit", "work_root"})
+SLUG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class VenvEnv(_Strict):
+    """Run the worker with a Python interpreter on this host."""
+
+    kind: Literal["venv"] = "venv"
+    python: str = Field("auto", description='Interpreter path, or "auto" for the pool\'s own.')
+    passthrough: list[str] | None = Field(
+        None,
+        description="If set, only these variables of the pool's environment reach the worker "
+        "(plus what the pool and the kit set); secrets elsewhere in the environment stay behind.",
+    )
+
+
+class ContainerEnv(_Strict):
+    """Run the worker inside a container image."""
+
+    kind: Literal["container"]
+    engine: Literal["apptainer", "docker", "podman"]
+    image: str
+    python: str = Field("python3", description="The interpreter inside the image.")
+    binds: list[str] = Field(default_factory=list, description='Extra binds, "host:container[:ro]".')
+    passthrough: list[str] | None = None
+
+
+class Gpu(_Strict):
+    policy: Literal["none", "recommended", "required"] = "none"
+    vram_budget_gb: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _budget_when_gpu(self) -> Gpu:
+        if self.policy != "none" and self.vram_budget_gb is None:
+            raise ValueError(
+                f'vram_budget_gb is required when policy = "{self.policy}": admission cannot place '
+                "a worker whose memory it does not know"
+            )
+        return self
+
+
+class Lifecycle(_Strict):
+    idle_timeout_s: float = Field(600.0, ge=0)
+    start_timeout_s: float = Field(900.0, gt=0)
+    request_timeout_s: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0)
+    orphan_grace_s: float = Field(120.0, gt=0)
+    max_replicas: int = Field(1, ge=1, le=64)
+    admission_timeout_s: float = Field(3600.0, gt=0)
+
+
+class WeightFile(_Strict):
+    path: str
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    size: int = Field(ge=0)
+
+    @field_validator("path")
+    @classmethod
+    def _relative(cls, value: str) -> str:
+        if Path(value).is_absolute() or ".." in Path(value).parts:
+            raise ValueError(f"{value!r} must be relative to the weights root, without '..'")
+        return value
+
+
+class Weights(_Strict):
+    root_env: str | None = Field(None, description="Variable naming the weights directory; it wins when set.")
+    root: str | None = Field(None, description="Default root (absolute, or relative to the manifest).")
+    package: str | None = Field(
+        None, description="Default root inside this package, found in the provider's interpreter."
+    )
+    subdir: str = ""
+    files: list[WeightFile] = Field(default_factory=list)
+
+
+class Kit(_Strict):
+    name: str | None = Field(None, description="The kit is the package <name>_opt unless package is given.")
+    package: str | None = None
+    mode: str = Field(description="The kit mode the worker runs under.")
+    mode_env: str | None = Field(None, description="The kit's mode variable, if it must survive the probe's scrub.")
+    levers_off: list[str] = Field(default_factory=list)
+    env_row: Literal["required", "none"] = "required"
+    env_row_reason: str | None = None
+    jit_root: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _named(self) -> Kit:
+        if not (self.name or self.package):
+            raise ValueError("give the kit's name (package <name>_opt) or its package")
+        if self.env_row == "none" and not self.env_row_reason:
+            raise ValueError('env_row = "none" needs env_row_reason saying why the kit exports nothing')
+        return self
+
+    @property
+    def package_name(self) -> str:
+        return self.package or f"{self.name}_opt"
+
+
+class Smoke(_Strict):
+    payload: dict[str, Any] = Field(default_factory=dict)
+
+
+class Manifest(_Strict):
+    """One provider: a model the pool can hold."""
+
+    slug: str
+    description: str = ""
+    worker: str = Field(description="Worker script, relative to the manifest.")
+    worker_args: list[str] = Field(default_factory=lambda: ["{socket}"])
+    mode: Literal["resident", "subprocess"] = "resident"
+    mode_reason: str | None = None
+    work_root: str | None = None
+    env: Annotated[VenvEnv | ContainerEnv, Field(discriminator="kind")] = Field(default_factory=VenvEnv)
+    gpu: Gpu = Field(default_factory=Gpu)
+    lifecycle: Lifecycle = Field(default_factory=Lifecycle)
+    weights: Weights = Field(default_factory=Weights)
+    kit: Kit | None = None
+    smoke: Smoke = Field(default_factory=Smoke)
+
+    # Set by load_manifest; not part of the file.
+    path: Path | None = Field(None, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _venv_by_default(cls, data: Any) -> Any:
+        env = data.get("env") if isinstance(data, dict) else None
+        if isinstance(env, dict) and "kind" not in env:
+            data = {**data, "env": {**env, "kind": "venv"}}
+        return data
+
+    @field_validator("slug")
+    @classmethod
+    def _slug(cls, value: str) -> str:
+        if not SLUG.match(value):
+            raise ValueError(f"{value!r} must be lowercase letters, digits, '-' or '_', at most 40 characters")
+        return value
+
+    @field_validator("worker_args")
+    @classmethod
+    def _placeholders(cls, values: list[str]) -> list[str]:
+        for value in values:
+            for _, name, _, _ in string.Formatter().parse(value):
+                if name is not None and name not in PLACEHOLDERS:
+                    raise ValueError(
+                        f"{{{name}}} in {value!r} is not a placeholder; use one of "
+                        + ", ".join(f"{{{p}}}" for p in sorted(PLACEHOLDERS))
+                    )
+        return values
+
+    @model_validator(mode="after")
+    def _mode(self) -> Manifest:
+        if self.mode == "subprocess" and not self.mode_reason:
+            raise ValueError('mode = "subprocess" needs mode_reason saying why the model cannot be held')
+        return self
+
+    @property
+    def directory(self) -> Path:
+        return self.path.parent if self.path else Path.cwd()
+
+    @property
+    def worker_path(self) -> Path:
+        return (self.directory / self.worker).resolve()
+
+    def fingerprint(self) -> str:
+        """Changes when the manifest's content or any pin changes."""
+        data = self.model_dump(mode="json")
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _field_path(location: tuple[Any, ...]) -> str:
+    parts = [str(part) for part in location if not str(part).startswith(("function-", "tagged-union"))]
+    return ".".join(parts) or "(top level)"
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read and validate one manifest; any problem is a ManifestError naming file and field."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: no such manifest file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{path}: cannot be read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ManifestError(f"{path}: not valid TOML: {exc}", details={"field": None}) from None
+    if "path" in raw:
+        raise ManifestError(f"{path}: path: extra inputs are not permitted", details={"field": "path"})
+    try:
+        manifest = Manifest.model_validate({**raw, "path": path.resolve()})
+    except ValidationError as exc:
+        problems = [f"{_field_path(e['loc'])}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()]
+        fields = [_field_path(e["loc"]) for e in exc.errors()]
+        raise ManifestError(
+            f"{path}: " + "; ".join(problems),
+            slug=raw.get("slug") if isinstance(raw.get("slug"), str) else None,
+            details={"field": fields[0], "fields": fields},
+        ) from None
+    if not manifest.worker_path.is_file():
+        raise ManifestError(
+            f"{path}: worker: the script {manifest.worker_path} does not exist; "
+            "give its path relative to the manifest",
+            slug=manifest.slug,
+            details={"field": "worker"},
+        )
+    if manifest.slug != path.parent.name and path.name == "manifest.toml":
+        raise ManifestError(
+            f"{path}: slug: {manifest.slug!r} differs from its folder {path.parent.name!r}; "
+            "name the folder after the slug",
+            slug=manifest.slug,
+            details={"field": "slug"},
+        )
+    return manifest
+
+
+def load_manifests(directory: str | Path) -> dict[str, Manifest]:
+    """Every ``<directory>/<slug>/manifest.toml``, keyed by slug."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ManifestError(
+            f"{directory}: no manifests directory here; pass --manifests DIR or set RESIDENT_POOL_MANIFESTS"
+        )
+    manifests = {}
+    for path in sorted(directory.glob("*/manifest.toml")):
+        manifest = load_manifest(path)
+        manifests[manifest.slug] = manifest
+    return manifests
+
+
+def json_schema() -> dict[str, Any]:
+    schema = Manifest.model_json_schema()
+    schema["properties"].pop("path", None)
+    schema["title"] = "resident-pool provider manifest"
+    return schema

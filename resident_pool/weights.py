@@ -1,0 +1,119 @@
+"""Pinned weights: every file checked by size, then sha256, before a worker starts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from filelock import FileLock
+
+from .errors import WeightsMismatch
+
+__all__ = ["HashCache", "WeightsMismatch", "WeightsReport", "verify_weights"]
+
+_BLOCK = 4 * 1024 * 1024
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("RESIDENT_POOL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "resident-pool"
+    )
+    return Path(base)
+
+
+class HashCache:
+    """sha256 of files keyed by (path, size, mtime), shared by every process of this user.
+
+    A 10 GB checkpoint takes about a minute to hash; an unchanged file is not re-read.
+    """
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or _cache_dir() / "sha256-cache.json"
+        self.reads = 0  # files actually hashed, for tests and the check report
+        self._entries: dict[str, dict] | None = None
+
+    def _load(self) -> dict[str, dict]:
+        if self._entries is None:
+            try:
+                self._entries = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                self._entries = {}
+        return self._entries
+
+    def sha256(self, path: Path) -> str:
+        info = path.stat()
+        key = str(path.resolve())
+        entry = self._load().get(key)
+        if entry and entry.get("size") == info.st_size and entry.get("mtime_ns") == info.st_mtime_ns:
+            return entry["sha256"]
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while block := handle.read(_BLOCK):
+                digest.update(block)
+        self.reads += 1
+        value = digest.hexdigest()
+        self._store(key, {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "sha256": value})
+        return value
+
+    def _store(self, key: str, entry: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.path) + ".lock"):
+            try:
+                current = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                current = {}
+            current[key] = entry
+            handle, temp = tempfile.mkstemp(dir=self.path.parent, prefix=".sha256-cache.")
+            with os.fdopen(handle, "w") as out:
+                json.dump(current, out)
+            os.replace(temp, self.path)
+        self._entries = current
+
+
+@dataclass
+class WeightsReport:
+    slug: str
+    root: Path | None
+    problems: list[str] = field(default_factory=list)
+    checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def error(self) -> WeightsMismatch:
+        return WeightsMismatch(
+            f"{self.slug}: weights under {self.root} are not at their pins: " + "; ".join(self.problems)
+            + f"; run `resident-pool check {self.slug}` once they are restored",
+            slug=self.slug,
+            details={"problems": self.problems, "root": str(self.root)},
+        )
+
+
+def verify_weights(slug: str, root: Path | None, files, cache: HashCache | None = None) -> WeightsReport:
+    """Check each pinned file: present, then its size, then its sha256."""
+    report = WeightsReport(slug=slug, root=root)
+    if not files:
+        return report
+    if root is None or not root.is_dir():
+        report.problems.append(f"the weights root {root} is not a directory")
+        return report
+    cache = cache or HashCache()
+    for pin in files:
+        path = root / pin.path
+        report.checked += 1
+        if not path.is_file():
+            report.problems.append(f"{pin.path} is missing (expected {pin.size} bytes, sha256 {pin.sha256})")
+            continue
+        size = path.stat().st_size
+        if size != pin.size:
+            report.problems.append(f"{pin.path} is {size} bytes, {pin.size} expected")
+            continue
+        found = cache.sha256(path)
+        if found != pin.sha256:
+            report.problems.append(f"{pin.path} sha256 {pin.sha256} expected, {found} found")
+    return report

@@ -1,0 +1,6 @@
+ENV = "EMPTYKIT_OPT_MODE"
+MODES = ["any"]
+
+
+def resolve(mode):
+    return {"env": {}}

@@ -1,0 +1,5 @@
+MODES = ["only"]
+
+
+def resolve(mode):
+    return {"env": {"NOMODE_ROW": "1"}}

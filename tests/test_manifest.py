@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from providers import write_provider
+
+from resident_pool import ManifestError
+from resident_pool.manifest import PLACEHOLDERS, json_schema, load_manifest, load_manifests
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_shipped_manifests_load():
+    manifests = load_manifests(ROOT / "manifests")
+    assert {"minilm", "echo"} <= set(manifests)
+    minilm = manifests["minilm"]
+    assert minilm.weights.root_env == "MINILM_WEIGHTS" and len(minilm.weights.files) >= 2
+    assert minilm.worker_path.is_file()
+
+
+def test_the_gpu_example_is_valid_and_not_picked_up_as_a_provider():
+    example = load_manifest(ROOT / "manifests" / "_examples" / "boltz2" / "manifest.toml")
+    assert example.gpu.policy == "required" and example.gpu.vram_budget_gb > 0
+    assert example.kit is not None and example.kit.levers_off and example.kit.env
+    assert "boltz2" not in load_manifests(ROOT / "manifests")
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ('[gpu]\npolicy = "required"\n', "gpu", "vram_budget_gb is required"),
+        ('[gpu]\npolicy = "recommended"\n', "gpu", "vram_budget_gb is required"),
+        ('colour = "blue"\n', "colour", "Extra inputs are not permitted"),
+        ('[lifecycle]\nidle_timeout = 5\n', "lifecycle.idle_timeout", "Extra inputs"),
+        ('worker_args = ["{socket}", "{weights}"]\n', "worker_args", "{weights} in"),
+        ('mode = "subprocess"\n', "(top level)", "mode_reason"),
+        ('[kit]\nname = "boltz"\nmode = "fast"\nenv_row = "none"\n', "kit", "env_row_reason"),
+        ('[lifecycle]\nmax_replicas = 0\n', "lifecycle.max_replicas", "greater than or equal to 1"),
+        ('[[weights.files]]\npath = "../etc/passwd"\nsha256 = "' + "0" * 64 + '"\nsize = 1\n', "weights.files.0.path", "'..'"),
+        ('[env]\nkind = "container"\nengine = "lxc"\nimage = "x"\n', "env.container.engine", "apptainer"),
+    ],
+)
+def test_each_mistake_names_the_file_and_the_field(tmp_path, body, field, words):
+    path = write_provider(tmp_path, "bad", body)
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert f"{field}:" in message
+    assert words in message
+    assert info.value.details["field"] == field
+
+
+def test_a_missing_worker_script_is_named(tmp_path):
+    path = write_provider(tmp_path, "noscript", "")
+    (path.parent / "worker.py").unlink()
+    with pytest.raises(ManifestError, match=r"worker: the script .*worker\.py does not exist") as info:
+        load_manifest(path)
+    assert str(path) in str(info.value)
+
+
+def test_bad_toml_names_the_file_and_line(tmp_path):
+    path = write_provider(tmp_path, "toml", "[gpu\n")
+    with pytest.raises(ManifestError, match="not valid TOML") as info:
+        load_manifest(path)
+    assert str(path) in str(info.value) and "line 3" in str(info.value)
+
+
+def test_slug_must_match_its_folder(tmp_path):
+    path = write_provider(tmp_path, "folder", "")
+    path.write_text(path.read_text().replace('slug = "folder"', 'slug = "other"'))
+    with pytest.raises(ManifestError, match="differs from its folder"):
+        load_manifest(path)
+
+
+def test_every_placeholder_is_accepted(tmp_path):
+    args = json.dumps([f"{{{name}}}" for name in sorted(PLACEHOLDERS)])
+    manifest = load_manifest(write_provider(tmp_path, "all", f"worker_args = {args}\n"))
+    assert len(manifest.worker_args) == len(PLACEHOLDERS)
+
+
+def test_fingerprint_follows_the_pins(tmp_path):
+    pin = '[[weights.files]]\npath = "w.bin"\nsha256 = "{}"\nsize = 1\n'
+    first = load_manifest(write_provider(tmp_path, "fp", pin.format("a" * 64)))
+    second = load_manifest(write_provider(tmp_path, "fp", pin.format("b" * 64)))
+    assert first.fingerprint() != second.fingerprint()
+
+
+def test_schema_is_exported_by_the_cli():
+    done = subprocess.run([sys.executable, "-m", "resident_pool", "schema"], capture_output=True, text=True, check=True)
+    schema = json.loads(done.stdout)
+    assert schema == json.loads(json.dumps(json_schema()))
+    assert {"slug", "worker", "gpu", "kit", "weights", "lifecycle"} <= set(schema["properties"])
+    assert "path" not in schema["properties"]
