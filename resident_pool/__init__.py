@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .client import Pool, Session
 from .errors import (
     AdmissionRefused,
     AdmissionTimeout,
@@ -21,8 +22,10 @@ __all__ = [
     "AdmissionTimeout",
     "KitUnavailable",
     "ManifestError",
+    "Pool",
     "ResidentPoolError",
     "ResidentWorker",
+    "Session",
     "StateDirError",
     "WorkerRequestError",
     "WorkerStartError",

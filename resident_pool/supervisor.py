@@ -310,7 +310,7 @@ class ResidentWorker:
             self.served += 1
             if reply.get("ok"):
                 return reply.get("result")
-            raise self._request_error(reply)
+            raise self.reply_error(reply)
 
     def ping(self) -> dict[str, Any] | None:
         """The worker's own answer to ``ping``, or None when it is not answering."""
@@ -346,6 +346,12 @@ class ResidentWorker:
 
     def _on_broken_socket(self, exc: BaseException) -> None:
         """Tell a dead worker from a slow one; raise worker_died for the former."""
+        error = self.broken_error(exc)
+        if error is not None:
+            raise error from exc
+
+    def broken_error(self, exc: BaseException | str) -> WorkerRequestError | None:
+        """After a request's socket broke: the error if the worker died, else None (it is then replaced)."""
         self._drop_connection()
         stopping = self.state in (WorkerState.STOPPING, WorkerState.STOPPED)
         rc = wait_exit(self._proc, _DEATH_WAIT_S) if self._proc is not None else None
@@ -356,16 +362,18 @@ class ResidentWorker:
             message = f"{self.slug}: the worker {what}: {describe_exit(rc)}; transcript {self.transcript}"
             if tail:
                 message += "\n  last lines:\n    " + "\n    ".join(tail[-5:])
-            raise WorkerRequestError(
+            return WorkerRequestError(
                 message, slug=self.slug, reason="worker_stopped" if stopping else "worker_died", exit_code=rc,
                 transcript=str(self.transcript), transcript_tail=tail,
-            ) from exc
+            )
         # Alive: the request outran its timeout. A worker answers serially, so
         # it cannot serve anyone until that request ends; replace it.
-        self._note(f"request failed on a live worker ({type(exc).__name__}: {exc}); terminating it")
+        self._note(f"request failed on a live worker ({exc}); terminating it")
         self._kill(grace_s=5.0)
+        return None
 
-    def _request_error(self, reply: dict[str, Any]) -> WorkerRequestError:
+    def reply_error(self, reply: dict[str, Any]) -> WorkerRequestError:
+        """The error for a reply with ``ok: false``; a worker_exiting one is reaped first."""
         reason = str(reply.get("reason") or "request_failed")
         error = reply.get("error") or "no message"
         if reason != "worker_exiting":

@@ -114,6 +114,7 @@ class _Server:
     # -- the loop ----------------------------------------------------------
     def run(self) -> None:
         listener = self.protocol.bind_unix(self.socket_path)
+        self.socket_inode = os.stat(self.socket_path).st_ino
         self.log(f"listening on {self.socket_path} (pid {os.getpid()})")
         # Many clients may connect, but requests run one at a time in this
         # thread: one CUDA context never interleaves two requests, and a client
@@ -267,8 +268,11 @@ class _Server:
             return 0
 
     def _unlink_socket(self) -> None:
+        # A newer worker may have bound this path since (a restarted pool):
+        # only the socket this process bound is ours to remove.
         try:
-            os.unlink(self.socket_path)
+            if os.stat(self.socket_path).st_ino == self.socket_inode:
+                os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
 

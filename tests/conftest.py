@@ -4,6 +4,7 @@ import os
 import signal
 import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 from helpers import TAG_VARIABLE, describe_pids, tagged_processes, wait_until
@@ -56,3 +57,34 @@ def workers():
     yield make
     for worker in made:
         worker.close()
+
+
+@pytest.fixture
+def pool_dir(tmp_path, monkeypatch, isolated_dirs):
+    """A manifests folder for pool tests; any pool started against it is shut down afterwards."""
+    from resident_pool.procs import pid_alive
+
+    manifests = tmp_path / "manifests"
+    manifests.mkdir()
+    monkeypatch.setenv("RESIDENT_POOL_MANIFESTS", str(manifests))
+    monkeypatch.setenv("RESIDENT_POOL_QUIET_EXIT_S", "120")  # a pool a test forgot still leaves
+    monkeypatch.setenv("RESIDENT_POOL_GPU_HEADROOM_GB", "0")
+    yield manifests
+    shutdown_pool(isolated_dirs["state"])
+    pid_file = os.path.join(isolated_dirs["state"], "pool.pid")
+    if os.path.exists(pid_file):
+        pid = int(Path(pid_file).read_text())
+        wait_until(lambda: not pid_alive(pid), timeout=30, message=f"pool {pid} to exit")
+
+
+def shutdown_pool(state_dir):
+    from resident_pool import Pool
+    from resident_pool.errors import ResidentPoolError
+
+    if not os.path.exists(os.path.join(state_dir, "pool.sock")):
+        return
+    try:
+        with Pool(start=False) as pool:
+            pool.shutdown()
+    except (ResidentPoolError, OSError):
+        pass  # already gone

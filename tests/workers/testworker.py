@@ -70,11 +70,12 @@ def main():
         if action == "echo":
             return {"echo": payload.get("value"), "pid": os.getpid()}
         if action == "sleep":
+            started = time.time()
             time.sleep(float(payload["seconds"]))
             if payload.get("marker"):
                 with open(payload["marker"], "w") as handle:
                     handle.write("done")
-            return {"slept": payload["seconds"], "pid": os.getpid()}
+            return {"slept": payload["seconds"], "pid": os.getpid(), "started": started, "ended": time.time()}
         if action == "raise":
             raise ValueError(payload.get("message", "bad input"))
         if action == "exit":

@@ -1,0 +1,270 @@
+"""The client: ``Pool()`` connects to this host's pool (starting one if none runs)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from . import paths
+from .errors import ResidentPoolError, WorkerRequestError, error_from_dict
+from .pool import POOL_SOCKET
+from .protocol import ProtocolError, connect, recv_line, send_line
+
+__all__ = ["Pool", "Session", "default_manifests"]
+
+POOL_START_TIMEOUT_S = 60.0
+
+
+def default_manifests(manifests: str | os.PathLike[str] | None = None) -> Path:
+    """``manifests``, else $RESIDENT_POOL_MANIFESTS, else ./manifests; absolute."""
+    chosen = manifests or os.environ.get("RESIDENT_POOL_MANIFESTS") or "manifests"
+    return Path(chosen).expanduser().resolve()
+
+
+class _Link:
+    """One thread's connection to the pool and its cached worker connections."""
+
+    def __init__(self, pool_socket: socket.socket) -> None:
+        self.pool = pool_socket
+        self.buf = bytearray()
+        self.workers: dict[tuple[str, int], tuple[socket.socket, bytearray]] = {}
+
+    def close(self) -> None:
+        for sock, _ in self.workers.values():
+            sock.close()
+        self.workers.clear()
+        self.pool.close()
+
+
+class Pool:
+    """This host's pool of resident workers, as seen from one client process.
+
+    Thread-safe: each thread gets its own connection, and with it its own leases.
+    """
+
+    def __init__(self, manifests: str | os.PathLike[str] | None = None, *, start: bool = True) -> None:
+        self.manifests = default_manifests(manifests)
+        self.start = start
+        self.state_dir = paths.state_dir()
+        self.socket_path = str(self.state_dir / POOL_SOCKET)
+        self._local = threading.local()
+        self._links: list[_Link] = []
+        self._links_lock = threading.Lock()
+
+    # -- connection ------------------------------------------------------------
+    def _link(self) -> _Link:
+        link = getattr(self._local, "link", None)
+        if link is None:
+            link = _Link(self._connect())
+            self._local.link = link
+            with self._links_lock:
+                self._links.append(link)
+        return link
+
+    def _connect(self) -> socket.socket:
+        try:
+            return connect(self.socket_path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            if not self.start:
+                raise ResidentPoolError(
+                    f"no pool is running on {self.socket_path}; start one with `resident-pool daemon`"
+                ) from None
+        # Two flow runs racing here start one pool, not two.
+        with FileLock(str(self.state_dir / "start.lock")):
+            try:
+                return connect(self.socket_path)
+            except (FileNotFoundError, ConnectionRefusedError):
+                self._start_pool()
+        return connect(self.socket_path)
+
+    def _start_pool(self) -> None:
+        log = paths.log_dir() / "pool.log"
+        with open(log, "a") as out:
+            # --background forks and returns at once: the pool belongs to no
+            # client, so it outlives the flow run that started it.
+            subprocess.run(
+                [sys.executable, "-m", "resident_pool", "daemon", "--background", "--manifests", str(self.manifests)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=60,
+            )
+        deadline = time.monotonic() + POOL_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                connect(self.socket_path).close()
+                return
+            except (FileNotFoundError, ConnectionRefusedError):
+                time.sleep(0.02)
+        raise ResidentPoolError(f"the pool did not come up on {self.socket_path} within "
+                                f"{POOL_START_TIMEOUT_S:g} s; see {log}")
+
+    def _call(self, message: dict[str, Any], expect_reply: bool = True) -> dict[str, Any]:
+        link = self._link()
+        try:
+            send_line(link.pool, message)
+            if not expect_reply:
+                return {}
+            reply = recv_line(link.pool, link.buf)
+        except (OSError, ProtocolError):
+            self._drop_link()
+            raise
+        if reply is None:
+            self._drop_link()
+            raise ConnectionResetError(f"the pool at {self.socket_path} closed the connection")
+        if not reply.get("ok"):
+            error = reply.get("error")
+            raise error_from_dict(error if isinstance(error, dict) else {"error": str(error)})
+        return reply
+
+    def _drop_link(self) -> None:
+        link = getattr(self._local, "link", None)
+        if link is not None:
+            link.close()
+            self._local.link = None
+            with self._links_lock:
+                if link in self._links:
+                    self._links.remove(link)
+
+    def close(self) -> None:
+        """Close this client's connections; its leases end with them."""
+        with self._links_lock:
+            links, self._links = self._links, []
+        for link in links:
+            link.close()
+        self._local = threading.local()
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the API -------------------------------------------------------------
+    def predict(self, slug: str, payload: Any) -> Any:
+        """One prediction from ``slug``'s worker; starts it if none is warm."""
+        with self.session(slug) as worker:
+            return worker.predict(payload)
+
+    @contextmanager
+    def session(self, slug: str) -> Iterator[Session]:
+        """Hold one worker of ``slug`` for a batch; others wait for a replica meanwhile."""
+        attempts = 2
+        for attempt in range(attempts):
+            try:
+                lease = self._call({"op": "acquire", "slug": slug, "manifests": str(self.manifests)})
+                break
+            except (OSError, ProtocolError):
+                # The pool went away (killed, restarted): reconnect, or start a new one.
+                if attempt == attempts - 1:
+                    raise
+        session = Session(self, lease)
+        try:
+            yield session
+        finally:
+            session.release()
+
+    def status(self) -> dict[str, Any]:
+        reply = self._call({"op": "status"})
+        reply.pop("ok", None)
+        return reply
+
+    def waiting(self) -> list[dict[str, Any]]:
+        return self._call({"op": "waiting"})["waiting"]
+
+    def stop(self, slug: str | None = None) -> list[str]:
+        """Stop ``slug``'s workers (every provider's when None)."""
+        return self._call({"op": "stop", "slug": slug})["stopped"]
+
+    def shutdown(self) -> int:
+        """Stop every worker and the pool process itself; returns its pid."""
+        return self._call({"op": "shutdown"})["pid"]
+
+
+class Session:
+    """A leased worker: requests go straight to its socket."""
+
+    def __init__(self, pool: Pool, lease: dict[str, Any]) -> None:
+        self.pool = pool
+        self.lease = lease
+        self.slug: str = lease["slug"]
+        self.pid: int = lease["pid"]
+        self.replica: int = lease["replica"]
+        self.cold: bool = lease["cold"]
+        self.transcript: str = lease["transcript"]
+        self.served = 0
+        self._ended = False
+        self._ids = 0
+
+    def _worker(self) -> tuple[socket.socket, bytearray]:
+        link = self.pool._link()
+        key = (self.lease["socket"], self.pid)
+        cached = link.workers.get(key)
+        if cached is None:
+            for old in [k for k in link.workers if k[0] == key[0]]:
+                link.workers.pop(old)[0].close()
+            cached = link.workers[key] = (connect(self.lease["socket"]), bytearray())
+        return cached
+
+    def _forget_worker(self) -> None:
+        cached = self.pool._link().workers.pop((self.lease["socket"], self.pid), None)
+        if cached is not None:
+            cached[0].close()
+
+    def predict(self, payload: Any) -> Any:
+        if self._ended:
+            raise WorkerRequestError(f"{self.slug}: this session has ended; open a new one", slug=self.slug,
+                                     reason="session_ended")
+        self._ids += 1
+        try:
+            sock, buf = self._worker()
+            sock.settimeout(self.lease["request_timeout_s"])
+            send_line(sock, {"op": "predict", "id": self._ids, "payload": payload})
+            reply = recv_line(sock, buf)
+            if reply is None:
+                raise ConnectionResetError("the worker closed the connection without a reply")
+        except TimeoutError:
+            self._forget_worker()
+            self._end("timeout", {})
+            raise
+        except (OSError, ProtocolError) as exc:
+            self._forget_worker()
+            answer = self._end("broken", {"error": f"{type(exc).__name__}: {exc}"})
+            if answer.get("error"):
+                raise error_from_dict(answer["error"]) from exc
+            raise
+        self.served += 1
+        if reply.get("ok"):
+            return reply.get("result")
+        if reply.get("reason") == "worker_exiting":
+            self._forget_worker()
+            answer = self._end("exiting", {"reply": reply})
+            raise error_from_dict(answer["error"])
+        raise WorkerRequestError(
+            f"{self.slug}: request failed: {reply.get('error')} (transcript {self.transcript})",
+            slug=self.slug, reason=str(reply.get("reason") or "request_failed"), transcript=self.transcript,
+            details={"traceback": reply.get("traceback")},
+        )
+
+    def _end(self, outcome: str, extra: dict[str, Any]) -> dict[str, Any]:
+        self._ended = True
+        return self.pool._call({"op": "release", "lease": self.lease["lease"], "outcome": outcome,
+                                "served": self.served, **extra})
+
+    def release(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            self.pool._call({"op": "release", "lease": self.lease["lease"], "outcome": "ok", "served": self.served},
+                            expect_reply=False)
+        except OSError:
+            pass  # the pool is gone; the lease went with its connection
+
