@@ -20,8 +20,12 @@ test: setup
 lint: setup
 	$(PY) -m ruff check resident_pool tests flows
 
+# Prefect's temporary server would otherwise try to send telemetry from an offline host.
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+
 run: setup
 	$(PY) flows/screen.py
+	$(VENV)/bin/resident-pool status
 
 clean:
 	rm -rf $(VENV) .pytest_cache

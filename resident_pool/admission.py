@@ -268,7 +268,10 @@ class Admission:
         devices, source = self.devices()
         entries = self.ledger.entries()
         held = _held(entries)
+        with self._cv:
+            ahead = [f"{t.slug}[{t.replica}] ({t.budget_gb:g} GB)" for t in self._queue[: self._queue.index(ticket)]]
         return {
+            "ahead": ahead,
             "slug": ticket.slug, "needs_gb": ticket.budget_gb, "waited_s": round(now - ticket.arrived, 1),
             "free": {d.index: round(min(d.total_gb - self.headroom_gb - held.get(d.index, 0.0),
                                         d.free_gb - self.headroom_gb if d.free_gb is not None else float("inf")), 2)
@@ -282,6 +285,8 @@ class Admission:
         wait = self._describe_wait(ticket, now)
         free = ", ".join(f"GPU {i}: {gb:g} GB" for i, gb in wait["free"].items())
         holders = "; ".join(wait["holders"]) or "nobody in the pool (memory is held outside it)"
+        if wait["ahead"]:
+            holders += "; queued ahead of it: " + ", ".join(wait["ahead"])
         return AdmissionTimeout(
             f"{ticket.slug}: waited {wait['waited_s']:g} s for {ticket.budget_gb:g} GB of GPU memory; "
             f"free now: {free}; held by: {holders}. Raise admission_timeout_s, stop a holder "

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -52,9 +52,17 @@ class Pool:
     Thread-safe: each thread gets its own connection, and with it its own leases.
     """
 
-    def __init__(self, manifests: str | os.PathLike[str] | None = None, *, start: bool = True) -> None:
+    def __init__(
+        self,
+        manifests: str | os.PathLike[str] | None = None,
+        *,
+        start: bool = True,
+        on_wait: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """``on_wait`` is called (every few seconds) while a request waits for GPU admission."""
         self.manifests = default_manifests(manifests)
         self.start = start
+        self.on_wait = on_wait
         self.state_dir = paths.state_dir()
         self.socket_path = str(self.state_dir / POOL_SOCKET)
         self._local = threading.local()
@@ -113,6 +121,11 @@ class Pool:
             if not expect_reply:
                 return {}
             reply = recv_line(link.pool, link.buf)
+            while reply is not None and "progress" in reply:
+                wait = reply["progress"].get("waiting_for_admission")
+                if wait is not None and self.on_wait is not None:
+                    self.on_wait(wait)
+                reply = recv_line(link.pool, link.buf)
         except (OSError, ProtocolError):
             self._drop_link()
             raise

@@ -105,6 +105,8 @@ class PoolServer:
         self.started = time.time()
         self.stop_signal: int | None = None
         self._tickets = itertools.count(1)
+        # The client connection an acquiring thread serves: admission reports its waits there.
+        self._current = threading.local()
 
     # -- serving -------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -194,6 +196,7 @@ class PoolServer:
                     return
                 if message is None:
                     return
+                self._current.conn = conn
                 reply = self._dispatch(message, connection)
                 if reply is not None:
                     send_line(conn, reply)
@@ -402,8 +405,15 @@ class PoolServer:
         return True
 
     def _log_wait(self, wait: dict[str, Any]) -> None:
+        """Admission is waiting: say so in the pool's log and to the client that asked."""
         log.info("%s waits for %g GB (%.0f s so far); free %s; held by %s", wait["slug"], wait["needs_gb"],
                  wait["waited_s"], wait["free"], "; ".join(wait["holders"]) or "nobody in the pool")
+        conn = getattr(self._current, "conn", None)
+        if conn is not None:
+            try:
+                send_line(conn, {"progress": {"waiting_for_admission": wait}})
+            except OSError:
+                pass  # the client is gone; its connection's cleanup releases what it held
 
     def waiting(self) -> list[dict[str, Any]]:
         queued = self.admission.waiting()

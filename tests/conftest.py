@@ -13,6 +13,8 @@ from helpers import TAG_VARIABLE, describe_pids, tagged_processes, wait_until
 # find them even after they were reparented.
 TAG = uuid.uuid4().hex
 os.environ[TAG_VARIABLE] = TAG
+# The test harness's server must not try to phone home from an offline machine.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 @pytest.fixture(autouse=True)
@@ -27,12 +29,21 @@ def isolated_dirs(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def no_leaked_processes():
-    """Fail a test that leaves a process of its own running (and kill it)."""
+    """Fail a test that leaves a process of its own running (and kill it).
+
+    Processes that were running before the test (a session-wide Prefect
+    server) are not the test's.
+    """
+    before = set(tagged_processes(TAG))
     yield
+
+    def leftovers():
+        return [pid for pid in tagged_processes(TAG) if pid not in before]
+
     try:
-        wait_until(lambda: not tagged_processes(TAG), timeout=10, message="the test's processes to exit")
+        wait_until(lambda: not leftovers(), timeout=10, message="the test's processes to exit")
     except AssertionError:
-        leaked = tagged_processes(TAG)
+        leaked = leftovers()
         report = describe_pids(leaked)
         for pid in leaked:
             try:
@@ -88,3 +99,12 @@ def shutdown_pool(state_dir):
             pool.shutdown()
     except (ResidentPoolError, OSError):
         pass  # already gone
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A temporary Prefect server and database (Prefect's own test harness), shared by the session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -84,6 +84,11 @@ def main():
             raise KitRefusal(payload.get("reason", "kernel census: route 'fa3' required, 'sdpa' loaded"))
         if action == "os_exit":
             os._exit(int(payload.get("code", 7)))
+        if action == "die_once":  # dies the first time, answers once the marker exists
+            if not os.path.exists(payload["marker"]):
+                open(payload["marker"], "w").close()
+                os._exit(9)
+            return {"survived": True, "pid": os.getpid()}
         if action == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         if action == "abort":

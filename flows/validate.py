@@ -1,0 +1,52 @@
+"""Kit validation for CI: every provider's manifest, weights against pins, kit probe (and a smoke run)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.artifacts import create_table_artifact
+
+from resident_pool.check import StepResult, check_provider
+from resident_pool.client import default_manifests
+
+
+@task(name="check-provider")
+def check_one(manifest_path: str, smoke: bool) -> list[dict]:
+    return [result.__dict__ for result in check_provider(Path(manifest_path), smoke=smoke)]
+
+
+class ValidationFailed(RuntimeError):
+    """At least one provider failed validation."""
+
+
+@flow(name="validate", log_prints=True)
+def validate(manifests: str | None = None, smoke: bool = False, providers: list[str] | None = None) -> list[dict]:
+    """Check every provider (or the named ones); fail the flow if any fails."""
+    directory = default_manifests(manifests)
+    paths = [directory / slug / "manifest.toml" for slug in providers or []] or sorted(
+        directory.glob("*/manifest.toml"))
+    futures = [check_one.submit(str(path), smoke) for path in paths]
+    rows = [row for future in futures for row in future.result()]
+    table = [{"provider": r["slug"], "step": r["step"],
+              "result": "skipped" if r["skipped"] else ("ok" if r["ok"] else "FAILED"),
+              "detail": r["detail"]} for r in rows]
+    create_table_artifact(key="resident-pool-validation", table=table,
+                          description=f"provider validation of {directory}")
+    failed = [StepResult(**r) for r in rows if not r["ok"] and not r["skipped"]]
+    for row in table:
+        print(f"{row['provider']:>12} {row['step']:<12} {row['result']:<8} {row['detail'].splitlines()[0]}")
+    if failed:
+        raise ValidationFailed("; ".join(f"{r.slug} {r.step}: {r.detail.splitlines()[0]}" for r in failed))
+    return rows
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--manifests")
+    parser.add_argument("--smoke", action="store_true")
+    arguments = parser.parse_args()
+    state = validate(manifests=arguments.manifests, smoke=arguments.smoke, return_state=True)
+    sys.exit(0 if state.is_completed() else 1)

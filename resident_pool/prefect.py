@@ -1,0 +1,187 @@
+"""Prefect integration: predict through the host pool from a task, failures as artifacts.
+
+Flow runs from a deployment each run in a fresh process, so nothing warm lives
+here: warmth comes from the host pool, which outlives every flow run. This
+module keeps only a client per process (and per manifests folder).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.context import TaskRunContext
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from . import paths
+from .client import Pool, Session, default_manifests
+from .errors import (
+    AdmissionRefused,
+    KitUnavailable,
+    ManifestError,
+    ResidentPoolError,
+    WeightsMismatch,
+    WorkerRequestError,
+    WorkerStartError,
+)
+from .exits import REFUSAL_CODES, describe_exit
+
+__all__ = [
+    "PoolSettings",
+    "failure_artifact_key",
+    "pool_session",
+    "predict",
+    "predict_batch",
+    "retry_pool_failures",
+]
+
+
+class PoolSettings(BaseSettings):
+    """Settings read from ``RESIDENT_POOL_*`` variables, like every other knob of the pool."""
+
+    model_config = SettingsConfigDict(env_prefix="RESIDENT_POOL_", extra="ignore")
+
+    manifests: Path | None = None
+    artifact_tail_lines: int = 20
+
+
+_clients: dict[tuple[Path, Path], Pool] = {}
+_clients_lock = threading.Lock()
+
+
+def _client(manifests: str | os.PathLike[str] | None) -> Pool:
+    """One client per process and manifests folder (it is thread-safe); process pools get their own."""
+    directory = default_manifests(manifests or PoolSettings().manifests)
+    key = (directory, paths.state_dir())
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            client = _clients[key] = Pool(directory)
+        return client
+
+
+def _log_wait(wait: dict[str, Any]) -> None:
+    free = ", ".join(f"GPU {device}: {gb:g} GB" for device, gb in wait["free"].items()) or "no device"
+    holders = "; ".join(wait["holders"]) or "nobody in the pool (memory held outside it)"
+    if wait.get("ahead"):
+        holders += "; queued ahead: " + ", ".join(wait["ahead"])
+    get_run_logger().info(
+        "waiting for GPU admission: %s needs %g GB; free now %s; held by %s; waited %.0f s so far",
+        wait["slug"], wait["needs_gb"], free, holders, wait["waited_s"],
+    )
+
+
+def failure_artifact_key(slug: str) -> str:
+    """Artifact keys are lowercase letters, digits and dashes; one stable key per provider."""
+    cleaned = "".join(ch if ch.isalnum() else "-" for ch in slug.lower())
+    return f"resident-pool-failure-{cleaned}".strip("-")
+
+
+def _one_line(error: ResidentPoolError) -> str:
+    parts = [f"{error.slug or 'resident-pool'}: {error.reason}"]
+    first = str(error).splitlines()[0] if str(error) else ""
+    if first:
+        parts.append(first.removeprefix(f"{error.slug}: "))
+    if error.exit_code is not None and "exit code" not in first and "killed by" not in first:
+        parts.append(describe_exit(error.exit_code))
+    if error.transcript and error.transcript not in first:
+        parts.append(f"transcript {error.transcript}")
+    return "; ".join(parts)
+
+
+def _markdown(error: ResidentPoolError, tail_lines: int) -> str:
+    rows = [
+        ("provider", error.slug or "?"),
+        ("reason", error.reason),
+        ("exit code", "" if error.exit_code is None else str(error.exit_code)),
+        ("exit hint", error.hint or ""),
+        ("transcript", f"`{error.transcript}`" if error.transcript else ""),
+        ("host", socket.gethostname()),
+        ("error", type(error).__name__),
+    ]
+    table = "\n".join(f"| {name} | {value.replace('|', '/')} |" for name, value in rows)
+    tail = error.transcript_tail[-tail_lines:]
+    if not tail and error.transcript:
+        from .supervisor import read_tail
+
+        tail = read_tail(error.transcript, tail_lines)
+    message = str(error).split("\n  last lines:")[0]
+    text = f"## resident-pool: {error.slug} failed\n\n{message}\n\n| | |\n|---|---|\n{table}\n"
+    if tail:
+        text += "\n### Last lines of the transcript\n\n```\n" + "\n".join(tail) + "\n```\n"
+    return text
+
+
+def _report(error: ResidentPoolError) -> ResidentPoolError:
+    """Attach the failure artifact to the running task and return the error with a one-line message."""
+    settings = PoolSettings()
+    if TaskRunContext.get() is not None:
+        create_markdown_artifact(
+            markdown=_markdown(error, settings.artifact_tail_lines),
+            key=failure_artifact_key(error.slug or "unknown"),
+            description=f"{error.slug}: {error.reason}",
+        )
+    summary = type(error)(_one_line(error), slug=error.slug, reason=error.reason, exit_code=error.exit_code,
+                          hint=error.hint, transcript=error.transcript, transcript_tail=error.transcript_tail,
+                          details=error.details)
+    return summary
+
+
+@contextmanager
+def pool_session(slug: str, manifests: str | os.PathLike[str] | None = None) -> Iterator[Session]:
+    """Hold one worker of ``slug`` for a batch inside a task; pool failures become artifacts."""
+    client = _client(manifests)
+    client.on_wait = _log_wait
+    try:
+        with client.session(slug) as session:
+            yield session
+    except ResidentPoolError as error:
+        raise _report(error) from error
+
+
+def predict(slug: str, payload: Any, manifests: str | os.PathLike[str] | None = None) -> Any:
+    """One prediction through the host pool, from inside a Prefect task."""
+    with pool_session(slug, manifests) as session:
+        return session.predict(payload)
+
+
+def predict_batch(slug: str, payloads: list[Any], manifests: str | os.PathLike[str] | None = None) -> list[Any]:
+    """Several predictions on one held worker (one lease, no other caller in between)."""
+    with pool_session(slug, manifests) as session:
+        return [session.predict(payload) for payload in payloads]
+
+
+_RETRYABLE_REASONS = frozenset({"worker_died", "worker_stopped"})
+
+
+def retry_pool_failures(task, task_run, state) -> bool:
+    """``retry_condition_fn`` for tasks that use the pool.
+
+    Retries a worker that died or timed out; never a refusal (exit 3 or 5), an
+    open breaker, a bad manifest, pinned weights that do not match, a missing
+    kit or a budget that can never fit. Errors not from the pool keep Prefect's
+    usual behaviour (retry).
+    """
+    try:
+        error = state.result(raise_on_failure=False)
+    except Exception:  # noqa: BLE001 - a result that cannot be read: let the retry policy decide
+        return True
+    if not isinstance(error, BaseException):
+        return True
+    if isinstance(error, ResidentPoolError):
+        if error.exit_code in REFUSAL_CODES or error.details.get("breaker"):
+            return False
+        if isinstance(error, ManifestError | WeightsMismatch | KitUnavailable | AdmissionRefused):
+            return False
+        if isinstance(error, WorkerRequestError):
+            # request_failed is the model refusing this input: a retry fails the same way.
+            return error.reason in _RETRYABLE_REASONS or error.reason == "worker_exiting"
+        return isinstance(error, WorkerStartError)
+    return True

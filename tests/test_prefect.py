@@ -1,0 +1,179 @@
+"""resident_pool.prefect and the flows, on Prefect's test harness (a real temporary server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import wait_until
+from prefect import flow, task
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    ArtifactFilterTaskRunId,
+    LogFilter,
+    LogFilterTaskRunId,
+)
+from prefect.task_runners import ThreadPoolTaskRunner
+from providers import write_provider
+
+from resident_pool import Pool, WorkerStartError
+from resident_pool.prefect import failure_artifact_key, predict, retry_pool_failures
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "flows"))
+
+pytestmark = pytest.mark.usefixtures("prefect_harness", "fresh_results")
+
+
+@pytest.fixture
+def fresh_results(tmp_path):
+    """Task results (and so the cache) of this test alone."""
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+
+    with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: tmp_path / "results"}):
+        yield
+
+
+def _task_runs(flow_state):
+    with get_client(sync_client=True) as client:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])))
+
+
+@task(retries=2, retry_delay_seconds=0, retry_condition_fn=retry_pool_failures)
+def use_provider(slug, payload):
+    return predict(slug, payload)
+
+
+@flow
+def one_task_flow(slug, payload):
+    return use_provider(slug, payload)
+
+
+def test_a_refusal_at_start_fails_the_task_once_with_the_failure_artifact(pool_dir):
+    write_provider(pool_dir, "kernels", 'worker_args = ["{socket}", "--exit-before-bind", "5"]\n')
+    state = one_task_flow("kernels", {"action": "echo"}, return_state=True)
+    assert state.is_failed()
+    (task_run,) = _task_runs(state)
+    assert task_run.run_count == 1  # a refusal is not retried
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run.id])))
+    (artifact,) = artifacts
+    assert artifact.key == failure_artifact_key("kernels") == "resident-pool-failure-kernels"
+    transcript = next(Path(os.environ["RESIDENT_POOL_LOG_DIR"]).glob("kernels-*.log"))
+    for expected in ("kernels", "start_failed", "| exit code | 5 |", "expected accelerator absent", str(transcript),
+                     "REFUSED: testworker told to exit 5", "host"):
+        assert expected in artifact.data
+    with pytest.raises(WorkerStartError) as info:
+        state.result()
+    assert "\n" not in str(info.value) and "exit code 5" in str(info.value) and str(transcript) in str(info.value)
+
+
+def test_a_worker_that_dies_mid_request_is_retried_and_then_succeeds(pool_dir, tmp_path):
+    write_provider(pool_dir, "flaky", "")
+    state = one_task_flow("flaky", {"action": "die_once", "marker": str(tmp_path / "died")}, return_state=True)
+    assert state.is_completed(), state
+    assert state.result()["survived"] is True
+    (task_run,) = _task_runs(state)
+    assert task_run.run_count == 2
+
+
+def _embedder(pool_dir, marker):
+    write_provider(pool_dir, "embedder", "[lifecycle]\nmax_replicas = 2\n", worker="embedder.py")
+    os.environ["EMBEDDER_MARKER"] = str(marker)
+
+
+@pytest.mark.slow
+def test_a_2000_input_campaign_survives_a_killed_worker_and_a_rerun_recomputes_nothing(pool_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBEDDER_MARKER", str(tmp_path / "killed"))
+    write_provider(pool_dir, "embedder", "[lifecycle]\nmax_replicas = 2\n", worker="embedder.py")
+    inputs = tmp_path / "inputs.jsonl"
+    rows = [{"id": f"seq{n}", "sequence": "MKV" * (1 + n % 7)} for n in range(2000)]
+    rows[1000]["sequence"] = "DIE-ONCE"
+    rows[1500]["sequence"] = "RAISE"
+    rows[1700]["sequence"] = ""
+    inputs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "out.jsonl"
+    from screen import screen
+
+    first = screen(input=str(inputs), provider="embedder", chunk_size=100, output=str(output), manifests=str(pool_dir))
+    assert (tmp_path / "killed").exists()  # the worker really died mid-campaign
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert sorted(r["index"] for r in records) == list(range(2000))  # one record per input: none lost, none twice
+    failed = {r["index"]: r["reason"] for r in records if not r["ok"]}
+    assert failed == {1500: "request_failed", 1700: "bad_input"}
+    assert first["ok"] == 1998 and first["missing"] == 0 and first["chunks"] == 20
+
+    second = screen(input=str(inputs), provider="embedder", chunk_size=100, output=str(output), manifests=str(pool_dir))
+    assert second["cached_chunks"] == 20 and second["cold_starts"] == 0
+    assert len(output.read_text().splitlines()) == 2000
+
+
+@task
+def hold(slug, seconds):
+    return predict(slug, {"action": "sleep", "seconds": seconds})
+
+
+@task
+def after_busy(slug, busy_slug):
+    with Pool() as pool:
+        wait_until(lambda: any(w["slug"] == busy_slug and w["state"] == "busy" and w["pid"]
+                               for w in pool.status()["workers"]), timeout=60, message=f"{busy_slug} to be busy")
+    return predict(slug, {"action": "echo", "value": "admitted"})
+
+
+@flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
+def contended():
+    first = hold.submit("a6", 1.5)
+    second = after_busy.submit("b6", "a6")
+    return first.result(), second.result(), second.state_details if hasattr(second, "state_details") else second.task_run_id
+
+
+def test_two_tasks_that_cannot_both_fit_both_complete_and_the_waiter_says_why(pool_dir, monkeypatch):
+    monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")
+    for slug in ("a6", "b6"):
+        write_provider(pool_dir, slug, '[gpu]\npolicy = "required"\nvram_budget_gb = 6\n[lifecycle]\nidle_timeout_s = 0\n')
+    held, admitted, waiter_id = contended()
+    assert held["slept"] == 1.5 and admitted["echo"] == "admitted"
+
+    def waiting_lines():
+        with get_client(sync_client=True) as client:
+            logs = client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[waiter_id])))
+        return [log.message for log in logs if "waiting for GPU admission" in log.message]
+
+    (line, *_) = wait_until(waiting_lines, timeout=30, message="the waiting task's log line")
+    assert "b6 needs 6 GB" in line and "a6[0] 6 GB on GPU 0" in line and "free now GPU 0: 4 GB" in line
+
+
+def test_the_validation_flow_fails_on_an_altered_pin_and_passes_restored(pool_dir, tmp_path):
+    import hashlib
+
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "model.bin").write_bytes(b"weights" * 100)
+    digest = hashlib.sha256(b"weights" * 100).hexdigest()
+    write_provider(pool_dir, "pinned", f'[weights]\nroot = "{weights}"\n[[weights.files]]\npath = "model.bin"\n'
+                                       f'sha256 = "{digest}"\nsize = 700\n')
+    shutil.copytree(ROOT / "manifests" / "echo", pool_dir / "echo")
+    from validate import validate
+
+    (weights / "model.bin").write_bytes(b"weightz" * 100)
+    state = validate(manifests=str(pool_dir), return_state=True)
+    assert state.is_failed()
+    assert "pinned weights" in str(state.message) and "model.bin sha256" in str(state.message)
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    (artifact,) = [a for a in artifacts if a.key == "resident-pool-validation"]
+    table = json.loads(artifact.data)
+    (row,) = [r for r in table if r["provider"] == "pinned" and r["step"] == "weights"]
+    assert row["result"] == "FAILED" and digest in row["detail"]
+    (weights / "model.bin").write_bytes(b"weights" * 100)
+    assert validate(manifests=str(pool_dir), return_state=True).is_completed()
