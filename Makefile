@@ -5,7 +5,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup test run lint bench clean
+PREFECT_PORT ?= 4200
+WORK_POOL ?= resident-pool
+
+.PHONY: setup test run lint bench clean server worker deploy stack-up stack-down
 
 setup: $(STAMP)
 
@@ -26,6 +29,22 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 run: setup
 	$(PY) flows/screen.py
 	$(VENV)/bin/resident-pool status
+
+# A local Prefect stack by hand, one terminal each (`make stack-up` does all three).
+server: setup
+	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
+
+worker: setup
+	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(VENV)/bin/prefect worker start --pool $(WORK_POOL) --type process
+
+deploy: setup
+	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(PY) flows/deploy.py --work-pool $(WORK_POOL)
+
+stack-up: setup
+	infra/local/stack.sh up
+
+stack-down:
+	infra/local/stack.sh down
 
 clean:
 	rm -rf $(VENV) .pytest_cache
