@@ -8,6 +8,8 @@ STAMP := $(VENV)/.installed-stamp
 PREFECT_PORT ?= 4200
 WORK_POOL ?= resident-pool
 
+BENCH_STAMP := $(VENV)/.bench-stamp
+
 .PHONY: setup test run lint bench clean server worker deploy stack-up stack-down
 
 setup: $(STAMP)
@@ -39,6 +41,14 @@ worker: setup
 
 deploy: setup
 	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(PY) flows/deploy.py --work-pool $(WORK_POOL)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[prefect,demo,test,bench]"
+	touch $(BENCH_STAMP)
+
+# Ratios against baselines measured in the same run; writes bench/results/latest.json.
+bench: $(BENCH_STAMP)
+	$(PY) bench/run.py
 
 stack-up: setup
 	infra/local/stack.sh up

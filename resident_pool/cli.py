@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Annotated
 
@@ -18,7 +19,8 @@ from .manifest import json_schema
 
 app = typer.Typer(help="Keep model workers warm within a GPU memory budget.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
-console = Console()
+# Tables are wide; a pipe or a CI log gets 160 columns rather than rich's 80.
+console = Console(width=shutil.get_terminal_size((160, 24)).columns)
 
 ManifestsOption = Annotated[
     Path | None,
@@ -116,7 +118,10 @@ def status(
         table.add_column(column, overflow="fold")
     for worker in state["workers"]:
         table.add_row(*("" if worker[c] is None else str(worker[c]) for c in columns))
-    console.print(table)
+    if state["workers"]:
+        console.print(table)
+    else:
+        console.print(f"resident-pool (pid {state['pool']['pid']}): no workers held; the next request starts one")
     if state["waiting"]:
         console.print("waiting: " + "; ".join(json.dumps(w) for w in state["waiting"]))
     for slug, breaker in state["breakers"].items():

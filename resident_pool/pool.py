@@ -81,6 +81,8 @@ class _CpuOnly:
 class _Provider:
     manifest: Manifest
     stamp: tuple[int, int]
+    fingerprint: str
+    source: Path  # the manifest path as clients name it
     replicas: dict[int, Replica] = field(default_factory=dict)
     queue: list[int] = field(default_factory=list)  # tickets waiting for a replica, in arrival order
     breaker: Breaker = field(default_factory=Breaker)
@@ -236,7 +238,8 @@ class PoolServer:
 
     # -- manifests -------------------------------------------------------------
     def _provider(self, slug: str, manifests: str | None) -> _Provider:
-        directory = Path(manifests).resolve() if manifests else self.manifests
+        # Clients send absolute folders; resolving symlinks on every acquire costs a stat per component.
+        directory = Path(manifests) if manifests else self.manifests
         path = directory / slug / "manifest.toml"
         try:
             info = path.stat()
@@ -248,21 +251,22 @@ class PoolServer:
         stamp = (info.st_mtime_ns, info.st_size)
         with self.cv:
             provider = self.providers.get(slug)
-            if provider is not None and provider.manifest.path != path.resolve() and provider.replicas:
+            if provider is not None and provider.source != path and provider.replicas:
                 raise ManifestError(
                     f"{slug}: this pool already holds {slug} from {provider.manifest.path}, not {path}; "
                     f"stop it first (`resident-pool stop {slug}`)",
                     slug=slug,
                 )
-            if provider is not None and provider.stamp == stamp and provider.manifest.path == path.resolve():
+            if provider is not None and provider.stamp == stamp and provider.source == path:
                 return provider
         manifest = load_manifest(path)
         with self.cv:
             provider = self.providers.get(slug)
             if provider is None:
-                provider = self.providers[slug] = _Provider(manifest, stamp)
+                provider = self.providers[slug] = _Provider(manifest, stamp, manifest.fingerprint(), path)
             else:
                 provider.manifest, provider.stamp = manifest, stamp
+                provider.fingerprint, provider.source = manifest.fingerprint(), path
             return provider
 
     def _admitter(self, manifest: Manifest):
@@ -280,7 +284,7 @@ class PoolServer:
         ticket = next(self._tickets)
         with self.cv:
             breaker = provider.breaker
-            if breaker.is_open(manifest.fingerprint()):
+            if breaker.is_open(provider.fingerprint):
                 breaker.refused += 1
                 raise self._breaker_error(slug, breaker)
             provider.queue.append(ticket)
@@ -337,7 +341,7 @@ class PoolServer:
             breaker = provider.breaker
             breaker.failures += 1
             breaker.error = exc.to_dict()
-            breaker.fingerprint = provider.manifest.fingerprint()
+            breaker.fingerprint = provider.fingerprint
             if exc.exit_code in REFUSAL_CODES or breaker.failures >= BREAKER_FAILURES:
                 breaker.open_until = time.monotonic() + self.breaker_cooldown_s
                 log.warning("%s: breaker open for %g s after: %s", provider.manifest.slug,

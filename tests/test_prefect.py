@@ -177,3 +177,25 @@ def test_the_validation_flow_fails_on_an_altered_pin_and_passes_restored(pool_di
     assert row["result"] == "FAILED" and digest in row["detail"]
     (weights / "model.bin").write_bytes(b"weights" * 100)
     assert validate(manifests=str(pool_dir), return_state=True).is_completed()
+
+
+@task
+def echo_in_subprocess(n):
+    result = predict("echo", {"n": n})
+    return {"worker_pid": result["pid"], "task_pid": os.getpid()}
+
+
+def test_the_helpers_work_under_the_process_pool_task_runner(pool_dir):
+    from prefect.task_runners import ProcessPoolTaskRunner
+
+    shutil.copytree(ROOT / "manifests" / "echo", pool_dir / "echo")
+
+    @flow(task_runner=ProcessPoolTaskRunner(max_workers=2))
+    def in_processes():
+        return [f.result() for f in echo_in_subprocess.map(range(4))]
+
+    results = in_processes()
+    assert {r["task_pid"] for r in results} - {os.getpid()}  # tasks ran in other processes
+    with Pool() as pool:
+        served = sum(w["served"] for w in pool.status()["workers"])
+    assert served == 4 and len({r["worker_pid"] for r in results}) <= 4

@@ -1,0 +1,435 @@
+"""resident-pool benchmarks: ratios against a baseline measured side by side in the same run.
+
+    python bench/run.py [--only CASE ...] [--quick]
+
+Prints one table (each target, and whether it is met) and writes it as JSON to
+bench/results/latest.json (and a timestamped copy). Absolute times on a shared
+2-core machine are noise; the ratios are the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT / "flows"))
+
+
+# -- measurement helpers -------------------------------------------------------
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def timed(call: Callable[[], Any], n: int, warmup: int = 0) -> list[float]:
+    for _ in range(warmup):
+        call()
+    samples = []
+    for _ in range(n):
+        started = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class Table:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, case: str, measure: str, value: float, unit: str, target: str = "",
+            met: bool | None = None, note: str = "") -> None:
+        self.rows.append({"case": case, "measure": measure, "value": value, "unit": unit, "target": target,
+                          "met": met, "note": note})
+        verdict = "" if met is None else ("met" if met else "NOT MET")
+        print(f"  {case:<22} {measure:<46} {value:>12.4g} {unit:<6} {target:<18} {verdict}", flush=True)
+
+
+# -- the environment: a private pool for the run ---------------------------------
+class Env:
+    def __init__(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="rp-bench-"))
+        os.environ["RESIDENT_POOL_STATE_DIR"] = str(self.tmp / "state")
+        os.environ["RESIDENT_POOL_LOG_DIR"] = str(self.tmp / "logs")
+        os.environ["RESIDENT_POOL_CACHE_DIR"] = str(self.tmp / "cache")
+        os.environ["RESIDENT_POOL_QUIET_EXIT_S"] = "120"
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        self.manifests = self.tmp / "manifests"
+        shutil.copytree(ROOT / "manifests", self.manifests, ignore=shutil.ignore_patterns("_examples"))
+        os.environ["RESIDENT_POOL_MANIFESTS"] = str(self.manifests)
+
+    def close(self) -> None:
+        from resident_pool import Pool
+        from resident_pool.errors import ResidentPoolError
+
+        try:
+            with Pool(start=False) as pool:
+                pool.shutdown()
+        except (ResidentPoolError, OSError):
+            pass
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def restart_pool() -> None:
+    """Shut down the running pool (if any) and wait for its socket to go; the next client starts a new one."""
+    from resident_pool import Pool
+    from resident_pool.errors import ResidentPoolError
+
+    try:
+        with Pool(start=False) as pool:
+            socket_path = pool.socket_path
+            pool.shutdown()
+    except (ResidentPoolError, OSError):
+        return
+    deadline = time.monotonic() + 60
+    while os.path.exists(socket_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def sequences(n: int, residues: int | None = None) -> list[str]:
+    from resident_pool.campaign import read_inputs
+
+    items, _ = read_inputs(ROOT / "data" / "uniprot-500.fasta")
+    texts = [item.text[:residues] if residues else item.text for item in items]
+    return [texts[i % len(texts)] for i in range(n)]
+
+
+# -- case 3: call-path overhead ----------------------------------------------------
+def case_call_path(table: Table, env: Env, quick: bool) -> None:
+    from resident_pool import Pool
+    from resident_pool.protocol import connect, recv_line, send_line
+
+    n = 500 if quick else 3000
+    floor_socket = str(env.tmp / "floor.sock")
+    floor = subprocess.Popen([sys.executable, str(ROOT / "bench" / "echo_floor.py"), floor_socket],
+                             stdout=subprocess.PIPE, text=True)
+    assert floor.stdout.readline().strip() == "ready"
+    conn = connect(floor_socket)
+    buf = bytearray()
+    ids = iter(range(10**9))
+
+    def floor_call(payload):
+        send_line(conn, {"op": "predict", "id": next(ids), "payload": payload})
+        return recv_line(conn, buf)
+
+    tiny = {"x": 1}
+    big = {"blob": "x" * (1024 * 1024)}
+    floor_tiny = timed(lambda: floor_call(tiny), n, warmup=200)
+    floor_big = timed(lambda: floor_call(big), 60, warmup=5)
+
+    pool = Pool()
+    pool.predict("echo", tiny)  # start the worker: this case measures warm calls
+    predict_tiny = timed(lambda: pool.predict("echo", tiny), n, warmup=200)
+    with pool.session("echo") as session:
+        session_tiny = timed(lambda: session.predict(tiny), n, warmup=200)
+        session_big = timed(lambda: session.predict(big), 60, warmup=5)
+    pool.close()
+    send_line(conn, {"op": "shutdown"})
+    conn.close()
+    floor.wait(timeout=10)
+
+    ray_tiny = ray_big = None
+    try:
+        import ray
+    except ImportError:
+        ray = None
+    if ray is not None:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+
+        @ray.remote
+        class Echo:
+            def echo(self, payload):
+                return {"ok": True, "result": payload}
+
+        actor = Echo.remote()
+        ray_tiny = timed(lambda: ray.get(actor.echo.remote(tiny)), n, warmup=200)
+        ray_big = timed(lambda: ray.get(actor.echo.remote(big)), 60, warmup=5)
+        ray.shutdown()
+
+    us = 1e6
+    for name, samples in (("plain AF_UNIX echo (floor)", floor_tiny), ("Pool.predict", predict_tiny),
+                          ("held session", session_tiny), ("Ray actor call", ray_tiny)):
+        if samples is not None:
+            table.add("call path (echo)", f"{name} p50", percentile(samples, 50) * us, "us")
+            table.add("call path (echo)", f"{name} p99", percentile(samples, 99) * us, "us")
+    f50, s50, p50 = (percentile(x, 50) for x in (floor_tiny, session_tiny, predict_tiny))
+    table.add("call path (echo)", "session p50 / floor p50", s50 / f50, "x", "<= 3", s50 / f50 <= 3)
+    fb, sb = percentile(floor_big, 50), percentile(session_big, 50)
+    table.add("call path (1 MiB)", "session p50 / floor p50", sb / fb, "x", "<= 3", sb / fb <= 3,
+              note=f"floor {fb * 1e3:.2f} ms, session {sb * 1e3:.2f} ms")
+    if ray_tiny is not None:
+        r50, rb = percentile(ray_tiny, 50), percentile(ray_big, 50)
+        table.add("call path (echo)", "session p50 / Ray p50", s50 / r50, "x", "<= 0.2", s50 / r50 <= 0.2)
+        table.add("call path (echo)", "Pool.predict p50 / Ray p50", p50 / r50, "x", "<= 0.4", p50 / r50 <= 0.4)
+        table.add("call path (1 MiB)", "session p50 / Ray p50", sb / rb, "x", "<= 0.5", sb / rb <= 0.5,
+                  note=f"Ray {rb * 1e3:.2f} ms")
+    else:
+        table.add("call path (echo)", "Ray not installed: `pip install -e .[bench]`", 0, "", "", None)
+
+
+# -- cases 1, 2, 7: the real model --------------------------------------------------
+def case_real_model(table: Table, env: Env, quick: bool) -> None:
+    from resident_pool import Pool
+    from resident_pool.launch import worker_for
+    from resident_pool.manifest import load_manifest
+
+    manifest = load_manifest(env.manifests / "minilm" / "manifest.toml")
+    payload = {"inputs": sequences(8, residues=200)}
+
+    # 7. start cost: cold pool to first answer, then a second replica.
+    pool = Pool()
+    started = time.perf_counter()
+    pool.predict("minilm", payload)
+    cold_pool = time.perf_counter() - started
+    table.add("start cost", "cold pool to first minilm answer", cold_pool, "s", "", None,
+              note="pool process start + worker start + weights + first pass")
+    second = Pool()
+    with pool.session("minilm"):  # hold replica 0 so the next request needs replica 1
+        started = time.perf_counter()
+        second.predict("minilm", payload)
+        replica = time.perf_counter() - started
+    table.add("start cost", "second replica to first answer", replica, "s", "", None)
+    second.close()
+
+    # 1. warm vs cold: a held worker against a fresh worker per request.
+    warm = timed(lambda: pool.predict("minilm", payload), 10 if quick else 40, warmup=3)
+
+    def fresh():
+        worker = worker_for(manifest, replica=50)
+        try:
+            worker.request(payload)
+        finally:
+            worker.close()
+
+    cold = timed(fresh, 2 if quick else 3)
+    w50, c50 = statistics.median(warm), statistics.median(cold)
+    table.add("warm vs cold (minilm)", "fresh worker per request, median", c50, "s")
+    table.add("warm vs cold (minilm)", "held worker, median", w50 * 1e3, "ms")
+    table.add("warm vs cold (minilm)", "fresh / held", c50 / w50, "x", ">= 100", c50 / w50 >= 100)
+
+    # 2. pool overhead against the same model in this process, same inputs, interleaved.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from sentence_transformers import SentenceTransformer
+
+    from resident_pool.launch import weights_root
+
+    model = SentenceTransformer(str(weights_root(manifest)), device="cpu")
+    texts = payload["inputs"]
+
+    def in_process():
+        tokens = [len(ids) for ids in model.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+        vectors = model.encode(texts, batch_size=32, normalize_embeddings=True)
+        return [{"embedding": [round(float(x), 5) for x in v], "tokens": t} for v, t in zip(vectors, tokens, strict=True)]
+
+    local, pooled = [], []
+    with pool.session("minilm") as session:
+        for _ in range(5):
+            in_process()
+            session.predict(payload)
+        for _ in range(15 if quick else 60):
+            local += timed(in_process, 1)
+            pooled += timed(lambda: session.predict(payload), 1)
+    l50, p50 = statistics.median(local), statistics.median(pooled)
+    table.add("pool overhead (minilm)", "in-process median", l50 * 1e3, "ms")
+    table.add("pool overhead (minilm)", "through the pool median", p50 * 1e3, "ms")
+    table.add("pool overhead (minilm)", "pool / in-process", p50 / l50, "x", "<= 1.05", p50 / l50 <= 1.05)
+    pool.close()
+    del model
+
+
+# -- case 4: campaign throughput --------------------------------------------------------
+def case_campaign(table: Table, env: Env, quick: bool) -> None:
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+    from sentence_transformers import SentenceTransformer
+
+    from resident_pool import Pool
+    from resident_pool.launch import weights_root
+    from resident_pool.manifest import load_manifest
+
+    n = 1000 if quick else 5000
+    texts = sequences(n, residues=120)
+    inputs = env.tmp / "campaign.jsonl"
+    inputs.write_text("".join(json.dumps({"id": f"s{i}", "sequence": t}) + "\n" for i, t in enumerate(texts)))
+    manifest = load_manifest(env.manifests / "minilm" / "manifest.toml")
+    model = SentenceTransformer(str(weights_root(manifest)), device="cpu")
+    with Pool() as pool:
+        pool.predict("minilm", {"inputs": ["warm"]})  # steady state: the host's worker is warm
+    from screen import screen
+
+    sizes = (128,) if quick else (64, 256, 1024)
+    with prefect_test_harness(server_startup_timeout=120):
+        for size in sizes:
+            started = time.perf_counter()
+            for start in range(0, n, size):
+                model.encode(texts[start:start + size], batch_size=size, normalize_embeddings=True)
+            loop_s = time.perf_counter() - started
+            with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: env.tmp / f"results-{size}"}):
+                summary = screen(input=str(inputs), provider="minilm", chunk_size=size,
+                                 output=str(env.tmp / f"out-{size}.jsonl"), manifests=str(env.manifests))
+            ratio = (n / summary["wall_s"]) / (n / loop_s)
+            table.add("campaign throughput", f"{n} inputs, chunk {size}: campaign / in-process loop", ratio, "x",
+                      ">= 0.8", ratio >= 0.8,
+                      note=f"campaign {n / summary['wall_s']:.0f}/s, loop {n / loop_s:.0f}/s, ok {summary['ok']}")
+    del model
+
+
+# -- case 5: admission under contention ------------------------------------------------
+def case_admission(table: Table, env: Env, quick: bool) -> None:
+    from resident_pool import Pool
+
+    audit = env.tmp / "audit.jsonl"
+    os.environ["RESIDENT_POOL_LEDGER_AUDIT"] = str(audit)
+    os.environ["RESIDENT_POOL_GPU_CAPACITY_GB"] = "0:10,1:10"
+    os.environ["RESIDENT_POOL_GPU_HEADROOM_GB"] = "0"
+    service_s = 0.02
+    budgets = {"gpu-a": 6, "gpu-b": 6, "gpu-c": 4}
+    for slug, budget in budgets.items():
+        folder = env.manifests / slug
+        folder.mkdir()
+        shutil.copy(env.manifests / "echo" / "worker.py", folder / "worker.py")
+        (folder / "manifest.toml").write_text(
+            f'slug = "{slug}"\nworker = "worker.py"\n[gpu]\npolicy = "required"\nvram_budget_gb = {budget}\n'
+            "[lifecycle]\nidle_timeout_s = 0\nmax_replicas = 1\nstart_timeout_s = 60\n")
+    restart_pool()  # the pool reads the capacity and the audit file from its environment at start
+    count = 60 if quick else 300
+    # Arrivals in provider runs of 10, as a campaign's chunks come: a, a, ..., b, b, ..., c, ...
+    order = [list(budgets)[(i // 10) % 3] for i in range(count)]
+    waits, done = [], []
+    lock = threading.Lock()
+    started = time.perf_counter()
+
+    def client(indexes):
+        with Pool() as pool:
+            for i in indexes:
+                arrived = time.perf_counter()
+                pool.predict(order[i], {"sleep_s": service_s})
+                with lock:
+                    waits.append((i, time.perf_counter() - arrived))
+                    done.append(i)
+
+    threads = [threading.Thread(target=client, args=(list(range(k, count, 4)),)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    makespan = time.perf_counter() - started
+    states = [json.loads(line)["entries"] for line in audit.read_text().splitlines()]
+    over = sum(1 for entries in states for device in (0, 1)
+               if sum(e["budget_gb"] for e in entries if e["device"] == device) > 10)
+    per_provider = {slug: order.count(slug) * service_s for slug in budgets}
+    bound = max(max(per_provider.values()), sum(per_provider.values()) / 2)
+    table.add("admission (2 GPUs x 10 GB)", "oversubscription events in the ledger", over, "", "0", over == 0,
+              note=f"{len(states)} ledger states checked")
+    table.add("admission (2 GPUs x 10 GB)", f"makespan / lower bound ({count} requests)", makespan / bound, "x",
+              "<= 1.15", makespan / bound <= 1.15, note=f"makespan {makespan:.2f} s, bound {bound:.2f} s")
+    table.add("admission (2 GPUs x 10 GB)", "worst wait", max(w for _, w in waits), "s")
+    for key in ("RESIDENT_POOL_LEDGER_AUDIT", "RESIDENT_POOL_GPU_CAPACITY_GB"):
+        os.environ.pop(key, None)
+
+
+# -- case 6: memory ----------------------------------------------------------------------
+def case_memory(table: Table, env: Env, quick: bool) -> None:
+    from resident_pool import Pool
+
+    n = 2000 if quick else 10000
+    with Pool() as pool:
+        pool.predict("echo", {"x": 0})
+        state = pool.status()
+        pool_pid = state["pool"]["pid"]
+        worker_pid = next(w["pid"] for w in state["workers"] if w["slug"] == "echo")
+        for i in range(500):
+            pool.predict("echo", {"x": i})
+        pool_before, worker_before = rss_mb(pool_pid), rss_mb(worker_pid)
+        fds_before = open_fds(pool_pid), open_fds(worker_pid)
+        for i in range(n):
+            pool.predict("echo", {"x": i, "text": "MKV" * 20})
+        pool_after, worker_after = rss_mb(pool_pid), rss_mb(worker_pid)
+        fds_after = open_fds(pool_pid), open_fds(worker_pid)
+    table.add("memory", "pool process RSS at rest", pool_before, "MB", "< 80", pool_before < 80)
+    table.add("memory", f"pool RSS growth over {n} requests", pool_after - pool_before, "MB", "< 2",
+              pool_after - pool_before < 2)
+    table.add("memory", f"worker RSS growth over {n} requests", worker_after - worker_before, "MB", "< 2",
+              worker_after - worker_before < 2)
+    table.add("memory", "open fds growth (pool, worker)", (fds_after[0] - fds_before[0]) + (fds_after[1] - fds_before[1]),
+              "", "0", fds_after == fds_before)
+
+
+CASES = {
+    "call_path": case_call_path,
+    "real_model": case_real_model,
+    "memory": case_memory,
+    "admission": case_admission,
+    "campaign": case_campaign,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", choices=sorted(CASES))
+    parser.add_argument("--quick", action="store_true", help="fewer samples, for a smoke run")
+    args = parser.parse_args()
+    table = Table()
+    env = Env()
+    started = time.time()
+    try:
+        for name, case in CASES.items():
+            if args.only and name not in args.only:
+                continue
+            print(f"== {name}", flush=True)
+            case(table, env, args.quick)
+    finally:
+        env.close()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    report = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": socket.gethostname(), "cpus": os.cpu_count(),
+              "quick": args.quick, "seconds": round(time.time() - started, 1), "rows": table.rows}
+    text = json.dumps(report, indent=2)
+    (RESULTS / "latest.json").write_text(text)
+    (RESULTS / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(text)
+    print_table(table.rows)
+    missed = [row for row in table.rows if row["met"] is False]
+    print(f"{len(missed)} target(s) not met; results in {RESULTS / 'latest.json'}")
+    return 0
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    out = RichTable(title="resident-pool benchmarks (ratios against a baseline in the same run)")
+    for column in ("case", "measure", "value", "target", "verdict", "note"):
+        out.add_column(column, overflow="fold")
+    for row in rows:
+        verdict = "" if row["met"] is None else ("[green]met[/]" if row["met"] else "[red]NOT MET[/]")
+        out.add_row(row["case"], row["measure"], f"{row['value']:.4g} {row['unit']}", row["target"], verdict,
+                    row["note"])
+    Console(width=200).print(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
