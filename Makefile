@@ -25,8 +25,10 @@ test: setup
 lint: setup
 	$(PY) -m ruff check resident_pool tests flows
 
-# Prefect's temporary server would otherwise try to send telemetry from an offline host.
+# Prefect's temporary server would otherwise try to send telemetry from an offline host,
+# and its first start on a new machine (database migrations) can outlast the default 20 s.
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
 run: setup
 	$(PY) flows/screen.py
