@@ -244,7 +244,8 @@ def case_real_model(table: Table, env: Env, quick: bool) -> None:
     def in_process():
         tokens = [len(ids) for ids in model.tokenizer(texts, add_special_tokens=True)["input_ids"]]
         vectors = model.encode(texts, batch_size=32, normalize_embeddings=True)
-        return [{"embedding": [round(float(x), 5) for x in v], "tokens": t} for v, t in zip(vectors, tokens, strict=True)]
+        return [{"embedding": [round(float(x), 5) for x in vector], "tokens": count}
+                for vector, count in zip(vectors, tokens, strict=True)]
 
     local, pooled = [], []
     with pool.session("minilm") as session:
@@ -259,7 +260,6 @@ def case_real_model(table: Table, env: Env, quick: bool) -> None:
     table.add("pool overhead (minilm)", "through the pool median", p50 * 1e3, "ms")
     table.add("pool overhead (minilm)", "pool / in-process", p50 / l50, "x", "<= 1.05", p50 / l50 <= 1.05)
     pool.close()
-    del model
 
 
 # -- case 4: campaign throughput --------------------------------------------------------
@@ -296,7 +296,6 @@ def case_campaign(table: Table, env: Env, quick: bool) -> None:
             table.add("campaign throughput", f"{n} inputs, chunk {size}: campaign / in-process loop", ratio, "x",
                       ">= 0.8", ratio >= 0.8,
                       note=f"campaign {n / summary['wall_s']:.0f}/s, loop {n / loop_s:.0f}/s, ok {summary['ok']}")
-    del model
 
 
 # -- case 5: admission under contention ------------------------------------------------
@@ -343,7 +342,7 @@ def case_admission(table: Table, env: Env, quick: bool) -> None:
     over = sum(1 for entries in states for device in (0, 1)
                if sum(e["budget_gb"] for e in entries if e["device"] == device) > 10)
     per_provider = {slug: order.count(slug) * service_s for slug in budgets}
-    bound = max(max(per_provider.values()), sum(per_provider.values()) / 2)
+    bound = max(*per_provider.values(), sum(per_provider.values()) / 2)
     table.add("admission (2 GPUs x 10 GB)", "oversubscription events in the ledger", over, "", "0", over == 0,
               note=f"{len(states)} ledger states checked")
     table.add("admission (2 GPUs x 10 GB)", f"makespan / lower bound ({count} requests)", makespan / bound, "x",
@@ -376,8 +375,8 @@ def case_memory(table: Table, env: Env, quick: bool) -> None:
               pool_after - pool_before < 2)
     table.add("memory", f"worker RSS growth over {n} requests", worker_after - worker_before, "MB", "< 2",
               worker_after - worker_before < 2)
-    table.add("memory", "open fds growth (pool, worker)", (fds_after[0] - fds_before[0]) + (fds_after[1] - fds_before[1]),
-              "", "0", fds_after == fds_before)
+    growth = (fds_after[0] - fds_before[0]) + (fds_after[1] - fds_before[1])
+    table.add("memory", "open fds growth (pool, worker)", growth, "", "0", fds_after == fds_before)
 
 
 CASES = {

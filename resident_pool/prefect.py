@@ -126,7 +126,8 @@ def _report(error: ResidentPoolError) -> ResidentPoolError:
         create_markdown_artifact(
             markdown=_markdown(error, settings.artifact_tail_lines),
             key=failure_artifact_key(error.slug or "unknown"),
-            description=f"{error.slug}: {error.reason}",
+            # The description is what the task run's Artifacts tab shows without a click.
+            description=_one_line(error),
         )
     summary = type(error)(_one_line(error), slug=error.slug, reason=error.reason, exit_code=error.exit_code,
                           hint=error.hint, transcript=error.transcript, transcript_tail=error.transcript_tail,

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
 import sys
 import time
+import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 from resident_pool.procs import pid_alive
+
+PREFECT = str(Path(sys.executable).with_name("prefect"))
 
 WORKERS = Path(__file__).parent / "workers"
 TEST_WORKER = WORKERS / "testworker.py"
@@ -62,3 +69,46 @@ def worker_command(*options, python=sys.executable, env=None):
         return [python, str(TEST_WORKER), worker.socket_path, *options], dict(env or {})
 
     return build
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM a process started with start_new_session, and its children; SIGKILL if it lingers."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextmanager
+def prefect_server(tmp_path: Path):
+    """A real `prefect server` on a free localhost port; yields the environment that points at it."""
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+           "PREFECT_UI_URL": f"http://127.0.0.1:{port}", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true"}
+    with open(tmp_path / "server.log", "w") as log:
+        server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_until(lambda: healthy(f"http://127.0.0.1:{port}/api/health"), timeout=180, interval=0.5,
+                       message="the Prefect server to answer")
+            yield env
+        finally:
+            stop_group(server)
