@@ -10,7 +10,7 @@ WORK_POOL ?= resident-pool
 
 BENCH_STAMP := $(VENV)/.bench-stamp
 
-.PHONY: setup test run lint bench clean server worker deploy stack-up stack-down
+.PHONY: setup test run lint bench clean reliability gpu-check server worker deploy stack-up stack-down
 
 setup: $(STAMP)
 
@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(PY) -m pytest
+
+# Faults, hostile input, isolation, load and soak; prints the reliability table at the end.
+reliability: setup
+	$(PY) -m pytest -m reliability tests/test_reliability.py tests/test_hostile.py tests/test_isolation.py
 
 lint: setup
 	$(PY) -m ruff check resident_pool tests flows
@@ -51,6 +55,10 @@ $(BENCH_STAMP): $(STAMP)
 # Ratios against baselines measured in the same run; writes bench/results/latest.json.
 bench: $(BENCH_STAMP)
 	$(PY) bench/run.py
+
+# On a host with an NVIDIA GPU and a CUDA torch (bench/gpu/README.md); elsewhere it says so and exits 0.
+gpu-check: setup
+	$(PY) bench/gpu_check.py
 
 stack-up: setup
 	infra/local/stack.sh up

@@ -15,7 +15,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from .errors import AdmissionRefused, AdmissionTimeout
+from .errors import AdmissionRefused, AdmissionTimeout, ResidentPoolError
 from .procs import pid_alive
 
 __all__ = ["Admission", "Device", "Ledger", "read_devices"]
@@ -115,8 +115,13 @@ class Ledger:
             with open(self.audit, "a") as trail:
                 trail.write(json.dumps({"t": time.time(), "entries": entries}) + "\n")
 
+    def _ensure_dir(self) -> None:
+        # The state directory can be deleted under a running pool; the lock needs its folder back.
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+
     def entries(self) -> list[dict[str, Any]]:
         """Live entries; dead ones are removed from the file as they are found."""
+        self._ensure_dir()
         with self.lock:
             return self._reclaim()
 
@@ -129,6 +134,7 @@ class Ledger:
 
     def change(self, edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]] | None]) -> list[dict[str, Any]]:
         """Apply ``edit`` to the live entries under the lock; it returns the new list or None to keep."""
+        self._ensure_dir()
         with self.lock:
             entries = self._reclaim()
             new = edit(entries)
@@ -157,7 +163,9 @@ class Admission:
         devices: Callable[[], tuple[list[Device], str]] = read_devices,
         headroom_gb: float | None = None,
         on_wait: Callable[[dict[str, Any]], None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> None:
+        """``cancelled`` is asked while a request waits: True when whoever asked is gone."""
         self.ledger = ledger
         self.evict = evict
         self.devices = devices
@@ -166,6 +174,7 @@ class Admission:
             if headroom_gb is None else headroom_gb
         )
         self.on_wait = on_wait
+        self.cancelled = cancelled
         self._cv = threading.Condition()
         self._queue: list[_Ticket] = []
 
@@ -207,6 +216,9 @@ class Admission:
                 now = time.monotonic()
                 if now >= deadline:
                     raise self._timeout(ticket, now)
+                if self.cancelled is not None and self.cancelled():
+                    raise ResidentPoolError(f"{worker.slug}: the client waiting for admission went away",
+                                            slug=worker.slug, reason="client_gone")
                 if self.on_wait is not None and now - last_report >= 5.0:
                     last_report = now
                     self.on_wait(self._describe_wait(ticket, now))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import signal
 import socket
 import threading
@@ -98,7 +99,8 @@ class PoolServer:
         )
         self.breaker_cooldown_s = float(os.environ.get("RESIDENT_POOL_BREAKER_COOLDOWN_S", "300"))
         self.ledger = Ledger(self.state_dir / "ledger.json")
-        self.admission = Admission(self.ledger, evict=self._evict_idle, on_wait=self._log_wait)
+        self.admission = Admission(self.ledger, evict=self._evict_idle, on_wait=self._log_wait,
+                                   cancelled=self._client_gone)
         self.providers: dict[str, _Provider] = {}
         self.leases: dict[int, tuple[str, int, int]] = {}  # lease -> (slug, replica, connection)
         self.cv = threading.Condition()
@@ -113,6 +115,7 @@ class PoolServer:
     # -- serving -------------------------------------------------------------
     def serve_forever(self) -> None:
         listener = bind_unix(self.socket_path)
+        self.socket_inode = os.stat(self.socket_path).st_ino
         listener.settimeout(_TICK_S)
         (self.state_dir / "pool.pid").write_text(str(os.getpid()))
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -130,7 +133,8 @@ class PoolServer:
                 threading.Thread(target=self._serve_client, args=(conn,), daemon=True).start()
         finally:
             listener.close()
-            self._unlink_own(self.socket_path)
+            if self._socket_is_ours():
+                self._unlink_own(self.socket_path)
             self.stop_all()
             log.info("pool %d stopped (%s)", os.getpid(),
                      f"signal {self.stop_signal}" if self.stop_signal else "quiet")
@@ -153,8 +157,20 @@ class PoolServer:
                 log.exception("maintenance pass failed")
             time.sleep(_TICK_S)
 
+    def _socket_is_ours(self) -> bool:
+        try:
+            return os.stat(self.socket_path).st_ino == self.socket_inode
+        except FileNotFoundError:
+            return False
+
     def _maintain(self) -> None:
         """Retire idle workers; leave when nothing has been held or asked for a while."""
+        if not self._socket_is_ours():
+            # The state directory was deleted or another pool took the socket: no new client
+            # can reach this pool, so its workers would only hold memory. Stand down.
+            log.warning("socket %s is gone or no longer ours; stopping every worker and exiting", self.socket_path)
+            self.stop_signal = 0
+            return
         now = time.monotonic()
         retire = []
         with self.cv:
@@ -293,6 +309,9 @@ class PoolServer:
                     replica = self._claim(provider, ticket)
                     if replica is not None:
                         break
+                    if self._client_gone():  # its place in the queue must not hold up the rest
+                        raise ResidentPoolError(f"{slug}: the client waiting for a replica went away",
+                                                slug=slug, reason="client_gone")
                     self.cv.wait(_TICK_S)
             finally:
                 provider.queue.remove(ticket)
@@ -407,6 +426,21 @@ class PoolServer:
         replica.worker._note(f"evicted (idle) to make room for a worker needing {needed_gb:g} GB")
         self._retire(provider, replica)
         return True
+
+    def _client_gone(self) -> bool:
+        """Whether the client this thread serves closed its connection (a killed flow run)."""
+        conn = getattr(self._current, "conn", None)
+        if conn is None:
+            return False
+        readable, _, _ = select.select([conn], [], [], 0)
+        if not readable:
+            return False
+        try:
+            return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
     def _log_wait(self, wait: dict[str, Any]) -> None:
         """Admission is waiting: say so in the pool's log and to the client that asked."""

@@ -96,7 +96,8 @@ def pop_line(buf: bytearray, max_bytes: int = MAX_LINE_BYTES, scan_from: int = 0
     line = bytes(buf[:newline])
     del buf[: newline + 1]
     if len(line) > max_bytes:
-        raise ProtocolError(f"line of {len(line)} bytes is over the cap of {max_bytes} bytes")
+        # Its end is known, so the stream stays framed: drop the line, keep the connection.
+        raise ProtocolError(f"line of {len(line)} bytes is over the cap of {max_bytes} bytes", recoverable=True)
     return _decode(line)
 
 

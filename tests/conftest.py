@@ -111,3 +111,28 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+RELIABILITY_ROWS: list[dict] = []
+
+
+@pytest.fixture
+def reliability_row():
+    """Record a row of the reliability table `make reliability` prints (fault, what the caller saw, counts)."""
+
+    def record(fault, seen, lost=0, leaked=0, **figures):
+        RELIABILITY_ROWS.append({"fault": fault, "seen": seen, "lost": lost, "leaked": leaked, **figures})
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not RELIABILITY_ROWS:
+        return
+    write = terminalreporter.write_line
+    write("")
+    write("reliability: every fault and input class tried (a leaked process fails its test)")
+    write(f"{'fault or load':<46} {'lost':>5} {'leaked':>7}  what the caller saw / figures")
+    for row in RELIABILITY_ROWS:
+        extra = ", ".join(f"{k} {v}" for k, v in row.items() if k not in ("fault", "seen", "lost", "leaked"))
+        write(f"{row['fault']:<46} {row['lost']:>5} {row['leaked']:>7}  {row['seen']}" + (f"; {extra}" if extra else ""))

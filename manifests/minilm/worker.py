@@ -2,8 +2,12 @@
 
 argv: <socket> <weights_root>. Payload: {"inputs": [str, ...]}; result:
 {"items": [{"embedding": [...384 floats], "tokens": n, "truncated": bool}], ...}.
+With "encoding": "float32-base64" each item carries "embedding_f32" instead: the
+384 float32 values, little-endian, base64; JSON's float text costs more than
+the model itself for large batches.
 """
 
+import base64
 import importlib.util
 import os
 import sys
@@ -44,6 +48,13 @@ def main():
             return {"items": [], "dim": 384}
         tokens = [len(ids) for ids in model.tokenizer(inputs, add_special_tokens=True)["input_ids"]]
         vectors = model.encode(inputs, batch_size=int(payload.get("batch_size", 32)), normalize_embeddings=True)
+        if payload.get("encoding") == "float32-base64":
+            items = [
+                {"embedding_f32": base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii"),
+                 "tokens": count, "truncated": count > max_tokens}
+                for vector, count in zip(vectors, tokens, strict=True)
+            ]
+            return {"items": items, "dim": int(vectors.shape[1]), "pid": os.getpid(), "device": device}
         digits = int(payload.get("digits", 5))
         items = [
             {"embedding": [round(float(x), digits) for x in vector], "tokens": count, "truncated": count > max_tokens}
