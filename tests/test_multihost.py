@@ -107,4 +107,5 @@ def test_three_hosts_each_start_the_provider_once_and_a_killed_host_loses_nothin
     for name in ("host-0", "host-2"):
         pid_file = hosts / name / "state" / "pool.pid"
         if pid_file.exists():
-            wait_until(lambda p=int(pid_file.read_text()): not pid_alive(p), timeout=30, message=f"{name}'s pool")
+            pool_pid = int(pid_file.read_text())
+            wait_until(lambda pid=pool_pid: not pid_alive(pid), timeout=30, message=f"{name}'s pool")
