@@ -60,7 +60,7 @@ def test_another_user_cannot_connect_or_read(pool_dir, other_user):
         assert pool.predict("echo", {"n": 1})["echo"] == {"n": 1}  # and the pool is none the worse
 
 
-def test_the_pool_refuses_a_state_dir_another_user_controls(tmp_path, monkeypatch, other_user):
+def test_the_pool_refuses_a_state_dir_another_user_controls(tmp_path, monkeypatch, other_user, reliability_row):
     import pwd
 
     planted = tmp_path / "planted"
@@ -70,3 +70,5 @@ def test_the_pool_refuses_a_state_dir_another_user_controls(tmp_path, monkeypatc
     monkeypatch.setenv("RESIDENT_POOL_STATE_DIR", str(planted))
     with pytest.raises(StateDirError, match=f"owned by uid {info.pw_uid}"):
         Pool()
+    reliability_row("another local user (useradd + setpriv)",
+                    "cannot connect to pool or worker sockets, read transcripts, or plant a state directory")
