@@ -112,17 +112,9 @@ class Harness:
             f"[lifecycle]\nidle_timeout_s = 0\nstart_timeout_s = 300\nadmission_timeout_s = 600\n{extra_env}")
 
     def restart_pool(self) -> None:
-        from resident_pool import Pool
-        from resident_pool.errors import ResidentPoolError
+        from resident_pool.client import shutdown_pool
 
-        try:
-            with Pool(start=False) as pool:
-                pool.shutdown()
-        except (ResidentPoolError, OSError):
-            return
-        deadline = time.monotonic() + 60
-        while (self.tmp / "state" / "pool.sock").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        shutdown_pool()
 
 
 def _poll(condition: Callable[[], object], timeout: float) -> object:

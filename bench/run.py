@@ -87,31 +87,15 @@ class Env:
         os.environ["RESIDENT_POOL_MANIFESTS"] = str(self.manifests)
 
     def close(self) -> None:
-        from resident_pool import Pool
-        from resident_pool.errors import ResidentPoolError
-
-        try:
-            with Pool(start=False) as pool:
-                pool.shutdown()
-        except (ResidentPoolError, OSError):
-            pass
+        restart_pool()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def restart_pool() -> None:
-    """Shut down the running pool (if any) and wait for its socket to go; the next client starts a new one."""
-    from resident_pool import Pool
-    from resident_pool.errors import ResidentPoolError
+    """Shut down the running pool, if any; the next client starts a new one with the current environment."""
+    from resident_pool.client import shutdown_pool
 
-    try:
-        with Pool(start=False) as pool:
-            socket_path = pool.socket_path
-            pool.shutdown()
-    except (ResidentPoolError, OSError):
-        return
-    deadline = time.monotonic() + 60
-    while os.path.exists(socket_path) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    shutdown_pool()
 
 
 def sequences(n: int, residues: int | None = None) -> list[str]:

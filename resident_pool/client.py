@@ -20,7 +20,7 @@ from .errors import ResidentPoolError, WorkerRequestError, error_from_dict
 from .pool import POOL_SOCKET
 from .protocol import ProtocolError, connect, recv_line, send_line
 
-__all__ = ["Pool", "Session", "default_manifests"]
+__all__ = ["Pool", "Session", "default_manifests", "shutdown_pool"]
 
 POOL_START_TIMEOUT_S = 60.0
 
@@ -196,9 +196,25 @@ class Pool:
         """Stop ``slug``'s workers (every provider's when None)."""
         return self._call({"op": "stop", "slug": slug})["stopped"]
 
-    def shutdown(self) -> int:
-        """Stop every worker and the pool process itself; returns its pid."""
-        return self._call({"op": "shutdown"})["pid"]
+    def shutdown(self, wait_s: float = 60.0) -> int:
+        """Stop every worker and the pool process itself; returns its pid.
+
+        Waits (up to ``wait_s``) for its socket to go, so the next client starts a fresh pool.
+        """
+        pid = self._call({"op": "shutdown"})["pid"]
+        self.close()
+        deadline = time.monotonic() + wait_s
+        while os.path.exists(self.socket_path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return pid
+
+
+def shutdown_pool(wait_s: float = 60.0) -> int | None:
+    """Shut down this host's pool if one runs; its pid, or None when there was none."""
+    try:
+        return Pool(start=False).shutdown(wait_s)
+    except (ResidentPoolError, OSError):
+        return None
 
 
 class Session:

@@ -92,16 +92,10 @@ def pool_dir(tmp_path, monkeypatch, isolated_dirs):
 
 
 def shutdown_pool(state_dir):
-    from resident_pool import Pool
-    from resident_pool.errors import ResidentPoolError
+    from resident_pool.client import shutdown_pool as shutdown
 
-    if not os.path.exists(os.path.join(state_dir, "pool.sock")):
-        return
-    try:
-        with Pool(start=False) as pool:
-            pool.shutdown()
-    except (ResidentPoolError, OSError):
-        pass  # already gone
+    if os.path.exists(os.path.join(state_dir, "pool.sock")):
+        shutdown()
 
 
 @pytest.fixture(scope="session")

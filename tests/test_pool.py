@@ -164,13 +164,13 @@ def test_a_killed_pool_leaves_no_gpu_held_and_the_next_client_starts_afresh(pool
 
 HOLDER = textwrap.dedent(
     """
-    import sys, time
+    import signal
     from resident_pool import Pool
     pool = Pool()
     with pool.session("echo") as session:
         session.predict({"hello": 1})
         print("holding", flush=True)
-        time.sleep(600)
+        signal.pause()  # hold the session until the test kills this process
     """
 )
 

@@ -117,7 +117,7 @@ CAMPAIGN = textwrap.dedent(
                 pool.close()
                 break
             except OSError:  # the pool went away: the next Pool() starts a new one
-                time.sleep(0.05)
+                time.sleep(0.05)  # back off, then retry (50 attempts at most)
         print(n, flush=True)
     print(json.dumps(answered), flush=True)
     """

@@ -38,7 +38,7 @@ def main():
         print(f"REFUSED: testworker told to exit {code} before binding", file=sys.stderr, flush=True)
         sys.exit(code)
     if "--hang-at-start" in options:
-        time.sleep(3600)
+        signal.pause()  # never bind: the supervisor's start timeout must end this
     if "--ignore-term" in options:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
