@@ -385,6 +385,65 @@ def case_admission(table: Table, env: Env, quick: bool) -> None:
     for key in ("RESIDENT_POOL_LEDGER_AUDIT", "RESIDENT_POOL_GPU_CAPACITY_GB"):
         os.environ.pop(key, None)
     restart_pool()
+    _admission_by_prefect_gcl(table, env, per_provider, service_s)
+
+
+def _admission_by_prefect_gcl(table: Table, env: Env, per_provider: int, service_s: float) -> None:
+    """The same contended scenario governed by what Prefect documents for GPU work: a global
+    concurrency limit (20 slots = 2 x 10 GB) acquired around each call, occupying the budget."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.sync import concurrency
+    from prefect.testing.utilities import prefect_test_harness
+
+    from resident_pool import Pool
+
+    budgets = {"gcl-a": 8, "gcl-b": 8, "gcl-c": 8}
+    for slug in budgets:  # no pool admission here: only the limit governs
+        folder = env.manifests / slug
+        folder.mkdir(exist_ok=True)
+        shutil.copy(env.manifests / "echo" / "worker.py", folder / "worker.py")
+        (folder / "manifest.toml").write_text(
+            f'slug = "{slug}"\nworker = "worker.py"\n[lifecycle]\nidle_timeout_s = 0\n')
+    events: list[tuple[float, str, str]] = []
+    lock = threading.Lock()
+    with prefect_test_harness(server_startup_timeout=120):
+        with get_client(sync_client=True) as client:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name="gpu-memory-gb", limit=20))
+        with Pool() as pool:
+            for slug in budgets:
+                pool.predict(slug, {})
+
+        def stream(slug):
+            with Pool() as pool:
+                for _ in range(per_provider):
+                    with concurrency("gpu-memory-gb", occupy=budgets[slug], strict=True):
+                        with lock:
+                            events.append((time.perf_counter(), "acquired", slug))
+                        pool.predict(slug, {"sleep_s": service_s})
+                    with lock:
+                        events.append((time.perf_counter(), "released", slug))
+
+        started = time.perf_counter()
+        threads = [threading.Thread(target=stream, args=(slug,)) for slug in budgets]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        makespan = time.perf_counter() - started
+    events.sort()
+    wakes = []
+    for i, (t, kind, slug) in enumerate(events):
+        if kind == "released":  # from a release to the next acquisition by another stream (a waiter)
+            later = next((t2 for t2, k2, s2 in events[i + 1:] if k2 == "acquired" and s2 != slug), None)
+            if later is not None and later - t < 5:
+                wakes.append(later - t)
+    bound = max(per_provider * service_s, 3 * per_provider * service_s / 2)
+    table.add("admission (2 x 10 GB)", "Prefect global concurrency limit: makespan / bound", makespan / bound, "x",
+              "beside ours", None, note=f"makespan {makespan:.2f} s, bound {bound:.2f} s")
+    if wakes:
+        table.add("admission (2 x 10 GB)", "Prefect global concurrency limit: release-to-acquire p50",
+                  statistics.median(wakes) * 1e3, "ms", "beside ours", None, note=f"{len(wakes)} hand-overs")
 
 
 # -- case 6: memory ----------------------------------------------------------------------
