@@ -302,19 +302,36 @@ def case_campaign(table: Table, env: Env, quick: bool) -> None:
 
 
 # -- case 5: admission under contention ------------------------------------------------
+def _echo_providers(env: Env, budgets: dict[str, float], declare_budgets: bool) -> None:
+    """Echo-kind providers, one replica each, never retired; with their GPU budgets declared or not."""
+    for slug, budget in budgets.items():
+        folder = env.manifests / slug
+        folder.mkdir(exist_ok=True)
+        shutil.copy(env.manifests / "echo" / "worker.py", folder / "worker.py")
+        gpu = f'[gpu]\npolicy = "required"\nvram_budget_gb = {budget}\n' if declare_budgets else ""
+        (folder / "manifest.toml").write_text(
+            f'slug = "{slug}"\nworker = "worker.py"\n{gpu}[lifecycle]\nidle_timeout_s = 0\nmax_replicas = 1\n'
+            "start_timeout_s = 60\n")
+
+
+def _run_streams(stream: Callable[[str], None], slugs) -> float:
+    """One thread per provider's stream, all started together; the makespan in seconds."""
+    started = time.perf_counter()
+    threads = [threading.Thread(target=stream, args=(slug,)) for slug in slugs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
+
+
 def _admission_run(env: Env, budgets: dict[str, float], per_provider: int, service_s: float) -> dict[str, Any]:
     """One client stream per provider (a campaign's chunk tasks), all at once; returns timings and the ledger trail."""
     from resident_pool import Pool
 
     audit = env.tmp / f"audit-{'-'.join(f'{b:g}' for b in budgets.values())}.jsonl"
     os.environ["RESIDENT_POOL_LEDGER_AUDIT"] = str(audit)
-    for slug, budget in budgets.items():
-        folder = env.manifests / slug
-        folder.mkdir(exist_ok=True)
-        shutil.copy(env.manifests / "echo" / "worker.py", folder / "worker.py")
-        (folder / "manifest.toml").write_text(
-            f'slug = "{slug}"\nworker = "worker.py"\n[gpu]\npolicy = "required"\nvram_budget_gb = {budget}\n'
-            "[lifecycle]\nidle_timeout_s = 0\nmax_replicas = 1\nstart_timeout_s = 60\n")
+    _echo_providers(env, budgets, declare_budgets=True)
     restart_pool()  # the pool reads the capacity and the audit file from its environment at start
     with Pool() as pool:
         for slug in budgets:  # start each provider once, then let the run begin from idle workers
@@ -330,13 +347,7 @@ def _admission_run(env: Env, budgets: dict[str, float], per_provider: int, servi
                 with lock:
                     waits.append(time.perf_counter() - arrived - service_s)
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=stream, args=(slug,)) for slug in budgets]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    makespan = time.perf_counter() - started
+    makespan = _run_streams(stream, budgets)
     states = [json.loads(line) for line in audit.read_text().splitlines()]
     return {"makespan": makespan, "waits": waits, "states": states}
 
@@ -399,12 +410,7 @@ def _admission_by_prefect_gcl(table: Table, env: Env, per_provider: int, service
     from resident_pool import Pool
 
     budgets = {"gcl-a": 8, "gcl-b": 8, "gcl-c": 8}
-    for slug in budgets:  # no pool admission here: only the limit governs
-        folder = env.manifests / slug
-        folder.mkdir(exist_ok=True)
-        shutil.copy(env.manifests / "echo" / "worker.py", folder / "worker.py")
-        (folder / "manifest.toml").write_text(
-            f'slug = "{slug}"\nworker = "worker.py"\n[lifecycle]\nidle_timeout_s = 0\n')
+    _echo_providers(env, budgets, declare_budgets=False)  # no pool admission here: only the limit governs
     events: list[tuple[float, str, str]] = []
     lock = threading.Lock()
     with prefect_test_harness(server_startup_timeout=120):
@@ -424,13 +430,7 @@ def _admission_by_prefect_gcl(table: Table, env: Env, per_provider: int, service
                     with lock:
                         events.append((time.perf_counter(), "released", slug))
 
-        started = time.perf_counter()
-        threads = [threading.Thread(target=stream, args=(slug,)) for slug in budgets]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        makespan = time.perf_counter() - started
+        makespan = _run_streams(stream, budgets)
     events.sort()
     wakes = []
     for i, (t, kind, slug) in enumerate(events):
