@@ -31,7 +31,9 @@ ManifestsOption = Annotated[
 
 
 def manifests_dir(option: Path | None) -> Path:
-    return option or Path(os.environ.get("RESIDENT_POOL_MANIFESTS", "manifests"))
+    from .client import default_manifests
+
+    return default_manifests(option)
 
 
 @app.command()
@@ -112,12 +114,21 @@ def status(
     if as_json:
         typer.echo(json.dumps(state, indent=2))
         return
-    table = Table(title=f"resident-pool (pid {state['pool']['pid']}, manifests {state['pool']['manifests']})")
-    columns = ("slug", "replica", "pid", "state", "device", "budget_gb", "served", "idle_s", "uptime_s", "transcript")
+    pool = state["pool"]
+    table = Table(title=f"resident-pool {pool['version']} (pid {pool['pid']}, manifests {pool['manifests']})"
+                        + (" [yellow]draining to stop[/]" if pool.get("draining") else ""))
+    columns = ("slug", "replica", "pid", "state", "version", "device", "budget_gb", "served", "idle_s",
+               "uptime_s", "lease", "transcript")
     for column in columns:
         table.add_column(column, overflow="fold")
     for worker in state["workers"]:
-        table.add_row(*("" if worker[c] is None else str(worker[c]) for c in columns))
+        row = dict(worker)
+        lease = worker.get("lease")
+        row["lease"] = "" if lease is None else (
+            f"{lease['age_s']:g} s" + (f" ({', '.join(lease['holder'].values())})" if lease["holder"] else ""))
+        if not worker.get("current", True):
+            row["version"] = f"{worker['version']} (old)"
+        table.add_row(*("" if row[c] is None else str(row[c]) for c in columns))
     if state["workers"]:
         console.print(table)
     else:
@@ -127,6 +138,9 @@ def status(
     for slug, breaker in state["breakers"].items():
         console.print(f"[red]breaker[/] {slug}: {'open' if breaker['open'] else 'closed'} "
                       f"({breaker['failures']} failed starts, {breaker['refused']} refused): {breaker['error']}")
+    for slug, provider in state.get("providers", {}).items():
+        if provider.get("last_error"):
+            console.print(f"last error of {slug}: {provider['last_error']}")
 
 
 @app.command()
@@ -157,14 +171,15 @@ def predict(
 def stop(
     slug: Annotated[str | None, typer.Argument(help="The provider whose workers to stop.")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Stop every worker.")] = False,
+    now: Annotated[bool, typer.Option("--now", help="Do not let leased requests finish first.")] = False,
     manifests: ManifestsOption = None,
 ) -> None:
-    """Stop a provider's workers (or all of them); the device is given back."""
+    """Stop a provider's workers (or all of them); leased ones finish their requests first; the device is given back."""
     if (slug is None) == (not all_):
         raise typer.BadParameter("name one SLUG, or --all")
     try:
         with _pool(manifests, start=False) as pool:
-            stopped = pool.stop(None if all_ else slug)
+            stopped = pool.stop(None if all_ else slug, now=now)
     except ResidentPoolError as exc:
         console.print(str(exc))
         raise typer.Exit(0) from None
@@ -178,7 +193,7 @@ def logs(
 ) -> None:
     """The newest transcript of SLUG's workers: its path, then its last lines."""
     from .paths import log_dir
-    from .supervisor import read_tail
+    from .transcripts import read_tail
 
     transcripts = sorted(log_dir().glob(f"{slug}-*.log"), key=lambda p: p.stat().st_mtime)
     if not transcripts:

@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import KitUnavailable
 from .manifest import Kit, Manifest
-from .supervisor import child_env
+from .procs import child_env
 
 __all__ = ["PROBE_PATH", "KitRow", "jit_root", "kit_command", "probe_kit", "stray_variables"]
 

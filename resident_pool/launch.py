@@ -12,6 +12,7 @@ from . import paths
 from .exec_env import Bind, interpreter, passthrough_env, wrap
 from .kit import KitRow, jit_root, kit_command, probe_kit
 from .manifest import Manifest, VenvEnv
+from .settings import settings
 from .supervisor import PROTOCOL_PATH, Admitter, BuildCommand, ResidentWorker
 from .weights import HashCache, WeightsReport, verify_weights
 
@@ -83,8 +84,9 @@ def build_worker_command(
                                keep=[manifest.weights.root_env] if manifest.weights.root_env else []))
     if manifest.weights.root_env and root is not None:
         env[manifest.weights.root_env] = str(root)
-    if manifest.lifecycle.orphan_grace_s and "RESIDENT_POOL_ORPHAN_GRACE_S" not in os.environ:
-        env["RESIDENT_POOL_ORPHAN_GRACE_S"] = f"{manifest.lifecycle.orphan_grace_s:g}"
+    config = settings()
+    env["RESIDENT_POOL_ORPHAN_GRACE_S"] = f"{config.orphan_grace_s or manifest.lifecycle.orphan_grace_s:g}"
+    env["RESIDENT_POOL_HEARTBEAT_STALE_S"] = f"{config.heartbeat_stale_s:g}"
 
     binds: list[Bind] = [(str(manifest.directory), str(manifest.directory), True),
                          (str(Path(PROTOCOL_PATH).parent), str(Path(PROTOCOL_PATH).parent), True),

@@ -6,6 +6,7 @@ import hashlib
 import json
 import re
 import string
+import sys
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -75,6 +76,11 @@ class Lifecycle(_Strict):
     orphan_grace_s: float = Field(120.0, gt=0)
     max_replicas: int = Field(1, ge=1, le=64)
     admission_timeout_s: float = Field(3600.0, gt=0)
+    abandon_grace_s: float = Field(
+        30.0, ge=0, description="A request whose client vanished may run this long (its answer is thrown away) "
+        "before its worker is stopped and the GPU given back.")
+    ping_interval_s: float = Field(
+        30.0, gt=0, description="How often the pool pings an idle worker; one that does not answer is stopped.")
 
 
 class WeightFile(_Strict):
@@ -190,8 +196,22 @@ class Manifest(_Strict):
         return (self.directory / self.worker).resolve()
 
     def fingerprint(self) -> str:
-        """Changes when the manifest's content or any pin changes."""
+        """Changes when anything in the manifest changes (the breaker closes on it)."""
         data = self.model_dump(mode="json")
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def version(self) -> str:
+        """What changes a worker's answers: its script's content, arguments, interpreter and environment,
+        kit settings, mode and weights pins. Not description, [lifecycle], [gpu] or [smoke]: editing an
+        idle timeout must neither drain warm workers nor invalidate a campaign's results."""
+        data = self.model_dump(mode="json", include={"worker", "worker_args", "mode", "env", "kit", "weights"})
+        if isinstance(self.env, VenvEnv) and self.env.python == "auto":
+            data["interpreter"] = sys.executable
+        try:
+            data["script_sha256"] = hashlib.sha256(self.worker_path.read_bytes()).hexdigest()
+        except OSError as exc:
+            raise ManifestError(f"{self.path}: worker: cannot read {self.worker_path}: {exc.strerror}",
+                                slug=self.slug, details={"field": "worker"}) from None
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

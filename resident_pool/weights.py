@@ -12,6 +12,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from .errors import WeightsMismatch
+from .settings import settings, xdg_dir
 
 __all__ = ["HashCache", "WeightsMismatch", "WeightsReport", "verify_weights"]
 
@@ -19,10 +20,7 @@ _BLOCK = 4 * 1024 * 1024
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("RESIDENT_POOL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "resident-pool"
-    )
-    return Path(base)
+    return settings().cache_dir or xdg_dir("cache") / "resident-pool"
 
 
 class HashCache:

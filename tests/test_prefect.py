@@ -85,11 +85,6 @@ def test_a_worker_that_dies_mid_request_is_retried_and_then_succeeds(pool_dir, t
     assert task_run.run_count == 2
 
 
-def _embedder(pool_dir, marker):
-    write_provider(pool_dir, "embedder", "[lifecycle]\nmax_replicas = 2\n", worker="embedder.py")
-    os.environ["EMBEDDER_MARKER"] = str(marker)
-
-
 @pytest.mark.slow
 def test_a_2000_input_campaign_survives_a_killed_worker_and_a_rerun_recomputes_nothing(pool_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("EMBEDDER_MARKER", str(tmp_path / "killed"))
@@ -124,7 +119,7 @@ def hold(slug, seconds):
 @task
 def after_busy(slug, busy_slug):
     with Pool() as pool:
-        wait_until(lambda: any(w["slug"] == busy_slug and w["state"] == "busy" and w["pid"]
+        wait_until(lambda: any(w["slug"] == busy_slug and w["state"] == "leased" and w["pid"]
                                for w in pool.status()["workers"]), timeout=60, message=f"{busy_slug} to be busy")
     return predict(slug, {"action": "echo", "value": "admitted"})
 
@@ -133,13 +128,13 @@ def after_busy(slug, busy_slug):
 def contended():
     first = hold.submit("a6", 1.5)
     second = after_busy.submit("b6", "a6")
-    return first.result(), second.result(), second.state_details if hasattr(second, "state_details") else second.task_run_id
+    return first.result(), second.result(), second.task_run_id
 
 
 def test_two_tasks_that_cannot_both_fit_both_complete_and_the_waiter_says_why(pool_dir, monkeypatch):
     monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")
     for slug in ("a6", "b6"):
-        write_provider(pool_dir, slug, '[gpu]\npolicy = "required"\nvram_budget_gb = 6\n[lifecycle]\nidle_timeout_s = 0\n')
+        write_provider(pool_dir, slug, '[gpu]\npolicy = "required"\nvram_budget_gb = 6\n')
     held, admitted, waiter_id = contended()
     assert held["slept"] == 1.5 and admitted["echo"] == "admitted"
 
@@ -198,4 +193,5 @@ def test_the_helpers_work_under_the_process_pool_task_runner(pool_dir):
     assert {r["task_pid"] for r in results} - {os.getpid()}  # tasks ran in other processes
     with Pool() as pool:
         served = sum(w["served"] for w in pool.status()["workers"])
-    assert served == 4 and len({r["worker_pid"] for r in results}) <= 4
+    # Two task processes at a time hold at most two leases at once: at most two workers served all four.
+    assert served == 4 and 1 <= len({r["worker_pid"] for r in results}) <= 2
