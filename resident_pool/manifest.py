@@ -51,7 +51,33 @@ class ContainerEnv(_Strict):
     image: str
     python: str = Field("python3", description="The interpreter inside the image.")
     binds: list[str] = Field(default_factory=list, description='Extra binds, "host:container[:ro]".')
-    passthrough: list[str] | None = None
+    passthrough: list[str] | None = Field(
+        None, description="Variables of the pool's environment passed into the container by name."
+    )
+
+    @field_validator("image", "python")
+    @classmethod
+    def _not_an_option(cls, value: str) -> str:
+        # The engine would read a leading '-' as one of its own options.
+        if not value or value.startswith("-"):
+            raise ValueError(f"{value!r} must not be empty or start with '-'")
+        return value
+
+    @field_validator("binds")
+    @classmethod
+    def _binds(cls, values: list[str]) -> list[str]:
+        for value in values:
+            parts = value.split(":")
+            if parts[-1] in ("ro", "rw") and len(parts) > 1:
+                parts = parts[:-1]
+            if "," in value or len(parts) > 2 or not all(parts):
+                raise ValueError(
+                    f"{value!r} must be \"host[:container][:ro]\" with paths holding neither ',' nor ':' "
+                    "(the engines' bind syntax cannot carry them)"
+                )
+            if not all(part.startswith(("/", "~")) for part in parts):
+                raise ValueError(f"{value!r}: both paths must be absolute")
+        return values
 
 
 class Gpu(_Strict):
@@ -108,8 +134,21 @@ class Kit(_Strict):
     levers_off: list[str] = Field(default_factory=list)
     env_row: Literal["required", "none"] = "required"
     env_row_reason: str | None = None
-    jit_root: str | None = None
+    jit_root: str | None = Field(
+        None, description="The JIT cache (MODEL_OPT_JIT_ROOT); else $MODEL_OPT_JIT_ROOT, else one per provider."
+    )
+    model_opt: str | None = Field(
+        None, description="The kit tree (MODEL_OPT), for a kit installed without its checkout; "
+        "else $MODEL_OPT, else two levels above the kit's package directory."
+    )
     env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("jit_root", "model_opt")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("/", "~")):
+            raise ValueError(f"{value!r} must be an absolute path")
+        return value
 
     @model_validator(mode="after")
     def _named(self) -> Kit:
@@ -197,6 +236,8 @@ class Manifest(_Strict):
 
 def _field_path(location: tuple[Any, ...]) -> str:
     parts = [str(part) for part in location if not str(part).startswith(("function-", "tagged-union"))]
+    if parts[:2] in (["env", "venv"], ["env", "container"]):
+        del parts[1]  # the union's tag, not a key the file holds
     return ".".join(parts) or "(top level)"
 
 
