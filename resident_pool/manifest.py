@@ -25,6 +25,15 @@ __all__ = [
 
 PLACEHOLDERS = frozenset({"socket", "slug", "weights_root", "python", "kit", "work_root"})
 SLUG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
+# A variable name: `--env A=B` would set a value the manifest never showed as one.
+VARIABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _variable_names(names):
+    for name in names or ():
+        if not VARIABLE.match(name):
+            raise ValueError(f"{name!r} is not an environment variable name (letters, digits, '_')")
+    return names
 
 
 class _Strict(BaseModel):
@@ -42,6 +51,11 @@ class VenvEnv(_Strict):
         "(plus what the pool and the kit set); secrets elsewhere in the environment stay behind.",
     )
 
+    @field_validator("passthrough")
+    @classmethod
+    def _names(cls, values: list[str] | None) -> list[str] | None:
+        return _variable_names(values)
+
 
 class ContainerEnv(_Strict):
     """Run the worker inside a container image."""
@@ -54,6 +68,11 @@ class ContainerEnv(_Strict):
     passthrough: list[str] | None = Field(
         None, description="Variables of the pool's environment passed into the container by name."
     )
+
+    @field_validator("passthrough")
+    @classmethod
+    def _names(cls, values: list[str] | None) -> list[str] | None:
+        return _variable_names(values)
 
     @field_validator("image", "python")
     @classmethod
@@ -142,6 +161,11 @@ class Kit(_Strict):
         "else $MODEL_OPT, else two levels above the kit's package directory."
     )
     env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _names(cls, values: dict[str, str]) -> dict[str, str]:
+        return _variable_names(values)
 
     @field_validator("jit_root", "model_opt")
     @classmethod

@@ -14,12 +14,13 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from engines import standin
 from helpers import wait_until
-from providers import write_provider
+from providers import make_kit_venv, write_provider
 
 from resident_pool import ResidentWorker, WorkerStartError
 from resident_pool.launch import build_worker_command, worker_for
@@ -235,3 +236,36 @@ def test_without_a_namespace_the_stand_in_refuses_a_path_outside_the_mounts(tmp_
     mounted = subprocess.run(["docker", "run", "--rm", "--volume", f"{tmp_path}:{tmp_path}:ro", "img",
                               IMAGE_PYTHON, str(outside)], capture_output=True, text=True, timeout=30, check=False)
     assert mounted.returncode == 0 and mounted.stdout.strip() == "ran"
+
+
+@pytest.mark.parametrize("engine", ["docker", "apptainer"])
+def test_a_kit_worker_in_a_container_is_probed_and_started_from_one_plan(tmp_path, engines, engine, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("MODEL_OPT", raising=False)
+    monkeypatch.delenv("MODEL_OPT_JIT_ROOT", raising=False)
+    monkeypatch.setenv("TOYKIT_OPT_LEFTOVER", "a stray in the pool's environment")
+    python = make_kit_venv(tmp_path / "image" / "venv", "toykit_opt")
+    # The stand-in image holds the model's venv (with the kit's checkout) and its base interpreter.
+    image = [python.parents[1], Path(sys.base_prefix)]
+    binds = ", ".join(f'"{folder}:{folder}:ro"' for folder in image)
+    body = (f'[env]\nkind = "container"\nengine = "{engine}"\nimage = "standin/toy:1"\npython = "{python}"\n'
+            f'binds = [{binds}]\n[kit]\nname = "toykit"\nmode = "fast"\n')
+    manifest = load_manifest(write_provider(tmp_path / "manifests", "toyc", body, worker="toyworker.py"))
+    worker = worker_for(manifest)
+    try:
+        assert worker.request({"x": 4}) == {"value": 8}
+        pong = worker.ping()
+    finally:
+        worker.close()
+    assert pong["patched"] == "toykit_opt:fast"
+    env = pong["env"]
+    assert env["MODEL_OPT"] == str(python.parents[1] / "toykit_opt-checkout")
+    assert env["MODEL_OPT_JIT_ROOT"] == str(tmp_path / "cache" / "resident-pool" / "jit" / "toyc")
+    runs = [json.loads(line)["argv"] for line in (engines / "runs.jsonl").read_text().splitlines()]
+    probe, start = runs  # the probe ran inside the container too, with the worker's variables and binds
+    def valued(argv, *flags):
+        return {argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg in flags}
+
+    probe_file = next(arg for arg in probe if arg.endswith("kit_probe.py"))
+    assert valued(probe, "--volume", "--bind") == valued(start, "--volume", "--bind") | {f"{probe_file}:{probe_file}:ro"}
+    assert valued(probe, "--env") <= valued(start, "--env")  # the worker adds the row and the mode variable

@@ -113,6 +113,7 @@ def test_binds_are_the_run_folder_work_weights_manifest_and_two_files(tmp_path, 
     ('image = "img"\npython = "-c"\n', "env.python"),
     ('image = "img"\nbinds = ["/a,b:/c"]\n', "env.binds"),
     ('image = "img"\nbinds = ["/a:/b:/c"]\n', "env.binds"),
+    ('image = "img"\npassthrough = ["HOME=/tmp/evil"]\n', "env.passthrough"),
 ])
 def test_option_like_images_and_unbindable_paths_are_refused_naming_the_field(tmp_path, body, field):
     with pytest.raises(ManifestError) as info:
@@ -128,7 +129,7 @@ def test_a_work_root_with_a_colon_is_refused_before_the_engine_reads_it(tmp_path
     monkeypatch.setenv("PATH", f"{engine.parent}:{os.environ['PATH']}")
     body = f'work_root = "{tmp_path}/a:b"\n[env]\nkind = "container"\nengine = "podman"\nimage = "img"\n'
     manifest = load_manifest(write_provider(tmp_path, "colon", body))
-    with pytest.raises(ManifestError, match="work_root: the path .*a:b holds") as info:
+    with pytest.raises(ManifestError, match=r"work_root: the path .*a:b holds") as info:
         build_worker_command(manifest, str(tmp_path / "worker.sock"))
     assert info.value.details["field"] == "work_root"
 
