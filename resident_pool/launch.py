@@ -36,6 +36,8 @@ __all__ = [
 
 # Settings of the worker's own side, passed on by name (a container gets nothing unnamed).
 WORKER_SETTINGS = ("RESIDENT_POOL_ORPHAN_GRACE_S", "RESIDENT_POOL_NO_CUBLAS_RELEASE")
+_RUN_FOLDER = "the worker's run folder (RESIDENT_POOL_STATE_DIR)"
+_HEARTBEAT = "RESIDENT_POOL_HEARTBEAT"
 
 _LOCATE = (
     "import importlib.util, sys; s = importlib.util.find_spec(sys.argv[1]); "
@@ -170,7 +172,7 @@ class LaunchPlan:
             env.update(kit_env(manifest, environ, jit))
 
         run_dir = str(Path(socket_path).parent)
-        binds = [Bind(run_dir, run_dir, False, "the worker's run folder (RESIDENT_POOL_STATE_DIR)"),
+        binds = [Bind(run_dir, run_dir, False, _RUN_FOLDER),
                  Bind(str(work), str(work), False, "work_root"),
                  Bind(str(manifest.directory), str(manifest.directory), True, "the manifest's folder"),
                  Bind(PROTOCOL_PATH, PROTOCOL_PATH, True, "resident_pool's protocol.py"),
@@ -182,8 +184,7 @@ class LaunchPlan:
         if jit is not None:
             binds.append(Bind(str(jit), str(jit), False, "kit.jit_root (or $MODEL_OPT_JIT_ROOT)"))
         if heartbeat and str(Path(heartbeat).parent) != run_dir:
-            binds.append(Bind(str(Path(heartbeat).parent), str(Path(heartbeat).parent), False,
-                              "RESIDENT_POOL_HEARTBEAT"))
+            binds.append(Bind(str(Path(heartbeat).parent), str(Path(heartbeat).parent), False, _HEARTBEAT))
 
         plan = cls(manifest=manifest, python=python, socket_path=socket_path, weights_root=root, work_root=work,
                    jit_root=jit, env=env, binds=tuple(binds), name=name or container_name(manifest.slug, 0),
@@ -200,12 +201,18 @@ class LaunchPlan:
         return [str(self.manifest.worker_path), *(arg.format(**values) for arg in self.manifest.worker_args)]
 
     def probe_command(self) -> tuple[list[str], dict[str, str | None]]:
-        """The kit probe, in the worker's interpreter, environment, binds and device."""
+        """The kit probe, in the worker's interpreter, environment, binds and device.
+
+        Less the run folder and the heartbeat: the probe serves no socket, and the
+        run folder is made when the worker starts, after its command is built.
+        """
         kit = self.manifest.kit
         assert kit is not None
         argv = [self.python, kits.PROBE_PATH, kit.package_name, kit.mode]
-        binds = [*self.binds, Bind(kits.PROBE_PATH, kits.PROBE_PATH, True, "resident_pool's kit_probe.py")]
-        return wrap(self.manifest, argv, self.env, binds, name=f"{self.name}-probe", device=self.device,
+        binds = [*(b for b in self.binds if b.field not in (_RUN_FOLDER, _HEARTBEAT)),
+                 Bind(kits.PROBE_PATH, kits.PROBE_PATH, True, "resident_pool's kit_probe.py")]
+        env = {name: value for name, value in self.env.items() if name != "RESIDENT_POOL_HEARTBEAT"}
+        return wrap(self.manifest, argv, env, binds, name=f"{self.name}-probe", device=self.device,
                     environ=self.environ)
 
     def probe(self) -> KitRow:
@@ -273,9 +280,10 @@ def command_builder(manifest: Manifest, cache: HashCache | None = None) -> Build
     """A ``build_command`` for ResidentWorker; weights and kit are checked at every start."""
 
     def build(worker: ResidentWorker) -> tuple[list[str], dict[str, str | None]]:
+        heartbeat = getattr(worker, "heartbeat_path", None)  # a process handle that keeps one says where
         return build_worker_command(
             manifest, worker.socket_path, name=container_name(manifest.slug, worker.replica),
-            device=worker.device, cache=cache,
+            device=worker.device, cache=cache, heartbeat=str(heartbeat) if heartbeat else None,
         )
 
     return build

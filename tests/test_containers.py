@@ -23,7 +23,7 @@ from helpers import wait_until
 from providers import make_kit_venv, write_provider
 
 from resident_pool import ResidentWorker, WorkerStartError
-from resident_pool.launch import build_worker_command, worker_for
+from resident_pool.launch import build_worker_command, plan_launch, worker_for
 from resident_pool.manifest import load_manifest
 from resident_pool.procs import pid_alive
 
@@ -252,6 +252,34 @@ def test_without_a_namespace_the_stand_in_refuses_a_path_outside_the_mounts(tmp_
     assert mounted.returncode == 0 and mounted.stdout.strip() == "ran"
 
 
+def kit_in_image(tmp_path, engine):
+    """A toykit provider whose stand-in image holds the model's venv (with the kit's checkout) and its base
+    interpreter, each mounted where it lives."""
+    python = make_kit_venv(tmp_path / "image" / "venv", "toykit_opt")
+    binds = ", ".join(f'"{folder}:{folder}:ro"' for folder in (python.parents[1], Path(sys.base_prefix)))
+    body = (f'[env]\nkind = "container"\nengine = "{engine}"\nimage = "standin/toy:1"\npython = "{python}"\n'
+            f'binds = [{binds}]\n[kit]\nname = "toykit"\nmode = "fast"\n')
+    return load_manifest(write_provider(tmp_path / "manifests", "toyc", body, worker="toyworker.py")), python
+
+
+@pytest.mark.parametrize("engine", ["docker", "apptainer"])
+def test_the_probe_runs_before_the_run_folder_exists_and_the_worker_gets_its_heartbeat(tmp_path, engines, engine,
+                                                                                        monkeypatch):
+    """A process handle makes the run folder when it starts, after the command (and the probe) is built."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    manifest, python = kit_in_image(tmp_path, engine)
+    run_dir = tmp_path / "w" / "toyc-0-1a2b3c"
+    plan = plan_launch(manifest, str(run_dir / "worker.sock"), heartbeat=str(run_dir / "heartbeat"))
+    assert not run_dir.exists()
+    assert plan.row.model_opt == str(python.parents[1] / "toykit_opt-checkout")
+    argv, env = plan.command()
+    assert f"{run_dir}:{run_dir}" in argv
+    if engine == "docker":
+        assert "RESIDENT_POOL_HEARTBEAT" in argv[argv.index("--env"):] and env["RESIDENT_POOL_HEARTBEAT"]
+    else:
+        assert env["APPTAINERENV_RESIDENT_POOL_HEARTBEAT"] == str(run_dir / "heartbeat")
+
+
 @ISOLATION
 @pytest.mark.parametrize("engine", ["docker", "apptainer"])
 def test_a_kit_worker_in_a_container_is_probed_and_started_from_one_plan(tmp_path, engines, engine, monkeypatch):
@@ -259,13 +287,7 @@ def test_a_kit_worker_in_a_container_is_probed_and_started_from_one_plan(tmp_pat
     monkeypatch.delenv("MODEL_OPT", raising=False)
     monkeypatch.delenv("MODEL_OPT_JIT_ROOT", raising=False)
     monkeypatch.setenv("TOYKIT_OPT_LEFTOVER", "a stray in the pool's environment")
-    python = make_kit_venv(tmp_path / "image" / "venv", "toykit_opt")
-    # The stand-in image holds the model's venv (with the kit's checkout) and its base interpreter.
-    image = [python.parents[1], Path(sys.base_prefix)]
-    binds = ", ".join(f'"{folder}:{folder}:ro"' for folder in image)
-    body = (f'[env]\nkind = "container"\nengine = "{engine}"\nimage = "standin/toy:1"\npython = "{python}"\n'
-            f'binds = [{binds}]\n[kit]\nname = "toykit"\nmode = "fast"\n')
-    manifest = load_manifest(write_provider(tmp_path / "manifests", "toyc", body, worker="toyworker.py"))
+    manifest, python = kit_in_image(tmp_path, engine)
     worker = worker_for(manifest)
     try:
         assert worker.request({"x": 4}) == {"value": 8}
@@ -282,5 +304,7 @@ def test_a_kit_worker_in_a_container_is_probed_and_started_from_one_plan(tmp_pat
         return {argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg in flags}
 
     probe_file = next(arg for arg in probe if arg.endswith("kit_probe.py"))
-    assert valued(probe, "--volume", "--bind") == valued(start, "--volume", "--bind") | {f"{probe_file}:{probe_file}:ro"}
+    run_dir = os.path.dirname(worker.socket_path)  # the probe serves no socket
+    assert valued(probe, "--volume", "--bind") == (valued(start, "--volume", "--bind") - {f"{run_dir}:{run_dir}"}
+                                                   | {f"{probe_file}:{probe_file}:ro"})
     assert valued(probe, "--env") <= valued(start, "--env")  # the worker adds the row and the mode variable
