@@ -19,6 +19,8 @@ __all__ = ["PROBE_PATH", "KitRow", "apply_row", "jit_root", "kit_env", "run_prob
 PROBE_PATH = str(Path(__file__).with_name("kit_probe.py"))
 PROBE_TIMEOUT_S = 300.0
 REFUSAL_EXIT = 3
+# docker/podman: 125 the engine failed, 126 not executable, 127 not found; apptainer: 255.
+ENGINE_FAILURES = frozenset({125, 126, 127, 255})
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,11 @@ def run_probe(
             return KitRow(json.loads(line[len("KITROW "):]))
     tail = (done.stdout + done.stderr).strip().splitlines()[-10:]
     refusal = next((line.strip() for line in reversed(tail) if "REFUSED" in line), None)
-    if done.returncode == REFUSAL_EXIT or refusal:
+    engine = getattr(manifest.env, "engine", None)
+    if engine and done.returncode in ENGINE_FAILURES:
+        message = (f"{manifest.slug}: {engine} could not run the probe of kit {kit.package_name} in its container "
+                   f"(exit {done.returncode}); check [env] image, python and binds in {manifest.path}")
+    elif done.returncode == REFUSAL_EXIT or refusal:
         # The kit is there and policing its conditions: asking whether it is installed would mislead.
         said = refusal or (tail[-1].strip() if tail else "no output")
         message = (f"{manifest.slug}: kit {kit.package_name} refused to start in the probe (exit "

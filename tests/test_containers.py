@@ -22,7 +22,7 @@ from engines import standin
 from helpers import wait_until
 from providers import make_kit_venv, write_provider
 
-from resident_pool import ResidentWorker, WorkerStartError
+from resident_pool import KitUnavailable, ResidentWorker, WorkerStartError
 from resident_pool.launch import build_worker_command, plan_launch, worker_for
 from resident_pool.manifest import load_manifest
 from resident_pool.procs import pid_alive
@@ -308,3 +308,13 @@ def test_a_kit_worker_in_a_container_is_probed_and_started_from_one_plan(tmp_pat
     assert valued(probe, "--volume", "--bind") == (valued(start, "--volume", "--bind") - {f"{run_dir}:{run_dir}"}
                                                    | {f"{probe_file}:{probe_file}:ro"})
     assert valued(probe, "--env") <= valued(start, "--env")  # the worker adds the row and the mode variable
+
+
+def test_a_probe_the_engine_cannot_run_says_so_rather_than_asking_for_the_kit(tmp_path, engines, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    manifest, _ = kit_in_image(tmp_path, "docker")
+    manifest = manifest.model_copy(update={"env": manifest.env.model_copy(update={"python": "/opt/absent/python"})})
+    with pytest.raises(KitUnavailable, match=r"docker could not run the probe of kit toykit_opt in its container "
+                                             r"\(exit 126\); check \[env\] image, python and binds") as info:
+        build_worker_command(manifest, str(tmp_path / "worker.sock"))
+    assert "is it installed" not in str(info.value)
