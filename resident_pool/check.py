@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
@@ -11,8 +12,7 @@ from pathlib import Path
 
 from .errors import ResidentPoolError
 from .exec_env import interpreter
-from .kit import probe_kit
-from .launch import check_weights, worker_for
+from .launch import check_weights, plan_launch, worker_for
 from .manifest import Manifest, VenvEnv, load_manifest
 from .weights import HashCache
 
@@ -72,10 +72,12 @@ def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = No
     def kit_step():
         if manifest.kit is None:
             return "no kit"
-        if not isinstance(manifest.env, VenvEnv):
-            return "probe runs at start, inside the container"
-        row = probe_kit(manifest, python_holder["python"], {})
-        detail = f"{row.package} {row.activation}, mode variable {row.mode_env}, {len(row.env)} variables"
+        # The plan a start builds: the probe runs under the worker's environment (and in its
+        # container), and every start rule is applied, so a kit that check passes can start.
+        with tempfile.TemporaryDirectory(prefix="rp-check-") as run_dir:
+            row = plan_launch(manifest, os.path.join(run_dir, "worker.sock"), cache=cache).row
+        detail = (f"{row.package} {row.activation}, MODEL_OPT {row.model_opt} ({row.model_opt_source}), "
+                  f"mode variable {row.mode_env}, {len(row.env)} variables")
         if row.jit_cache_key_error:
             detail += f"; jit_cache_key failed: {row.jit_cache_key_error}"
         return detail

@@ -26,6 +26,15 @@ __all__ = [
 
 PLACEHOLDERS = frozenset({"socket", "slug", "weights_root", "python", "kit", "work_root"})
 SLUG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
+# A variable name: `--env A=B` would set a value the manifest never showed as one.
+VARIABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _variable_names(names):
+    for name in names or ():
+        if not VARIABLE.match(name):
+            raise ValueError(f"{name!r} is not an environment variable name (letters, digits, '_')")
+    return names
 
 
 class _Strict(BaseModel):
@@ -43,6 +52,11 @@ class VenvEnv(_Strict):
         "(plus what the pool and the kit set); secrets elsewhere in the environment stay behind.",
     )
 
+    @field_validator("passthrough")
+    @classmethod
+    def _names(cls, values: list[str] | None) -> list[str] | None:
+        return _variable_names(values)
+
 
 class ContainerEnv(_Strict):
     """Run the worker inside a container image."""
@@ -52,7 +66,38 @@ class ContainerEnv(_Strict):
     image: str
     python: str = Field("python3", description="The interpreter inside the image.")
     binds: list[str] = Field(default_factory=list, description='Extra binds, "host:container[:ro]".')
-    passthrough: list[str] | None = None
+    passthrough: list[str] | None = Field(
+        None, description="Variables of the pool's environment passed into the container by name."
+    )
+
+    @field_validator("passthrough")
+    @classmethod
+    def _names(cls, values: list[str] | None) -> list[str] | None:
+        return _variable_names(values)
+
+    @field_validator("image", "python")
+    @classmethod
+    def _not_an_option(cls, value: str) -> str:
+        # The engine would read a leading '-' as one of its own options.
+        if not value or value.startswith("-"):
+            raise ValueError(f"{value!r} must not be empty or start with '-'")
+        return value
+
+    @field_validator("binds")
+    @classmethod
+    def _binds(cls, values: list[str]) -> list[str]:
+        for value in values:
+            parts = value.split(":")
+            if parts[-1] in ("ro", "rw") and len(parts) > 1:
+                parts = parts[:-1]
+            if "," in value or len(parts) > 2 or not all(parts):
+                raise ValueError(
+                    f"{value!r} must be \"host[:container][:ro]\" with paths holding neither ',' nor ':' "
+                    "(the engines' bind syntax cannot carry them)"
+                )
+            if not all(part.startswith(("/", "~")) for part in parts):
+                raise ValueError(f"{value!r}: both paths must be absolute")
+        return values
 
 
 class Gpu(_Strict):
@@ -114,8 +159,26 @@ class Kit(_Strict):
     levers_off: list[str] = Field(default_factory=list)
     env_row: Literal["required", "none"] = "required"
     env_row_reason: str | None = None
-    jit_root: str | None = None
+    jit_root: str | None = Field(
+        None, description="The JIT cache (MODEL_OPT_JIT_ROOT); else $MODEL_OPT_JIT_ROOT, else one per provider."
+    )
+    model_opt: str | None = Field(
+        None, description="The kit tree (MODEL_OPT), for a kit installed without its checkout; "
+        "else $MODEL_OPT, else two levels above the kit's package directory."
+    )
     env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _names(cls, values: dict[str, str]) -> dict[str, str]:
+        return _variable_names(values)
+
+    @field_validator("jit_root", "model_opt")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("/", "~")):
+            raise ValueError(f"{value!r} must be an absolute path")
+        return value
 
     @model_validator(mode="after")
     def _named(self) -> Kit:
@@ -217,6 +280,8 @@ class Manifest(_Strict):
 
 def _field_path(location: tuple[Any, ...]) -> str:
     parts = [str(part) for part in location if not str(part).startswith(("function-", "tagged-union"))]
+    if parts[:2] in (["env", "venv"], ["env", "container"]):
+        del parts[1]  # the union's tag, not a key the file holds
     return ".".join(parts) or "(top level)"
 
 

@@ -24,7 +24,6 @@ WORKER_SIDE = {
     "RESIDENT_POOL_PROTOCOL": "absolute path of protocol.py, set for every worker",
     "RESIDENT_POOL_WORKER_BASE": "absolute path of worker_base.py, set for every worker",
     "RESIDENT_POOL_HEARTBEAT": "the file whose mtime the pool refreshes while it lives, set for every worker",
-    "RESIDENT_POOL_NO_CUBLAS_RELEASE": "1 turns off the cuBLAS workspace release after each prediction",
 }
 
 
@@ -59,6 +58,8 @@ class Settings(BaseSettings):
                                          "orphan_grace_s: a worker whose pool is gone exits after this long "
                                          "without a request")
     artifact_tail_lines: int = Field(20, ge=0, description="transcript lines in a Prefect failure artifact")
+    no_cublas_release: bool = Field(False, description="passed to workers: turns off the cuBLAS workspace release "
+                                    "after each prediction")
 
 
 def settings() -> Settings:

@@ -87,3 +87,47 @@ def test_an_unknown_slug_is_a_failure():
     done = run_check("nosuch", "--json")
     assert done.returncode == 1
     assert "no such manifest file" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def kit_pythons(tmp_path_factory):
+    """One throwaway venv per kit, made once for this module."""
+    from providers import make_kit_venv
+
+    made = {}
+
+    def make(kit, checkout=True):
+        if (kit, checkout) not in made:
+            made[kit, checkout] = make_kit_venv(tmp_path_factory.mktemp(kit) / "venv", kit, checkout=checkout)
+        return made[kit, checkout]
+
+    return make
+
+
+def _kit_provider(root, slug, python, kit_body):
+    write_provider(root, slug, f'[env]\npython = "{python}"\n[kit]\n{kit_body}', worker="toyworker.py")
+
+
+def test_check_applies_every_start_rule_and_names_the_one_broken(tmp_path, kit_pythons):
+    """Each of these providers fails at every start; check must say so, not exit 0."""
+    manifests = tmp_path / "manifests"
+    _kit_provider(manifests, "emptyrow", kit_pythons("emptykit_opt"), 'name = "emptykit"\nmode = "any"\n')
+    _kit_provider(manifests, "nomode", kit_pythons("nomodekit_opt"), 'name = "nomodekit"\nmode = "only"\n')
+    _kit_provider(manifests, "optless", kit_pythons("optlesskit_opt"), 'name = "optlesskit"\nmode = "route"\n')
+    _kit_provider(manifests, "sited", kit_pythons("toykit_opt", checkout=False), 'name = "toykit"\nmode = "fast"\n')
+    # Declared, so the worker gets it; the kit polices its namespace and refuses it at every start.
+    _kit_provider(manifests, "policed", kit_pythons("toykit_opt"),
+                  'name = "toykit"\nmode = "fast"\n[kit.env]\nTOYKIT_OPT_BOGUS = "1"\n')
+    _kit_provider(manifests, "good", kit_pythons("toykit_opt"), 'name = "toykit"\nmode = "fast"\n')
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_DATA_HOME": str(tmp_path / "data")}
+    done = run_check("--manifests", str(manifests), "--json", env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    kit = {row["slug"]: row for row in json.loads(done.stdout) if row["step"] == "kit"}
+    assert 'env_row = "none"' in kit["emptyrow"]["detail"]
+    assert 'mode = "subprocess"' in kit["nomode"]["detail"]
+    assert "launch_opts" in kit["optless"]["detail"]
+    assert "export MODEL_OPT or set [kit] model_opt" in kit["sited"]["detail"]
+    assert "REFUSED: undeclared variables TOYKIT_OPT_BOGUS" in kit["policed"]["detail"]
+    assert kit["good"]["ok"] and "toykit_opt-checkout" in kit["good"]["detail"], kit["good"]["detail"]
+    assert [slug for slug, row in kit.items() if not row["ok"]] == ["emptyrow", "nomode", "optless", "policed",
+                                                                   "sited"]
