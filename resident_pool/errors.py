@@ -15,6 +15,7 @@ from .exits import exit_hint
 __all__ = [
     "AdmissionRefused",
     "AdmissionTimeout",
+    "GoldenMismatch",
     "KitUnavailable",
     "ManifestError",
     "ResidentPoolError",
@@ -107,6 +108,12 @@ class WeightsMismatch(ResidentPoolError):
     default_reason = "weights_mismatch"
 
 
+class GoldenMismatch(ResidentPoolError):
+    """A smoke answer is off its expected answer, or a kit's answer off stock, beyond tolerance."""
+
+    default_reason = "golden_mismatch"
+
+
 class StateDirError(ResidentPoolError, PermissionError):
     """The state directory is not private to this user."""
 
@@ -122,6 +129,7 @@ _TYPES = {
         AdmissionTimeout,
         AdmissionRefused,
         KitUnavailable,
+        GoldenMismatch,
         ManifestError,
         StateDirError,
         WeightsMismatch,

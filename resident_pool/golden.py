@@ -51,7 +51,18 @@ class Tolerance:
             return expected == found
         return abs(found - expected) <= self.atol + self.rtol * abs(expected)
 
+    @property
+    def exact(self) -> bool:
+        return self.atol == 0 and self.rtol == 0 and self.cosine_min is None
+
+    @property
+    def beyond(self) -> str:
+        """How a mismatch is worded: a diff says "differs", a check "beyond the tolerance"."""
+        return "differ" if self.exact else "beyond the tolerance"
+
     def describe(self) -> str:
+        if self.exact:
+            return "exactly"
         words = f"atol {self.atol:g} + rtol {self.rtol:g} x |expected|"
         return words + (f", cosine >= {self.cosine_min:g}" if self.cosine_min is not None else "")
 
@@ -190,7 +201,8 @@ def compare(expected: Any, found: Any, tolerance: Tolerance, path: Path = ()) ->
     if _is_number(expected) and _is_number(found):
         if tolerance.allows(float(expected), float(found)):
             return []
-        return [Mismatch(where, f"beyond {tolerance.describe()}", expected, found, _deviation(expected, found))]
+        return [Mismatch(where, "differs" if tolerance.exact else "beyond the tolerance", expected, found,
+                         _deviation(expected, found))]
     if type(expected) is type(found) and expected == found:
         return []
     if isinstance(expected, list) and isinstance(found, str) and _matches(path, tolerance.float32_base64):
@@ -224,7 +236,7 @@ def _compare_vector(expected: list, found: list, tolerance: Tolerance, path: Pat
         worst = max(beyond, key=lambda i: _rank(_deviation(expected[i], found[i])))
         out.append(Mismatch(
             format_path((*path, worst)),
-            f"{len(beyond)} of {len(expected)} numbers beyond {tolerance.describe()}; the worst is this one",
+            f"{len(beyond)} of {len(expected)} numbers {tolerance.beyond}; the worst is this one",
             expected[worst], found[worst], _deviation(expected[worst], found[worst]),
         ))
     if tolerance.cosine_min is not None and len(expected) > 1:

@@ -29,7 +29,10 @@ def test_numbers_within_tolerance_pass_and_beyond_it_are_named_with_the_deviatio
     (miss,) = compare({"x": 1.0}, {"x": 1.01}, LOOSE)
     assert miss.path == "x" and miss.expected == 1.0 and miss.found == 1.01
     assert miss.deviation == pytest.approx(0.01)
-    assert "atol 0.0001 + rtol 0.001" in miss.describe()
+    assert miss.why == "beyond the tolerance"
+    assert LOOSE.describe() == "atol 0.0001 + rtol 0.001 x |expected|"
+    (diff,) = compare({"x": 1.0}, {"x": 1.0005}, EXACT)
+    assert diff.why == "differs" and EXACT.describe() == "exactly"
 
 
 def test_one_perturbed_element_of_a_vector_names_its_index_and_the_worst_deviation():
@@ -40,7 +43,7 @@ def test_one_perturbed_element_of_a_vector_names_its_index_and_the_worst_deviati
     (miss,) = compare(expected, found, LOOSE)
     assert miss.path == "items[0].embedding[17]"
     assert miss.deviation == pytest.approx(0.01)
-    assert "2 of 384 numbers beyond" in miss.why
+    assert miss.why == "2 of 384 numbers beyond the tolerance; the worst is this one"
     text = miss.describe()
     assert "items[0].embedding[17]" in text and "expected 0.05, found 0.06" in text and "deviation 0.01" in text
 
