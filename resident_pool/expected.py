@@ -24,6 +24,8 @@ __all__ = ["FORMAT", "bless", "expected_file", "read_expected", "tolerance", "ve
 
 FORMAT = 1
 MAX_BYTES = 64 * 1024 * 1024
+# Paths on the blessing machine: noise in a file that is committed and read on other hosts.
+_LOCAL = frozenset({"manifest.path", "env.executable"})
 
 
 def tolerance(manifest: Manifest) -> Tolerance:
@@ -108,7 +110,8 @@ def bless(manifest: Manifest, result: Any, provenance: dict[str, str], *, force:
     _write(path, {
         "format": FORMAT, "slug": slug, "payload": manifest.smoke.payload, "result": new,
         "blessed": {"at": datetime.now(UTC).isoformat(timespec="seconds"),
-                    "provenance": {k: v for k, v in provenance.items() if not k.endswith("transcript")}},
+                    "provenance": {k: v for k, v in provenance.items() if k not in _LOCAL and not k.endswith(
+                        "transcript")}},
     })
     data["written"] = True
     return f"wrote {path}: {heading}", data

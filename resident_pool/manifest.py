@@ -151,7 +151,9 @@ class Smoke(_Strict):
     @field_validator("expected")
     @classmethod
     def _beside_the_manifest(cls, value: str | None) -> str | None:
-        if value is not None and (Path(value).is_absolute() or ".." in Path(value).parts or not Path(value).name):
+        if value is None:
+            return value
+        if not value.strip() or value.endswith("/") or Path(value).is_absolute() or ".." in Path(value).parts:
             raise ValueError(f"{value!r} must be a file relative to the manifest, without '..'")
         return value
 
