@@ -139,6 +139,15 @@ def test_bless_needs_a_named_provider_and_an_expected_path(tmp_path):
     assert 'add expected = "smoke/expected.json" under [smoke]' in row["detail"]
 
 
+def test_a_failing_kit_stops_a_bless_so_no_answer_is_recorded(tmp_path):
+    write_provider(tmp_path, "kitless", '[smoke]\nexpected = "smoke/expected.json"\n[kit]\nname = "absent"\nmode = "x"\n')
+    done = run_check("--bless", "kitless", "--manifests", str(tmp_path), "--json")
+    assert done.returncode == 1
+    rows = {row["step"]: row for row in json.loads(done.stdout)}
+    assert not rows["kit"]["ok"] and rows["bless"]["skipped"]
+    assert not (tmp_path / "kitless" / "smoke").exists()
+
+
 def test_a_missing_expected_file_fails_smoke_saying_how_to_record_it(tmp_path):
     echo_copy(tmp_path)
     done = run_check("--smoke", "echo", "--manifests", str(tmp_path), "--json")

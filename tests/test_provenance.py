@@ -100,3 +100,12 @@ def test_columns_shorten_the_provenance_for_tables(values, kit):
     assert row["kit"] == kit
     assert row["environment"] == "CPython 3.11.7, torch 2.5.1 (CUDA 12.4 (torch build))"
     assert row["manifest"] == "abc" and row["host"] == "gpu-1" and row["gpu"] == "cpu (driver none)"
+
+
+def test_the_environment_probe_needs_nothing_but_the_standard_library(tmp_path):
+    # -I -S: no site-packages, no user site, not the current directory: as bare as a model's environment can be.
+    done = subprocess.run([sys.executable, "-I", "-S", ENV_PROBE_PATH, "torch"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=True)
+    (line,) = done.stdout.splitlines()
+    row = json.loads(line.removeprefix("ENVROW "))
+    assert row["packages"] == {"torch": None} and row["torch"] is None
