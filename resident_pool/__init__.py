@@ -6,6 +6,7 @@ from .client import Pool, Session
 from .errors import (
     AdmissionRefused,
     AdmissionTimeout,
+    GoldenMismatch,
     KitUnavailable,
     ManifestError,
     ResidentPoolError,
@@ -20,6 +21,7 @@ __all__ = [
     "EXIT_HINTS",
     "AdmissionRefused",
     "AdmissionTimeout",
+    "GoldenMismatch",
     "KitUnavailable",
     "ManifestError",
     "Pool",

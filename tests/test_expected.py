@@ -8,8 +8,7 @@ import os
 import pytest
 from providers import write_provider
 
-from resident_pool import ManifestError, ResidentPoolError
-from resident_pool.errors import GoldenMismatch
+from resident_pool import GoldenMismatch, ManifestError, ResidentPoolError
 from resident_pool.expected import bless, read_expected, verdict
 from resident_pool.manifest import load_manifest
 
