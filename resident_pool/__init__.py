@@ -8,6 +8,7 @@ from .client import Pool, Session
 from .errors import (
     AdmissionRefused,
     AdmissionTimeout,
+    GoldenMismatch,
     KitUnavailable,
     ManifestError,
     PoolStopping,
@@ -25,6 +26,7 @@ __all__ = [
     "EXIT_HINTS",
     "AdmissionRefused",
     "AdmissionTimeout",
+    "GoldenMismatch",
     "KitUnavailable",
     "ManifestError",
     "Pool",

@@ -15,6 +15,7 @@ from .exits import exit_hint
 __all__ = [
     "AdmissionRefused",
     "AdmissionTimeout",
+    "GoldenMismatch",
     "KitUnavailable",
     "ManifestError",
     "PoolStopping",
@@ -131,6 +132,12 @@ class SocketPathTooLong(ResidentPoolError, ValueError):
     default_reason = "socket_path_too_long"
 
 
+class GoldenMismatch(ResidentPoolError):
+    """A smoke answer is off its expected answer, or a kit's answer off stock, beyond tolerance."""
+
+    default_reason = "golden_mismatch"
+
+
 class StateDirError(ResidentPoolError, PermissionError):
     """The state directory is not private to this user."""
 
@@ -148,6 +155,7 @@ _TYPES = {
         AdmissionTimeout,
         AdmissionRefused,
         KitUnavailable,
+        GoldenMismatch,
         ManifestError,
         StateDirError,
         SocketPathTooLong,

@@ -70,7 +70,7 @@ def passthrough_env(
     return {name: None for name in environ if name not in kept and not name.startswith("RESIDENT_POOL_")}
 
 
-def container_name(slug: str, replica: int) -> str:
+def container_name(slug: str, replica: int | str) -> str:
     """A name for one start: a stopped container's name may linger in the engine a while."""
     return f"resident-pool-{slug}-{replica}-{secrets.token_hex(4)}"
 

@@ -194,7 +194,45 @@ class Kit(_Strict):
 
 
 class Smoke(_Strict):
+    """What `resident-pool check --smoke` sends, and the answer it must get back."""
+
     payload: dict[str, Any] = Field(default_factory=dict)
+    expected: str | None = Field(
+        None, description='The expected answer, relative to the manifest (e.g. "smoke/expected.json"); '
+        "recorded with `resident-pool check --bless SLUG`. Unset: any answer passes.",
+    )
+    atol: float = Field(1e-5, ge=0, description="Absolute tolerance for every number.")
+    rtol: float = Field(1e-4, ge=0, description="Relative tolerance: |found - expected| <= atol + rtol * |expected|.")
+    cosine_min: float | None = Field(
+        None, ge=-1, le=1, description="For lists of numbers (embeddings): the cosine similarity floor, "
+        "checked besides atol and rtol.",
+    )
+    ignore: list[str] = Field(
+        default_factory=lambda: ["pid", "device", "elapsed*", "cublas_workspaces_freed_mib"],
+        description="Fields that vary between runs and are neither recorded nor compared: a name matches at "
+        'any depth, a dotted path from the top ("items.*.tokens"); * globs. Setting it replaces the default.',
+    )
+    float32_base64: list[str] = Field(
+        default_factory=lambda: ["*_f32"],
+        description="Fields holding little-endian float32 arrays in base64, compared as numbers.",
+    )
+
+    @field_validator("expected")
+    @classmethod
+    def _beside_the_manifest(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.strip() or value.endswith("/") or Path(value).is_absolute() or ".." in Path(value).parts:
+            raise ValueError(f"{value!r} must be a file relative to the manifest, without '..'")
+        return value
+
+    @field_validator("ignore", "float32_base64")
+    @classmethod
+    def _patterns(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if not value.strip(".[]* "):
+                raise ValueError(f"{value!r} matches every field; name the field")
+        return values
 
 
 class Manifest(_Strict):

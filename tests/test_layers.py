@@ -13,18 +13,19 @@ PACKAGE = Path(resident_pool.__file__).parent
 
 # Bottom to top. A module may import only from its own layer or below.
 LAYERS = [
-    {"states", "exits", "protocol", "procs", "version", "worker_base", "kit_probe"},
+    {"states", "exits", "protocol", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden"},
     {"errors"},
     {"settings"},
     {"paths", "transcripts", "manifest", "breaker", "replica"},
-    {"worker_process", "weights", "exec_env", "admission", "campaign"},
+    {"worker_process", "weights", "exec_env", "admission", "campaign", "expected"},
     {"supervisor", "kit", "client"},
+    {"provenance"},
     {"launch"},
     {"pool", "check"},
     {"cli", "prefect", "__init__", "__main__"},
 ]
 # Standard library only: loaded by path inside the model's own environment.
-STANDALONE = {"protocol", "worker_base", "kit_probe"}
+STANDALONE = {"protocol", "worker_base", "kit_probe", "env_probe"}
 
 
 def _layer(module: str) -> int:

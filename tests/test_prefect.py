@@ -20,7 +20,7 @@ from prefect.client.schemas.filters import (
     LogFilterTaskRunId,
 )
 from prefect.task_runners import ThreadPoolTaskRunner
-from providers import write_provider
+from providers import make_kit_venv, write_provider
 
 from resident_pool import Pool, WorkerStartError
 from resident_pool.prefect import failure_artifact_key, predict, retry_pool_failures
@@ -172,6 +172,37 @@ def test_the_validation_flow_fails_on_an_altered_pin_and_passes_restored(pool_di
     assert row["result"] == "FAILED" and digest in row["detail"]
     (weights / "model.bin").write_bytes(b"weights" * 100)
     assert validate(manifests=str(pool_dir), return_state=True).is_completed()
+
+
+def test_the_validation_flow_against_stock_fails_naming_each_failed_step_with_provenance(pool_dir, tmp_path,
+                                                                                        monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    python = make_kit_venv(tmp_path / "venv", "driftkit_opt", "toykit_opt")
+    for slug, kit in (("drifting", 'name = "driftkit"\nmode = "fast"\n'), ("faithful", 'name = "toykit"\nmode = "fast"\n')):
+        write_provider(pool_dir, slug, f'[env]\npython = "{python}"\n[smoke]\npayload = {{ x = 21 }}\n[kit]\n{kit}',
+                       worker="toyworker.py")
+    shutil.copytree(ROOT / "manifests" / "echo", pool_dir / "echo")
+    from validate import validate
+
+    state = validate(manifests=str(pool_dir), smoke=True, against_stock=True, return_state=True)
+    assert state.is_failed()
+    assert "drifting against-stock: drifting: the kit (mode fast) changes the answer" in str(state.message)
+    assert "faithful" not in str(state.message) and "echo" not in str(state.message)
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    (artifact,) = [a for a in artifacts if a.key == "resident-pool-validation"]
+    assert artifact.description.endswith("1 failed step(s): drifting against-stock")
+    rows = {(r["provider"], r["step"]): r for r in json.loads(artifact.data)}
+    failed = rows[("drifting", "against-stock")]
+    assert failed["result"] == "FAILED" and "stock 42, kit 42.42" in failed["detail"]
+    assert failed["kit"] == "driftkit_opt 0.3 mode fast, jit key driftkit-0.3-cpu-py311; stock: kit mode off"
+    from resident_pool.manifest import load_manifest
+
+    assert failed["manifest"] == load_manifest(pool_dir / "drifting" / "manifest.toml").fingerprint()
+    assert failed["gpu"].startswith("cpu") and failed["host"] == os.uname().nodename
+    assert rows[("faithful", "against-stock")]["result"] == "ok"
+    assert rows[("echo", "against-stock")]["result"] == "skipped" and rows[("echo", "smoke")]["result"] == "ok"
 
 
 @task

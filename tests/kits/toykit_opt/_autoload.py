@@ -28,7 +28,9 @@ class _Patcher:
 
         def exec_module(module):
             original(module)
-            module.PATCHED_BY = f"toykit_opt:{MODE}"
+            module.PATCHED_BY = f"toykit_opt:{MODE}"  # a patch that leaves the numbers as they were
+            sys.stderr.write(f"toykit_opt: ACTIVE (patched toymodel, mode {MODE})\n")
+            sys.stderr.flush()
 
         spec.loader.exec_module = exec_module
         return spec
