@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Annotated
@@ -30,6 +31,14 @@ ManifestsOption = Annotated[
         "--manifests", help="Folder of <slug>/manifest.toml (default: $RESIDENT_POOL_MANIFESTS, else ./manifests)."
     ),
 ]
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def safe(value: object) -> str:
+    """Text from a worker, a transcript or a payload: no rich markup, no terminal control characters."""
+    return escape(_CONTROL.sub("", str(value)))
 
 
 def manifests_dir(option: Path | None) -> Path:
@@ -142,7 +151,7 @@ def status(
         if as_json:
             typer.echo(json.dumps({"pool": None, "workers": [], "error": str(exc)}))
         else:
-            console.print(str(exc))
+            console.print(safe(exc))
         raise typer.Exit(0) from None
     if as_json:
         typer.echo(json.dumps(state, indent=2))
@@ -161,19 +170,19 @@ def status(
             f"{lease['age_s']:g} s" + (f" ({', '.join(lease['holder'].values())})" if lease["holder"] else ""))
         if not worker.get("current", True):
             row["version"] = f"{worker['version']} (old)"
-        table.add_row(*("" if row[c] is None else str(row[c]) for c in columns))
+        table.add_row(*("" if row[c] is None else safe(row[c]) for c in columns))
     if state["workers"]:
         console.print(table)
     else:
         console.print(f"resident-pool (pid {state['pool']['pid']}): no workers held; the next request starts one")
     if state["waiting"]:
-        console.print("waiting: " + "; ".join(json.dumps(w) for w in state["waiting"]))
+        console.print("waiting: " + safe("; ".join(json.dumps(w) for w in state["waiting"])))
     for slug, breaker in state["breakers"].items():
         console.print(f"[red]breaker[/] {slug}: {'open' if breaker['open'] else 'closed'} "
-                      f"({breaker['failures']} failed starts, {breaker['refused']} refused): {breaker['error']}")
+                      f"({breaker['failures']} failed starts, {breaker['refused']} refused): {safe(breaker['error'])}")
     for slug, provider in state.get("providers", {}).items():
         if provider.get("last_error"):
-            console.print(f"last error of {slug}: {provider['last_error']}")
+            console.print(f"last error of {slug}: {safe(provider['last_error'])}")
 
 
 @app.command()
@@ -195,7 +204,7 @@ def predict(
         with _pool(manifests) as pool:
             result = pool.predict(slug, payload)
     except ResidentPoolError as exc:
-        console.print(f"[red]{type(exc).__name__}[/]: {exc}")
+        console.print(f"[red]{type(exc).__name__}[/]: {safe(exc)}")
         raise typer.Exit(1) from None
     typer.echo(json.dumps(result))
 
@@ -214,7 +223,7 @@ def stop(
         with _pool(manifests, start=False) as pool:
             stopped = pool.stop(None if all_ else slug, now=now)
     except ResidentPoolError as exc:
-        console.print(str(exc))
+        console.print(safe(exc))
         raise typer.Exit(0) from None
     console.print("stopped: " + (", ".join(stopped) or "nothing was running"))
 
@@ -235,7 +244,7 @@ def logs(
     newest = transcripts[-1]
     typer.echo(f"==> {newest} <==")
     for line in read_tail(newest, tail):
-        typer.echo(line)
+        typer.echo(_CONTROL.sub("", line))
 
 
 def main() -> None:

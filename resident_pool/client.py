@@ -21,7 +21,7 @@ from filelock import FileLock
 
 from . import paths
 from .errors import RequestTimeout, ResidentPoolError, WorkerRequestError, error_from_dict
-from .protocol import ProtocolError, connect, recv_line, send_line
+from .protocol import PeerError, ProtocolError, connect, recv_line, send_line
 from .settings import settings
 from .version import __version__
 
@@ -119,6 +119,8 @@ class Pool:
     def _open(self) -> socket.socket:
         try:
             return connect(self.socket_path)
+        except PeerError as exc:
+            raise ResidentPoolError(str(exc), reason="peer_not_you") from None
         except (FileNotFoundError, ConnectionRefusedError):
             if not self.start:
                 raise ResidentPoolError(
@@ -323,6 +325,9 @@ class Session:
             reply = recv_line(sock, buf)
             if reply is None:
                 raise ConnectionResetError("the worker closed the connection without a reply")
+        except PeerError as exc:
+            self.release()
+            raise ResidentPoolError(f"{self.slug}: {exc}", slug=self.slug, reason="peer_not_you") from None
         except TimeoutError as exc:
             self._forget_worker()
             self._end("timeout", {})

@@ -14,7 +14,8 @@ from .errors import ManifestError, WorkerStartError
 from .manifest import ContainerEnv, Manifest, VenvEnv
 
 __all__ = [
-    "ESSENTIAL_VARIABLES",
+    "BASE_PREFIXES",
+    "BASE_VARIABLES",
     "Bind",
     "container_name",
     "engine_controls",
@@ -24,8 +25,10 @@ __all__ = [
     "wrap",
 ]
 
-# What any interpreter needs to start, kept even under a passthrough allow-list.
-ESSENTIAL_VARIABLES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ"})
+# The fixed base every worker gets from the pool's environment; anything else only when a
+# manifest names it. What a worker sees must not depend on which client started the pool.
+BASE_VARIABLES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "TMPDIR", "TZ", "LD_LIBRARY_PATH"})
+BASE_PREFIXES = ("LC_", "XDG_", "CUDA_", "NVIDIA_", "RESIDENT_POOL_")
 # Engine variables a pool may have in its own environment; they would be injected into every container.
 _ENGINE_PREFIXES = ("APPTAINERENV_", "SINGULARITYENV_")
 
@@ -61,13 +64,16 @@ def interpreter(manifest: Manifest) -> str:
 
 
 def passthrough_env(
-    allowed: Sequence[str] | None, environ: Mapping[str, str], keep: Sequence[str] = ()
+    allowed: Sequence[str] | str | None, environ: Mapping[str, str], keep: Sequence[str] = ()
 ) -> dict[str, None]:
-    """Names of ``environ`` to remove so only ``allowed`` (and essentials) reach a venv worker."""
-    if allowed is None:
+    """Names of ``environ`` to remove so a venv worker gets the fixed base, ``allowed`` and ``keep`` only.
+
+    ``allowed == "*"`` keeps everything: an explicit opt-in in the manifest.
+    """
+    if allowed == "*":
         return {}
-    kept = set(allowed) | ESSENTIAL_VARIABLES | set(keep)
-    return {name: None for name in environ if name not in kept and not name.startswith("RESIDENT_POOL_")}
+    kept = BASE_VARIABLES | set(allowed or ()) | set(keep)
+    return {name: None for name in environ if name not in kept and not name.startswith(BASE_PREFIXES)}
 
 
 def container_name(slug: str, replica: int | str) -> str:

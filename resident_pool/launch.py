@@ -17,11 +17,13 @@ from pathlib import Path
 
 from . import kit as kits
 from . import paths
+from .errors import ManifestError
 from .exec_env import Bind, container_name, engine_controls, interpreter, passthrough_env, wrap
 from .kit import KitRow, apply_row, jit_root, kit_env, run_probe
 from .manifest import Manifest, VenvEnv
 from .settings import settings
 from .supervisor import Admitter, BuildCommand, ResidentWorker
+from .trust import check_trusted
 from .weights import HashCache, WeightsReport, verify_weights
 from .worker_process import PROTOCOL_PATH, WORKER_BASE_PATH, Launch
 
@@ -105,8 +107,19 @@ def work_root(manifest: Manifest, environ: Mapping[str, str] | None = None) -> P
     else:
         base = environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
         root = Path(base) / "resident-pool" / "work" / manifest.slug
-    root.mkdir(parents=True, exist_ok=True)
-    return root
+    return _own_folder(root, "work_root", manifest)
+
+
+def _own_folder(path: Path, what: str, manifest: Manifest) -> Path:
+    """A folder a worker writes and reads back: made 0700 when new, refused when another user could write it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise ManifestError(f"{manifest.path}: {what} {path} cannot be created: {exc.strerror}",
+                            slug=manifest.slug, details={"field": what}) from None
+    check_trusted(path, what, manifest.slug, what)
+    return path
 
 
 @dataclass(frozen=True)
@@ -154,7 +167,8 @@ class LaunchPlan:
         if venv:
             env.update(passthrough_env(manifest.env.passthrough, environ, keep=[root_env] if root_env else []))
         else:
-            env.update({n: environ[n] for n in manifest.env.passthrough or () if n in environ})
+            named = environ if manifest.env.passthrough == "*" else manifest.env.passthrough or ()
+            env.update({n: environ[n] for n in named if n in environ})
         env["RESIDENT_POOL_PROTOCOL"] = PROTOCOL_PATH
         env["RESIDENT_POOL_WORKER_BASE"] = WORKER_BASE_PATH
         # The worker's own side, passed on by name (a container gets nothing unnamed).
@@ -171,8 +185,7 @@ class LaunchPlan:
             env[root_env] = str(root)
         jit = None
         if manifest.kit is not None:
-            jit = jit_root(manifest, environ)
-            jit.mkdir(parents=True, exist_ok=True)
+            jit = _own_folder(jit_root(manifest, environ), "the JIT cache", manifest)  # compiled kernels are code
             env.update(kit_env(manifest, environ, jit))
 
         run_dir = str(Path(socket_path).parent)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ManifestError
 from .protocol import DEFAULT_REQUEST_TIMEOUT_S
+from .trust import check_trusted
 
 __all__ = [
     "PLACEHOLDERS",
@@ -25,12 +26,15 @@ __all__ = [
 ]
 
 PLACEHOLDERS = frozenset({"socket", "slug", "weights_root", "python", "kit", "work_root"})
-SLUG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
+# fullmatch: "$" alone would let a trailing newline through.
+SLUG = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
 # A variable name: `--env A=B` would set a value the manifest never showed as one.
 VARIABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def _variable_names(names):
+    if names == "*":
+        return names
     for name in names or ():
         if not VARIABLE.match(name):
             raise ValueError(f"{name!r} is not an environment variable name (letters, digits, '_')")
@@ -46,15 +50,16 @@ class VenvEnv(_Strict):
 
     kind: Literal["venv"] = "venv"
     python: str = Field("auto", description='Interpreter path, or "auto" for the pool\'s own.')
-    passthrough: list[str] | None = Field(
+    passthrough: list[str] | Literal["*"] | None = Field(
         None,
-        description="If set, only these variables of the pool's environment reach the worker "
-        "(plus what the pool and the kit set); secrets elsewhere in the environment stay behind.",
+        description="Variables of the pool's environment that reach the worker beside the fixed base (PATH, "
+        "HOME, LANG/LC_*, TMPDIR, USER, LD_LIBRARY_PATH, XDG_*, CUDA_*/NVIDIA_*, RESIDENT_POOL_*); \"*\" "
+        "passes everything, an explicit opt-in. A secret no manifest names reaches no worker.",
     )
 
     @field_validator("passthrough")
     @classmethod
-    def _names(cls, values: list[str] | None) -> list[str] | None:
+    def _names(cls, values):
         return _variable_names(values)
 
 
@@ -266,7 +271,7 @@ class Manifest(_Strict):
     @field_validator("slug")
     @classmethod
     def _slug(cls, value: str) -> str:
-        if not SLUG.match(value):
+        if not SLUG.fullmatch(value):
             raise ValueError(f"{value!r} must be lowercase letters, digits, '-' or '_', at most 40 characters")
         return value
 
@@ -326,6 +331,13 @@ def _field_path(location: tuple[Any, ...]) -> str:
 def load_manifest(path: str | Path) -> Manifest:
     """Read and validate one manifest; any problem is a ManifestError naming file and field."""
     path = Path(path)
+    if not path.exists():
+        raise ManifestError(f"{path}: no such manifest file")
+    # Whoever can write these can run code as you: check before reading a byte.
+    check_trusted(path, "the manifest")
+    check_trusted(path.parent, "the provider's folder")
+    if path.name == "manifest.toml":
+        check_trusted(path.parent.parent, "the manifests folder")
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -353,6 +365,9 @@ def load_manifest(path: str | Path) -> Manifest:
             slug=manifest.slug,
             details={"field": "worker"},
         )
+    check_trusted(manifest.worker_path, "the worker script", manifest.slug, "worker")
+    if manifest.worker_path.parent != path.parent.resolve():
+        check_trusted(manifest.worker_path.parent, "the worker script's folder", manifest.slug, "worker")
     if manifest.slug != path.parent.name and path.name == "manifest.toml":
         raise ManifestError(
             f"{path}: slug: {manifest.slug!r} differs from its folder {path.parent.name!r}; "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from pathlib import Path
 
 from .errors import StateDirError
@@ -16,6 +17,9 @@ POOL_SOCKET = "pool.sock"
 
 def state_dir() -> Path:
     """The per-user state directory, created 0700 and checked to be private."""
+    if sys.platform != "linux":
+        raise StateDirError(f"resident-pool runs on Linux only (this is {sys.platform}): it relies on AF_UNIX "
+                            "peer credentials (SO_PEERCRED) and /proc to know who is on each end")
     configured = settings().state_dir
     if configured:
         path = configured
@@ -23,7 +27,20 @@ def state_dir() -> Path:
         path = xdg_dir("runtime") / "resident-pool"
     else:
         path = xdg_dir("runtime") / f"resident-pool-{os.getuid()}"
+        if _squatted(path):
+            # The temp folder is shared: another user made this name first. Clients and the pool
+            # all come here by the same rule, so they still meet, in a folder only this user owns.
+            path = xdg_dir("state") / "resident-pool" / "run"
     return ensure_private_dir(path, "state directory", "RESIDENT_POOL_STATE_DIR")
+
+
+def _squatted(path: Path) -> bool:
+    """Whether ``path`` exists as something this user did not make (another's folder, a link)."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return False
+    return info.st_uid != os.getuid() or stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode)
 
 
 def pool_socket(state: Path | None = None) -> str:

@@ -27,6 +27,7 @@ from . import paths
 from .admission import Admission, Ledger, read_devices
 from .breaker import Breaker
 from .errors import (
+    AdmissionTimeout,
     ManifestError,
     PoolStopping,
     ResidentPoolError,
@@ -102,6 +103,7 @@ class PoolServer:
         self.quiet_exit_s = config.quiet_exit_s if quiet_exit_s is None else quiet_exit_s
         self.breaker_cooldown_s = config.breaker_cooldown_s
         self.drain_grace_s = config.drain_grace_s
+        self.max_connections = config.max_connections
         self.ledger = Ledger(self.state_dir / "ledger.json", audit=config.ledger_audit)
         self.admission = Admission(self.ledger, evict=self._evict_idle, on_wait=self._report_wait,
                                    cancelled=self._client_gone, headroom_gb=config.gpu_headroom_gb)
@@ -162,7 +164,22 @@ class PoolServer:
 
     def _spawn_client_thread(self, conn: socket.socket) -> None:
         with self.lock:
-            self.connections += 1
+            full = self.connections >= self.max_connections
+            if not full:
+                self.connections += 1
+        if full:
+            # One thread and a buffer each: a flood of connections must not take the pool's memory.
+            error = ResidentPoolError(
+                f"the pool serves at most {self.max_connections} connections at once "
+                "(RESIDENT_POOL_MAX_CONNECTIONS); close idle clients, or raise the setting",
+                reason="too_many_connections")
+            try:
+                conn.settimeout(1.0)
+                send_line(conn, {"ok": False, "reason": error.reason, "error": error.to_dict()})
+            except OSError:
+                pass  # it did not wait to hear why
+            conn.close()
+            return
         try:
             threading.Thread(target=self._serve_client, args=(conn,), daemon=True).start()
         except RuntimeError as exc:  # no thread to be had: refuse this one connection, keep serving
@@ -260,7 +277,7 @@ class PoolServer:
 
     def _op_acquire(self, message: dict[str, Any], connection: _Connection) -> dict[str, Any]:
         slug = message.get("slug")
-        if not isinstance(slug, str) or not SLUG.match(slug):
+        if not isinstance(slug, str) or not SLUG.fullmatch(slug):
             raise ResidentPoolError(f"provider name {slug!r} is not a slug: lowercase letters, digits, '-' "
                                     "or '_', at most 40 characters", reason="bad_request")
         manifests = message.get("manifests")
@@ -355,6 +372,7 @@ class PoolServer:
                 raise self._breaker_error(provider)
             provider.queue.append(ticket)
             provider.waiters[ticket] = waiter = threading.Condition(self.lock)
+            arrived = time.monotonic()
             try:
                 while True:
                     if self.draining:
@@ -365,6 +383,9 @@ class PoolServer:
                     if self._client_gone():  # its place in the queue must not hold up the rest
                         raise ResidentPoolError(f"{slug}: the client waiting for a replica went away",
                                                 slug=slug, reason="client_gone")
+                    waited = time.monotonic() - arrived
+                    if waited >= provider.manifest.lifecycle.admission_timeout_s:
+                        raise self._replica_timeout(provider, waited)
                     waiter.wait(_TICK_S)
             finally:
                 provider.queue.remove(ticket)
@@ -465,6 +486,16 @@ class PoolServer:
         original.args = (original.message,)
         original.details["breaker"] = {"failures": breaker.failures, "open_s": round(left, 1)}
         return original
+
+    def _replica_timeout(self, provider: _Provider, waited: float) -> AdmissionTimeout:
+        lifecycle = provider.manifest.lifecycle
+        held = [f"{r.name} {r.state}" + (f" for {', '.join(r.lease.holder.values())}" if r.lease and r.lease.holder
+                                         else "") for r in provider.replicas.values()]
+        return AdmissionTimeout(
+            f"{provider.slug}: waited {waited:.0f} s (admission_timeout_s = {lifecycle.admission_timeout_s:g}) for "
+            f"a free replica; max_replicas = {lifecycle.max_replicas}, held: {'; '.join(held) or 'none'}; raise "
+            "max_replicas or admission_timeout_s, or stop a holder (`resident-pool stop "
+            f"{provider.slug}`)", slug=provider.slug, details={"waited_s": round(waited, 1), "held": held})
 
     def _stopping_error(self) -> PoolStopping:
         return PoolStopping(f"the pool (pid {os.getpid()}) is stopping; the client retries with the next pool")

@@ -8,6 +8,7 @@ module keeps only a client per process (and per manifests folder).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -87,24 +88,57 @@ def _one_line(error: ResidentPoolError) -> str:
     return "; ".join(parts)
 
 
+# Enough to stop emphasis, links, images, code, tables, headings and HTML; paths stay readable.
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]#!|~>])")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def _escape(text: str) -> str:
+    """Text from a worker (its error can quote the input) shown as text, never as markdown or HTML."""
+    text = _CONTROL.sub("", text).replace("&", "&amp;").replace("<", "&lt;")
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", text)
+
+
+def _fence(lines: list[str]) -> str:
+    """A code fence longer than any run of backticks in ``lines``, so no line can close it."""
+    longest = max((len(run) for line in lines for run in re.findall(r"`+", line)), default=0)
+    return "`" * max(3, longest + 1)
+
+
+def _readable_transcript(path: str) -> Path | None:
+    """The transcript if it lies inside the log directory; a reply naming any other file is not read."""
+    try:
+        resolved = Path(path).resolve()
+        return resolved if resolved.is_relative_to(paths.log_dir().resolve()) else None
+    except (OSError, ResidentPoolError):
+        return None
+
+
 def _markdown(error: ResidentPoolError, tail_lines: int) -> str:
     rows = [
         ("provider", error.slug or "?"),
         ("reason", error.reason),
         ("exit code", "" if error.exit_code is None else str(error.exit_code)),
         ("exit hint", error.hint or ""),
-        ("transcript", f"`{error.transcript}`" if error.transcript else ""),
+        ("transcript", error.transcript or ""),
         ("host", socket.gethostname()),
         ("error", type(error).__name__),
     ]
-    table = "\n".join(f"| {name} | {value.replace('|', '/')} |" for name, value in rows)
+    table = "\n".join(f"| {name} | {_escape(value)} |" for name, value in rows)
     tail = error.transcript_tail[-tail_lines:]
+    note = ""
     if not tail and error.transcript:
-        tail = read_tail(error.transcript, tail_lines)
-    message = error.headline
-    text = f"## resident-pool: {error.slug} failed\n\n{message}\n\n| | |\n|---|---|\n{table}\n"
+        readable = _readable_transcript(error.transcript)
+        if readable is None:
+            note = "\n(the transcript named is outside the log directory, so it was not read)\n"
+        else:
+            tail = read_tail(readable, tail_lines)
+    tail = [_CONTROL.sub("", line) for line in tail]
+    text = (f"## resident-pool: {_escape(error.slug or '?')} failed\n\n{_escape(error.headline)}\n\n"
+            f"| | |\n|---|---|\n{table}\n{note}")
     if tail:
-        text += "\n### Last lines of the transcript\n\n```\n" + "\n".join(tail) + "\n```\n"
+        fence = _fence(tail)
+        text += f"\n### Last lines of the transcript\n\n{fence}\n" + "\n".join(tail) + f"\n{fence}\n"
     return text
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import stat
+import struct
 from typing import Any
 
 __all__ = [
@@ -18,11 +19,13 @@ __all__ = [
     "CONNECT_TIMEOUT_S",
     "DEFAULT_REQUEST_TIMEOUT_S",
     "MAX_LINE_BYTES",
+    "PeerError",
     "ProtocolError",
     "SocketPathError",
     "check_socket_path",
     "connect",
     "encode_line",
+    "peer_uid",
     "pop_line",
     "recv_line",
     "send_line",
@@ -167,12 +170,30 @@ def bind_unix(path: str | os.PathLike[str], backlog: int = 64) -> socket.socket:
     return listener
 
 
+class PeerError(ConnectionError):
+    """The process serving a socket is not who it must be (another user's)."""
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected AF_UNIX socket (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
 def connect(path: str | os.PathLike[str], timeout: float = CONNECT_TIMEOUT_S) -> socket.socket:
-    """Connect to a worker or pool socket; ``timeout`` bounds the connect only."""
+    """Connect to a worker or pool socket served by this user; ``timeout`` bounds the connect only.
+
+    The peer is checked before a byte is sent: a socket swapped in by another user (a state
+    directory under a folder others can write) gets nothing, not even a hello.
+    """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
         sock.connect(check_socket_path(path))
+        uid = peer_uid(sock)
+        if uid != os.getuid():
+            raise PeerError(f"{os.fspath(path)} is served by uid {uid}, not by you (uid {os.getuid()}); "
+                            "refusing to talk to it: check who can write its folder")
     except BaseException:
         sock.close()
         raise

@@ -52,6 +52,8 @@ class Settings(BaseSettings):
     drain_grace_s: float = Field(60.0, ge=0, description="on SIGTERM or `stop`, how long leased requests may "
                                  "finish before their workers are stopped; keep it below the unit's "
                                  "TimeoutStopSec")
+    max_connections: int = Field(256, ge=4, description="connections the pool serves at once; one over it is "
+                                 "told so and closed")
     heartbeat_stale_s: float = Field(30.0, gt=0, description="passed to workers: a heartbeat older than "
                                      "this means the pool is gone (the pool refreshes it every 2 s)")
     orphan_grace_s: float | None = Field(None, gt=0, description="passed to workers, overriding each manifest's "

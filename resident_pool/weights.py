@@ -11,8 +11,9 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from .errors import WeightsMismatch
+from .errors import StateDirError, WeightsMismatch
 from .settings import settings, xdg_dir
+from .trust import check_trusted
 
 __all__ = ["HashCache", "WeightsMismatch", "WeightsReport", "verify_weights"]
 
@@ -24,9 +25,11 @@ def _cache_dir() -> Path:
 
 
 class HashCache:
-    """sha256 of files keyed by (path, size, mtime), shared by every process of this user.
+    """sha256 of files keyed by (device, inode, size, mtime, ctime), shared by every process of this user.
 
-    A 10 GB checkpoint takes about a minute to hash; an unchanged file is not re-read.
+    A 10 GB checkpoint takes about a minute to hash; an unchanged file is not re-read. ctime
+    is in the key because nobody can set it: a file swapped at the same size with its mtime
+    put back still has a new ctime (and usually a new inode), so it is hashed again.
     """
 
     def __init__(self, path: Path | None = None) -> None:
@@ -43,22 +46,25 @@ class HashCache:
         return self._entries
 
     def sha256(self, path: Path) -> str:
-        info = path.stat()
-        key = str(path.resolve())
-        entry = self._load().get(key)
-        if entry and entry.get("size") == info.st_size and entry.get("mtime_ns") == info.st_mtime_ns:
-            return entry["sha256"]
-        digest = hashlib.sha256()
         with open(path, "rb") as handle:
+            info = os.fstat(handle.fileno())  # the key and the bytes come from the same open file
+            key = str(path.resolve())
+            identity = [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
+            entry = self._load().get(key)
+            if entry and entry.get("identity") == identity:
+                return entry["sha256"]
+            digest = hashlib.sha256()
             while block := handle.read(_BLOCK):
                 digest.update(block)
         self.reads += 1
         value = digest.hexdigest()
-        self._store(key, {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "sha256": value})
+        self._store(key, {"identity": identity, "sha256": value})
         return value
 
     def _store(self, key: str, entry: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # A poisoned entry would pass swapped weights: the folder must be this user's alone to write.
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_trusted(self.path.parent, "the hash cache folder (RESIDENT_POOL_CACHE_DIR)", error=StateDirError)
         with FileLock(str(self.path) + ".lock"):
             try:
                 current = json.loads(self.path.read_text())
@@ -109,12 +115,16 @@ def verify_weights(
         report.problems.append(f"{what}; {root_hint}" if root_hint else what)
         return report
     cache = cache or HashCache()
+    check_trusted(root, "the weights directory", slug, "weights")
     for pin in files:
         path = root / pin.path
         report.checked += 1
         if not path.is_file():
             report.problems.append(f"{pin.path} is missing (expected {pin.size} bytes, sha256 {pin.sha256})")
             continue
+        if path.parent != root:
+            check_trusted(path.parent, "a folder of pinned weights", slug, "weights")
+        check_trusted(path, "a pinned weights file", slug, "weights")  # a pickle in there is code
         size = path.stat().st_size
         if size != pin.size:
             report.problems.append(f"{pin.path} is {size} bytes, {pin.size} expected")

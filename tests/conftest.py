@@ -121,10 +121,81 @@ def reliability_row():
     return record
 
 
+SECURITY_ROWS: list[dict] = []
+
+
+@pytest.fixture
+def security_row():
+    """Record a row of the security block `make reliability` prints: the attack, its outcome, what it got."""
+
+    def record(attack, outcome, got="nothing"):
+        SECURITY_ROWS.append({"attack": attack, "outcome": outcome, "got": got})
+
+    return record
+
+
+# Unique per run, removed at the end of the session.
+OTHER_USER = f"rp-x{os.getpid()}"
+# The system interpreter: root's pyenv under /root is not reachable by another user, by design.
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@pytest.fixture(scope="session")
+def other_user():
+    """A second real local user, made with useradd, to act as the attacker."""
+    import shutil
+    import subprocess
+
+    if os.getuid() != 0 or not shutil.which("useradd") or not shutil.which("setpriv") or not os.path.exists(
+            SYSTEM_PYTHON):
+        pytest.skip("needs root, useradd, setpriv and /usr/bin/python3 to act as another user")
+    made = subprocess.run(["id", OTHER_USER], capture_output=True, check=False).returncode != 0
+    if made:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER], check=True)
+    yield OTHER_USER
+    if made:
+        subprocess.run(["userdel", OTHER_USER], capture_output=True, check=False)
+
+
+@pytest.fixture
+def engines(tmp_path, monkeypatch, request):
+    """Stand-in container engines first on PATH; fails the test if a container is left running.
+
+    Parametrized indirectly with False: path checks alone, as on a machine where no
+    mount namespace can be made (they also catch a variable naming an unmounted path).
+    """
+    import json
+
+    from engines import standin
+
+    from resident_pool.procs import pid_alive
+
+    state = tmp_path / "engine"
+    isolate = getattr(request, "param", True)
+    standin.install(tmp_path / "engine-bin", state, isolate=isolate)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'engine-bin'}:{os.environ['PATH']}")
+    if isolate and not standin.can_isolate():
+        print("stand-in engines check paths only: no mount namespace can be made here (not root)")
+    yield state
+    left = {}
+    for entry in (state / "containers").glob("*") if (state / "containers").exists() else []:
+        held = json.loads(entry.read_text() or "{}")
+        if held.get("pid") and pid_alive(held["pid"]):
+            left[entry.name] = held["pid"]
+            os.kill(held["pid"], signal.SIGKILL)
+    assert not left, f"containers left running: {left}"
+
+
 def pytest_terminal_summary(terminalreporter):
+    write = terminalreporter.write_line
+    if SECURITY_ROWS:
+        write("")
+        write("security: each attack tried, as another local user, a hostile input or payload, or a container")
+        write(f"{'attack':<58} {'what the attacker got':<22} outcome")
+        for row in SECURITY_ROWS:
+            write(f"{row['attack']:<58} {row['got']:<22} {row['outcome']}")
     if not RELIABILITY_ROWS:
         return
-    write = terminalreporter.write_line
     write("")
     write("reliability: every fault and input class tried (a leaked process fails its test)")
     write(f"{'fault or load':<46} {'lost':>5} {'leaked':>7}  what the caller saw / figures")

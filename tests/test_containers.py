@@ -34,29 +34,6 @@ ENGINES = ["docker", "podman", "apptainer"]
 IMAGE_PYTHON = "/usr/bin/python3"
 
 
-@pytest.fixture
-def engines(tmp_path, monkeypatch, request):
-    """Stand-in engines first on PATH; fails the test if a container is left running.
-
-    Parametrized indirectly with False: path checks alone, as on a machine where no
-    mount namespace can be made (they also catch a variable naming an unmounted path).
-    """
-    state = tmp_path / "engine"
-    isolate = getattr(request, "param", True)
-    standin.install(tmp_path / "engine-bin", state, isolate=isolate)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'engine-bin'}:{os.environ['PATH']}")
-    if isolate and not standin.can_isolate():
-        print("stand-in engines check paths only: no mount namespace can be made here (not root)")
-    yield state
-    left = {}
-    for entry in (state / "containers").glob("*") if (state / "containers").exists() else []:
-        held = json.loads(entry.read_text() or "{}")
-        if held.get("pid") and pid_alive(held["pid"]):
-            left[entry.name] = held["pid"]
-            os.kill(held["pid"], signal.SIGKILL)
-    assert not left, f"containers left running: {left}"
-
-
 def _image_env(engine: str, extra: str = "") -> str:
     return (f'[env]\nkind = "container"\nengine = "{engine}"\nimage = "standin/py:3"\n'
             f'python = "{IMAGE_PYTHON}"\n{extra}')

@@ -31,10 +31,16 @@ def test_compose_file_passes_docker_compose_config():
     if compose is None:
         pytest.skip("docker-compose is not installed here (Debian package docker-compose; .ci/run installs it)")
     done = subprocess.run([compose, "-f", str(INFRA / "compose" / "docker-compose.yml"), "config"],
-                          env={**os.environ, "PREFECT_DB_PASSWORD": "check-only"}, capture_output=True, text=True,
+                          env={**os.environ, "PREFECT_DB_PASSWORD": "check-only",
+                               "PREFECT_SERVER_API_AUTH_STRING": "ops:check-only"}, capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert "postgresql+asyncpg://prefect:check-only@postgres:5432/prefect" in done.stdout
+    assert "127.0.0.1" in done.stdout and "ops:check-only" in done.stdout  # loopback unless told, never open
+    unauthenticated = subprocess.run([compose, "-f", str(INFRA / "compose" / "docker-compose.yml"), "config"],
+                                     env={**os.environ, "PREFECT_DB_PASSWORD": "check-only"}, capture_output=True,
+                                     text=True, timeout=60, check=False)
+    assert unauthenticated.returncode != 0 and "PREFECT_SERVER_API_AUTH_STRING" in unauthenticated.stderr
 
 
 def test_the_ci_workflow_is_a_valid_github_actions_workflow():

@@ -16,6 +16,7 @@ LAYERS = [
     {"states", "exits", "protocol", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden"},
     {"errors"},
     {"settings"},
+    {"trust"},
     {"paths", "transcripts", "manifest", "breaker", "replica"},
     {"worker_process", "weights", "exec_env", "admission", "campaign", "expected"},
     {"supervisor", "kit", "client"},

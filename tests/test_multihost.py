@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,8 @@ def test_three_hosts_each_start_the_provider_once_and_a_killed_host_loses_nothin
     inputs = tmp_path / "inputs.jsonl"
     inputs.write_text("".join(json.dumps({"id": f"s{n}", "sequence": "MKV" * (1 + n % 9)}) + "\n" for n in range(600)))
     output = tmp_path / "out.jsonl"
-    hosts = tmp_path / "hosts"
+    # Short, like the runtime folders real hosts use: a worker's socket path must fit AF_UNIX's 107 bytes.
+    hosts = Path(tempfile.mkdtemp(prefix="rp-hosts-"))
     scheduler_file = tmp_path / "scheduler.json"
     procs = []
     try:

@@ -1,0 +1,542 @@
+"""Trust boundaries: each test is an attack, tried as another local user, a hostile input or a container.
+
+Trusted: the user who runs the pool. Not trusted: other local users, campaign inputs, payloads,
+anything inside a container. Each attack must get nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from helpers import wait_until
+from providers import write_provider
+
+from resident_pool import ManifestError, Pool, ResidentPoolError, paths
+from resident_pool.procs import pid_alive
+from resident_pool.protocol import recv_line, send_line
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.reliability  # `make reliability` prints the security block
+
+
+def copy_echo(manifests: Path) -> Path:
+    shutil.copytree(ROOT / "manifests" / "echo", manifests / "echo")
+    return manifests / "echo"
+
+
+def _pool_pid(state: str) -> int:
+    return int(Path(state, "pool.pid").read_text())
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads line")
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS line")
+
+
+# -- 1. code from the folder a client runs in ----------------------------------------------------
+
+CLIENT_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from resident_pool import Pool
+    with Pool() as pool:
+        print(json.dumps(pool.predict("echo", {"from": "a shared folder"})))
+    """
+)
+
+
+def test_modules_planted_in_the_clients_folder_never_run_in_the_pool(pool_dir, tmp_path, security_row):
+    copy_echo(pool_dir)
+    shared = tmp_path / "shared-project"
+    (shared / "resident_pool").mkdir(parents=True)
+    marker = tmp_path / "pwned"
+    plant = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\n"
+    for name in ("typer.py", "filelock.py", "rich.py", "resident_pool/__init__.py"):
+        (shared / name).write_text(plant)
+    script = tmp_path / "flow.py"  # the flow lives elsewhere; only the working directory is the shared one
+    script.write_text(CLIENT_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], cwd=shared, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["echo"] == {"from": "a shared folder"}
+    assert not marker.exists(), f"planted code ran: {marker.read_text()}"
+    security_row("typer.py / filelock.py / resident_pool/ planted in the client's folder",
+                 "the pool starts with -P from its state directory: nothing there is importable")
+
+
+def _shared_folder(tmp_path: Path, name: str, mode: int = 0o777) -> Path:
+    """A folder another user can reach: pytest's own temp folders are 0700."""
+    base = Path(tempfile.mkdtemp(prefix="rp-shared-"))
+    os.chmod(base, 0o755)
+    (tmp_path / f"{name}.link").symlink_to(base)  # so the test's own temp folder records where it went
+    folder = base / name
+    folder.mkdir()
+    os.chmod(folder, mode)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _remove_shared_folders(tmp_path):
+    yield
+    for link in tmp_path.glob("*.link"):
+        shutil.rmtree(link.resolve(), ignore_errors=True)
+
+
+def _as(user: str, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv],
+                          capture_output=True, text=True, timeout=30, check=False)
+
+
+def test_a_worker_script_another_user_can_write_is_refused_naming_the_fix(pool_dir, other_user, security_row):
+    folder = copy_echo(pool_dir)
+    info = pwd.getpwnam(other_user)
+    os.chown(folder / "worker.py", info.pw_uid, info.pw_gid)  # the other user's worker.py, in our manifests
+    with Pool() as pool:
+        with pytest.raises(ManifestError, match=r"worker\.py") as owned:
+            pool.predict("echo", {"secret": "HF_TOKEN"})
+        assert f"owned by uid {info.pw_uid}" in str(owned.value) and "chown" in str(owned.value)
+        os.chown(folder / "worker.py", os.getuid(), os.getgid())
+        os.chmod(folder / "manifest.toml", 0o666)  # anyone may rewrite what it runs
+        with pytest.raises(ManifestError, match=r"manifest\.toml") as writable:
+            pool.predict("echo", {})
+        assert "chmod go-w" in str(writable.value)
+        os.chmod(folder / "manifest.toml", 0o644)
+        os.chmod(pool_dir, 0o777)  # anyone may add a provider, or replace one
+        with pytest.raises(ManifestError, match="chmod go-w") as folder_error:
+            pool.predict("echo", {})
+        assert str(pool_dir) in str(folder_error.value)
+        os.chmod(pool_dir, 0o755)
+        assert pool.predict("echo", {"n": 1})["echo"] == {"n": 1}  # fixed as the message says, it serves
+    security_row("another user's worker script / a group- or world-writable manifest or folder",
+                 "ManifestError naming the file and the chown/chmod that fixes it; nothing ran")
+
+
+def test_pinned_weights_another_user_can_write_are_refused_but_a_root_owned_store_is_used(tmp_path, other_user):
+    from resident_pool.launch import check_weights
+    from resident_pool.manifest import load_manifest
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "w.bin").write_bytes(b"weights")
+    import hashlib
+
+    digest = hashlib.sha256(b"weights").hexdigest()
+    manifest = load_manifest(write_provider(tmp_path / "m", "pinned", f'[weights]\nroot = "{store}"\n'
+                                            f'[[weights.files]]\npath = "w.bin"\nsha256 = "{digest}"\nsize = 7\n'))
+    assert check_weights(manifest).ok  # root-owned (this test runs as root), read-only to others: usable
+    info = pwd.getpwnam(other_user)
+    os.chown(store / "w.bin", info.pw_uid, info.pw_gid)
+    with pytest.raises(ManifestError, match=r"w\.bin.*chown"):
+        check_weights(manifest)
+    os.chown(store / "w.bin", 0, 0)
+    os.chmod(store, 0o777)
+    with pytest.raises(ManifestError, match="chmod go-w"):
+        check_weights(manifest)
+
+
+# -- 2. a process inside a container ----------------------------------------------------------------
+
+def test_a_container_sees_its_own_socket_folder_not_the_pools(engines, pool_dir, isolated_dirs, security_row):
+    from providers import WORKERS
+
+    folder = pool_dir / "boxed"
+    folder.mkdir()
+    shutil.copy(WORKERS / "inside.py", folder / "worker.py")
+    (folder / "manifest.toml").write_text(
+        'slug = "boxed"\nworker = "worker.py"\n[env]\nkind = "container"\nengine = "docker"\n'
+        'image = "standin/py:3"\npython = "/usr/bin/python3"\n')
+    copy_echo(pool_dir)
+    state = Path(isolated_dirs["state"])
+    with Pool() as pool:
+        pool.predict("echo", {})
+        echo_socket = next(w["socket"] for w in pool.status()["workers"] if w["slug"] == "echo")
+        secrets = [str(state / "pool.sock"), str(state / "ledger.json"), echo_socket, str(pool_dir / "echo")]
+        seen = pool.predict("boxed", {"action": "exists", "paths": secrets})
+        own = next(w["socket"] for w in pool.status()["workers"] if w["slug"] == "boxed")
+        assert seen == dict.fromkeys(secrets, False)
+        assert pool.predict("boxed", {"action": "exists", "paths": [own]}) == {own: True}
+    security_row("a process inside a container reaching for the pool socket, ledger, other workers",
+                 "only its own run folder is mounted; none of them exist in there")
+
+
+# -- 3. provider names that are paths -------------------------------------------------------------
+
+def test_a_provider_name_is_a_slug_never_a_path(pool_dir, tmp_path, security_row):
+    copy_echo(pool_dir)
+    elsewhere = tmp_path / "elsewhere" / "manifests"
+    copy_echo(elsewhere)
+    with Pool() as pool:
+        real = pool.predict("echo", {})["pid"]
+        for name in ("../elsewhere/manifests/echo", "echo/../echo", "/etc", "ECHO", "echo\n"):
+            with pytest.raises(ResidentPoolError, match="not a slug") as info:
+                pool.predict(name, {})
+            assert info.value.reason == "bad_request"
+        with Pool(manifests=elsewhere) as impostor, pytest.raises(ManifestError) as clash:
+            impostor.predict("echo", {})
+        assert str(pool_dir) in str(clash.value) and str(elsewhere) in str(clash.value)
+        assert pool.predict("echo", {})["pid"] == real  # the real echo kept its socket and its clients
+    security_row("provider name ../../x/manifests/echo; the same slug from another folder",
+                 "refused as not a slug; one slug is served from one folder")
+
+
+# -- 4. secrets in the environment of whoever started the pool ---------------------------------------
+
+SECRET_CLIENT = textwrap.dedent(
+    """
+    import json, sys
+    from resident_pool import Pool
+    with Pool() as pool:
+        print(json.dumps(pool.predict(sys.argv[1], {"action": "env"})["env"]))
+    """
+)
+
+
+def test_a_secret_of_the_client_that_started_the_pool_reaches_no_worker(pool_dir, security_row):
+    write_provider(pool_dir, "plain", "")
+    write_provider(pool_dir, "named", '[env]\npassthrough = ["HF_TOKEN"]\n')
+    env = {**os.environ, "PREFECT_API_KEY": "pnu_client_a", "HF_TOKEN": "hf_client_a", "AWS_SECRET_ACCESS_KEY": "x"}
+    started = subprocess.run([sys.executable, "-c", SECRET_CLIENT, "plain"], env=env, capture_output=True, text=True,
+                             timeout=120, check=True)
+    seen = json.loads(started.stdout)  # the worker's environment, in the pool client A started
+    assert not {"PREFECT_API_KEY", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY"} & set(seen)
+    assert seen["PATH"] and seen["HOME"] and seen["RESIDENT_POOL_TEST_TAG"]  # the fixed base still reaches it
+    named = json.loads(subprocess.run([sys.executable, "-c", SECRET_CLIENT, "named"], capture_output=True, text=True,
+                                      timeout=120, check=True).stdout)
+    assert named["HF_TOKEN"] == "hf_client_a"  # named by its manifest: read from the pool's environment
+    assert "PREFECT_API_KEY" not in named
+    security_row("PREFECT_API_KEY / HF_TOKEN in the environment of the client that started the pool",
+                 "a fixed base plus each manifest's passthrough; unnamed secrets reach no worker")
+
+
+# -- 5. pinned weights swapped at the same size -----------------------------------------------------------
+
+def test_a_weight_swapped_at_the_same_size_with_its_mtime_put_back_is_caught(tmp_path, monkeypatch, security_row):
+    import hashlib
+
+    from resident_pool.launch import check_weights
+    from resident_pool.manifest import load_manifest
+    from resident_pool.weights import HashCache
+
+    monkeypatch.setenv("RESIDENT_POOL_CACHE_DIR", str(tmp_path / "cache"))
+    store = tmp_path / "store"
+    store.mkdir()
+    pickle_file = store / "ccd.pkl"
+    pickle_file.write_bytes(b"honest weights!")
+    digest = hashlib.sha256(b"honest weights!").hexdigest()
+    manifest = load_manifest(write_provider(tmp_path / "m", "pinned", f'[weights]\nroot = "{store}"\n'
+                                            f'[[weights.files]]\npath = "ccd.pkl"\nsha256 = "{digest}"\nsize = 15\n'))
+    assert check_weights(manifest, cache=HashCache()).ok  # hashed once, remembered
+    before = pickle_file.stat()
+    pickle_file.write_bytes(b"evil __reduce__")  # same size
+    os.utime(pickle_file, ns=(before.st_atime_ns, before.st_mtime_ns))  # mtime put back
+    assert pickle_file.stat().st_size == before.st_size and pickle_file.stat().st_mtime_ns == before.st_mtime_ns
+    report = check_weights(manifest, cache=HashCache())
+    assert not report.ok and "ccd.pkl sha256" in report.problems[0]
+    security_row("a pinned pickle swapped at the same size, its mtime put back",
+                 "the hash cache keys on device, inode, size, mtime and ctime: re-hashed, refused")
+
+
+# -- 7. a connection flood under a low descriptor limit -----------------------------------------------------
+
+FLOOD_STARTER = textwrap.dedent(
+    """
+    import json, resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))  # the pool it starts inherits the low limit
+    from resident_pool import Pool
+    with Pool() as pool:
+        print(json.dumps(pool.predict("echo", {})["pid"]))
+    """
+)
+
+
+def test_a_connection_flood_neither_kills_the_pool_nor_its_warm_workers(pool_dir, isolated_dirs, security_row):
+    copy_echo(pool_dir)
+    worker = json.loads(subprocess.run([sys.executable, "-c", FLOOD_STARTER], capture_output=True, text=True,
+                                       timeout=120, check=True).stdout)
+    pool_pid = _pool_pid(isolated_dirs["state"])
+    flood = []
+    try:
+        for _ in range(300):  # far past the pool's 64 descriptors
+            sock = socket.socket(socket.AF_UNIX)
+            sock.settimeout(5)
+            try:
+                sock.connect(os.path.join(isolated_dirs["state"], "pool.sock"))
+            except OSError:
+                sock.close()
+                continue
+            flood.append(sock)
+        pool_log = Path(isolated_dirs["logs"]) / "pool.log"
+        wait_until(lambda: "accept failed" in pool_log.read_text(), timeout=30,
+                   message="the pool to run out of descriptors")
+        assert pid_alive(pool_pid)
+    finally:
+        for sock in flood:
+            sock.close()
+    with Pool() as pool:
+        answer = wait_until(lambda: _try_predict(pool), timeout=30, message="the pool to serve again")
+    assert answer["pid"] == worker and pid_alive(pool_pid)
+    security_row("300 connections against a pool limited to 64 descriptors",
+                 "accept errors backed off, over-cap connections told the cap; the same warm worker serves after")
+
+
+def _try_predict(pool: Pool):
+    try:
+        return pool.predict("echo", {"after": "flood"})
+    except (OSError, ResidentPoolError):
+        pool.close()
+        return None
+
+
+# -- 8. a malformed or foreign release ------------------------------------------------------------------------
+
+def _raw(state: str) -> tuple[socket.socket, bytearray]:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(30)
+    sock.connect(os.path.join(state, "pool.sock"))
+    buf = bytearray()
+    send_line(sock, {"op": "hello", "version": __import__("resident_pool").__version__})
+    assert recv_line(sock, buf)["ok"]
+    return sock, buf
+
+
+def test_a_malformed_or_foreign_release_changes_nothing(pool_dir, isolated_dirs, security_row):
+    write_provider(pool_dir, "solo", "[lifecycle]\nadmission_timeout_s = 2\n")
+    with Pool() as pool:
+        pool.predict("solo", {"action": "echo"})
+        holder, hbuf = _raw(isolated_dirs["state"])
+        send_line(holder, {"op": "acquire", "slug": "solo", "manifests": str(pool_dir)})
+        lease = recv_line(holder, hbuf)["lease"]
+        for bad in ({"lease": lease, "served": "many"}, {"lease": str(lease)}, {"lease": lease, "outcome": "gone"},
+                    {"lease": lease, "reply": "not a dict", "outcome": "exiting"}):
+            send_line(holder, {"op": "release", **bad})
+            reply = recv_line(holder, hbuf)
+            assert not reply["ok"] and reply["reason"] == "bad_request", (bad, reply)
+        thief, tbuf = _raw(isolated_dirs["state"])
+        send_line(thief, {"op": "release", "lease": lease, "outcome": "broken"})
+        assert recv_line(thief, tbuf)["reason"] == "bad_request"
+        (worker,) = pool.status()["workers"]
+        assert worker["state"] == "leased" and worker["lease"]["id"] == lease  # still the holder's
+        started = time.monotonic()
+        with pytest.raises(ResidentPoolError, match="waited") as waited:  # replica waits have a deadline
+            pool.predict("solo", {"action": "echo"})
+        assert waited.value.reason == "admission_timeout" and time.monotonic() - started < 15
+        send_line(holder, {"op": "release", "lease": lease, "outcome": "ok", "served": 0})
+        assert pool.predict("solo", {"action": "echo"})["echo"] is None  # the rightful release frees it
+        holder.close()
+        thief.close()
+    security_row("a release with bad fields; a release of someone else's lease",
+                 "bad_request before any change; the lease stays its holder's; waits end at their deadline")
+
+
+# -- 9. markdown and rich markup in what a worker prints -----------------------------------------------------
+
+def test_markdown_in_an_error_or_a_transcript_cannot_escape_its_artifact(tmp_path, security_row):
+    from resident_pool.errors import WorkerRequestError
+    from resident_pool.prefect import _markdown
+
+    tail = ["normal line", "```", "# Click here", "[login](https://evil.example/steal)", "````` and more"]
+    error = WorkerRequestError("demo: request failed: <img src=x onerror=alert(1)> **bold** | pipe",
+                               slug="demo", transcript=str(tmp_path / "t.log"), transcript_tail=tail)
+    text = _markdown(error, 20)
+    fence = next(line for line in text.splitlines() if line.startswith("`") and set(line) == {"`"})
+    assert len(fence) > 5  # longer than any run of backticks inside the tail
+    body = text.split(fence)[1]
+    assert "[login](https://evil.example/steal)" in body  # verbatim, inside the fence: inert
+    outside = text.replace(body, "")
+    assert "<img" not in outside and "**bold**" not in outside and "\\*\\*bold\\*\\*" in outside
+    security_row("markdown, HTML and a closing fence in an error or a transcript line",
+                 "escaped outside, verbatim inside a fence longer than any backtick run in it")
+
+
+def test_rich_markup_in_a_transcript_line_does_not_break_status_or_predict(pool_dir, tmp_path):
+    write_provider(pool_dir, "loud", "")
+    env = {**os.environ, "COLUMNS": "300"}
+    with Pool() as pool:
+        pool.predict("loud", {"action": "echo"})
+        with pytest.raises(ResidentPoolError):
+            pool.predict("loud", {"action": "raise", "message": "[/model] [bold red]x\x1b[2J\x07"})
+    status = subprocess.run([sys.executable, "-m", "resident_pool", "status"], env=env, capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert status.returncode == 0, status.stderr
+    failed = subprocess.run([sys.executable, "-m", "resident_pool", "predict", "loud", "--json",
+                             json.dumps({"action": "raise", "message": "[/model] \x1b[2J"})], env=env,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert failed.returncode == 1 and "MarkupError" not in failed.stderr + failed.stdout
+    assert "[/model]" in failed.stdout + failed.stderr and "\x1b" not in failed.stdout + failed.stderr
+
+
+# -- 10. peers that are not who they seem --------------------------------------------------------------------
+
+FAKE_POOL = textwrap.dedent(
+    """
+    import os, socket, sys
+    uid = int(sys.argv[2])
+    os.setgid(uid); os.setuid(uid)  # before listen(): the socket's peer credentials are this user's
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(sys.argv[1]); os.chmod(sys.argv[1], 0o777); server.listen(8)
+    print("ready", flush=True)
+    while True:
+        conn, _ = server.accept()
+        data = conn.recv(65536)
+        with open(sys.argv[3], "ab") as stolen:
+            stolen.write(data)
+        conn.sendall(b'{"ok": true, "version": "%s", "idle": false, "draining": false, "pid": 1}\\n' % sys.argv[4].encode())
+    """
+)
+
+
+def test_a_socket_served_by_another_user_is_never_spoken_to(isolated_dirs, tmp_path, other_user, security_row):
+    import resident_pool
+
+    info = pwd.getpwnam(other_user)
+    drop = _shared_folder(tmp_path, "drop")  # where the other user can make a socket
+    stolen = drop / "stolen"
+    stolen.touch()
+    os.chmod(stolen, 0o666)
+    fake = subprocess.Popen([sys.executable, "-c", FAKE_POOL, str(drop / "pool.sock"), str(info.pw_uid), str(stolen),
+                             resident_pool.__version__], stdout=subprocess.PIPE, text=True)
+    try:
+        assert fake.stdout.readline().strip() == "ready"
+        # The state directory passed its check, then the socket inside it was swapped (a TOCTOU).
+        os.rename(drop / "pool.sock", paths.state_dir() / "pool.sock")
+        with Pool(start=False) as pool, pytest.raises(ResidentPoolError, match=f"uid {info.pw_uid}") as info_error:
+            pool.status()
+        assert info_error.value.reason == "peer_not_you"
+        assert stolen.read_bytes() == b""  # not even the hello was sent
+    finally:
+        fake.kill()
+        fake.wait()
+    security_row("a pool socket served by another user (swapped in after the directory check)",
+                 "SO_PEERCRED checked on every connect: refused before a byte was sent")
+
+
+def test_a_transcript_path_outside_the_log_directory_is_never_read(tmp_path, security_row):
+    from resident_pool.errors import WorkerStartError
+    from resident_pool.prefect import _markdown
+
+    secret = tmp_path / "id_rsa"
+    secret.write_text("-----BEGIN PRIVATE KEY-----\nsecret")
+    error = WorkerStartError("demo: the worker exited", slug="demo", transcript=str(secret))
+    text = _markdown(error, 20)
+    assert "PRIVATE KEY" not in text and "outside the log directory" in text
+    security_row("a reply naming ~/.ssh/id_rsa as its transcript", "not read: transcripts only from the log directory")
+
+
+# -- 11. same-user exhaustion -----------------------------------------------------------------------------------
+
+def test_idle_connections_and_unterminated_lines_cannot_exhaust_the_pool(pool_dir, isolated_dirs, monkeypatch,
+                                                                        security_row):
+    """RESIDENT_POOL_MAX_CONNECTIONS = 32 so the cap is reached within the test."""
+    monkeypatch.setenv("RESIDENT_POOL_MAX_CONNECTIONS", "32")
+    copy_echo(pool_dir)
+    with Pool() as pool:
+        pool.predict("echo", {})
+        pool_pid = _pool_pid(isolated_dirs["state"])
+        rss = _rss_mb(pool_pid)
+        idle = []
+        try:
+            for _ in range(60):
+                sock = socket.socket(socket.AF_UNIX)
+                sock.settimeout(10)
+                sock.connect(pool.socket_path)
+                idle.append(sock)
+            refused = [sock for sock in idle if _told_the_cap(sock)]
+            assert len(refused) >= 60 - 32
+            assert _threads(pool_pid) <= 32 + 8
+            for sock in idle[:4]:  # four unterminated lines of 2 MiB: over the control line cap
+                try:
+                    sock.sendall(b"x" * (2 * 1024 * 1024))
+                except OSError:
+                    pass  # closed on us: as it should be
+            assert _rss_mb(pool_pid) - rss < 20
+        finally:
+            for sock in idle:
+                sock.close()
+        assert pool.predict("echo", {"n": 1})["echo"] == {"n": 1}
+    security_row("60 idle connections; four 2 MiB unterminated lines",
+                 "connections over RESIDENT_POOL_MAX_CONNECTIONS told the cap and closed; lines over 1 MiB dropped")
+
+
+def _told_the_cap(sock: socket.socket) -> bool:
+    sock.settimeout(0.5)
+    try:
+        reply = recv_line(sock, bytearray())
+    except (TimeoutError, OSError):
+        return False
+    return bool(reply) and reply.get("reason") == "too_many_connections"
+
+
+def test_a_client_that_never_reads_does_not_stall_the_worker_for_others(pool_dir, security_row):
+    write_provider(pool_dir, "shared", "")
+    with Pool() as pool:
+        pool.predict("shared", {"action": "echo"})
+        (worker,) = pool.status()["workers"]
+        greedy = socket.socket(socket.AF_UNIX)
+        greedy.connect(worker["socket"])
+        for n in range(8):  # replies of 4 MiB each it never reads
+            send_line(greedy, {"op": "predict", "id": n, "payload": {"action": "big", "bytes": 4 * 1024 * 1024}})
+        wait_until(lambda: Path(worker["transcript"]).read_text().count("action big") >= 2, timeout=30,
+                   message="the worker to be past its first unread reply")
+        started = time.monotonic()
+        assert pool.predict("shared", {"action": "echo", "value": 1})["echo"] == 1
+        assert time.monotonic() - started < 5
+        greedy.close()
+    security_row("a client that sends requests and never reads the replies",
+                 "its replies wait in its own buffer; others are served at once")
+
+
+# -- 12. smaller ones -----------------------------------------------------------------------------------------------
+
+def test_a_squatted_default_state_folder_does_not_stop_the_pool(tmp_path, monkeypatch, other_user, security_row):
+    from resident_pool import paths
+
+    monkeypatch.delenv("RESIDENT_POOL_STATE_DIR", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    shared_tmp = _shared_folder(tmp_path, "tmp", 0o1777)  # a /tmp of our own, as open as the real one
+    monkeypatch.setenv("TMPDIR", str(shared_tmp))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    squat = shared_tmp / f"resident-pool-{os.getuid()}"
+    _as(other_user, "mkdir", "-m", "700", str(squat))  # the other user got there first
+    assert squat.is_dir() and squat.stat().st_uid == pwd.getpwnam(other_user).pw_uid
+    chosen = paths.state_dir()
+    assert chosen != squat and chosen.stat().st_uid == os.getuid() and str(tmp_path / "home") in str(chosen)
+    security_row("another user squats /tmp/resident-pool-<uid> first",
+                 "refused, and the pool uses a private folder under $HOME instead")
+
+
+def test_work_jit_and_cache_folders_are_private_and_outputs_keep_the_umask(tmp_path, monkeypatch):
+    from resident_pool.launch import LaunchPlan
+    from resident_pool.manifest import load_manifest
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    manifest = load_manifest(copy_echo(tmp_path / "m") / "manifest.toml")
+    plan = LaunchPlan.resolve(manifest, str(tmp_path / "w.sock"))
+    assert oct(plan.work_root.stat().st_mode & 0o777) == oct(0o700)
+
+
+def test_the_compose_file_binds_to_an_internal_interface_with_an_auth_string():
+    compose = (ROOT / "infra" / "compose" / "docker-compose.yml").read_text()
+    assert "0.0.0.0:4200" not in compose and '"${PREFECT_BIND_ADDRESS:-127.0.0.1}:4200:4200"' in compose
+    assert "${PREFECT_SERVER_API_AUTH_STRING:?" in compose  # compose refuses to start without one
