@@ -14,22 +14,21 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from . import expected, paths
+from . import expected
+from .client import Pool
 from .errors import GoldenMismatch, KitUnavailable, ResidentPoolError
 from .exec_env import interpreter
 from .golden import compare, summary
-from .kit import KitRow, stray_variables
-from .launch import check_weights, command_builder, plan_launch
+from .kit import KitRow
+from .launch import check_weights, plan_launch
 from .manifest import Manifest, VenvEnv, load_manifest
 from .provenance import environment, gpu, host, own_version
-from .supervisor import ResidentWorker
 from .weights import HashCache
-from .worker_process import Launch
 
 __all__ = ["DECLARED", "SmokeRun", "StepResult", "Variant", "check_providers", "junit_xml", "run_smoke"]
 
@@ -66,24 +65,22 @@ def _run(slug: str, step: str, action) -> StepResult:
 class Variant:
     """Which build of a provider answers a smoke run: as declared, or stock (its kit off, or no kit).
 
-    A variant is never a new version of the production provider: its worker is
-    a replica of its own, so running it drains nothing.
+    A variant is never a new version of the production provider: the pool keeps
+    it apart (``slug~stock``), with replicas of its own, so running it drains nothing.
     """
 
     name: str = "declared"
-    replica: int = 99  # standalone replicas no pool hands out
     kit_mode: str | None = None  # the kit runs in this mode instead of the manifest's
     without_kit: bool = False  # the worker runs plainly, the kit's variables removed
-    unset: tuple[str, ...] = ()
 
     def manifest(self, manifest: Manifest) -> Manifest:
-        if manifest.kit is None:
-            return manifest
-        if self.without_kit:
-            return manifest.model_copy(update={"kit": None})
-        if self.kit_mode is not None:
-            return manifest.model_copy(update={"kit": manifest.kit.model_copy(update={"mode": self.kit_mode})})
-        return manifest
+        return manifest.variant(self.kit_mode, self.without_kit)
+
+    def wire(self) -> dict[str, Any] | None:
+        """How the pool is told which build to run (None: the provider as declared)."""
+        if self.name == DECLARED_NAME:
+            return None
+        return {"name": self.name, "kit_mode": self.kit_mode, "without_kit": self.without_kit}
 
     def describe(self, manifest: Manifest) -> str:
         if manifest.kit is None:
@@ -93,14 +90,15 @@ class Variant:
         return f"kit mode {self.kit_mode or manifest.kit.mode}"
 
 
+DECLARED_NAME = "declared"
 DECLARED = Variant()
 
 
 def stock_variant(manifest: Manifest, row: KitRow) -> Variant:
     """Stock: the kit's own ``off`` mode where its MODES lists one, else the worker without the kit."""
     if "off" in (row.modes or []):
-        return Variant("stock", replica=98, kit_mode="off")
-    return Variant("stock", replica=98, without_kit=True, unset=(row.mode_env,) if row.mode_env else ())
+        return Variant("stock", kit_mode="off")
+    return Variant("stock", without_kit=True)
 
 
 class SmokeRun(NamedTuple):
@@ -109,28 +107,19 @@ class SmokeRun(NamedTuple):
 
 
 def run_smoke(manifest: Manifest, payload: Any, variant: Variant = DECLARED) -> SmokeRun:
-    """Answer ``payload`` on a fresh worker of ``manifest`` built as ``variant``; the worker is stopped after."""
-    target = variant.manifest(manifest)
-    build = command_builder(target)
+    """Answer ``payload`` through this host's pool, on ``manifest``'s provider built as ``variant``.
 
-    def build_variant(worker: ResidentWorker) -> Launch:
-        launch = build(worker)
-        if variant.without_kit and manifest.kit is not None:
-            env = dict(launch.env)
-            env.update(stray_variables(manifest.kit.package_name, os.environ, set()))
-            env.update(dict.fromkeys(variant.unset))
-            launch = replace(launch, env=env)
-        return launch
-
-    lifecycle = target.lifecycle
-    worker = ResidentWorker(target.slug, build_variant, start_timeout_s=lifecycle.start_timeout_s,
-                            request_timeout_s=lifecycle.request_timeout_s, manifest=target,
-                            replica=variant.replica, state_dir=paths.state_dir())
-    try:
-        result = worker.request(payload)
-    finally:
-        worker.close()
-    return SmokeRun(result, worker.transcript)
+    Through the pool, so a smoke run is admitted against the same GPU ledger as everything
+    else: it waits for its budget, and a budget no device holds fails with AdmissionRefused.
+    A stock variant's worker is stopped after; the declared one stays warm like any other.
+    """
+    with Pool(manifests=manifest.directory.parent) as pool:
+        with pool.session(manifest.slug, variant=variant.wire()) as session:
+            result = session.predict(payload)
+            transcript = Path(session.transcript) if session.transcript else None
+        if variant.wire() is not None:
+            pool.stop(f"{manifest.slug}~{variant.name}", now=True)
+    return SmokeRun(result, transcript)
 
 
 def kit_says(transcript: Path | None, package: str) -> tuple[str | None, str]:

@@ -222,17 +222,23 @@ class Pool:
             return worker.predict(payload)
 
     @contextmanager
-    def session(self, slug: str) -> Iterator[Session]:
-        """Hold one worker of ``slug`` for a batch; others wait for a replica meanwhile."""
-        lease = self._acquire(slug)
+    def session(self, slug: str, variant: dict[str, Any] | None = None) -> Iterator[Session]:
+        """Hold one worker of ``slug`` for a batch; others wait for a replica meanwhile.
+
+        ``variant`` (``{"name": "stock", "kit_mode": "off"}`` or ``{"name": "stock", "without_kit":
+        True}``) asks for the provider built another way, as ``resident-pool check --against-stock`` does.
+        """
+        lease = self._acquire(slug, variant)
         session = Session(self, lease)
         try:
             yield session
         finally:
             session.release()
 
-    def _acquire(self, slug: str) -> dict[str, Any]:
+    def _acquire(self, slug: str, variant: dict[str, Any] | None = None) -> dict[str, Any]:
         message: dict[str, Any] = {"op": "acquire", "slug": slug, "manifests": str(self.manifests)}
+        if variant:
+            message["variant"] = variant
         if self.holder:
             message["holder"] = self.holder
         attempts = 3

@@ -301,6 +301,16 @@ class Manifest(_Strict):
     def worker_path(self) -> Path:
         return (self.directory / self.worker).resolve()
 
+    def variant(self, kit_mode: str | None = None, without_kit: bool = False) -> Manifest:
+        """This provider built another way (its kit in another mode, or without its kit), e.g. to compare stock."""
+        if self.kit is None:
+            return self
+        if without_kit:
+            return self.model_copy(update={"kit": None})
+        if kit_mode is not None:
+            return self.model_copy(update={"kit": self.kit.model_copy(update={"mode": kit_mode})})
+        return self
+
     def fingerprint(self) -> str:
         """Changes when anything in the manifest changes (the breaker closes on it)."""
         data = self.model_dump(mode="json")

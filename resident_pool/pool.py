@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from .errors import (
     error_from_dict,
 )
 from .exits import REFUSAL_CODES, describe_exit
+from .kit import stray_variables
 from .launch import command_builder
 from .manifest import SLUG, Manifest, load_manifest
 from .protocol import ProtocolError, bind_unix, recv_line, send_line
@@ -92,6 +93,7 @@ class _Provider:
     waiters: dict[int, threading.Condition] = field(default_factory=dict)
     starts: int = 0
     last_error: str | None = None
+    strip_kit: str | None = None  # a stock variant without its kit: that kit's package, whose variables go
 
 
 class PoolServer:
@@ -283,7 +285,8 @@ class PoolServer:
         manifests = message.get("manifests")
         if manifests is not None and not isinstance(manifests, str):
             raise ResidentPoolError("manifests must be a folder path", reason="bad_request")
-        return {"ok": True, **self.acquire(slug, manifests, connection, _holder(message.get("holder")))}
+        return {"ok": True, **self.acquire(slug, manifests, connection, _holder(message.get("holder")),
+                                           _variant(message.get("variant")))}
 
     def _op_release(self, message: dict[str, Any], connection: _Connection) -> dict[str, Any] | None:
         lease_id, outcome, served = message.get("lease"), message.get("outcome", "ok"), message.get("served", 0)
@@ -311,8 +314,13 @@ class PoolServer:
         return {"ok": True, "pid": os.getpid()}
 
     # -- manifests -------------------------------------------------------------
-    def _provider(self, slug: str, manifests: str | None) -> _Provider:
-        """The provider as its manifest is now; a changed version drains the old replicas."""
+    def _provider(self, slug: str, manifests: str | None, variant: dict[str, Any] | None = None) -> _Provider:
+        """The provider as its manifest is now; a changed version drains the old replicas.
+
+        A variant (``slug~stock``: its kit off, or without its kit) is a provider of its own,
+        so running it never counts as a new version of the production one.
+        """
+        key = f"{slug}~{variant['name']}" if variant else slug
         # Clients send absolute folders; resolving symlinks on every acquire costs a stat per component.
         path = (Path(manifests) if manifests else self.manifests) / slug / "manifest.toml"
         try:
@@ -323,7 +331,7 @@ class PoolServer:
                 slug=slug) from None
         stamp: tuple[int, ...] = (info.st_ino, info.st_mtime_ns, info.st_size)
         with self.lock:
-            provider = self.providers.get(slug)
+            provider = self.providers.get(key)
             if provider is not None and provider.source != path and any(r.live for r in provider.replicas.values()):
                 raise ManifestError(
                     f"{slug}: this pool already serves {slug} from {provider.source}, not {path}; stop it first "
@@ -332,14 +340,17 @@ class PoolServer:
                 script = _stamp(provider.manifest.worker_path)
                 if provider.stamp[3:] == script:
                     return provider
-        manifest = load_manifest(path)
+        declared = load_manifest(path)
+        manifest = declared.variant(variant["kit_mode"], variant["without_kit"]) if variant else declared
         version = manifest.version()
         stamp += _stamp(manifest.worker_path)
         with self.lock:
-            provider = self.providers.get(slug)
+            provider = self.providers.get(key)
             if provider is None:
-                provider = self.providers[slug] = _Provider(
-                    slug, manifest, stamp, version, manifest.fingerprint(), path, Breaker(self.breaker_cooldown_s))
+                provider = self.providers[key] = _Provider(
+                    key, manifest, stamp, version, manifest.fingerprint(), path, Breaker(self.breaker_cooldown_s))
+                if variant and variant["without_kit"] and declared.kit is not None:
+                    provider.strip_kit = declared.kit.package_name
                 return provider
             provider.manifest, provider.stamp, provider.source = manifest, stamp, path
             provider.fingerprint = manifest.fingerprint()
@@ -361,11 +372,11 @@ class PoolServer:
 
     # -- leases ---------------------------------------------------------------
     def acquire(self, slug: str, manifests: str | None, connection: _Connection,
-                holder: dict[str, str] | None = None) -> dict[str, Any]:
+                holder: dict[str, str] | None = None, variant: dict[str, Any] | None = None) -> dict[str, Any]:
         """Lease a ready replica of ``slug``, starting one if the provider may have another."""
         if self.draining:
             raise self._stopping_error()
-        provider = self._provider(slug, manifests)
+        provider = self._provider(slug, manifests, variant)
         ticket = next(self._tickets)
         with self.lock:
             if provider.breaker.is_open(provider.fingerprint):
@@ -398,7 +409,7 @@ class PoolServer:
         if cold:
             self._start(provider, replica, lease)
         return {
-            "lease": lease.id, "slug": slug, "replica": replica.index, "pid": replica.pid,
+            "lease": lease.id, "slug": provider.slug, "replica": replica.index, "pid": replica.pid,
             "socket": replica.process.socket_path, "cold": cold, "transcript": replica.process.transcript_path,
             "request_timeout_s": provider.manifest.lifecycle.request_timeout_s, "device": replica.process.device,
             "version": replica.version,
@@ -437,6 +448,8 @@ class PoolServer:
                 replica.admitter = admitter
             replica.process.device = env.get("CUDA_VISIBLE_DEVICES")
             launch = Launch.of(command_builder(manifest)(replica.process))
+            if provider.strip_kit:  # stock without the kit: none of its variables, even under passthrough "*"
+                launch = replace(launch, env={**launch.env, **stray_variables(provider.strip_kit, os.environ, set())})
             replica.process.start(launch, env)
         except Exception as exc:
             raise self._start_failed(provider, replica, lease, exc) from exc
@@ -816,6 +829,21 @@ def _stamp(path: Path) -> tuple[int, ...]:
     except OSError:
         return (0, 0, 0)
     return (info.st_ino, info.st_mtime_ns, info.st_size)
+
+
+def _variant(raw: Any) -> dict[str, Any] | None:
+    """Which build of the provider a client asks for; None for the one its manifest declares."""
+    if raw is None:
+        return None
+    def slug_like(value: Any) -> bool:
+        return isinstance(value, str) and bool(SLUG.fullmatch(value))
+
+    if (not isinstance(raw, dict) or set(raw) - {"name", "kit_mode", "without_kit"} or not slug_like(raw.get("name"))
+            or not (raw.get("kit_mode") is None or slug_like(raw["kit_mode"]))
+            or not isinstance(raw.get("without_kit", False), bool)):
+        raise ResidentPoolError("variant must be {name, kit_mode, without_kit}: a slug-like name and kit mode, "
+                                "and a boolean", reason="bad_request")
+    return {"name": raw["name"], "kit_mode": raw.get("kit_mode"), "without_kit": raw.get("without_kit", False)}
 
 
 def _holder(raw: Any) -> dict[str, str]:

@@ -89,7 +89,7 @@ def _one_line(error: ResidentPoolError) -> str:
 
 
 # Enough to stop emphasis, links, images, code, tables, headings and HTML; paths stay readable.
-_MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]#!|~>])")
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*\[\]#!|>])")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 

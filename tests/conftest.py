@@ -4,10 +4,9 @@ import os
 import signal
 import tempfile
 import uuid
-from pathlib import Path
 
 import pytest
-from helpers import LONG_LIVED, TAG_VARIABLE, describe_pids, tagged_processes, wait_until
+from helpers import LONG_LIVED, TAG_VARIABLE, describe_pids, stop_pool_in, tagged_processes, wait_until
 
 # Every process the suite starts inherits this tag, so the leak check can
 # find them even after they were reparented.
@@ -18,13 +17,17 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 @pytest.fixture(autouse=True)
-def isolated_dirs(monkeypatch):
-    """A private state and log directory per test; short, for AF_UNIX paths."""
+def isolated_dirs(monkeypatch, no_leaked_processes):  # the leak check runs after the pool is shut down
+    """A private state and log directory per test; short, for AF_UNIX paths.
+
+    A pool something in the test started there (a client, `resident-pool check`) is shut down after.
+    """
     state = tempfile.mkdtemp(prefix="rp-")
     logs = tempfile.mkdtemp(prefix="rp-logs-")
     monkeypatch.setenv("RESIDENT_POOL_STATE_DIR", os.path.join(state, "s"))
     monkeypatch.setenv("RESIDENT_POOL_LOG_DIR", logs)
     yield {"state": os.path.join(state, "s"), "logs": logs}
+    stop_pool_in(os.path.join(state, "s"))
 
 
 @pytest.fixture(autouse=True)
@@ -77,26 +80,13 @@ def workers():
 @pytest.fixture
 def pool_dir(tmp_path, monkeypatch, isolated_dirs):
     """A manifests folder for pool tests; any pool started against it is shut down afterwards."""
-    from resident_pool.procs import pid_alive
-
     manifests = tmp_path / "manifests"
     manifests.mkdir()
     monkeypatch.setenv("RESIDENT_POOL_MANIFESTS", str(manifests))
     monkeypatch.setenv("RESIDENT_POOL_QUIET_EXIT_S", "120")  # a pool a test forgot still leaves
     monkeypatch.setenv("RESIDENT_POOL_GPU_HEADROOM_GB", "0")
     yield manifests
-    shutdown_pool(isolated_dirs["state"])
-    pid_file = os.path.join(isolated_dirs["state"], "pool.pid")
-    if os.path.exists(pid_file):
-        pid = int(Path(pid_file).read_text())
-        wait_until(lambda: not pid_alive(pid), timeout=30, message=f"pool {pid} to exit")
-
-
-def shutdown_pool(state_dir):
-    from resident_pool.client import shutdown_pool as shutdown
-
-    if os.path.exists(os.path.join(state_dir, "pool.sock")):
-        shutdown()
+    stop_pool_in(isolated_dirs["state"])
 
 
 @pytest.fixture(scope="session")

@@ -114,3 +114,29 @@ def prefect_server(tmp_path: Path):
             yield env
         finally:
             stop_group(server)
+
+
+def stop_pool_in(state_dir: str) -> None:
+    """Shut down the pool serving ``state_dir`` if one does, and wait for it to be gone."""
+    from resident_pool.client import Pool
+    from resident_pool.procs import pid_alive
+
+    pid_file = Path(state_dir, "pool.pid")
+    if not Path(state_dir, "pool.sock").exists():
+        return
+    previous = os.environ.get("RESIDENT_POOL_STATE_DIR")
+    os.environ["RESIDENT_POOL_STATE_DIR"] = state_dir
+    try:
+        Pool(start=False).shutdown()
+    except (OSError, ValueError, RuntimeError):
+        pass  # already gone
+    except Exception as exc:
+        print(f"shutting down the pool in {state_dir}: {exc}")
+    finally:
+        if previous is None:
+            os.environ.pop("RESIDENT_POOL_STATE_DIR", None)
+        else:
+            os.environ["RESIDENT_POOL_STATE_DIR"] = previous
+    if pid_file.exists():
+        pid = int(pid_file.read_text())
+        wait_until(lambda: not pid_alive(pid), timeout=60, message=f"pool {pid} to exit")

@@ -11,6 +11,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from helpers import stop_pool_in
 from providers import make_kit_venv, write_provider
 
 from resident_pool.launch import weights_root
@@ -182,7 +183,8 @@ def against_stock(tmp_path_factory):
     done = run_check("--smoke", "--against-stock", "--json", "--junit", str(report), "--manifests", str(manifests),
                      env=env)
     rows = {(row["slug"], row["step"]): row for row in json.loads(done.stdout)}
-    return done, rows, report, manifests, env
+    yield done, rows, report, manifests, env
+    stop_pool_in(str(root / "s"))  # the pool `check` started, as a user's first check would
 
 
 def test_a_kit_that_changes_numerics_fails_against_stock_naming_the_field(against_stock):
@@ -359,3 +361,31 @@ def test_the_kits_own_last_active_line_is_its_verdict(tmp_path):
     assert kit_says(transcript, "kit_opt") == ("NOT ACTIVE", "kit_opt: NOT ACTIVE (no CUDA device)")
     assert kit_says(transcript, "otherkit_opt") == (None, "")
     assert kit_says(None, "kit_opt") == (None, "")
+
+
+def test_a_smoke_check_goes_through_the_pool_and_its_admission(tmp_path, isolated_dirs):
+    """`check --smoke` is admitted against the host's ledger like any request: it is never started beside
+    what holds the card, a budget no device holds is refused, and two that cannot fit run one after the other."""
+    manifests = tmp_path / "manifests"
+    for slug, budget in (("big", 10), ("a6", 6), ("b6", 6)):
+        write_provider(manifests, slug, f'[gpu]\npolicy = "required"\nvram_budget_gb = {budget}\n'
+                                        '[smoke]\npayload = { action = "echo", value = "smoke" }\n')
+    audit = tmp_path / "audit.jsonl"
+    env = {"RESIDENT_POOL_GPU_CAPACITY_GB": "1", "RESIDENT_POOL_GPU_HEADROOM_GB": "0",
+           "RESIDENT_POOL_LEDGER_AUDIT": str(audit)}
+    refused = run_check("--smoke", "big", "--json", "--manifests", str(manifests), env=env)
+    assert refused.returncode == 1
+    smoke = {row["step"]: row for row in json.loads(refused.stdout)}["smoke"]
+    assert "needs 10 GB but the largest device holds 1 GB" in smoke["detail"]
+    stop_pool_in(isolated_dirs["state"])  # the next checks see a 10 GB host
+
+    env["RESIDENT_POOL_GPU_CAPACITY_GB"] = "10"
+    both = [subprocess.Popen([sys.executable, "-m", "resident_pool", "check", "--smoke", slug, "--json",
+                              "--manifests", str(manifests)], cwd=ROOT, env={**os.environ, **env},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for slug in ("a6", "b6")]
+    outcomes = [proc.communicate(timeout=240) for proc in both]
+    for proc, (out, err) in zip(both, outcomes, strict=True):
+        assert proc.returncode == 0, out + err
+    states = [json.loads(line)["entries"] for line in audit.read_text().splitlines()]
+    assert {e["slug"] for entries in states for e in entries} == {"a6", "b6"}
+    assert all(sum(e["budget_gb"] for e in entries) <= 10 for entries in states)  # never both on the card

@@ -88,7 +88,8 @@ def test_a_worker_that_dies_mid_request_is_retried_and_then_succeeds(pool_dir, t
 @pytest.mark.slow
 def test_a_2000_input_campaign_survives_a_killed_worker_and_a_rerun_recomputes_nothing(pool_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("EMBEDDER_MARKER", str(tmp_path / "killed"))
-    write_provider(pool_dir, "embedder", "[lifecycle]\nmax_replicas = 2\n", worker="embedder.py")
+    write_provider(pool_dir, "embedder", '[env]\npassthrough = ["EMBEDDER_MARKER"]\n[lifecycle]\nmax_replicas = 2\n',
+                   worker="embedder.py")
     inputs = tmp_path / "inputs.jsonl"
     rows = [{"id": f"seq{n}", "sequence": "MKV" * (1 + n % 7)} for n in range(2000)]
     rows[1000]["sequence"] = "DIE-ONCE"
