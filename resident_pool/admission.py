@@ -164,14 +164,17 @@ class Admission:
         headroom_gb: float | None = None,
         on_wait: Callable[[dict[str, Any]], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
+        holder_of: Callable[[str, int], str | None] | None = None,
     ) -> None:
-        """``cancelled`` is asked while a request waits: True when whoever asked is gone."""
+        """``cancelled`` is asked while a request waits: True when whoever asked is gone;
+        ``holder_of(slug, replica)`` names who holds a worker (a flow run), for the wait's report."""
         self.ledger = ledger
         self.evict = evict
         self.devices = devices
         self.headroom_gb = settings().gpu_headroom_gb if headroom_gb is None else headroom_gb
         self.on_wait = on_wait
         self.cancelled = cancelled
+        self.holder_of = holder_of
         self._cv = threading.Condition()
         self._queue: list[_Ticket] = []
 
@@ -286,9 +289,13 @@ class Admission:
                                         d.free_gb - self.headroom_gb if d.free_gb is not None else float("inf")), 2)
                      for d in devices},
             "holders": [f"{e['slug']}[{e['replica']}] {e['budget_gb']:g} GB on GPU {e['device']} (pid {e['pid']})"
-                        for e in entries],
+                        + self._held_for(e) for e in entries],
             "source": source,
         }
+
+    def _held_for(self, entry: dict[str, Any]) -> str:
+        holder = self.holder_of(entry["slug"], entry["replica"]) if self.holder_of is not None else None
+        return f" for {holder}" if holder else ""
 
     def _timeout(self, ticket: _Ticket, now: float) -> AdmissionTimeout:
         wait = self._describe_wait(ticket, now)

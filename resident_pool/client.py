@@ -222,25 +222,28 @@ class Pool:
             return worker.predict(payload)
 
     @contextmanager
-    def session(self, slug: str, variant: dict[str, Any] | None = None) -> Iterator[Session]:
+    def session(self, slug: str, variant: dict[str, Any] | None = None,
+                holder: dict[str, str] | None = None) -> Iterator[Session]:
         """Hold one worker of ``slug`` for a batch; others wait for a replica meanwhile.
 
         ``variant`` (``{"name": "stock", "kit_mode": "off"}`` or ``{"name": "stock", "without_kit":
-        True}``) asks for the provider built another way, as ``resident-pool check --against-stock`` does.
+        True}``) asks for the provider built another way, as ``resident-pool check --against-stock`` does;
+        ``holder`` (short strings: a flow run's name, id and URL) says who this lease is for.
         """
-        lease = self._acquire(slug, variant)
+        lease = self._acquire(slug, variant, holder or self.holder)
         session = Session(self, lease)
         try:
             yield session
         finally:
             session.release()
 
-    def _acquire(self, slug: str, variant: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _acquire(self, slug: str, variant: dict[str, Any] | None = None,
+                 holder: dict[str, str] | None = None) -> dict[str, Any]:
         message: dict[str, Any] = {"op": "acquire", "slug": slug, "manifests": str(self.manifests)}
         if variant:
             message["variant"] = variant
-        if self.holder:
-            message["holder"] = self.holder
+        if holder:
+            message["holder"] = holder
         attempts = 3
         for attempt in range(attempts):
             try:

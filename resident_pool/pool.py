@@ -91,6 +91,7 @@ class _Provider:
     replicas: dict[int, Replica] = field(default_factory=dict)
     queue: list[int] = field(default_factory=list)  # tickets waiting for a replica, in arrival order
     waiters: dict[int, threading.Condition] = field(default_factory=dict)
+    waiting: dict[int, dict[str, str]] = field(default_factory=dict)  # who each ticket is for (a flow run)
     starts: int = 0
     last_error: str | None = None
     strip_kit: str | None = None  # a stock variant without its kit: that kit's package, whose variables go
@@ -108,7 +109,8 @@ class PoolServer:
         self.max_connections = config.max_connections
         self.ledger = Ledger(self.state_dir / "ledger.json", audit=config.ledger_audit)
         self.admission = Admission(self.ledger, evict=self._evict_idle, on_wait=self._report_wait,
-                                   cancelled=self._client_gone, headroom_gb=config.gpu_headroom_gb)
+                                   cancelled=self._client_gone, headroom_gb=config.gpu_headroom_gb,
+                                   holder_of=self._holder_of)
         self.providers: dict[str, _Provider] = {}
         self.leases: dict[int, Lease] = {}
         # One lock for every record; each waiting acquire has its own condition on it, so a
@@ -383,6 +385,7 @@ class PoolServer:
                 raise self._breaker_error(provider)
             provider.queue.append(ticket)
             provider.waiters[ticket] = waiter = threading.Condition(self.lock)
+            provider.waiting[ticket] = holder or {}
             arrived = time.monotonic()
             try:
                 while True:
@@ -401,6 +404,7 @@ class PoolServer:
             finally:
                 provider.queue.remove(ticket)
                 del provider.waiters[ticket]
+                del provider.waiting[ticket]
                 self._wake(provider)
             replica, cold = claimed
             lease = Lease(connection, replica, holder or {})
@@ -692,12 +696,25 @@ class PoolServer:
             except OSError:
                 pass  # the client is gone; its connection's cleanup ends what it held
 
+    def _holder_of(self, slug: str, index: int) -> str | None:
+        """Who holds (or waits to start) ``slug``'s replica ``index``: the flow run a client named, if any."""
+        with self.lock:
+            provider = self.providers.get(slug)
+            replica = provider.replicas.get(index) if provider else None
+            if replica is None or replica.lease is None or not replica.lease.holder:
+                return None
+            return _describe_holder(replica.lease.holder)
+
     def waiting(self) -> list[dict[str, Any]]:
         queued = self.admission.waiting()
+        for entry in queued:
+            entry["holder"] = self._holder_of(entry["slug"], entry["replica"])
         with self.lock:
             for slug, provider in self.providers.items():
                 if provider.queue:
-                    queued.append({"slug": slug, "for": "a free replica", "count": len(provider.queue)})
+                    queued.append({"slug": slug, "for": "a free replica", "count": len(provider.queue),
+                                   "holders": [_describe_holder(provider.waiting[t]) for t in provider.queue
+                                               if provider.waiting.get(t)]})
         return queued
 
     # -- maintenance: heartbeats, idle retirement, liveness ----------------------------------
@@ -844,6 +861,16 @@ def _variant(raw: Any) -> dict[str, Any] | None:
         raise ResidentPoolError("variant must be {name, kit_mode, without_kit}: a slug-like name and kit mode, "
                                 "and a boolean", reason="bad_request")
     return {"name": raw["name"], "kit_mode": raw.get("kit_mode"), "without_kit": raw.get("without_kit", False)}
+
+
+def _describe_holder(holder: dict[str, str]) -> str:
+    """``flow run 'nimble-fox' (task predict-chunk[0-63])``, or whatever the client said."""
+    if "flow_run" in holder:
+        text = f"flow run {holder['flow_run']!r}"
+        if holder.get("task_run"):
+            text += f" (task {holder['task_run']})"
+        return text
+    return ", ".join(f"{key} {value}" for key, value in holder.items())
 
 
 def _holder(raw: Any) -> dict[str, str]:

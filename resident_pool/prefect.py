@@ -16,9 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger
+from prefect import get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
-from prefect.context import TaskRunContext
+from prefect.context import FlowRunContext, TaskRunContext
 
 from . import paths
 from .client import Pool, Session, default_manifests
@@ -158,13 +158,26 @@ def _report(error: ResidentPoolError) -> ResidentPoolError:
     return summary
 
 
+def _holder() -> dict[str, str]:
+    """The flow and task run this lease is for, so `resident-pool status` and waits can name them."""
+    holder = {}
+    if FlowRunContext.get() is not None:
+        holder["flow_run"] = str(runtime.flow_run.name)[:100]
+        holder["flow_run_id"] = str(runtime.flow_run.id)
+        if runtime.flow_run.ui_url:
+            holder["url"] = str(runtime.flow_run.ui_url)[:200]
+    if TaskRunContext.get() is not None:
+        holder["task_run"] = str(runtime.task_run.name)[:100]
+    return holder
+
+
 @contextmanager
 def pool_session(slug: str, manifests: str | os.PathLike[str] | None = None) -> Iterator[Session]:
     """Hold one worker of ``slug`` for a batch inside a task; pool failures become artifacts."""
     client = _client(manifests)
     client.on_wait = _log_wait
     try:
-        with client.session(slug) as session:
+        with client.session(slug, holder=_holder()) as session:
             yield session
     except ResidentPoolError as error:
         raise _report(error) from error

@@ -146,6 +146,7 @@ def test_two_tasks_that_cannot_both_fit_both_complete_and_the_waiter_says_why(po
 
     (line, *_) = wait_until(waiting_lines, timeout=30, message="the waiting task's log line")
     assert "b6 needs 6 GB" in line and "a6[0] 6 GB on GPU 0" in line and "free now GPU 0: 4 GB" in line
+    assert "for flow run '" in line and "(task hold-" in line  # who holds the GPU, not just a pid
 
 
 def test_the_validation_flow_fails_on_an_altered_pin_and_passes_restored(pool_dir, tmp_path):
