@@ -15,10 +15,10 @@ from typing import Any
 
 from filelock import FileLock
 
-from . import paths
+from . import arrays, paths
 from .errors import ResidentPoolError, WorkerRequestError, error_from_dict
 from .pool import POOL_SOCKET
-from .protocol import ProtocolError, connect, recv_line, send_line
+from .protocol import Inbox, ProtocolError, connect, recv_line, send_line
 
 __all__ = ["Pool", "Session", "default_manifests", "shutdown_pool"]
 
@@ -37,7 +37,7 @@ class _Link:
     def __init__(self, pool_socket: socket.socket) -> None:
         self.pool = pool_socket
         self.buf = bytearray()
-        self.workers: dict[tuple[str, int], tuple[socket.socket, bytearray]] = {}
+        self.workers: dict[tuple[str, int], tuple[socket.socket, Inbox]] = {}
 
     def close(self) -> None:
         for sock, _ in self.workers.values():
@@ -232,14 +232,14 @@ class Session:
         self._ended = False
         self._ids = 0
 
-    def _worker(self) -> tuple[socket.socket, bytearray]:
+    def _worker(self) -> tuple[socket.socket, Inbox]:
         link = self.pool._link()
         key = (self.lease["socket"], self.pid)
         cached = link.workers.get(key)
         if cached is None:
             for old in [k for k in link.workers if k[0] == key[0]]:
                 link.workers.pop(old)[0].close()
-            cached = link.workers[key] = (connect(self.lease["socket"]), bytearray())
+            cached = link.workers[key] = (connect(self.lease["socket"]), Inbox())
         return cached
 
     def _forget_worker(self) -> None:
@@ -255,8 +255,8 @@ class Session:
         try:
             sock, buf = self._worker()
             sock.settimeout(self.lease["request_timeout_s"])
-            send_line(sock, {"op": "predict", "id": self._ids, "payload": payload})
-            reply = recv_line(sock, buf)
+            # Arrays in the payload and the result travel beside the line (arrays.py).
+            reply = arrays.exchange(sock, buf, {"op": "predict", "id": self._ids, "payload": payload})
             if reply is None:
                 raise ConnectionResetError("the worker closed the connection without a reply")
         except TimeoutError:
