@@ -146,9 +146,9 @@ class Array:
         return _nest(flat, self.shape)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
-        numpy = _numpy()
+        numpy = sys.modules.get("numpy")  # whoever asks for __array__ imported it
         if numpy is None:
-            raise TypeError("numpy is not importable here")
+            raise TypeError("numpy is not imported here")
         array = numpy.frombuffer(self.data, dtype=self.dtype).reshape(self.shape)
         return array if dtype is None else array.astype(dtype)
 
@@ -257,7 +257,7 @@ class _Encoder:
             attachment = next((a for a in self.received if _owner(a.buffer) is owner and a.size), None)
             if attachment is None:
                 return None
-            if attachment.address is None:
+            if attachment.address is None:  # a copy read instead of a mapping
                 attachment.address = self.numpy.frombuffer(attachment.buffer, self.numpy.uint8).ctypes.data
             offset = value.ctypes.data - attachment.address
         else:

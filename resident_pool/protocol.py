@@ -384,7 +384,7 @@ def _check_and_map(index: int, attachment: Attachment, cap: int) -> None:
     if size == 0:
         return
     try:
-        attachment.buffer = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        attachment.buffer, attachment.address = _map_readonly(fd, size)
     except OSError:
         # Out of mappings (vm.max_map_count) or address space: read a copy instead.
         copy = bytearray(size)
@@ -397,6 +397,54 @@ def _check_and_map(index: int, attachment: Attachment, cap: int) -> None:
                                     recoverable=True) from None
             done += read
         attachment.buffer = view.toreadonly()
+
+
+class _Unmap:
+    """Owned by a mapping's ctypes object: unmaps it once the last view of it is gone."""
+
+    __slots__ = ("address", "munmap", "size")
+
+    def __init__(self, address: int, size: int) -> None:
+        self.address, self.size = address, size
+        self.munmap = _libc().munmap  # held: module globals may be gone when the last view dies at exit
+
+    def __del__(self) -> None:
+        self.munmap(self.address, self.size)
+
+
+_LIBC: Any = None
+
+
+def _libc() -> Any:
+    global _LIBC  # noqa: PLW0603 - loaded once, on the first attachment
+    if _LIBC is None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _LIBC = libc
+    return _LIBC
+
+
+def _map_readonly(fd: int, size: int) -> tuple[memoryview, int]:
+    """Map ``fd`` shared and read-only: a read-only byte view, and its address.
+
+    Not mmap.mmap: before Python 3.13 it keeps a dup of the descriptor for the
+    mapping's life, so a client holding 10,000 results would hold 10,000 fds.
+    """
+    import ctypes
+
+    libc = _libc()
+    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
+    region = (ctypes.c_ubyte * size).from_address(address)
+    region._unmap = _Unmap(address, size)  # dies with the region, after every view of it
+    return memoryview(region).cast("B").toreadonly(), address
 
 
 def recv_message(sock: socket.socket, inbox: Inbox, max_bytes: int = MAX_LINE_BYTES) -> Message | None:
