@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .arrays import plain
 from .check import check_providers, junit_xml
 from .errors import ResidentPoolError
 from .manifest import json_schema
@@ -150,7 +151,7 @@ def predict(
     except ResidentPoolError as exc:
         console.print(f"[red]{type(exc).__name__}[/]: {exc}")
         raise typer.Exit(1) from None
-    typer.echo(json.dumps(result))
+    typer.echo(json.dumps(result, default=plain))  # arrays as nested lists, bytes as base64
 
 
 @app.command()
