@@ -309,7 +309,10 @@ def encode(message: dict[str, Any], peer: Mapping[str, Any] | None, min_bytes: i
                          "send large data as numpy arrays or bytes (they travel beside the line)")
     fresh = None
     if encoder.fresh_index is not None:
-        fresh = protocol.seal_memfd(encoder.parts, encoder.fresh_size)
+        try:
+            fresh = protocol.seal_memfd(encoder.parts, encoder.fresh_size)
+        except OSError as exc:  # out of memory or descriptors: this message's failure, not the socket's
+            raise ValueError(f"could not put {encoder.fresh_size} bytes of arrays in a memfd: {exc}") from exc
         encoder.fds[encoder.fresh_index] = fresh
     return raw, encoder.fds, fresh
 
