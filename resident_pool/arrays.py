@@ -22,7 +22,7 @@ import math
 import os
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["DTYPES", "Array", "ArrayError", "decode", "encode", "exchange", "limits", "negotiate", "plain"]
@@ -292,7 +292,7 @@ def _owner(value: Any) -> Any:
 
 
 def encode(message: dict[str, Any], peer: Mapping[str, Any] | None, min_bytes: int = protocol.ATTACH_MIN_BYTES,
-           received: list[Any] = ()) -> tuple[bytes, list[int], int | None]:
+           received: Sequence[Any] = ()) -> tuple[bytes, list[int], int | None]:
     """The line for ``message``, the descriptors to send beside it, and the fresh memfd to close once sent.
 
     ``peer`` is what the other side said in its ping (falsy: plain JSON only).

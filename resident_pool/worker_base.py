@@ -129,6 +129,7 @@ class _Server:
         self.last_request = self.started
         self.served = 0
         self.stopping = False
+        self._held_payload = None
 
     # -- the loop ----------------------------------------------------------
     def run(self) -> None:
@@ -210,6 +211,7 @@ class _Server:
                 sent = self._reply(conn, reply, inbox, message.attachments)
             finally:
                 message.close()
+                self._held_payload = None  # its mappings are unmapped now, after the reply
             if not sent:
                 self._close(conn)
                 return
@@ -310,7 +312,10 @@ class _Server:
         payload = request.get("payload")
         if message is None or not message.references:
             return payload
-        return self.arrays.decode(payload, message.attachments)
+        # Held until the reply is sent: unmapping a large payload (freeing its
+        # pages) is then no longer on the caller's clock.
+        self._held_payload = self.arrays.decode(payload, message.attachments)
+        return self._held_payload
 
     def _release(self) -> int:
         if not self.release_cublas:

@@ -285,10 +285,20 @@ def array_worker(request):
     env = {**os.environ, "RESIDENT_POOL_PROTOCOL": PROTOCOL_PATH, "RESIDENT_POOL_WORKER_BASE": WORKER_BASE_PATH}
     with subprocess.Popen([sys.executable, *flags, str(ARRAY_WORKER), socket_path], env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
-        wait_until(lambda: os.path.exists(socket_path) or proc.poll() is not None, message="the worker's socket")
+        wait_until(lambda: answers(socket_path) or proc.poll() is not None, message="the worker to answer")
         assert proc.poll() is None, proc.stderr.read().decode()
         yield socket_path, proc
         proc.kill()
+
+
+def answers(socket_path):
+    """The path exists from bind(), a moment before listen(): only a ping answered says it serves."""
+    try:
+        with protocol.connect(socket_path) as conn:
+            send_line(conn, {"op": "ping", "id": 0})
+            return protocol.recv_line(conn, bytearray())["ok"]
+    except (FileNotFoundError, ConnectionRefusedError):
+        return False
 
 
 def test_hostile_json_naming_an_unsent_buffer_gets_an_error_reply(array_worker):
