@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import WORKERS, wait_until
+from hypothesis import given
+from hypothesis import strategies as st
 from providers import write_provider
 
 from resident_pool import Pool, WorkerRequestError, arrays, paths, protocol
@@ -116,6 +118,14 @@ def test_without_numpy_the_receiver_gets_an_array_object_that_round_trips_and_pi
     if dtype not in ("float16", "float32", "float64", "complex64", "complex128"):  # NaN != NaN in lists
         assert payload.tolist() == value.tolist()
     assert np.asarray(payload).tobytes() == value.tobytes()
+
+
+@given(shape=st.lists(st.integers(0, 4), max_size=4), dtype=st.sampled_from(list(DTYPES)), seed=st.integers(0, 99))
+def test_array_tolist_matches_numpy_for_any_shape(shape, dtype, seed):
+    value = random_array(dtype, shape, seed)
+    if dtype.startswith(("float", "complex")):
+        value = np.nan_to_num(value, nan=1.5, posinf=2.5, neginf=-2.5)  # NaN != NaN in lists
+    assert Array(value.tobytes(), dtype, shape).tolist() == value.tolist()
 
 
 def test_received_numpy_arrays_pickle_by_value(pair):
@@ -488,3 +498,52 @@ def test_the_cli_prints_arrays_in_a_result_as_lists(pool_dir):
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr + done.stdout
     assert json.loads(done.stdout)["value"] == [[3] * 40_000] * 2
+
+
+def worker_memfds(pid):
+    names = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{name}").startswith("/memfd:"):
+                names.append(name)
+        except FileNotFoundError:
+            pass
+    return names
+
+
+def test_a_client_that_dies_mid_line_leaves_the_worker_no_descriptor(array_worker):
+    socket_path, proc = array_worker
+    conn = protocol.connect(socket_path)
+    fds = [memfd(b"x" * 4096) for _ in range(3)]
+    # Half a line with three descriptors beside it, then the client is gone.
+    conn.sendmsg([b'{"op": "predict", "buffers": [4096, 4096, 4096], "payload": '],
+                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    for fd in fds:
+        os.close(fd)
+    wait_until(lambda: len(worker_memfds(proc.pid)) == 3, message="the worker to hold the three descriptors")
+    conn.close()
+    wait_until(lambda: not worker_memfds(proc.pid), message="the worker to close them")
+    assert answers(socket_path)
+
+
+def test_a_flood_of_descriptors_without_a_line_closes_that_connection_only(array_worker):
+    socket_path, proc = array_worker
+    conn = protocol.connect(socket_path)
+    fd = memfd(b"x" * 64)
+    try:
+        for _ in range(300):  # one descriptor a byte, never a newline: past what a message may carry
+            conn.sendmsg([b" "], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the worker hung up: what this test wants
+    finally:
+        os.close(fd)
+    try:  # the reply, unless the hang-up with our bytes unread reset the stream first (Linux does that)
+        reply = recv_message(conn, Inbox())
+        assert reply.obj["reason"] == "bad_request"
+        assert "more descriptors than a message may carry" in reply.obj["error"]
+        assert recv_message(conn, Inbox()) is None
+    except ConnectionResetError:
+        pass
+    conn.close()
+    wait_until(lambda: not worker_memfds(proc.pid), message="the worker to close every descriptor it was sent")
+    assert answers(socket_path) and proc.poll() is None
