@@ -24,7 +24,7 @@ test: setup
 
 # Faults, hostile input, isolation, load and soak; prints the reliability table at the end.
 reliability: setup
-	RESIDENT_POOL_FULL_RELIABILITY=1 $(PY) -m pytest -m reliability tests/test_reliability.py tests/test_hostile.py tests/test_isolation.py
+	RESIDENT_POOL_FULL_RELIABILITY=1 $(PY) -m pytest -m reliability tests/test_reliability.py tests/test_lifecycle.py tests/test_hostile.py tests/test_isolation.py
 
 lint: setup
 	$(PY) -m ruff check resident_pool tests flows

@@ -98,7 +98,8 @@ class Harness:
         self.tmp = Path(tempfile.mkdtemp(prefix="rp-gpu-"))
         os.environ.update({"RESIDENT_POOL_STATE_DIR": str(self.tmp / "state"),
                            "RESIDENT_POOL_LOG_DIR": str(self.tmp / "logs"),
-                           "RESIDENT_POOL_ORPHAN_GRACE_S": "3", "RESIDENT_POOL_GPU_HEADROOM_GB": "0.5"})
+                           "RESIDENT_POOL_ORPHAN_GRACE_S": "3", "RESIDENT_POOL_HEARTBEAT_STALE_S": "2",
+                           "RESIDENT_POOL_GPU_HEADROOM_GB": "0.5"})
         self.manifests = self.tmp / "manifests"
         os.environ["RESIDENT_POOL_MANIFESTS"] = str(self.manifests)
         shutil.copytree(ROOT / "manifests" / "minilm", self.manifests / "minilm")

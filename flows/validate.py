@@ -1,4 +1,5 @@
-"""Kit validation for CI: every provider's manifest, weights against pins, kit probe (and a smoke run)."""
+"""Kit validation for CI: every provider's manifest, weights against pins, kit probe, and (with smoke) its
+answer against the expected one and (with against_stock) against the same payload answered stock."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.artifacts import create_table_artifact
 
-from resident_pool.check import StepResult, check_provider
+from resident_pool.check import check_provider
 from resident_pool.client import default_manifests
+from resident_pool.provenance import columns
 
 
 @task(name="check-provider")
-def check_one(manifest_path: str, smoke: bool) -> list[dict]:
-    return [result.__dict__ for result in check_provider(Path(manifest_path), smoke=smoke)]
+def check_one(manifest_path: str, smoke: bool, against_stock: bool = False) -> list[dict]:
+    return [result.__dict__ for result in check_provider(Path(manifest_path), smoke=smoke,
+                                                         against_stock=against_stock)]
 
 
 class ValidationFailed(RuntimeError):
@@ -23,30 +26,36 @@ class ValidationFailed(RuntimeError):
 
 
 @flow(name="validate", log_prints=True)
-def validate(manifests: str | None = None, smoke: bool = False, providers: list[str] | None = None) -> list[dict]:
-    """Check every provider (or the named ones); fail the flow if any fails."""
+def validate(manifests: str | None = None, smoke: bool = False, providers: list[str] | None = None,
+             against_stock: bool = False) -> list[dict]:
+    """Check every provider (or the named ones); fail the flow if any step fails."""
     directory = default_manifests(manifests)
     paths = [directory / slug / "manifest.toml" for slug in providers or []] or sorted(
         directory.glob("*/manifest.toml"))
-    futures = [check_one.submit(str(path), smoke) for path in paths]
+    futures = [check_one.submit(str(path), smoke, against_stock) for path in paths]
     rows = [row for future in futures for row in future.result()]
     table = [{"provider": r["slug"], "step": r["step"],
               "result": "skipped" if r["skipped"] else ("ok" if r["ok"] else "FAILED"),
-              "detail": r["detail"]} for r in rows]
+              "detail": r["detail"], **columns(r["provenance"])} for r in rows]
+    failed = [r for r in rows if not r["ok"] and not r["skipped"]]
+    named = ", ".join(f"{r['slug']} {r['step']}" for r in failed)
     create_table_artifact(key="resident-pool-validation", table=table,
-                          description=f"provider validation of {directory}")
-    failed = [StepResult(**r) for r in rows if not r["ok"] and not r["skipped"]]
+                          description=f"provider validation of {directory}: "
+                          + (f"{len(failed)} failed step(s): {named}" if failed else "every step passed"))
     for row in table:
-        print(f"{row['provider']:>12} {row['step']:<12} {row['result']:<8} {row['detail'].splitlines()[0]}")
+        print(f"{row['provider']:>12} {row['step']:<13} {row['result']:<8} {row['detail'].splitlines()[0]}")
     if failed:
-        raise ValidationFailed("; ".join(f"{r.slug} {r.step}: {r.detail.splitlines()[0]}" for r in failed))
+        raise ValidationFailed("; ".join(f"{r['slug']} {r['step']}: {r['detail'].splitlines()[0]}" for r in failed))
     return rows
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--manifests")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--against-stock", action="store_true")
+    parser.add_argument("providers", nargs="*")
     arguments = parser.parse_args()
-    state = validate(manifests=arguments.manifests, smoke=arguments.smoke, return_state=True)
+    state = validate(manifests=arguments.manifests, smoke=arguments.smoke, providers=arguments.providers or None,
+                     against_stock=arguments.against_stock, return_state=True)
     sys.exit(0 if state.is_completed() else 1)

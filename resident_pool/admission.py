@@ -17,12 +17,12 @@ from filelock import FileLock
 
 from .errors import AdmissionRefused, AdmissionTimeout, ResidentPoolError
 from .procs import pid_alive
+from .settings import settings
 
 __all__ = ["Admission", "Device", "Ledger", "read_devices"]
 
 log = logging.getLogger("resident_pool.admission")
 GIB = 1024**3
-DEFAULT_HEADROOM_GB = 0.5
 # Another process may change the ledger; in-process releases wake waiters at once.
 _POLL_S = 0.1
 
@@ -70,13 +70,13 @@ def _fake_nvml(path: str) -> list[Device]:
 
 def read_devices() -> tuple[list[Device], str]:
     """The devices and where their numbers came from: NVML, else the declared capacity."""
-    fake = os.environ.get("RESIDENT_POOL_FAKE_NVML")
-    if fake:
-        return _fake_nvml(fake), f"fake NVML readings from {fake}"
+    config = settings()
+    if config.fake_nvml:
+        return _fake_nvml(str(config.fake_nvml)), f"fake NVML readings from {config.fake_nvml}"
     devices = _nvml_devices()
     if devices:
         return devices, "NVML"
-    declared = os.environ.get("RESIDENT_POOL_GPU_CAPACITY_GB")
+    declared = config.gpu_capacity_gb
     if declared:
         return _declared(declared), "RESIDENT_POOL_GPU_CAPACITY_GB"
     return [], "none: NVML is not readable and RESIDENT_POOL_GPU_CAPACITY_GB is not set"
@@ -90,11 +90,11 @@ class Ledger:
     dead is reclaimed on read, so a killed holder frees its budget at once.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, audit: Path | None = None) -> None:
+        """``audit``: an append-only trail of every state the ledger takes, for audits and tests."""
         self.path = path
         self.lock = FileLock(str(path) + ".lock")
-        # An append-only trail of every state the ledger took, for audits and tests.
-        self.audit = os.environ.get("RESIDENT_POOL_LEDGER_AUDIT")
+        self.audit = audit
 
     def _read(self) -> list[dict[str, Any]]:
         try:
@@ -169,10 +169,7 @@ class Admission:
         self.ledger = ledger
         self.evict = evict
         self.devices = devices
-        self.headroom_gb = (
-            float(os.environ.get("RESIDENT_POOL_GPU_HEADROOM_GB", DEFAULT_HEADROOM_GB))
-            if headroom_gb is None else headroom_gb
-        )
+        self.headroom_gb = settings().gpu_headroom_gb if headroom_gb is None else headroom_gb
         self.on_wait = on_wait
         self.cancelled = cancelled
         self._cv = threading.Condition()

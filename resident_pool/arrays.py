@@ -47,10 +47,9 @@ def _load_protocol():
         from . import protocol
 
         return protocol
-    module = sys.modules.get("resident_pool_protocol")
+    module = sys.modules.get("resident_pool_protocol")  # worker_base loaded it first
     if module is None:
-        here = os.path.dirname(os.path.abspath(__file__))
-        path = os.environ.get("RESIDENT_POOL_PROTOCOL") or os.path.join(here, "protocol.py")
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "protocol.py")
         spec = importlib.util.spec_from_file_location("resident_pool_protocol", path)
         module = importlib.util.module_from_spec(spec)
         sys.modules["resident_pool_protocol"] = module
@@ -66,7 +65,10 @@ class ArrayError(ValueError):
 
 
 def limits(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
-    """(attach_min_bytes, max_attachment_bytes) from the environment, or their defaults."""
+    """(attach_min_bytes, max_attachment_bytes) from the environment, or their defaults.
+
+    For the worker, which has no settings module; a client takes them from ``settings()``.
+    """
     environ = os.environ if environ is None else environ
     values = []
     for name, default in ((MIN_BYTES_VARIABLE, protocol.ATTACH_MIN_BYTES),
@@ -393,8 +395,10 @@ def _build(reference: dict[str, Any], attachments: list[Any], numpy: Any) -> Any
 
 # -- the client's half of a request --------------------------------------------------
 def negotiate(sock: Any, inbox: Any) -> None:
-    """Ask the peer (a ping on this connection) whether it takes attachments; record its answer on ``inbox``."""
-    inbox.attach_min_bytes, inbox.max_attachment_bytes = limits()
+    """Ask the peer (a ping on this connection) whether it takes attachments; record its answer on ``inbox``.
+
+    Tells the peer this side's cap (``inbox.max_attachment_bytes``).
+    """
     protocol.send_line(sock, {"op": "ping", "id": "attachments",
                               "attachments": {"version": VERSION, "max_bytes": inbox.max_attachment_bytes}})
     reply = protocol.recv_message(sock, inbox)

@@ -1,24 +1,39 @@
-"""`resident-pool check`: each provider's manifest, interpreter, pinned weights, kit probe and smoke run."""
+"""`resident-pool check`: each provider's manifest, interpreter, pinned weights, kit probe and smoke run.
+
+The smoke answer is compared with the provider's expected (golden) answer; with
+``against_stock`` also with the same payload answered stock (the kit off). Every
+result carries the provenance of what produced it.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, NamedTuple
 
-from .errors import ResidentPoolError
+from . import expected, paths
+from .errors import GoldenMismatch, KitUnavailable, ResidentPoolError
 from .exec_env import interpreter
-from .kit import probe_kit
-from .launch import check_weights, worker_for
+from .golden import compare, summary
+from .kit import KitRow, stray_variables
+from .launch import check_weights, command_builder, plan_launch
 from .manifest import Manifest, VenvEnv, load_manifest
+from .provenance import environment, gpu, host, own_version
+from .supervisor import ResidentWorker
 from .weights import HashCache
+from .worker_process import Launch
 
-__all__ = ["StepResult", "check_providers", "junit_xml"]
+__all__ = ["DECLARED", "SmokeRun", "StepResult", "Variant", "check_providers", "junit_xml", "run_smoke"]
 
-STEPS = ("manifest", "interpreter", "weights", "kit", "smoke")
+STEPS = ("manifest", "interpreter", "weights", "kit", "smoke", "bless", "against-stock")
 
 
 @dataclass
@@ -29,21 +44,188 @@ class StepResult:
     detail: str
     seconds: float = 0.0
     skipped: bool = False
+    provenance: dict[str, str] = field(default_factory=dict)  # what produced this result
+    data: dict[str, Any] = field(default_factory=dict)  # for scripts: mismatches, the bless diff
 
 
 def _run(slug: str, step: str, action) -> StepResult:
     started = time.monotonic()
     try:
-        detail = action()
+        answer = action()
     except (ResidentPoolError, OSError, ValueError) as exc:
-        return StepResult(slug, step, False, str(exc), time.monotonic() - started)
-    return StepResult(slug, step, True, detail or "ok", time.monotonic() - started)
+        data = dict(exc.details) if isinstance(exc, ResidentPoolError) else {}
+        return StepResult(slug, step, False, str(exc), time.monotonic() - started, data=data)
+    detail, data = answer if isinstance(answer, tuple) else (answer, {})
+    return StepResult(slug, step, True, detail or "ok", time.monotonic() - started, data=data)
 
 
-def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = None) -> list[StepResult]:
-    """Every step for the provider whose manifest is at ``path``; later steps skip after a failure."""
+# -- the smoke run -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Which build of a provider answers a smoke run: as declared, or stock (its kit off, or no kit).
+
+    A variant is never a new version of the production provider: its worker is
+    a replica of its own, so running it drains nothing.
+    """
+
+    name: str = "declared"
+    replica: int = 99  # standalone replicas no pool hands out
+    kit_mode: str | None = None  # the kit runs in this mode instead of the manifest's
+    without_kit: bool = False  # the worker runs plainly, the kit's variables removed
+    unset: tuple[str, ...] = ()
+
+    def manifest(self, manifest: Manifest) -> Manifest:
+        if manifest.kit is None:
+            return manifest
+        if self.without_kit:
+            return manifest.model_copy(update={"kit": None})
+        if self.kit_mode is not None:
+            return manifest.model_copy(update={"kit": manifest.kit.model_copy(update={"mode": self.kit_mode})})
+        return manifest
+
+    def describe(self, manifest: Manifest) -> str:
+        if manifest.kit is None:
+            return "no kit"
+        if self.without_kit:
+            return f"without the kit ({manifest.kit.package_name} lists no off mode)"
+        return f"kit mode {self.kit_mode or manifest.kit.mode}"
+
+
+DECLARED = Variant()
+
+
+def stock_variant(manifest: Manifest, row: KitRow) -> Variant:
+    """Stock: the kit's own ``off`` mode where its MODES lists one, else the worker without the kit."""
+    if "off" in (row.modes or []):
+        return Variant("stock", replica=98, kit_mode="off")
+    return Variant("stock", replica=98, without_kit=True, unset=(row.mode_env,) if row.mode_env else ())
+
+
+class SmokeRun(NamedTuple):
+    result: Any
+    transcript: Path | None
+
+
+def run_smoke(manifest: Manifest, payload: Any, variant: Variant = DECLARED) -> SmokeRun:
+    """Answer ``payload`` on a fresh worker of ``manifest`` built as ``variant``; the worker is stopped after."""
+    target = variant.manifest(manifest)
+    build = command_builder(target)
+
+    def build_variant(worker: ResidentWorker) -> Launch:
+        launch = build(worker)
+        if variant.without_kit and manifest.kit is not None:
+            env = dict(launch.env)
+            env.update(stray_variables(manifest.kit.package_name, os.environ, set()))
+            env.update(dict.fromkeys(variant.unset))
+            launch = replace(launch, env=env)
+        return launch
+
+    lifecycle = target.lifecycle
+    worker = ResidentWorker(target.slug, build_variant, start_timeout_s=lifecycle.start_timeout_s,
+                            request_timeout_s=lifecycle.request_timeout_s, manifest=target,
+                            replica=variant.replica, state_dir=paths.state_dir())
+    try:
+        result = worker.request(payload)
+    finally:
+        worker.close()
+    return SmokeRun(result, worker.transcript)
+
+
+def kit_says(transcript: Path | None, package: str) -> tuple[str | None, str]:
+    """The kit's own verdict in a transcript: ACTIVE, NOT ACTIVE or None, and its last such line."""
+    if transcript is None:
+        return None, ""
+    pattern = re.compile(rf"(?<![\w.]){re.escape(package)}: (NOT ACTIVE|ACTIVE)\b")
+    verdict, said = None, ""
+    with open(transcript, encoding="utf-8", errors="replace") as handle:
+        while line := handle.readline(64 * 1024):
+            if found := pattern.search(line):
+                verdict, said = found.group(1), line.strip()[:300]
+    return verdict, said
+
+
+# -- provenance ----------------------------------------------------------------
+
+
+def _describe_provider(manifest: Manifest, python: str | None, row: KitRow | None,
+                       results: list[StepResult]) -> dict[str, str]:
+    """What produces this provider's answers: manifest, weights, kit, environment, GPU."""
+    out = {"manifest.fingerprint": manifest.fingerprint()}
+    weights = next((r for r in results if r.step == "weights"), None)
+    files = len(manifest.weights.files)
+    if not files:
+        out["weights.pins"] = "no pinned files"
+    elif weights is not None and weights.ok:
+        out["weights.pins"] = f"{files} of {files} files at their pins (size and sha256)"
+    else:
+        out["weights.pins"] = "not verified: see the weights step"
+    kit = manifest.kit
+    if kit is None:
+        out["kit"] = "none"
+    else:
+        out.update({"kit.package": kit.package_name, "kit.mode": kit.mode})
+        if row is None:
+            out["kit.version"] = "unknown: the kit was not probed"
+        else:
+            out["kit.version"] = str(row.version) if row.version else "unknown: the kit has no __version__"
+            out["kit.activation"] = row.activation
+            out["kit.jit_cache_key"] = row.jit_cache_key or (
+                f"none: {row.jit_cache_key_error}" if row.jit_cache_key_error else "none")
+    out.update(environment(manifest, python) if python else {"env.python": "unknown: the interpreter step failed"})
+    out.update(gpu())
+    return out
+
+
+def _against_stock(manifest: Manifest, declared: SmokeRun, row: KitRow, extras: dict[str, str]) -> str:
+    """Run the payload stock and compare; the kit's own ACTIVE line must not say it engaged nothing."""
+    kit, tol = manifest.kit, expected.tolerance(manifest)
+    assert kit is not None
+    variant = stock_variant(manifest, row)
+    stock_how = variant.describe(manifest)
+    extras["stock.kit.mode"] = stock_how
+    stock = run_smoke(manifest, manifest.smoke.payload, variant)
+    extras["stock.transcript"] = str(stock.transcript)
+    said, said_line = kit_says(declared.transcript, kit.package_name)
+    stock_said, stock_line = kit_says(stock.transcript, kit.package_name)
+    extras["stock.kit.active"] = stock_line or "no ACTIVE line"
+    problems, reasons = [], []
+    if said == "NOT ACTIVE":
+        problems.append(f"the kit engaged nothing: its transcript {declared.transcript} says {said_line!r}")
+        reasons.append("kit_not_active")
+    if stock_said == "ACTIVE":
+        problems.append(f"the stock run ({stock_how}) is not stock: its transcript {stock.transcript} says "
+                        f"{stock_line!r}")
+        reasons.append("stock_not_stock")
+    mismatches = compare(stock.result, declared.result, tol)
+    if mismatches:
+        problems.append(f"the kit (mode {kit.mode}) changes the answer beyond {tol.describe()} against stock "
+                        f"({stock_how}) in {len(mismatches)} field(s):\n" + summary(mismatches, "stock", "kit"))
+        reasons.append("kit_changes_answer")
+    if problems:
+        error = GoldenMismatch if mismatches else KitUnavailable
+        raise error(f"{manifest.slug}: " + "; ".join(problems), slug=manifest.slug, reason=reasons[0],
+                    transcript=str(declared.transcript),
+                    details={"reasons": reasons, "mismatches": [m.to_dict() for m in mismatches]})
+    engaged = said_line or f"{kit.package_name} printed no ACTIVE line"
+    return f"the kit (mode {kit.mode}) answers as stock ({stock_how}) within {tol.describe()}; {engaged}"
+
+
+# -- the checks ----------------------------------------------------------------
+
+
+def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = None, *, against_stock: bool = False,
+                   bless: bool = False, force: bool = False) -> list[StepResult]:
+    """Every step for the provider whose manifest is at ``path``; later steps skip after a failure.
+
+    ``smoke`` runs the smoke payload and compares the answer with the expected one;
+    ``against_stock`` also runs it stock and compares; ``bless`` records the answer as
+    the expected one (over an existing file only with ``force``).
+    """
     slug = path.parent.name
-    holder: dict[str, Manifest] = {}
+    holder: dict[str, Any] = {}
+    provenance = {"host": host(), "resident_pool.version": own_version(), "manifest.path": str(path)}
 
     def manifest_step():
         holder["manifest"] = load_manifest(path)
@@ -51,8 +233,10 @@ def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = No
 
     results = [_run(slug, "manifest", manifest_step)]
     if not results[0].ok:
-        return results + [StepResult(slug, step, False, "skipped: the manifest is not valid", skipped=True)
-                          for step in STEPS[1:] if smoke or step != "smoke"]
+        last = ["bless"] if bless else ["smoke"] if smoke or against_stock else []
+        results += [StepResult(slug, step, False, "skipped: the manifest is not valid", skipped=True)
+                    for step in ["interpreter", "weights", "kit", *last, *(["against-stock"] if against_stock else [])]]
+        return _stamp(results, provenance, {})
     manifest = holder["manifest"]
     python_holder: dict[str, str] = {}
 
@@ -72,25 +256,17 @@ def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = No
     def kit_step():
         if manifest.kit is None:
             return "no kit"
-        if not isinstance(manifest.env, VenvEnv):
-            return "probe runs at start, inside the container"
-        row = probe_kit(manifest, python_holder["python"], {})
-        detail = f"{row.package} {row.activation}, mode variable {row.mode_env}, {len(row.env)} variables"
+        # The plan a start builds: the probe runs under the worker's environment (and in its
+        # container), and every start rule is applied, so a kit that check passes can start.
+        with tempfile.TemporaryDirectory(prefix="rp-check-") as run_dir:
+            row = holder["row"] = plan_launch(manifest, os.path.join(run_dir, "worker.sock"), cache=cache).row
+        detail = (f"{row.package} {row.activation}, MODEL_OPT {row.model_opt} ({row.model_opt_source}), "
+                  f"mode variable {row.mode_env}, {len(row.env)} variables")
         if row.jit_cache_key_error:
             detail += f"; jit_cache_key failed: {row.jit_cache_key_error}"
         return detail
 
-    def smoke_step():
-        worker = worker_for(manifest, replica=99)
-        try:
-            result = worker.request(manifest.smoke.payload)
-        finally:
-            worker.close()
-        return f"one prediction answered ({len(str(result))} characters) by pid {worker.pid}"
-
     steps = [("interpreter", interpreter_step), ("weights", weights_step), ("kit", kit_step)]
-    if smoke:
-        steps.append(("smoke", smoke_step))
     failed = False
     for step, action in steps:
         if failed and step in ("kit", "smoke"):
@@ -99,38 +275,107 @@ def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = No
         result = _run(slug, step, action)
         failed = failed or not result.ok
         results.append(result)
+    provenance.update(_describe_provider(manifest, python_holder.get("python"), holder.get("row"), results))
+    extras = _answer_steps(manifest, python_holder.get("python"), holder.get("row"), results, provenance,
+                           smoke=smoke, against_stock=against_stock, bless=bless, force=force)
+    return _stamp(results, provenance, extras)
+
+
+def _answer_steps(manifest: Manifest, python: str | None, row: KitRow | None, results: list[StepResult],
+                  provenance: dict[str, str], *, smoke: bool, against_stock: bool, bless: bool,
+                  force: bool) -> dict[str, dict[str, str]]:
+    """The steps that run the smoke payload (smoke or bless, then against-stock); returns their own provenance."""
+    slug, extras = manifest.slug, {}
+    first = "bless" if bless else "smoke" if smoke or against_stock else None
+    wanted = [step for step in (first, "against-stock" if against_stock else None) if step]
+    if any(not r.ok for r in results):
+        results += [StepResult(slug, step, False, "skipped: an earlier step failed", skipped=True) for step in wanted]
+        return extras
+    runs: dict[str, SmokeRun] = {}
+
+    def answer():
+        run = runs["declared"] = run_smoke(manifest, manifest.smoke.payload)
+        extras[first] = {"smoke.transcript": str(run.transcript)}
+        if manifest.kit is not None:
+            provenance["kit.active"] = kit_says(run.transcript, manifest.kit.package_name)[1] or "no ACTIVE line"
+        if bless:
+            return expected.bless(manifest, run.result, provenance, force=force)
+        return expected.verdict(manifest, run.result, run.transcript)
+
+    def stock():
+        return _against_stock(manifest, runs["declared"], row, extras.setdefault("against-stock", {}))
+
+    if first:
+        results.append(_run(slug, first, answer))
+        recorded = results[-1].data.get("expected_file")
+        if recorded and os.path.isfile(recorded):
+            digest = hashlib.sha256(Path(recorded).read_bytes()).hexdigest()
+            extras.setdefault(first, {})["smoke.expected"] = f"{recorded} (sha256 {digest[:16]})"
+    if against_stock:
+        if manifest.kit is None or "declared" not in runs:
+            why = "no kit: the smoke run is stock" if manifest.kit is None else "the smoke run gave no answer"
+            results.append(StepResult(slug, "against-stock", False, f"skipped: {why}", skipped=True))
+        else:
+            results.append(_run(slug, "against-stock", stock))
+    return extras
+
+
+def _stamp(results: list[StepResult], provenance: dict[str, str],
+           extras: dict[str, dict[str, str]]) -> list[StepResult]:
+    for result in results:
+        result.provenance = {**provenance, **extras.get(result.step, {})}
     return results
 
 
-def check_providers(directory: Path, slugs: Iterable[str] = (), smoke: bool = False) -> list[StepResult]:
+def check_providers(directory: Path, slugs: Iterable[str] = (), smoke: bool = False, *, against_stock: bool = False,
+                    bless: bool = False, force: bool = False) -> list[StepResult]:
     """Check the named providers (all under ``directory`` when none is named)."""
     wanted = list(slugs)
-    paths = [directory / slug / "manifest.toml" for slug in wanted] or sorted(directory.glob("*/manifest.toml"))
+    manifests = [directory / slug / "manifest.toml" for slug in wanted] or sorted(directory.glob("*/manifest.toml"))
     cache = HashCache()
     results: list[StepResult] = []
-    for path in paths:
-        results += check_provider(path, smoke=smoke, cache=cache)
+    for path in manifests:
+        results += check_provider(path, smoke=smoke, cache=cache, against_stock=against_stock, bless=bless,
+                                  force=force)
     return results
+
+
+def _properties(parent: ET.Element, values: dict[str, str]) -> None:
+    if values:
+        holder = ET.SubElement(parent, "properties")
+        for name, value in values.items():
+            ET.SubElement(holder, "property", name=name, value=value)
 
 
 def junit_xml(results: list[StepResult]) -> str:
-    """JUnit XML: one test case per provider and step, for CI systems."""
-    suite = ET.Element("testsuite", name="resident-pool check", hostname=os.uname().nodename,
-                       tests=str(len(results)),
-                       failures=str(sum(not r.ok and not r.skipped for r in results)),
-                       skipped=str(sum(r.skipped for r in results)),
-                       time=f"{sum(r.seconds for r in results):.3f}")
-    for result in results:
-        case = ET.SubElement(suite, "testcase", classname=f"resident-pool.{result.slug}", name=result.step,
-                             time=f"{result.seconds:.3f}")
-        if result.skipped:
-            ET.SubElement(case, "skipped", message=result.detail)
-        elif not result.ok:
-            failure = ET.SubElement(case, "failure", message=result.detail.splitlines()[0][:500])
-            failure.text = result.detail
-        else:
-            ET.SubElement(case, "system-out").text = result.detail
-    root = ET.Element("testsuites")
-    root.append(suite)
+    """JUnit XML: one test suite per provider, one test case per step, provenance as properties of both.
+
+    Every JUnit consumer reads a suite's properties; GitHub's and Jenkins' reporters
+    also read a test case's.
+    """
+    root = ET.Element("testsuites", name="resident-pool check", tests=str(len(results)),
+                      failures=str(sum(not r.ok and not r.skipped for r in results)),
+                      skipped=str(sum(r.skipped for r in results)), time=f"{sum(r.seconds for r in results):.3f}")
+    stamp = datetime.now(UTC).isoformat(timespec="seconds")
+    for slug in dict.fromkeys(r.slug for r in results):
+        group = [r for r in results if r.slug == slug]
+        suite = ET.SubElement(root, "testsuite", name=f"resident-pool.{slug}", hostname=os.uname().nodename,
+                              timestamp=stamp, tests=str(len(group)), errors="0",
+                              failures=str(sum(not r.ok and not r.skipped for r in group)),
+                              skipped=str(sum(r.skipped for r in group)),
+                              time=f"{sum(r.seconds for r in group):.3f}")
+        shared = {k: v for k, v in group[0].provenance.items() if all(r.provenance.get(k) == v for r in group)}
+        _properties(suite, shared)
+        for result in group:
+            case = ET.SubElement(suite, "testcase", classname=f"resident-pool.{result.slug}", name=result.step,
+                                 time=f"{result.seconds:.3f}")
+            _properties(case, result.provenance)
+            if result.skipped:
+                ET.SubElement(case, "skipped", message=result.detail)
+            elif not result.ok:
+                failure = ET.SubElement(case, "failure", message=result.detail.splitlines()[0][:500])
+                failure.text = result.detail
+            else:
+                ET.SubElement(case, "system-out").text = result.detail
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

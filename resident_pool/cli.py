@@ -11,12 +11,14 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .arrays import plain
 from .check import check_providers, junit_xml
 from .errors import ResidentPoolError
 from .manifest import json_schema
+from .provenance import columns
 
 app = typer.Typer(help="Keep model workers warm within a GPU memory budget.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -32,7 +34,9 @@ ManifestsOption = Annotated[
 
 
 def manifests_dir(option: Path | None) -> Path:
-    return option or Path(os.environ.get("RESIDENT_POOL_MANIFESTS", "manifests"))
+    from .client import default_manifests
+
+    return default_manifests(option)
 
 
 @app.command()
@@ -44,30 +48,61 @@ def schema() -> None:
 @app.command()
 def check(
     slugs: Annotated[list[str] | None, typer.Argument(help="Providers to check (default: all).")] = None,
-    smoke: Annotated[bool, typer.Option("--smoke", help="Also start each worker and run its smoke payload.")] = False,
+    smoke: Annotated[bool, typer.Option(
+        "--smoke", help="Also start each worker, run its smoke payload and compare the answer with [smoke] expected.",
+    )] = False,
+    against_stock: Annotated[bool, typer.Option(
+        "--against-stock", help="Also run the smoke payload stock (the kit off) and fail a kit that changes the "
+        "answer beyond the tolerance or says it engaged nothing. Implies --smoke.",
+    )] = False,
+    bless: Annotated[bool, typer.Option(
+        "--bless", help="Record each named provider's smoke answer as its expected answer, and print the diff "
+        "against the old one.",
+    )] = False,
+    force: Annotated[bool, typer.Option("--force", help="With --bless: overwrite an existing answer.")] = False,
     junit: Annotated[Path | None, typer.Option("--junit", help="Write a JUnit XML report here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print results as JSON.")] = False,
     manifests: ManifestsOption = None,
 ) -> None:
     """Verify weights against their pins and probe each kit; exit 1 on any failure."""
-    results = check_providers(manifests_dir(manifests), slugs or [], smoke=smoke)
+    if bless and not slugs:
+        raise typer.BadParameter("name the providers to bless: `resident-pool check --bless SLUG...`")
+    if force and not bless:
+        raise typer.BadParameter("--force only applies to --bless")
+    results = check_providers(manifests_dir(manifests), slugs or [], smoke=smoke, against_stock=against_stock,
+                              bless=bless, force=force)
     if junit:
         junit.write_text(junit_xml(results))
     failed = [r for r in results if not r.ok and not r.skipped]
     if as_json:
-        typer.echo(json.dumps([r.__dict__ for r in results], indent=2))
+        typer.echo(json.dumps([r.__dict__ for r in results], indent=2, default=str))
     else:
         table = Table(title="resident-pool check")
         for column in ("provider", "step", "result", "detail"):
             table.add_column(column, overflow="fold")
         for r in results:
             verdict = "[yellow]skipped[/]" if r.skipped else ("[green]ok[/]" if r.ok else "[red]FAILED[/]")
-            table.add_row(r.slug, r.step, verdict, r.detail)
+            table.add_row(r.slug, r.step, verdict, escape(r.detail))  # paths like items[0] are not markup
         console.print(table)
+        _print_provenance(results)
+        for r in results:
+            if r.step == "bless" and r.data.get("diff"):
+                console.print(f"{r.slug}: against the old {r.data['expected_file']}:", highlight=False)
+                for line in r.data["diff"]:
+                    console.print(f"  {line}", highlight=False, markup=False)
         console.print(f"{len(failed)} failed, {sum(r.ok for r in results)} passed"
                       + (f"; JUnit report: {junit}" if junit else ""))
     if failed or not results:
         raise typer.Exit(1)
+
+
+def _print_provenance(results) -> None:
+    """One line per provider: what produced its answers."""
+    for slug in dict.fromkeys(r.slug for r in results):
+        values = next(r for r in results if r.slug == slug).provenance
+        if "manifest.fingerprint" in values:
+            line = "; ".join(f"{name} {value}" for name, value in columns(values).items())
+            console.print(f"{slug}: {line}", highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -113,12 +148,21 @@ def status(
     if as_json:
         typer.echo(json.dumps(state, indent=2))
         return
-    table = Table(title=f"resident-pool (pid {state['pool']['pid']}, manifests {state['pool']['manifests']})")
-    columns = ("slug", "replica", "pid", "state", "device", "budget_gb", "served", "idle_s", "uptime_s", "transcript")
+    pool = state["pool"]
+    table = Table(title=f"resident-pool {pool['version']} (pid {pool['pid']}, manifests {pool['manifests']})"
+                        + (" [yellow]draining to stop[/]" if pool.get("draining") else ""))
+    columns = ("slug", "replica", "pid", "state", "version", "device", "budget_gb", "served", "idle_s",
+               "uptime_s", "lease", "transcript")
     for column in columns:
         table.add_column(column, overflow="fold")
     for worker in state["workers"]:
-        table.add_row(*("" if worker[c] is None else str(worker[c]) for c in columns))
+        row = dict(worker)
+        lease = worker.get("lease")
+        row["lease"] = "" if lease is None else (
+            f"{lease['age_s']:g} s" + (f" ({', '.join(lease['holder'].values())})" if lease["holder"] else ""))
+        if not worker.get("current", True):
+            row["version"] = f"{worker['version']} (old)"
+        table.add_row(*("" if row[c] is None else str(row[c]) for c in columns))
     if state["workers"]:
         console.print(table)
     else:
@@ -128,6 +172,9 @@ def status(
     for slug, breaker in state["breakers"].items():
         console.print(f"[red]breaker[/] {slug}: {'open' if breaker['open'] else 'closed'} "
                       f"({breaker['failures']} failed starts, {breaker['refused']} refused): {breaker['error']}")
+    for slug, provider in state.get("providers", {}).items():
+        if provider.get("last_error"):
+            console.print(f"last error of {slug}: {provider['last_error']}")
 
 
 @app.command()
@@ -158,14 +205,15 @@ def predict(
 def stop(
     slug: Annotated[str | None, typer.Argument(help="The provider whose workers to stop.")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Stop every worker.")] = False,
+    now: Annotated[bool, typer.Option("--now", help="Do not let leased requests finish first.")] = False,
     manifests: ManifestsOption = None,
 ) -> None:
-    """Stop a provider's workers (or all of them); the device is given back."""
+    """Stop a provider's workers (or all of them); leased ones finish their requests first; the device is given back."""
     if (slug is None) == (not all_):
         raise typer.BadParameter("name one SLUG, or --all")
     try:
         with _pool(manifests, start=False) as pool:
-            stopped = pool.stop(None if all_ else slug)
+            stopped = pool.stop(None if all_ else slug, now=now)
     except ResidentPoolError as exc:
         console.print(str(exc))
         raise typer.Exit(0) from None
@@ -179,7 +227,7 @@ def logs(
 ) -> None:
     """The newest transcript of SLUG's workers: its path, then its last lines."""
     from .paths import log_dir
-    from .supervisor import read_tail
+    from .transcripts import read_tail
 
     transcripts = sorted(log_dir().glob(f"{slug}-*.log"), key=lambda p: p.stat().st_mtime)
     if not transcripts:

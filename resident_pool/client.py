@@ -1,4 +1,8 @@
-"""The client: ``Pool()`` connects to this host's pool (starting one if none runs)."""
+"""The client: ``Pool()`` connects to this host's pool (starting one if none runs).
+
+Imports nothing of the pool's side: a client process (a Prefect task) pays for the
+protocol, the settings and the errors, never for the server.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +20,10 @@ from typing import Any
 from filelock import FileLock
 
 from . import arrays, paths
-from .errors import ResidentPoolError, WorkerRequestError, error_from_dict
-from .pool import POOL_SOCKET
+from .errors import RequestTimeout, ResidentPoolError, WorkerRequestError, error_from_dict
 from .protocol import Inbox, ProtocolError, connect, recv_line, send_line
+from .settings import settings
+from .version import __version__
 
 __all__ = ["Pool", "Session", "default_manifests", "shutdown_pool"]
 
@@ -27,7 +32,7 @@ POOL_START_TIMEOUT_S = 60.0
 
 def default_manifests(manifests: str | os.PathLike[str] | None = None) -> Path:
     """``manifests``, else $RESIDENT_POOL_MANIFESTS, else ./manifests; absolute."""
-    chosen = manifests or os.environ.get("RESIDENT_POOL_MANIFESTS") or "manifests"
+    chosen = manifests or settings().manifests or "manifests"
     return Path(chosen).expanduser().resolve()
 
 
@@ -58,13 +63,16 @@ class Pool:
         *,
         start: bool = True,
         on_wait: Callable[[dict[str, Any]], None] | None = None,
+        holder: dict[str, str] | None = None,
     ) -> None:
-        """``on_wait`` is called (every few seconds) while a request waits for GPU admission."""
+        """``on_wait`` is called (every few seconds) while a request waits for GPU admission;
+        ``holder`` says who this client's leases are for (shown in ``status``)."""
         self.manifests = default_manifests(manifests)
         self.start = start
         self.on_wait = on_wait
+        self.holder = holder
         self.state_dir = paths.state_dir()
-        self.socket_path = str(self.state_dir / POOL_SOCKET)
+        self.socket_path = paths.pool_socket(self.state_dir)
         self._local = threading.local()
         self._links: list[_Link] = []
         self._links_lock = threading.Lock()
@@ -80,13 +88,42 @@ class Pool:
         return link
 
     def _connect(self) -> socket.socket:
+        """A connection to a pool of this client's version, starting one when none runs."""
+        for _ in range(3):
+            sock = self._open()
+            try:
+                send_line(sock, {"op": "hello", "version": __version__})
+                hello = recv_line(sock, bytearray())
+            except (OSError, ProtocolError):
+                sock.close()
+                raise
+            if hello is None:
+                sock.close()
+                raise ConnectionResetError(f"the pool at {self.socket_path} closed the connection")
+            if hello.get("version") == __version__ and not hello.get("draining"):
+                return sock
+            sock.close()
+            if hello.get("draining"):
+                self._wait_for_socket_to_go()
+                continue
+            if not hello.get("idle"):
+                raise ResidentPoolError(
+                    f"this client is resident-pool {__version__} but the pool (pid {hello.get('pid')}) runs "
+                    f"{hello.get('version')} and holds workers; run `resident-pool stop --all` (its workers "
+                    "drain, and the idle pool then gives way to this version), or retry once it is idle",
+                    reason="version_mismatch", details={"client": __version__, "pool": hello.get("version")})
+            self._call_once({"op": "shutdown"})  # idle: it drains at once and a pool of this version starts
+            self._wait_for_socket_to_go()
+        raise ResidentPoolError(f"no pool of version {__version__} could be reached on {self.socket_path}")
+
+    def _open(self) -> socket.socket:
         try:
             return connect(self.socket_path)
         except (FileNotFoundError, ConnectionRefusedError):
             if not self.start:
                 raise ResidentPoolError(
-                    f"no pool is running on {self.socket_path}; start one with `resident-pool daemon`"
-                ) from None
+                    f"no pool is running on {self.socket_path}; start one with `resident-pool daemon`",
+                    reason="no_pool") from None
         # Two flow runs racing here start one pool, not two.
         with FileLock(str(self.state_dir / "start.lock")):
             try:
@@ -98,11 +135,14 @@ class Pool:
     def _start_pool(self) -> None:
         log = paths.log_dir() / "pool.log"
         with open(log, "a") as out:
-            # --background forks and returns at once: the pool belongs to no
-            # client, so it outlives the flow run that started it.
+            # --background forks and returns at once: the pool belongs to no client, so it outlives
+            # the flow run that started it. -P and the state directory as working directory: nothing
+            # in the folder this client runs from is importable by the pool.
             subprocess.run(
-                [sys.executable, "-m", "resident_pool", "daemon", "--background", "--manifests", str(self.manifests)],
+                [sys.executable, "-P", "-m", "resident_pool", "daemon", "--background",
+                 "--manifests", str(self.manifests)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=60,
+                cwd=self.state_dir,
             )
         deadline = time.monotonic() + POOL_START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -113,6 +153,19 @@ class Pool:
                 time.sleep(0.02)
         raise ResidentPoolError(f"the pool did not come up on {self.socket_path} within "
                                 f"{POOL_START_TIMEOUT_S:g} s; see {log}")
+
+    def _wait_for_socket_to_go(self, wait_s: float | None = None) -> None:
+        deadline = time.monotonic() + (settings().drain_grace_s + 30.0 if wait_s is None else wait_s)
+        while os.path.exists(self.socket_path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _call_once(self, message: dict[str, Any]) -> None:
+        try:
+            with connect(self.socket_path) as sock:
+                send_line(sock, message)
+                recv_line(sock, bytearray())
+        except (OSError, ProtocolError):
+            pass  # it is gone already
 
     def _call(self, message: dict[str, Any], expect_reply: bool = True) -> dict[str, Any]:
         link = self._link()
@@ -169,20 +222,31 @@ class Pool:
     @contextmanager
     def session(self, slug: str) -> Iterator[Session]:
         """Hold one worker of ``slug`` for a batch; others wait for a replica meanwhile."""
-        attempts = 2
-        for attempt in range(attempts):
-            try:
-                lease = self._call({"op": "acquire", "slug": slug, "manifests": str(self.manifests)})
-                break
-            except (OSError, ProtocolError):
-                # The pool went away (killed, restarted): reconnect, or start a new one.
-                if attempt == attempts - 1:
-                    raise
+        lease = self._acquire(slug)
         session = Session(self, lease)
         try:
             yield session
         finally:
             session.release()
+
+    def _acquire(self, slug: str) -> dict[str, Any]:
+        message: dict[str, Any] = {"op": "acquire", "slug": slug, "manifests": str(self.manifests)}
+        if self.holder:
+            message["holder"] = self.holder
+        attempts = 3
+        for attempt in range(attempts):
+            try:
+                return self._call(message)
+            except (OSError, ProtocolError):
+                # The pool went away (killed, restarted): reconnect, or start a new one.
+                if attempt == attempts - 1:
+                    raise
+            except ResidentPoolError as error:
+                if error.reason != "pool_stopping" or attempt == attempts - 1:
+                    raise
+                self._drop_link()  # it drains to exit; the next pool serves this request
+                self._wait_for_socket_to_go()
+        raise AssertionError("unreachable")
 
     def status(self) -> dict[str, Any]:
         reply = self._call({"op": "status"})
@@ -192,9 +256,9 @@ class Pool:
     def waiting(self) -> list[dict[str, Any]]:
         return self._call({"op": "waiting"})["waiting"]
 
-    def stop(self, slug: str | None = None) -> list[str]:
-        """Stop ``slug``'s workers (every provider's when None)."""
-        return self._call({"op": "stop", "slug": slug})["stopped"]
+    def stop(self, slug: str | None = None, now: bool = False) -> list[str]:
+        """Stop ``slug``'s workers (every provider's when None); leased ones finish first unless ``now``."""
+        return self._call({"op": "stop", "slug": slug, "now": now})["stopped"]
 
     def shutdown(self, wait_s: float = 60.0) -> int:
         """Stop every worker and the pool process itself; returns its pid.
@@ -203,9 +267,7 @@ class Pool:
         """
         pid = self._call({"op": "shutdown"})["pid"]
         self.close()
-        deadline = time.monotonic() + wait_s
-        while os.path.exists(self.socket_path) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        self._wait_for_socket_to_go(wait_s)
         return pid
 
 
@@ -228,6 +290,7 @@ class Session:
         self.replica: int = lease["replica"]
         self.cold: bool = lease["cold"]
         self.transcript: str = lease["transcript"]
+        self.version: str | None = lease.get("version")
         self.served = 0
         self._ended = False
         self._ids = 0
@@ -239,7 +302,9 @@ class Session:
         if cached is None:
             for old in [k for k in link.workers if k[0] == key[0]]:
                 link.workers.pop(old)[0].close()
-            cached = link.workers[key] = (connect(self.lease["socket"]), Inbox())
+            config = settings()
+            inbox = Inbox(config.max_attachment_bytes, config.attach_min_bytes)
+            cached = link.workers[key] = (connect(self.lease["socket"]), inbox)
         return cached
 
     def _forget_worker(self) -> None:
@@ -252,20 +317,25 @@ class Session:
             raise WorkerRequestError(f"{self.slug}: this session has ended; open a new one", slug=self.slug,
                                      reason="session_ended")
         self._ids += 1
+        timeout = self.lease["request_timeout_s"]
         try:
             sock, buf = self._worker()
-            sock.settimeout(self.lease["request_timeout_s"])
+            sock.settimeout(timeout)
             # Arrays in the payload and the result travel beside the line (arrays.py).
             reply = arrays.exchange(sock, buf, {"op": "predict", "id": self._ids, "payload": payload})
             if reply is None:
                 raise ConnectionResetError("the worker closed the connection without a reply")
-        except TimeoutError:
+        except TimeoutError as exc:
             self._forget_worker()
             self._end("timeout", {})
-            raise
+            headline = (f"{self.slug}: a request outran request_timeout_s = {timeout:g} s; its worker (pid "
+                        f"{self.pid}) was stopped and the next request starts a fresh one; transcript "
+                        f"{self.transcript}")
+            raise RequestTimeout(headline, slug=self.slug, transcript=self.transcript,
+                                 details={"timeout_s": timeout, "pid": self.pid}) from exc
         except (OSError, ProtocolError) as exc:
             self._forget_worker()
-            answer = self._end("broken", {"error": f"{type(exc).__name__}: {exc}"})
+            answer = self._end("broken", {})
             if answer.get("error"):
                 raise error_from_dict(answer["error"]) from exc
             raise
@@ -296,4 +366,3 @@ class Session:
                             expect_reply=False)
         except OSError:
             pass  # the pool is gone; the lease went with its connection
-

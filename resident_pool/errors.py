@@ -15,9 +15,13 @@ from .exits import exit_hint
 __all__ = [
     "AdmissionRefused",
     "AdmissionTimeout",
+    "GoldenMismatch",
     "KitUnavailable",
     "ManifestError",
+    "PoolStopping",
+    "RequestTimeout",
     "ResidentPoolError",
+    "SocketPathTooLong",
     "StateDirError",
     "WeightsMismatch",
     "WorkerRequestError",
@@ -25,7 +29,7 @@ __all__ = [
     "error_from_dict",
 ]
 
-_FIELDS = ("slug", "reason", "exit_code", "hint", "transcript", "transcript_tail", "details")
+_FIELDS = ("slug", "reason", "exit_code", "hint", "transcript", "transcript_tail", "details", "headline")
 
 
 class ResidentPoolError(Exception):
@@ -44,9 +48,12 @@ class ResidentPoolError(Exception):
         transcript: str | None = None,
         transcript_tail: list[str] | None = None,
         details: dict[str, Any] | None = None,
+        headline: str | None = None,
     ) -> None:
+        """``headline`` is the message without the transcript lines it may quote."""
         super().__init__(message)
         self.message = message
+        self.headline = headline or message.split("\n", 1)[0]
         self.slug = slug
         self.reason = reason or self.default_reason
         self.exit_code = exit_code
@@ -75,6 +82,18 @@ class WorkerRequestError(ResidentPoolError):
     """A request failed: the model raised, the worker exited, or it died."""
 
     default_reason = "request_failed"
+
+
+class RequestTimeout(WorkerRequestError, TimeoutError):
+    """A request outran its provider's ``request_timeout_s``; the worker that ran it is replaced."""
+
+    default_reason = "request_timeout"
+
+
+class PoolStopping(ResidentPoolError):
+    """The pool is draining to stop (a SIGTERM, an upgrade); a client retries with the next pool."""
+
+    default_reason = "pool_stopping"
 
 
 class AdmissionTimeout(ResidentPoolError, TimeoutError):
@@ -107,6 +126,18 @@ class WeightsMismatch(ResidentPoolError):
     default_reason = "weights_mismatch"
 
 
+class SocketPathTooLong(ResidentPoolError, ValueError):
+    """A socket path longer than AF_UNIX allows (107 bytes): the state directory is too deep."""
+
+    default_reason = "socket_path_too_long"
+
+
+class GoldenMismatch(ResidentPoolError):
+    """A smoke answer is off its expected answer, or a kit's answer off stock, beyond tolerance."""
+
+    default_reason = "golden_mismatch"
+
+
 class StateDirError(ResidentPoolError, PermissionError):
     """The state directory is not private to this user."""
 
@@ -119,11 +150,15 @@ _TYPES = {
         ResidentPoolError,
         WorkerStartError,
         WorkerRequestError,
+        RequestTimeout,
+        PoolStopping,
         AdmissionTimeout,
         AdmissionRefused,
         KitUnavailable,
+        GoldenMismatch,
         ManifestError,
         StateDirError,
+        SocketPathTooLong,
         WeightsMismatch,
     )
 }

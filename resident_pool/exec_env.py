@@ -1,22 +1,42 @@
-"""How a provider's worker is executed: a Python interpreter here, or a container."""
+"""How a provider's worker is executed: a Python interpreter here, or a container engine."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
-from .errors import WorkerStartError
+from .errors import ManifestError, WorkerStartError
 from .manifest import ContainerEnv, Manifest, VenvEnv
 
-__all__ = ["ESSENTIAL_VARIABLES", "Bind", "interpreter", "passthrough_env", "wrap"]
+__all__ = [
+    "ESSENTIAL_VARIABLES",
+    "Bind",
+    "container_name",
+    "engine_controls",
+    "interpreter",
+    "parse_bind",
+    "passthrough_env",
+    "wrap",
+]
 
 # What any interpreter needs to start, kept even under a passthrough allow-list.
 ESSENTIAL_VARIABLES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ"})
+# Engine variables a pool may have in its own environment; they would be injected into every container.
+_ENGINE_PREFIXES = ("APPTAINERENV_", "SINGULARITYENV_")
 
-Bind = tuple[str, str, bool]  # host path, container path, read-only
+
+class Bind(NamedTuple):
+    """A host path mounted at ``inside``; ``field`` names where it came from, for errors."""
+
+    host: str
+    inside: str
+    read_only: bool
+    field: str = "env.binds"
 
 
 def interpreter(manifest: Manifest) -> str:
@@ -43,64 +63,106 @@ def interpreter(manifest: Manifest) -> str:
 def passthrough_env(
     allowed: Sequence[str] | None, environ: Mapping[str, str], keep: Sequence[str] = ()
 ) -> dict[str, None]:
-    """Names of ``environ`` to remove so only ``allowed`` (and essentials) reach the worker."""
+    """Names of ``environ`` to remove so only ``allowed`` (and essentials) reach a venv worker."""
     if allowed is None:
         return {}
     kept = set(allowed) | ESSENTIAL_VARIABLES | set(keep)
     return {name: None for name in environ if name not in kept and not name.startswith("RESIDENT_POOL_")}
 
 
+def container_name(slug: str, replica: int | str) -> str:
+    """A name for one start: a stopped container's name may linger in the engine a while."""
+    return f"resident-pool-{slug}-{replica}-{secrets.token_hex(4)}"
+
+
+def engine_controls(manifest: Manifest, name: str) -> tuple[list[str], list[str]] | None:
+    """``(stop_argv, kill_argv)`` that reach the container ``name``; None where the process group does.
+
+    A docker or podman container is not a child of the ``run`` client: a SIGKILL
+    of the client leaves it running, holding its GPU. Apptainer's container is
+    the process the pool started, so signalling its group is enough.
+    """
+    spec = manifest.env
+    if not isinstance(spec, ContainerEnv) or spec.engine == "apptainer":
+        return None
+    return [spec.engine, "stop", name], [spec.engine, "kill", name]
+
+
+def parse_bind(text: str) -> Bind:
+    """``host[:container][:ro]`` from ``[env] binds``."""
+    parts = text.split(":")
+    read_only = parts[-1] == "ro"
+    if parts[-1] in ("ro", "rw") and len(parts) > 1:
+        parts = parts[:-1]
+    host = str(Path(parts[0]).expanduser())
+    return Bind(host, parts[1] if len(parts) > 1 else host, read_only, "env.binds")
+
+
+def _refuse_unsafe(manifest: Manifest, binds: Iterable[Bind]) -> None:
+    for bind in binds:
+        for path in (bind.host, bind.inside):
+            if "," in path or ":" in path:
+                raise ManifestError(
+                    f"{manifest.path}: {bind.field}: the path {path} holds ',' or ':', which a container "
+                    "engine's bind syntax cannot carry; use a path without them",
+                    slug=manifest.slug, details={"field": bind.field},
+                )
+
+
+def _gpu_flags(engine: str, device: str | None) -> list[str]:
+    devices = [d.strip() for d in (device or "all").split(",") if d.strip()]
+    if engine == "docker":
+        # docker reads a bare comma as the start of another option: a list goes in quotes.
+        return ["--gpus", f"device={devices[0]}" if len(devices) == 1 else '"device=' + ",".join(devices) + '"']
+    flags = []
+    for one in devices:
+        flags += ["--device", f"nvidia.com/gpu={one}"]  # CDI names the devices podman may pass
+    return flags
+
+
 def wrap(
     manifest: Manifest,
-    argv: list[str],
+    argv: Sequence[str],
     env: Mapping[str, str | None],
-    binds: Sequence[Bind],
+    binds: Sequence[Bind | tuple[str, str, bool]],
     *,
     name: str,
     device: str | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[list[str], dict[str, str | None]]:
-    """The command that runs ``argv`` in the provider's environment, and its environment.
+    """The command that runs ``argv`` in the provider's environment, and what its launcher's environment needs.
 
-    Containers bind every path at the same place inside, so the socket, the
-    script and the weights keep their host paths and nothing needs rewriting.
+    A container sees only what is passed by name (docker/podman ``--env NAME``,
+    apptainer ``APPTAINERENV_NAME``, so values never appear in the process list)
+    and only the ``binds``, each at the same path inside, so nothing is rewritten.
     """
     spec = manifest.env
     if isinstance(spec, VenvEnv):
         return list(argv), dict(env)
-    assert isinstance(spec, ContainerEnv)
+    environ = os.environ if environ is None else environ
+    all_binds = [Bind(*bind) for bind in binds] + [parse_bind(text) for text in spec.binds]
+    _refuse_unsafe(manifest, all_binds)
+    inside = {key: value for key, value in env.items() if value is not None}
     gpu = manifest.gpu.policy != "none"
-    all_binds = [*binds, *(_parse_bind(text) for text in spec.binds)]
     if spec.engine == "apptainer":
-        command = ["apptainer", "exec", "--cleanenv"]
+        command = ["apptainer", "exec", "--cleanenv", "--contain"]
         if gpu:
-            command.append("--nv")
-        for host, inside, read_only in all_binds:
-            command += ["--bind", f"{host}:{inside}" + (":ro" if read_only else "")]
+            command.append("--nv")  # every GPU; CUDA_VISIBLE_DEVICES inside picks the admitted one
+        for bind in all_binds:
+            command += ["--bind", f"{bind.host}:{bind.inside}" + (":ro" if bind.read_only else "")]
         command += [spec.image, *argv]
-        # --cleanenv drops the host's environment; APPTAINERENV_ names are set
-        # inside, so values never appear in the process list.
-        outer = {f"APPTAINERENV_{key}": value for key, value in env.items() if value is not None}
+        outer: dict[str, str | None] = {name: None for name in environ if name.startswith(_ENGINE_PREFIXES)}
+        outer.update({f"APPTAINERENV_{key}": value for key, value in inside.items()})
         return command, outer
-    command = [spec.engine, "run", "--rm", "--init", "--name", name, "--network", "none",
-               "--user", f"{os.getuid()}:{os.getgid()}"]
-    for host, inside, read_only in all_binds:
-        command += ["--volume", f"{host}:{inside}" + (":ro" if read_only else "")]
-    for key in sorted(key for key, value in env.items() if value is not None):
-        command += ["--env", key]  # the value comes from the engine client's environment
-    if gpu and device is not None:
-        if spec.engine == "docker":
-            command += ["--gpus", f"device={device}"]
-        else:
-            command += ["--device", f"nvidia.com/gpu={device}"]
+    command = [spec.engine, "run", "--rm", "--init", "--name", name, "--network", "none"]
+    # podman (rootless) maps the user's uid into the container, so files in the binds stay the user's.
+    command += ["--user", f"{os.getuid()}:{os.getgid()}"] if spec.engine == "docker" else ["--userns=keep-id"]
+    for bind in all_binds:
+        command += ["--volume", f"{bind.host}:{bind.inside}" + (":ro" if bind.read_only else "")]
+    for key in sorted(inside):
+        if key != "CUDA_VISIBLE_DEVICES":  # the GPU flags choose it; inside, it is the container's device 0
+            command += ["--env", key]  # the value comes from the engine client's environment
+    if gpu:
+        command += _gpu_flags(spec.engine, device)
     command += [spec.image, *argv]
-    return command, dict(env)
-
-
-def _parse_bind(text: str) -> Bind:
-    parts = text.split(":")
-    read_only = parts[-1] == "ro"
-    if read_only:
-        parts = parts[:-1]
-    host = parts[0]
-    inside = parts[1] if len(parts) > 1 else host
-    return str(Path(host).expanduser()), inside, read_only
+    return command, inside

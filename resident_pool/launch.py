@@ -1,4 +1,9 @@
-"""From a manifest to a running worker: interpreter, pinned weights, kit, command."""
+"""From a manifest to a running worker: one launch plan, then wrapped for its engine in one step.
+
+The plan resolves the manifest once (interpreter, weights root verified, work
+and JIT roots, the environment with its removals, the binds); the kit's probe
+and the worker are both built from it, so they see the same conditions.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +11,33 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from . import kit as kits
 from . import paths
-from .exec_env import Bind, interpreter, passthrough_env, wrap
-from .kit import KitRow, jit_root, kit_command, probe_kit
+from .exec_env import Bind, container_name, engine_controls, interpreter, passthrough_env, wrap
+from .kit import KitRow, apply_row, jit_root, kit_env, run_probe
 from .manifest import Manifest, VenvEnv
-from .supervisor import PROTOCOL_PATH, Admitter, BuildCommand, ResidentWorker
+from .settings import settings
+from .supervisor import Admitter, BuildCommand, ResidentWorker
 from .weights import HashCache, WeightsReport, verify_weights
+from .worker_process import PROTOCOL_PATH, WORKER_BASE_PATH, Launch
 
-__all__ = ["build_worker_command", "check_weights", "command_builder", "weights_root", "worker_for"]
+__all__ = [
+    "LaunchPlan",
+    "build_worker_command",
+    "check_weights",
+    "command_builder",
+    "plan_launch",
+    "weights_root",
+    "work_root",
+    "worker_for",
+]
+
+_RUN_FOLDER = "the worker's run folder (RESIDENT_POOL_STATE_DIR)"
+_HEARTBEAT = "RESIDENT_POOL_HEARTBEAT"
 
 _LOCATE = (
     "import importlib.util, sys; s = importlib.util.find_spec(sys.argv[1]); "
@@ -23,11 +45,14 @@ _LOCATE = (
 )
 
 
-def weights_root(manifest: Manifest, python: str | None = None) -> Path | None:
+def weights_root(
+    manifest: Manifest, python: str | None = None, environ: Mapping[str, str] | None = None
+) -> Path | None:
     """The weights directory: the root_env variable, else root, else inside the named package."""
+    environ = os.environ if environ is None else environ
     spec = manifest.weights
-    if spec.root_env and os.environ.get(spec.root_env):
-        return Path(os.environ[spec.root_env]).expanduser()
+    if spec.root_env and environ.get(spec.root_env):
+        return Path(environ[spec.root_env]).expanduser()
     if spec.root:
         root = Path(spec.root).expanduser()
         return root if root.is_absolute() else manifest.directory / root
@@ -35,6 +60,23 @@ def weights_root(manifest: Manifest, python: str | None = None) -> Path | None:
         location = _package_dir(spec.package, python)
         return Path(location) / spec.subdir if location else None
     return None
+
+
+def _root_field(manifest: Manifest, environ: Mapping[str, str]) -> str:
+    spec = manifest.weights
+    if spec.root_env and environ.get(spec.root_env):
+        return f"weights.root_env (${spec.root_env})"
+    return "weights.root" if spec.root else "weights.package"
+
+
+def _root_hint(manifest: Manifest) -> str:
+    """The next step when the weights root is missing: the variable to set, else the field to give."""
+    spec = manifest.weights
+    if spec.root_env:
+        return f"set {spec.root_env} to the weights directory"
+    if spec.package:
+        return f"install {spec.package} in the provider's environment, or give [weights] root_env in {manifest.path}"
+    return f"give [weights] root_env or root in {manifest.path}"
 
 
 def _package_dir(package: str, python: str | None) -> str | None:
@@ -45,20 +87,180 @@ def _package_dir(package: str, python: str | None) -> str | None:
     return done.stdout.strip() or None
 
 
-def check_weights(manifest: Manifest, python: str | None = None, cache: HashCache | None = None) -> WeightsReport:
+def check_weights(
+    manifest: Manifest, python: str | None = None, cache: HashCache | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> WeightsReport:
     python = python or (interpreter(manifest) if isinstance(manifest.env, VenvEnv) else None)
-    return verify_weights(manifest.slug, weights_root(manifest, python), manifest.weights.files, cache)
+    return verify_weights(manifest.slug, weights_root(manifest, python, environ), manifest.weights.files, cache,
+                          root_hint=_root_hint(manifest))
 
 
-def work_root(manifest: Manifest) -> Path:
+def work_root(manifest: Manifest, environ: Mapping[str, str] | None = None) -> Path:
+    """The provider's own work folder, created: ``work_root``, else one per provider under the data dir."""
+    environ = os.environ if environ is None else environ
     if manifest.work_root:
         root = Path(manifest.work_root).expanduser()
         root = root if root.is_absolute() else manifest.directory / root
     else:
-        base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+        base = environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
         root = Path(base) / "resident-pool" / "work" / manifest.slug
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything one start of one worker needs, resolved once from its manifest."""
+
+    manifest: Manifest
+    python: str
+    socket_path: str
+    weights_root: Path | None
+    work_root: Path
+    jit_root: Path | None
+    env: dict[str, str | None]
+    binds: tuple[Bind, ...]
+    name: str
+    device: str | None = None
+    row: KitRow | None = None
+    argv: tuple[str, ...] = ()
+    environ: Mapping[str, str] = field(default_factory=lambda: os.environ, repr=False, compare=False)
+
+    @classmethod
+    def resolve(
+        cls,
+        manifest: Manifest,
+        socket_path: str,
+        *,
+        name: str | None = None,
+        device: str | None = None,
+        heartbeat: str | None = None,
+        cache: HashCache | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> LaunchPlan:
+        """Check the interpreter and the weights, and gather the environment and binds (no kit probe yet)."""
+        environ = os.environ if environ is None else environ
+        python = interpreter(manifest)
+        venv = isinstance(manifest.env, VenvEnv)
+        root = weights_root(manifest, python if venv else None, environ)
+        report = verify_weights(manifest.slug, root, manifest.weights.files, cache, root_hint=_root_hint(manifest))
+        if not report.ok:
+            raise report.error()
+        work = work_root(manifest, environ)
+        root_env = manifest.weights.root_env
+
+        env: dict[str, str | None] = {}
+        if venv:
+            env.update(passthrough_env(manifest.env.passthrough, environ, keep=[root_env] if root_env else []))
+        else:
+            env.update({n: environ[n] for n in manifest.env.passthrough or () if n in environ})
+        env["RESIDENT_POOL_PROTOCOL"] = PROTOCOL_PATH
+        env["RESIDENT_POOL_WORKER_BASE"] = WORKER_BASE_PATH
+        # The worker's own side, passed on by name (a container gets nothing unnamed).
+        config = settings()
+        env["RESIDENT_POOL_ORPHAN_GRACE_S"] = f"{config.orphan_grace_s or manifest.lifecycle.orphan_grace_s:g}"
+        env["RESIDENT_POOL_HEARTBEAT_STALE_S"] = f"{config.heartbeat_stale_s:g}"
+        if config.no_cublas_release:
+            env["RESIDENT_POOL_NO_CUBLAS_RELEASE"] = "1"
+        if heartbeat:
+            env["RESIDENT_POOL_HEARTBEAT"] = heartbeat
+        if device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = device
+        if root_env and root is not None:
+            env[root_env] = str(root)
+        jit = None
+        if manifest.kit is not None:
+            jit = jit_root(manifest, environ)
+            jit.mkdir(parents=True, exist_ok=True)
+            env.update(kit_env(manifest, environ, jit))
+
+        run_dir = str(Path(socket_path).parent)
+        binds = [Bind(run_dir, run_dir, False, _RUN_FOLDER),
+                 Bind(str(work), str(work), False, "work_root"),
+                 Bind(str(manifest.directory), str(manifest.directory), True, "the manifest's folder"),
+                 Bind(PROTOCOL_PATH, PROTOCOL_PATH, True, "resident_pool's protocol.py"),
+                 Bind(WORKER_BASE_PATH, WORKER_BASE_PATH, True, "resident_pool's worker_base.py")]
+        if not manifest.worker_path.is_relative_to(manifest.directory):
+            binds.append(Bind(str(manifest.worker_path), str(manifest.worker_path), True, "worker"))
+        if root is not None:
+            binds.append(Bind(str(root), str(root), True, _root_field(manifest, environ)))
+        if jit is not None:
+            binds.append(Bind(str(jit), str(jit), False, "kit.jit_root (or $MODEL_OPT_JIT_ROOT)"))
+        if heartbeat and str(Path(heartbeat).parent) != run_dir:
+            binds.append(Bind(str(Path(heartbeat).parent), str(Path(heartbeat).parent), False, _HEARTBEAT))
+
+        plan = cls(manifest=manifest, python=python, socket_path=socket_path, weights_root=root, work_root=work,
+                   jit_root=jit, env=env, binds=tuple(binds), name=name or container_name(manifest.slug, 0),
+                   device=device, environ=environ)
+        if manifest.kit is None:
+            plan = replace(plan, argv=(python, *plan._script_argv("")))
+        return plan
+
+    def _script_argv(self, kit_tree: str) -> list[str]:
+        values = {
+            "socket": self.socket_path, "slug": self.manifest.slug, "weights_root": str(self.weights_root or ""),
+            "python": self.python, "kit": kit_tree, "work_root": str(self.work_root),
+        }
+        return [str(self.manifest.worker_path), *(arg.format(**values) for arg in self.manifest.worker_args)]
+
+    def probe_command(self) -> tuple[list[str], dict[str, str | None]]:
+        """The kit probe, in the worker's interpreter, environment, binds and device.
+
+        Less the run folder and the heartbeat: the probe serves no socket, and the
+        run folder is made when the worker starts, after its command is built.
+        """
+        kit = self.manifest.kit
+        assert kit is not None
+        argv = [self.python, kits.PROBE_PATH, kit.package_name, kit.mode]
+        binds = [*(b for b in self.binds if b.field not in (_RUN_FOLDER, _HEARTBEAT)),
+                 Bind(kits.PROBE_PATH, kits.PROBE_PATH, True, "resident_pool's kit_probe.py")]
+        env = {name: value for name, value in self.env.items() if name != "RESIDENT_POOL_HEARTBEAT"}
+        return wrap(self.manifest, argv, env, binds, name=f"{self.name}-probe", device=self.device,
+                    environ=self.environ)
+
+    def probe(self) -> KitRow:
+        """Ask the kit, in its own interpreter, how it wants to run."""
+        argv, env = self.probe_command()
+        controls = engine_controls(self.manifest, f"{self.name}-probe")
+
+        def kill_probe() -> None:
+            # A timed-out `docker run` client dies alone; its container would keep running.
+            subprocess.run(controls[1], capture_output=True, timeout=60, check=False)
+
+        return run_probe(self.manifest, self.python, argv, env, environ=self.environ,
+                         on_timeout=kill_probe if controls else None)
+
+    def with_kit(self, row: KitRow) -> LaunchPlan:
+        """The plan with the kit's row applied under the start rules (KitUnavailable names the rule broken)."""
+        argv, env = apply_row(self.manifest, row, self.python, self._script_argv(row.model_opt or ""), self.env)
+        return replace(self, row=row, argv=tuple(argv), env=env)
+
+    def command(self) -> tuple[list[str], dict[str, str | None]]:
+        """The worker's argv and environment changes, wrapped for its engine."""
+        assert self.argv, "a kit provider's plan needs with_kit() before its command"
+        return wrap(self.manifest, self.argv, self.env, self.binds, name=self.name, device=self.device,
+                    environ=self.environ)
+
+    def controls(self) -> tuple[list[str], list[str]] | None:
+        """How to stop and kill this start's container through its engine (None: signal the process group)."""
+        return engine_controls(self.manifest, self.name)
+
+
+def plan_launch(
+    manifest: Manifest,
+    socket_path: str,
+    *,
+    name: str | None = None,
+    device: str | None = None,
+    heartbeat: str | None = None,
+    cache: HashCache | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> LaunchPlan:
+    """The complete plan for one start: resolved, and for a kit provider probed and checked."""
+    plan = LaunchPlan.resolve(manifest, socket_path, name=name, device=device, heartbeat=heartbeat, cache=cache,
+                              environ=environ)
+    return plan.with_kit(plan.probe()) if manifest.kit is not None else plan
 
 
 def build_worker_command(
@@ -68,61 +270,26 @@ def build_worker_command(
     name: str | None = None,
     device: str | None = None,
     cache: HashCache | None = None,
+    heartbeat: str | None = None,
 ) -> tuple[list[str], dict[str, str | None]]:
-    """The argv and environment changes that start ``manifest``'s worker on ``socket_path``."""
-    python = interpreter(manifest)
-    local_python = python if isinstance(manifest.env, VenvEnv) else None
-    root = weights_root(manifest, local_python)
-    report = verify_weights(manifest.slug, root, manifest.weights.files, cache)
-    if not report.ok:
-        raise report.error()
-    work = work_root(manifest)
+    """The argv and environment changes that start ``manifest``'s worker on ``socket_path``.
 
-    env: dict[str, str | None] = {}
-    env.update(passthrough_env(getattr(manifest.env, "passthrough", None), os.environ,
-                               keep=[manifest.weights.root_env] if manifest.weights.root_env else []))
-    if manifest.weights.root_env and root is not None:
-        env[manifest.weights.root_env] = str(root)
-    if manifest.lifecycle.orphan_grace_s and "RESIDENT_POOL_ORPHAN_GRACE_S" not in os.environ:
-        env["RESIDENT_POOL_ORPHAN_GRACE_S"] = f"{manifest.lifecycle.orphan_grace_s:g}"
-
-    binds: list[Bind] = [(str(manifest.directory), str(manifest.directory), True),
-                         (str(Path(PROTOCOL_PATH).parent), str(Path(PROTOCOL_PATH).parent), True),
-                         (str(Path(socket_path).parent), str(Path(socket_path).parent), False),
-                         (str(work), str(work), False)]
-    if root is not None:
-        binds.append((str(root), str(root), True))
-    if manifest.kit is not None:
-        binds.append((str(jit_root(manifest)), str(jit_root(manifest)), False))
-    container_name = name or f"resident-pool-{manifest.slug}-{os.getpid()}"
-
-    def in_env(argv, argv_env):
-        return wrap(manifest, argv, argv_env, binds, name=container_name + "-probe", device=device)
-
-    row: KitRow | None = None
-    if manifest.kit is not None:
-        row = probe_kit(manifest, python, env, wrap=in_env if not isinstance(manifest.env, VenvEnv) else None)
-    values = {
-        "socket": socket_path, "slug": manifest.slug, "weights_root": str(root or ""),
-        "python": python, "kit": row.model_opt if row else "", "work_root": str(work),
-    }
-    script_argv = [str(manifest.worker_path), *(arg.format(**values) for arg in manifest.worker_args)]
-    if row is not None:
-        argv, kit_env = kit_command(manifest, row, python, script_argv)
-        env.update(kit_env)
-    else:
-        argv = [python, *script_argv]
-    return wrap(manifest, argv, env, binds, name=container_name, device=device)
+    They include everything the worker needs (RESIDENT_POOL_PROTOCOL and
+    RESIDENT_POOL_WORKER_BASE, the device), so a container receives it too.
+    """
+    return plan_launch(manifest, socket_path, name=name, device=device, heartbeat=heartbeat, cache=cache).command()
 
 
 def command_builder(manifest: Manifest, cache: HashCache | None = None) -> BuildCommand:
     """A ``build_command`` for ResidentWorker; weights and kit are checked at every start."""
 
-    def build(worker: ResidentWorker) -> tuple[list[str], dict[str, str | None]]:
-        return build_worker_command(
-            manifest, worker.socket_path, name=f"resident-pool-{manifest.slug}-{worker.replica}-{os.getpid()}",
-            device=worker.device, cache=cache,
-        )
+    def build(worker: ResidentWorker) -> Launch:
+        heartbeat = getattr(worker, "heartbeat_path", None)  # a process handle that keeps one says where
+        plan = plan_launch(manifest, worker.socket_path, name=container_name(manifest.slug, worker.replica),
+                           device=worker.device, cache=cache, heartbeat=str(heartbeat) if heartbeat else None)
+        argv, env = plan.command()
+        stop, kill = plan.controls() or (None, None)
+        return Launch(argv, env, stop=stop, kill=kill)
 
     return build
 
@@ -144,4 +311,3 @@ def worker_for(
         admitter=admitter,
         state_dir=paths.state_dir(),
     )
-

@@ -6,6 +6,7 @@ import hashlib
 import json
 import re
 import string
+import sys
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -25,6 +26,15 @@ __all__ = [
 
 PLACEHOLDERS = frozenset({"socket", "slug", "weights_root", "python", "kit", "work_root"})
 SLUG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
+# A variable name: `--env A=B` would set a value the manifest never showed as one.
+VARIABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _variable_names(names):
+    for name in names or ():
+        if not VARIABLE.match(name):
+            raise ValueError(f"{name!r} is not an environment variable name (letters, digits, '_')")
+    return names
 
 
 class _Strict(BaseModel):
@@ -42,6 +52,11 @@ class VenvEnv(_Strict):
         "(plus what the pool and the kit set); secrets elsewhere in the environment stay behind.",
     )
 
+    @field_validator("passthrough")
+    @classmethod
+    def _names(cls, values: list[str] | None) -> list[str] | None:
+        return _variable_names(values)
+
 
 class ContainerEnv(_Strict):
     """Run the worker inside a container image."""
@@ -51,7 +66,38 @@ class ContainerEnv(_Strict):
     image: str
     python: str = Field("python3", description="The interpreter inside the image.")
     binds: list[str] = Field(default_factory=list, description='Extra binds, "host:container[:ro]".')
-    passthrough: list[str] | None = None
+    passthrough: list[str] | None = Field(
+        None, description="Variables of the pool's environment passed into the container by name."
+    )
+
+    @field_validator("passthrough")
+    @classmethod
+    def _names(cls, values: list[str] | None) -> list[str] | None:
+        return _variable_names(values)
+
+    @field_validator("image", "python")
+    @classmethod
+    def _not_an_option(cls, value: str) -> str:
+        # The engine would read a leading '-' as one of its own options.
+        if not value or value.startswith("-"):
+            raise ValueError(f"{value!r} must not be empty or start with '-'")
+        return value
+
+    @field_validator("binds")
+    @classmethod
+    def _binds(cls, values: list[str]) -> list[str]:
+        for value in values:
+            parts = value.split(":")
+            if parts[-1] in ("ro", "rw") and len(parts) > 1:
+                parts = parts[:-1]
+            if "," in value or len(parts) > 2 or not all(parts):
+                raise ValueError(
+                    f"{value!r} must be \"host[:container][:ro]\" with paths holding neither ',' nor ':' "
+                    "(the engines' bind syntax cannot carry them)"
+                )
+            if not all(part.startswith(("/", "~")) for part in parts):
+                raise ValueError(f"{value!r}: both paths must be absolute")
+        return values
 
 
 class Gpu(_Strict):
@@ -75,6 +121,11 @@ class Lifecycle(_Strict):
     orphan_grace_s: float = Field(120.0, gt=0)
     max_replicas: int = Field(1, ge=1, le=64)
     admission_timeout_s: float = Field(3600.0, gt=0)
+    abandon_grace_s: float = Field(
+        30.0, ge=0, description="A request whose client vanished may run this long (its answer is thrown away) "
+        "before its worker is stopped and the GPU given back.")
+    ping_interval_s: float = Field(
+        30.0, gt=0, description="How often the pool pings an idle worker; one that does not answer is stopped.")
 
 
 class WeightFile(_Strict):
@@ -108,8 +159,26 @@ class Kit(_Strict):
     levers_off: list[str] = Field(default_factory=list)
     env_row: Literal["required", "none"] = "required"
     env_row_reason: str | None = None
-    jit_root: str | None = None
+    jit_root: str | None = Field(
+        None, description="The JIT cache (MODEL_OPT_JIT_ROOT); else $MODEL_OPT_JIT_ROOT, else one per provider."
+    )
+    model_opt: str | None = Field(
+        None, description="The kit tree (MODEL_OPT), for a kit installed without its checkout; "
+        "else $MODEL_OPT, else two levels above the kit's package directory."
+    )
     env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _names(cls, values: dict[str, str]) -> dict[str, str]:
+        return _variable_names(values)
+
+    @field_validator("jit_root", "model_opt")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("/", "~")):
+            raise ValueError(f"{value!r} must be an absolute path")
+        return value
 
     @model_validator(mode="after")
     def _named(self) -> Kit:
@@ -125,7 +194,45 @@ class Kit(_Strict):
 
 
 class Smoke(_Strict):
+    """What `resident-pool check --smoke` sends, and the answer it must get back."""
+
     payload: dict[str, Any] = Field(default_factory=dict)
+    expected: str | None = Field(
+        None, description='The expected answer, relative to the manifest (e.g. "smoke/expected.json"); '
+        "recorded with `resident-pool check --bless SLUG`. Unset: any answer passes.",
+    )
+    atol: float = Field(1e-5, ge=0, description="Absolute tolerance for every number.")
+    rtol: float = Field(1e-4, ge=0, description="Relative tolerance: |found - expected| <= atol + rtol * |expected|.")
+    cosine_min: float | None = Field(
+        None, ge=-1, le=1, description="For lists of numbers (embeddings): the cosine similarity floor, "
+        "checked besides atol and rtol.",
+    )
+    ignore: list[str] = Field(
+        default_factory=lambda: ["pid", "device", "elapsed*", "cublas_workspaces_freed_mib"],
+        description="Fields that vary between runs and are neither recorded nor compared: a name matches at "
+        'any depth, a dotted path from the top ("items.*.tokens"); * globs. Setting it replaces the default.',
+    )
+    float32_base64: list[str] = Field(
+        default_factory=lambda: ["*_f32"],
+        description="Fields holding little-endian float32 arrays in base64, compared as numbers.",
+    )
+
+    @field_validator("expected")
+    @classmethod
+    def _beside_the_manifest(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.strip() or value.endswith("/") or Path(value).is_absolute() or ".." in Path(value).parts:
+            raise ValueError(f"{value!r} must be a file relative to the manifest, without '..'")
+        return value
+
+    @field_validator("ignore", "float32_base64")
+    @classmethod
+    def _patterns(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if not value.strip(".[]* "):
+                raise ValueError(f"{value!r} matches every field; name the field")
+        return values
 
 
 class Manifest(_Strict):
@@ -190,13 +297,29 @@ class Manifest(_Strict):
         return (self.directory / self.worker).resolve()
 
     def fingerprint(self) -> str:
-        """Changes when the manifest's content or any pin changes."""
+        """Changes when anything in the manifest changes (the breaker closes on it)."""
         data = self.model_dump(mode="json")
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def version(self) -> str:
+        """What changes a worker's answers: its script's content, arguments, interpreter and environment,
+        kit settings, mode and weights pins. Not description, [lifecycle], [gpu] or [smoke]: editing an
+        idle timeout must neither drain warm workers nor invalidate a campaign's results."""
+        data = self.model_dump(mode="json", include={"worker", "worker_args", "mode", "env", "kit", "weights"})
+        if isinstance(self.env, VenvEnv) and self.env.python == "auto":
+            data["interpreter"] = sys.executable
+        try:
+            data["script_sha256"] = hashlib.sha256(self.worker_path.read_bytes()).hexdigest()
+        except OSError as exc:
+            raise ManifestError(f"{self.path}: worker: cannot read {self.worker_path}: {exc.strerror}",
+                                slug=self.slug, details={"field": "worker"}) from None
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _field_path(location: tuple[Any, ...]) -> str:
     parts = [str(part) for part in location if not str(part).startswith(("function-", "tagged-union"))]
+    if parts[:2] in (["env", "venv"], ["env", "container"]):
+        del parts[1]  # the union's tag, not a key the file holds
     return ".".join(parts) or "(top level)"
 
 

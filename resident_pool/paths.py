@@ -4,34 +4,41 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
 from pathlib import Path
 
 from .errors import StateDirError
+from .settings import settings, xdg_dir
 
-__all__ = ["ensure_private_dir", "log_dir", "state_dir"]
+__all__ = ["POOL_SOCKET", "ensure_private_dir", "log_dir", "pool_socket", "state_dir", "workers_dir"]
+
+POOL_SOCKET = "pool.sock"
 
 
 def state_dir() -> Path:
     """The per-user state directory, created 0700 and checked to be private."""
-    configured = os.environ.get("RESIDENT_POOL_STATE_DIR")
+    configured = settings().state_dir
     if configured:
-        path = Path(configured)
+        path = configured
     elif os.environ.get("XDG_RUNTIME_DIR"):
-        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "resident-pool"
+        path = xdg_dir("runtime") / "resident-pool"
     else:
-        path = Path(tempfile.gettempdir()) / f"resident-pool-{os.getuid()}"
+        path = xdg_dir("runtime") / f"resident-pool-{os.getuid()}"
     return ensure_private_dir(path, "state directory", "RESIDENT_POOL_STATE_DIR")
+
+
+def pool_socket(state: Path | None = None) -> str:
+    """The pool's socket in ``state`` (the state directory by default)."""
+    return str((state or state_dir()) / POOL_SOCKET)
+
+
+def workers_dir(state: Path | None = None) -> Path:
+    """The folder of per-worker run folders (each: its socket and heartbeat)."""
+    return ensure_private_dir((state or state_dir()) / "w", "workers folder", "RESIDENT_POOL_STATE_DIR")
 
 
 def log_dir() -> Path:
     """The per-user transcript directory; it outlives the pool and its state dir."""
-    configured = os.environ.get("RESIDENT_POOL_LOG_DIR")
-    if configured:
-        path = Path(configured)
-    else:
-        base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-        path = Path(base) / "resident-pool" / "logs"
+    path = settings().log_dir or xdg_dir("state") / "resident-pool" / "logs"
     return ensure_private_dir(path, "log directory", "RESIDENT_POOL_LOG_DIR")
 
 

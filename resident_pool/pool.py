@@ -1,8 +1,11 @@
 """The host pool: one long-lived process per host and user that owns the workers.
 
-Clients lease a worker over the pool's socket and then talk to the worker's
-socket directly; the pool never copies a payload. A lease is bound to the
-client's connection, so a client that dies gives its worker back at once.
+Clients lease a worker over the pool's socket and then talk to the worker's socket
+directly; the pool never copies a payload. The pool alone decides each worker's life:
+it starts replicas, moves them through their state table (``states.REPLICA_EDGES``),
+pings idle ones, retires them when idle, drains old versions and abandoned requests,
+and stops them. Slow work on a process (a start, a stop, a ping) runs outside the lock
+while the replica's state keeps everyone else away from it.
 """
 
 from __future__ import annotations
@@ -15,57 +18,53 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import paths
 from .admission import Admission, Ledger, read_devices
-from .errors import ManifestError, ResidentPoolError, error_from_dict
-from .exits import REFUSAL_CODES
-from .launch import worker_for
-from .manifest import Manifest, load_manifest
+from .breaker import Breaker
+from .errors import (
+    ManifestError,
+    PoolStopping,
+    ResidentPoolError,
+    WorkerStartError,
+    error_from_dict,
+)
+from .exits import REFUSAL_CODES, describe_exit
+from .launch import command_builder
+from .manifest import SLUG, Manifest, load_manifest
 from .protocol import ProtocolError, bind_unix, recv_line, send_line
-from .supervisor import ResidentWorker
+from .replica import Lease, Replica
+from .settings import settings
+from .states import ReplicaState
+from .version import __version__
+from .worker_process import DEATH_WAIT_S, HEARTBEAT_INTERVAL_S, Launch, WorkerProcess
 
-__all__ = ["POOL_SOCKET", "PoolServer"]
+__all__ = ["CONTROL_LINE_BYTES", "PoolServer"]
 
 log = logging.getLogger("resident_pool.pool")
-POOL_SOCKET = "pool.sock"
-BREAKER_FAILURES = 3
+
+# Control messages are small; a payload never passes through the pool.
+CONTROL_LINE_BYTES = 1024 * 1024
 _TICK_S = 0.25
-_lease_ids = itertools.count(1)
+# A worker between requests answers a ping at once; one that does not within this is computing.
+ABANDON_PROBE_S = 1.0
+LIVENESS_TIMEOUT_S = 10.0
+RELEASE_OUTCOMES = ("ok", "broken", "exiting", "timeout")
+_HOLDER_KEYS, _HOLDER_CHARS = 8, 300
 
 
-@dataclass
-class Replica:
-    worker: ResidentWorker
-    lease: int | None = None
-    retiring: bool = False
-    cold: bool = True
+class _Connection:
+    """One client connection; leases are bound to it, and end with it."""
 
-    @property
-    def free(self) -> bool:
-        return self.lease is None and not self.retiring
+    _ids = itertools.count(1)
 
-
-@dataclass
-class Breaker:
-    """A provider whose starts keep failing is refused at once until cooldown or a manifest change."""
-
-    fingerprint: str = ""
-    failures: int = 0
-    error: dict[str, Any] | None = None
-    open_until: float = 0.0
-    refused: int = 0
-
-    def is_open(self, fingerprint: str) -> bool:
-        if self.open_until and fingerprint != self.fingerprint:
-            self.reset()  # the manifest changed: worth another start
-        return time.monotonic() < self.open_until
-
-    def reset(self) -> None:
-        self.failures, self.error, self.open_until, self.refused = 0, None, 0.0, 0
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.id = next(self._ids)
 
 
 class _CpuOnly:
@@ -80,41 +79,48 @@ class _CpuOnly:
 
 @dataclass
 class _Provider:
+    slug: str
     manifest: Manifest
-    stamp: tuple[int, int]
+    stamp: tuple[int, ...]
+    version: str
     fingerprint: str
-    source: Path  # the manifest path as clients name it
+    source: Path
+    breaker: Breaker
     replicas: dict[int, Replica] = field(default_factory=dict)
     queue: list[int] = field(default_factory=list)  # tickets waiting for a replica, in arrival order
     waiters: dict[int, threading.Condition] = field(default_factory=dict)
-    breaker: Breaker = field(default_factory=Breaker)
+    starts: int = 0
+    last_error: str | None = None
 
 
 class PoolServer:
     def __init__(self, manifests: Path, quiet_exit_s: float | None = None) -> None:
+        config = settings()
         self.manifests = manifests.resolve()
         self.state_dir = paths.state_dir()
-        self.socket_path = str(self.state_dir / POOL_SOCKET)
-        self.quiet_exit_s = (
-            float(os.environ.get("RESIDENT_POOL_QUIET_EXIT_S", "600")) if quiet_exit_s is None else quiet_exit_s
-        )
-        self.breaker_cooldown_s = float(os.environ.get("RESIDENT_POOL_BREAKER_COOLDOWN_S", "300"))
-        self.ledger = Ledger(self.state_dir / "ledger.json")
-        self.admission = Admission(self.ledger, evict=self._evict_idle, on_wait=self._log_wait,
-                                   cancelled=self._client_gone)
+        self.socket_path = paths.pool_socket(self.state_dir)
+        self.quiet_exit_s = config.quiet_exit_s if quiet_exit_s is None else quiet_exit_s
+        self.breaker_cooldown_s = config.breaker_cooldown_s
+        self.drain_grace_s = config.drain_grace_s
+        self.ledger = Ledger(self.state_dir / "ledger.json", audit=config.ledger_audit)
+        self.admission = Admission(self.ledger, evict=self._evict_idle, on_wait=self._report_wait,
+                                   cancelled=self._client_gone, headroom_gb=config.gpu_headroom_gb)
         self.providers: dict[str, _Provider] = {}
-        self.leases: dict[int, tuple[str, int, int]] = {}  # lease -> (slug, replica, connection)
-        # One lock; each waiting acquire has its own condition on it, so a release wakes the
-        # first in line alone. Waking every waiter cost 64 thread switches per release under load.
+        self.leases: dict[int, Lease] = {}
+        # One lock for every record; each waiting acquire has its own condition on it, so a
+        # release wakes the first in line alone (waking every waiter cost 64 thread switches
+        # per release under load). ``changed`` wakes whoever waits for replicas to stop.
         self.lock = threading.RLock()
-        self.cv = threading.Condition(self.lock)
+        self.changed = threading.Condition(self.lock)
         self.connections = 0
         self.quiet_since = time.monotonic()
         self.started = time.time()
-        self.stop_signal: int | None = None
+        self.draining = False
+        self.finished = threading.Event()
+        self._signal: int | None = None
         self._tickets = itertools.count(1)
-        # The client connection an acquiring thread serves: admission reports its waits there.
-        self._current = threading.local()
+        self._last_beat = 0.0
+        self._current = threading.local()  # the connection an op's thread serves: admission reports to it
 
     # -- serving -------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -124,42 +130,68 @@ class PoolServer:
         (self.state_dir / "pool.pid").write_text(str(os.getpid()))
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._record_signal)
-        log.info("pool %d serving %s (manifests %s)", os.getpid(), self.socket_path, self.manifests)
+        log.info("pool %d (resident-pool %s) serving %s (manifests %s)", os.getpid(), __version__,
+                 self.socket_path, self.manifests)
         threading.Thread(target=self._maintain_loop, name="maintain", daemon=True).start()
+        backoff = 0.0
         try:
-            while self.stop_signal is None:
+            while not self.finished.is_set():
+                if self._signal is not None:
+                    self.begin_stop(f"signal {signal.Signals(self._signal).name}")
                 try:
                     conn, _ = listener.accept()
                 except TimeoutError:
                     continue
-                with self.cv:
-                    self.connections += 1
-                threading.Thread(target=self._serve_client, args=(conn,), daemon=True).start()
+                except OSError as exc:
+                    # Out of descriptors (EMFILE) or buffers: wait for some connections to close;
+                    # one flood must not take down the pool and every warm worker with it.
+                    backoff = min(max(backoff * 2, 0.05), 1.0)
+                    log.warning("accept failed (%s); backing off %.2f s", exc, backoff)
+                    time.sleep(backoff)
+                    continue
+                backoff = 0.0
+                self._spawn_client_thread(conn)
         finally:
             listener.close()
             if self._socket_is_ours():
-                self._unlink_own(self.socket_path)
-            self.stop_all()
-            log.info("pool %d stopped (%s)", os.getpid(),
-                     f"signal {self.stop_signal}" if self.stop_signal else "quiet")
+                try:
+                    os.unlink(self.socket_path)
+                except FileNotFoundError:
+                    pass
+            log.info("pool %d stopped", os.getpid())
+
+    def _spawn_client_thread(self, conn: socket.socket) -> None:
+        with self.lock:
+            self.connections += 1
+        try:
+            threading.Thread(target=self._serve_client, args=(conn,), daemon=True).start()
+        except RuntimeError as exc:  # no thread to be had: refuse this one connection, keep serving
+            log.warning("cannot serve a new connection (%s); closing it", exc)
+            conn.close()
+            with self.lock:
+                self.connections -= 1
 
     def _record_signal(self, signum, frame) -> None:
-        # Only record it: the accept loop notices within a tick and stops cleanly.
-        self.stop_signal = signum
+        self._signal = signum  # only record it: the accept loop acts within a tick
 
-    def _unlink_own(self, path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    def begin_stop(self, why: str, now: bool = False) -> None:
+        """Stop taking leases, let leased requests finish (up to drain_grace_s), stop every worker, exit."""
+        with self.lock:
+            if self.draining:
+                return
+            self.draining = True
+            for provider in self.providers.values():
+                for waiter in provider.waiters.values():
+                    waiter.notify()
+        log.info("stopping (%s): draining %d lease(s), up to %g s", why, len(self.leases), self.drain_grace_s)
 
-    def _maintain_loop(self) -> None:
-        while self.stop_signal is None:
+        def stop_everything() -> None:
             try:
-                self._maintain()
-            except Exception:  # one bad pass must not end retirement for good; logged with its traceback
-                log.exception("maintenance pass failed")
-            time.sleep(_TICK_S)
+                self.stop(None, now=now, why=f"the pool is stopping ({why})")
+            finally:
+                self.finished.set()
+
+        threading.Thread(target=stop_everything, name="drain", daemon=True).start()
 
     def _socket_is_ours(self) -> bool:
         try:
@@ -167,126 +199,140 @@ class PoolServer:
         except FileNotFoundError:
             return False
 
-    def _maintain(self) -> None:
-        """Retire idle workers; leave when nothing has been held or asked for a while."""
-        if not self._socket_is_ours():
-            # The state directory was deleted or another pool took the socket: no new client
-            # can reach this pool, so its workers would only hold memory. Stand down.
-            log.warning("socket %s is gone or no longer ours; stopping every worker and exiting", self.socket_path)
-            self.stop_signal = 0
-            return
-        now = time.monotonic()
-        retire = []
-        with self.cv:
-            for provider in self.providers.values():
-                timeout = provider.manifest.lifecycle.idle_timeout_s
-                for replica in provider.replicas.values():
-                    worker = replica.worker
-                    if not replica.free or not worker.is_running():
-                        continue
-                    if provider.manifest.mode == "subprocess" or (timeout > 0 and worker.idle_s() >= timeout):
-                        replica.retiring = True
-                        retire.append((provider, replica))
-            held = any(r.worker.is_running() or r.lease for p in self.providers.values() for r in p.replicas.values())
-            if held or self.connections:
-                self.quiet_since = now
-        for provider, replica in retire:
-            replica.worker._note(f"idle for {replica.worker.idle_s():.1f} s; retiring")
-            self._retire(provider, replica)
-        if self.quiet_exit_s > 0 and now - self.quiet_since >= self.quiet_exit_s:
-            log.info("no workers and no clients for %g s; exiting", self.quiet_exit_s)
-            self.stop_signal = 0
-
-    def _retire(self, provider: _Provider, replica: Replica) -> None:
-        replica.worker.stop()
-        with self.cv:
-            if provider.replicas.get(replica.worker.replica) is replica:
-                del provider.replicas[replica.worker.replica]
-            self._wake(provider)
-
-    def _serve_client(self, conn: socket.socket) -> None:
-        connection = id(conn)
+    def _serve_client(self, sock: socket.socket) -> None:
+        connection = _Connection(sock)
         buf = bytearray()
+        self._current.connection = connection
         try:
             while True:
                 try:
-                    message = recv_line(conn, buf)
+                    message = recv_line(sock, buf, CONTROL_LINE_BYTES)
                 except ProtocolError as exc:
-                    send_line(conn, {"ok": False, "reason": "bad_request", "error": f"bad request line: {exc}"})
+                    send_line(sock, {"ok": False, "reason": "bad_request", "error": {
+                        "type": "ResidentPoolError", "reason": "bad_request", "error": f"bad request line: {exc}"}})
                     if exc.recoverable:
                         continue
                     return
                 if message is None:
                     return
-                self._current.conn = conn
                 reply = self._dispatch(message, connection)
                 if reply is not None:
-                    send_line(conn, reply)
+                    send_line(sock, reply)
         except OSError:
-            pass  # the client went away mid-reply; its leases are released below
+            pass  # the client went away mid-reply; its leases end below
         finally:
-            conn.close()
-            self._release_connection(connection)
-            with self.cv:
+            self._current.connection = None
+            sock.close()
+            self._connection_closed(connection)
+            with self.lock:
                 self.connections -= 1
 
-    def _dispatch(self, message: dict[str, Any], connection: int) -> dict[str, Any] | None:
+    def _dispatch(self, message: dict[str, Any], connection: _Connection) -> dict[str, Any] | None:
+        """Run one op; every op gets a reply (but a plain release), whatever goes wrong inside it."""
         op = message.get("op")
+        handler: Callable[[dict[str, Any], _Connection], dict[str, Any] | None] | None = {
+            "hello": self._op_hello, "acquire": self._op_acquire, "release": self._op_release,
+            "status": lambda m, c: {"ok": True, **self.status()},
+            "waiting": lambda m, c: {"ok": True, "waiting": self.waiting()},
+            "stop": self._op_stop, "shutdown": self._op_shutdown,
+        }.get(op) if isinstance(op, str) else None
+        if handler is None:
+            error = ResidentPoolError(f"unknown pool op {op!r}", reason="unknown_op")
+            return {"ok": False, "reason": error.reason, "error": error.to_dict()}
         try:
-            if op == "acquire":
-                return {"ok": True, **self.acquire(str(message.get("slug")), message.get("manifests"), connection)}
-            if op == "release":
-                return self.release(int(message["lease"]), message.get("outcome", "ok"), message)
-            if op == "status":
-                return {"ok": True, **self.status()}
-            if op == "waiting":
-                return {"ok": True, "waiting": self.waiting()}
-            if op == "stop":
-                return {"ok": True, "stopped": self.stop(message.get("slug"))}
-            if op == "hello":
-                return {"ok": True, "pid": os.getpid(), "manifests": str(self.manifests)}
-            if op == "shutdown":
-                self.stop_signal = 0
-                return {"ok": True, "pid": os.getpid()}
+            return handler(message, connection)
         except ResidentPoolError as exc:
             return {"ok": False, "reason": exc.reason, "error": exc.to_dict()}
-        except (KeyError, TypeError, ValueError) as exc:
-            return {"ok": False, "reason": "bad_request", "error": {"type": "ResidentPoolError",
-                                                                  "error": f"bad {op} request: {exc!r}"}}
-        return {"ok": False, "reason": "unknown_op",
-                "error": {"type": "ResidentPoolError", "error": f"unknown pool op {op!r}"}}
+        except Exception as exc:
+            log.exception("pool op %s failed", op)
+            error = ResidentPoolError(
+                f"the pool could not {op}: {type(exc).__name__}: {exc}; the pool's log "
+                f"({paths.log_dir() / 'pool.log'}) has the traceback", reason="pool_error")
+            return {"ok": False, "reason": error.reason, "error": error.to_dict()}
+
+    # -- ops ---------------------------------------------------------------------
+    def _op_hello(self, message: dict[str, Any], connection: _Connection) -> dict[str, Any]:
+        with self.lock:
+            busy = bool(self.leases) or any(r.state is not ReplicaState.READY for p in self.providers.values()
+                                            for r in p.replicas.values())
+        return {"ok": True, "pid": os.getpid(), "version": __version__, "manifests": str(self.manifests),
+                "idle": not busy, "draining": self.draining}
+
+    def _op_acquire(self, message: dict[str, Any], connection: _Connection) -> dict[str, Any]:
+        slug = message.get("slug")
+        if not isinstance(slug, str) or not SLUG.match(slug):
+            raise ResidentPoolError(f"provider name {slug!r} is not a slug: lowercase letters, digits, '-' "
+                                    "or '_', at most 40 characters", reason="bad_request")
+        manifests = message.get("manifests")
+        if manifests is not None and not isinstance(manifests, str):
+            raise ResidentPoolError("manifests must be a folder path", reason="bad_request")
+        return {"ok": True, **self.acquire(slug, manifests, connection, _holder(message.get("holder")))}
+
+    def _op_release(self, message: dict[str, Any], connection: _Connection) -> dict[str, Any] | None:
+        lease_id, outcome, served = message.get("lease"), message.get("outcome", "ok"), message.get("served", 0)
+        # Everything is checked before anything changes.
+        if not isinstance(lease_id, int) or isinstance(lease_id, bool):
+            raise ResidentPoolError(f"release needs an integer lease, not {lease_id!r}", reason="bad_request")
+        if outcome not in RELEASE_OUTCOMES:
+            raise ResidentPoolError(f"release outcome {outcome!r} is not one of {', '.join(RELEASE_OUTCOMES)}",
+                                    reason="bad_request")
+        if not isinstance(served, int) or isinstance(served, bool) or served < 0:
+            raise ResidentPoolError(f"release needs served as a count, not {served!r}", reason="bad_request")
+        reply = message.get("reply")
+        if reply is not None and not isinstance(reply, dict):
+            raise ResidentPoolError("release reply must be the worker's reply object", reason="bad_request")
+        return self.release(lease_id, connection, outcome, served, reply or {})
+
+    def _op_stop(self, message: dict[str, Any], connection: _Connection) -> dict[str, Any]:
+        slug = message.get("slug")
+        if slug is not None and not isinstance(slug, str):
+            raise ResidentPoolError("stop takes a provider slug, or none for all", reason="bad_request")
+        return {"ok": True, "stopped": self.stop(slug, now=bool(message.get("now")))}
+
+    def _op_shutdown(self, message: dict[str, Any], connection: _Connection) -> dict[str, Any]:
+        self.begin_stop("a client asked it to shut down")
+        return {"ok": True, "pid": os.getpid()}
 
     # -- manifests -------------------------------------------------------------
     def _provider(self, slug: str, manifests: str | None) -> _Provider:
+        """The provider as its manifest is now; a changed version drains the old replicas."""
         # Clients send absolute folders; resolving symlinks on every acquire costs a stat per component.
-        directory = Path(manifests) if manifests else self.manifests
-        path = directory / slug / "manifest.toml"
+        path = (Path(manifests) if manifests else self.manifests) / slug / "manifest.toml"
         try:
             info = path.stat()
         except FileNotFoundError:
             raise ManifestError(
                 f"{slug}: no provider of that name: {path} does not exist; check the slug or pass --manifests",
-                slug=slug,
-            ) from None
-        stamp = (info.st_mtime_ns, info.st_size)
-        with self.cv:
+                slug=slug) from None
+        stamp: tuple[int, ...] = (info.st_ino, info.st_mtime_ns, info.st_size)
+        with self.lock:
             provider = self.providers.get(slug)
-            if provider is not None and provider.source != path and provider.replicas:
+            if provider is not None and provider.source != path and any(r.live for r in provider.replicas.values()):
                 raise ManifestError(
-                    f"{slug}: this pool already holds {slug} from {provider.manifest.path}, not {path}; "
-                    f"stop it first (`resident-pool stop {slug}`)",
-                    slug=slug,
-                )
-            if provider is not None and provider.stamp == stamp and provider.source == path:
-                return provider
+                    f"{slug}: this pool already serves {slug} from {provider.source}, not {path}; stop it first "
+                    f"(`resident-pool stop {slug}`)", slug=slug)
+            if provider is not None and provider.source == path and provider.stamp[:3] == stamp:
+                script = _stamp(provider.manifest.worker_path)
+                if provider.stamp[3:] == script:
+                    return provider
         manifest = load_manifest(path)
-        with self.cv:
+        version = manifest.version()
+        stamp += _stamp(manifest.worker_path)
+        with self.lock:
             provider = self.providers.get(slug)
             if provider is None:
-                provider = self.providers[slug] = _Provider(manifest, stamp, manifest.fingerprint(), path)
-            else:
-                provider.manifest, provider.stamp = manifest, stamp
-                provider.fingerprint, provider.source = manifest.fingerprint(), path
+                provider = self.providers[slug] = _Provider(
+                    slug, manifest, stamp, version, manifest.fingerprint(), path, Breaker(self.breaker_cooldown_s))
+                return provider
+            provider.manifest, provider.stamp, provider.source = manifest, stamp, path
+            provider.fingerprint = manifest.fingerprint()
+            if version != provider.version:
+                log.info("%s: manifest version %s -> %s; draining the old replicas", slug, provider.version, version)
+                provider.version = version
+                for replica in list(provider.replicas.values()):
+                    if replica.version != version:
+                        self._retire(provider, replica, f"its manifest changed (version {version} replaces "
+                                                        f"{replica.version})")
             return provider
 
     def _admitter(self, manifest: Manifest):
@@ -297,22 +343,24 @@ class PoolServer:
         return self.admission
 
     # -- leases ---------------------------------------------------------------
-    def acquire(self, slug: str, manifests: str | None, connection: int) -> dict[str, Any]:
+    def acquire(self, slug: str, manifests: str | None, connection: _Connection,
+                holder: dict[str, str] | None = None) -> dict[str, Any]:
         """Lease a ready replica of ``slug``, starting one if the provider may have another."""
+        if self.draining:
+            raise self._stopping_error()
         provider = self._provider(slug, manifests)
-        manifest = provider.manifest
         ticket = next(self._tickets)
-        with self.cv:
-            breaker = provider.breaker
-            if breaker.is_open(provider.fingerprint):
-                breaker.refused += 1
-                raise self._breaker_error(slug, breaker)
+        with self.lock:
+            if provider.breaker.is_open(provider.fingerprint):
+                raise self._breaker_error(provider)
             provider.queue.append(ticket)
             provider.waiters[ticket] = waiter = threading.Condition(self.lock)
             try:
                 while True:
-                    replica = self._claim(provider, ticket)
-                    if replica is not None:
+                    if self.draining:
+                        raise self._stopping_error()
+                    claimed = self._claim(provider, ticket)
+                    if claimed is not None:
                         break
                     if self._client_gone():  # its place in the queue must not hold up the rest
                         raise ResidentPoolError(f"{slug}: the client waiting for a replica went away",
@@ -322,201 +370,433 @@ class PoolServer:
                 provider.queue.remove(ticket)
                 del provider.waiters[ticket]
                 self._wake(provider)
-            lease = next(_lease_ids)
+            replica, cold = claimed
+            lease = Lease(connection, replica, holder or {})
             replica.lease = lease
-            self.leases[lease] = (slug, replica.worker.replica, connection)
-        worker = replica.worker
-        cold = not worker.is_running()
+            self.leases[lease.id] = lease
         if cold:
-            try:
-                worker.ensure_started()
-            except ResidentPoolError as exc:
-                self._start_failed(provider, replica, lease, exc)
-                raise
-            if worker.vram_budget_gb and worker.admitter is self.admission:
-                self.admission.started(worker)
-            with self.cv:
-                provider.breaker.reset()
+            self._start(provider, replica, lease)
         return {
-            "lease": lease, "slug": slug, "replica": worker.replica, "pid": worker.pid,
-            "socket": worker.socket_path, "cold": cold, "transcript": str(worker.transcript),
-            "request_timeout_s": manifest.lifecycle.request_timeout_s, "device": worker.device,
+            "lease": lease.id, "slug": slug, "replica": replica.index, "pid": replica.pid,
+            "socket": replica.process.socket_path, "cold": cold, "transcript": replica.process.transcript_path,
+            "request_timeout_s": provider.manifest.lifecycle.request_timeout_s, "device": replica.process.device,
+            "version": replica.version,
         }
+
+    def _claim(self, provider: _Provider, ticket: int) -> tuple[Replica, bool] | None:
+        """The replica this ticket takes now and whether it must be started, or None to keep waiting."""
+        if provider.queue[0] != ticket:
+            return None  # first come, first served
+        current = [r for r in provider.replicas.values() if r.version == provider.version and r.retire is None]
+        for replica in sorted(current, key=lambda r: r.index):
+            if replica.state is ReplicaState.READY:
+                replica.transition(ReplicaState.LEASED, "leased")
+                return replica, False
+        manifest = provider.manifest
+        if sum(r.live for r in current) >= manifest.lifecycle.max_replicas:
+            return None
+        index = next(i for i in itertools.count() if i not in provider.replicas)
+        process = WorkerProcess(provider.slug, index, state_dir=self.state_dir,
+                                start_timeout_s=manifest.lifecycle.start_timeout_s)
+        budget = manifest.gpu.vram_budget_gb if manifest.gpu.policy != "none" else None
+        replica = Replica(provider.slug, index, provider.version, process, budget, manifest)
+        provider.replicas[index] = replica
+        return replica, True
+
+    def _start(self, provider: _Provider, replica: Replica, lease: Lease) -> None:
+        """Admit, spawn and wait for the replica this lease holds; a failure ends both."""
+        manifest = replica.manifest
+        admitter = self._admitter(manifest)
+        with self.lock:
+            provider.starts += 1
+        try:
+            env: dict[str, str | None] = {}
+            if replica.vram_budget_gb and admitter is not None:
+                env = dict(admitter.admit(replica))
+                replica.admitter = admitter
+            replica.process.device = env.get("CUDA_VISIBLE_DEVICES")
+            launch = Launch.of(command_builder(manifest)(replica.process))
+            replica.process.start(launch, env)
+        except Exception as exc:
+            raise self._start_failed(provider, replica, lease, exc) from exc
+        if replica.admitter is self.admission:
+            self.admission.started(replica)
+        with self.lock:
+            provider.breaker.succeeded()
+            replica.last_checked = time.monotonic()
+            replica.transition(ReplicaState.LEASED, "started")
+
+    def _start_failed(self, provider: _Provider, replica: Replica, lease: Lease, exc: Exception) -> ResidentPoolError:
+        if isinstance(exc, ResidentPoolError):
+            error = exc
+        else:
+            headline = f"{provider.slug}: could not start a worker: {type(exc).__name__}: {exc}"
+            error = WorkerStartError(headline, slug=provider.slug, transcript=replica.process.transcript_path)
+        if replica.process.proc is not None and replica.process.returncode is None:
+            replica.process.kill(grace_s=5.0)
+        self._release_budget(replica)
+        with self.lock:
+            self.leases.pop(lease.id, None)
+            replica.lease = None
+            replica.transition(ReplicaState.FAILED, error.headline)
+            replica.last_error = provider.last_error = error.headline
+            if provider.replicas.get(replica.index) is replica:
+                del provider.replicas[replica.index]
+            if error.reason != "client_gone" and provider.breaker.failed(
+                    provider.fingerprint, error.to_dict(), refusal=error.exit_code in REFUSAL_CODES):
+                log.warning("%s: breaker open for %g s after: %s", provider.slug, self.breaker_cooldown_s,
+                            error.headline)
+            self._wake(provider)
+            self.changed.notify_all()
+        return error
 
     def _wake(self, provider: _Provider) -> None:
         """A replica may be free: the first request in line looks (the lock is held)."""
         if provider.queue:
             provider.waiters[provider.queue[0]].notify()
 
-    def _claim(self, provider: _Provider, ticket: int) -> Replica | None:
-        """The replica this ticket may take now, or None to keep waiting (first come, first served)."""
-        if provider.queue[0] != ticket:
-            return None
-        replicas = sorted(provider.replicas.values(), key=lambda r: (not r.worker.is_running(), r.worker.replica))
-        for replica in replicas:
-            if replica.free:
-                return replica
-        if len(provider.replicas) < provider.manifest.lifecycle.max_replicas:
-            index = next(i for i in itertools.count() if i not in provider.replicas)
-            worker = worker_for(provider.manifest, replica=index, admitter=self._admitter(provider.manifest))
-            provider.replicas[index] = replica = Replica(worker)
-            return replica
-        return None
-
-    def _start_failed(self, provider: _Provider, replica: Replica, lease: int, exc: ResidentPoolError) -> None:
-        with self.cv:
-            self.leases.pop(lease, None)
-            replica.lease = None
-            provider.replicas.pop(replica.worker.replica, None)
-            breaker = provider.breaker
-            breaker.failures += 1
-            breaker.error = exc.to_dict()
-            breaker.fingerprint = provider.fingerprint
-            if exc.exit_code in REFUSAL_CODES or breaker.failures >= BREAKER_FAILURES:
-                breaker.open_until = time.monotonic() + self.breaker_cooldown_s
-                log.warning("%s: breaker open for %g s after: %s", provider.manifest.slug,
-                            self.breaker_cooldown_s, exc)
-            self._wake(provider)
-
-    def _breaker_error(self, slug: str, breaker: Breaker) -> ResidentPoolError:
+    def _breaker_error(self, provider: _Provider) -> ResidentPoolError:
+        breaker = provider.breaker
         original = error_from_dict(breaker.error or {"type": "WorkerStartError", "error": "start failed"})
-        left = max(0.0, breaker.open_until - time.monotonic())
-        original.message = (
-            f"{original.message}\n  (not started again: {slug} failed {breaker.failures} start(s); the breaker "
-            f"stays open {left:.0f} s more or until its manifest changes)"
-        )
+        left = breaker.remaining_s()
+        note = (f"\n  (not started again: {provider.slug} failed {breaker.failures} start(s); the breaker stays "
+                f"open {left:.0f} s more or until its manifest changes)")
+        original.message += note
         original.args = (original.message,)
         original.details["breaker"] = {"failures": breaker.failures, "open_s": round(left, 1)}
         return original
 
-    def release(self, lease: int, outcome: str, message: dict[str, Any]) -> dict[str, Any] | None:
-        """A lease ends; ``ok`` needs no answer (the client does not wait for one)."""
-        with self.cv:
-            held = self.leases.pop(lease, None)
-            if held is None:
-                return None if outcome == "ok" else {"ok": True}
-            slug, index, _ = held
-            provider = self.providers[slug]
-            replica = provider.replicas.get(index)
-        reply: dict[str, Any] | None = None if outcome == "ok" else {"ok": True}
-        if replica is not None:
-            worker = replica.worker
-            if outcome == "broken":
-                error = worker.broken_error(str(message.get("error", "the connection broke")))
-                if error is not None:
-                    reply = {"ok": True, "error": error.to_dict()}
-            elif outcome == "exiting":
-                reply = {"ok": True, "error": worker.reply_error(message.get("reply") or {}).to_dict()}
-            elif outcome == "timeout":
-                worker.broken_error("the request outran its request_timeout_s")
-            worker.served += int(message.get("served", 0))
-            worker.last_used = time.monotonic()
-        with self.cv:
-            if replica is not None:
-                replica.lease = None
-            self._wake(provider)
-        return reply
+    def _stopping_error(self) -> PoolStopping:
+        return PoolStopping(f"the pool (pid {os.getpid()}) is stopping; the client retries with the next pool")
 
-    def _release_connection(self, connection: int) -> None:
-        with self.cv:
-            mine = [lease for lease, (_, _, conn) in self.leases.items() if conn == connection]
+    def release(self, lease_id: int, connection: _Connection, outcome: str, served: int,
+                reply: dict[str, Any]) -> dict[str, Any] | None:
+        """A lease ends; an ``ok`` one needs no answer (the client does not wait for one)."""
+        with self.lock:
+            lease = self.leases.get(lease_id)
+            if lease is None:
+                return None if outcome == "ok" else {"ok": True}
+            if lease.connection is not connection:
+                raise ResidentPoolError(f"lease {lease_id} is not held by this connection; a client releases "
+                                        "only its own leases", reason="bad_request")
+            del self.leases[lease_id]
+            replica: Replica = lease.replica
+            provider = self.providers[replica.slug]
+            replica.lease = None
+            replica.served += served
+            replica.last_used = time.monotonic()
+            if outcome == "ok":
+                self._free(provider, replica, "released")
+                return None
+        if outcome == "timeout":
+            timeout = provider.manifest.lifecycle.request_timeout_s
+            self._stop(provider, replica, f"a request outran request_timeout_s = {timeout:g} s", now=True)
+            return {"ok": True}
+        if outcome == "exiting":
+            error = replica.process.exiting_error(reply)
+            self._forget(provider, replica, error.headline)
+            return {"ok": True, "error": error.to_dict()}
+        rc = replica.process.wait_dead(DEATH_WAIT_S)  # broken: died, or a live worker closed on it
+        if rc is not None:
+            error = replica.process.died_error(rc, stopping=replica.state is ReplicaState.STOPPING)
+            self._forget(provider, replica, error.headline)
+            return {"ok": True, "error": error.to_dict()}
+        self._abandoned(provider, replica, "its client's connection to it broke")
+        return {"ok": True}
+
+    def _free(self, provider: _Provider, replica: Replica, why: str) -> None:
+        """A lease ended cleanly (the lock is held): ready again, or on its way out if it drains."""
+        if replica.state is ReplicaState.LEASED and replica.retire is None and replica.version == provider.version:
+            replica.transition(ReplicaState.READY, why)
+            self._wake(provider)
+        elif replica.state in (ReplicaState.LEASED, ReplicaState.DRAINING):
+            self._stop_later(provider, replica, replica.retire or "its manifest changed")
+
+    def _connection_closed(self, connection: _Connection) -> None:
+        """A client went away (a killed flow run): each lease it held is abandoned, not simply freed."""
+        with self.lock:
+            mine = [lease for lease in self.leases.values() if lease.connection is connection]
+            for lease in mine:
+                del self.leases[lease.id]
+                lease.replica.lease = None
         for lease in mine:
-            self.release(lease, "ok", {})
+            replica = lease.replica
+            self._abandoned(self.providers[replica.slug], replica, "its client went away")
+
+    def _abandoned(self, provider: _Provider, replica: Replica, why: str) -> None:
+        """Its client is gone: free at once if it is between requests, else drain the request first."""
+        with self.lock:
+            if replica.state not in (ReplicaState.LEASED, ReplicaState.DRAINING):
+                return  # already on its way out
+            if replica.state is ReplicaState.LEASED:
+                replica.transition(ReplicaState.DRAINING, f"{why}; waiting for any request in flight")
+            grace = provider.manifest.lifecycle.abandon_grace_s
+            replica.drain_deadline = time.monotonic() + grace
+        threading.Thread(target=self._await_abandoned, args=(provider, replica, grace), daemon=True,
+                         name=f"drain-{replica.name}").start()
+
+    def _await_abandoned(self, provider: _Provider, replica: Replica, grace: float) -> None:
+        # The worker answers serially: a ping queued behind a running request is answered
+        # once that request ends, so its answer is the moment the worker is free.
+        answer = replica.process.ping(timeout=min(ABANDON_PROBE_S, grace) or 0.1)
+        if answer is None and grace > ABANDON_PROBE_S:
+            replica.process.note(f"its client went away mid-request; the request may run up to abandon_grace_s "
+                                 f"= {grace:g} s more, and its answer is thrown away")
+            answer = replica.process.ping(timeout=max(0.1, replica.drain_deadline - time.monotonic()))
+        with self.lock:
+            if replica.state is not ReplicaState.DRAINING or replica.lease is not None:
+                return  # someone else decided meanwhile (a stop --now)
+            if answer is not None and replica.retire is None and replica.version == provider.version:
+                replica.transition(ReplicaState.READY, "the abandoned request ended")
+                replica.last_used = time.monotonic()
+                self._wake(provider)
+                return
+            if answer is None:
+                why = f"its abandoned request still ran after abandon_grace_s = {grace:g} s"
+                replica.last_error = provider.last_error = f"{replica.name}: {why}; stopped"
+            else:
+                why = replica.retire or "its manifest changed"
+        self._stop(provider, replica, why, now=answer is None)
+
+    # -- stopping -----------------------------------------------------------------
+    def _retire(self, provider: _Provider, replica: Replica, why: str, now: bool = False) -> None:
+        """Mark ``replica`` to stop (the lock is held): at once if free, after its lease if held."""
+        replica.retire = replica.retire or why
+        if replica.state is ReplicaState.READY or (now and replica.state in (ReplicaState.LEASED,
+                                                                               ReplicaState.DRAINING)):
+            self._stop_later(provider, replica, why, now=now)
+        elif replica.state is ReplicaState.LEASED and replica.lease is not None and replica.lease.connection:
+            replica.transition(ReplicaState.DRAINING, f"{why}; its lease finishes first")
+        # STARTING: acted on when its lease ends; DRAINING: its drain ends in a stop.
+
+    def _stop_later(self, provider: _Provider, replica: Replica, why: str, now: bool = False) -> None:
+        """Move to STOPPING (the lock is held) and stop the process on a thread of its own."""
+        replica.transition(ReplicaState.STOPPING, why)
+        threading.Thread(target=self._stop_process, args=(provider, replica, why, now), daemon=True,
+                         name=f"stop-{replica.name}").start()
+
+    def _stop(self, provider: _Provider, replica: Replica, why: str, now: bool = False) -> None:
+        """Stop ``replica`` in this thread (it is not STOPPING yet)."""
+        with self.lock:
+            if replica.state in (ReplicaState.STOPPING, ReplicaState.STOPPED):
+                return
+            replica.transition(ReplicaState.STOPPING, why)
+        self._stop_process(provider, replica, why, now)
+
+    def _stop_process(self, provider: _Provider, replica: Replica, why: str, now: bool = False) -> None:
+        rc = replica.process.kill(grace_s=5.0) if now else replica.process.stop()
+        gone = "" if rc is not None else "; it did not end after SIGKILL"
+        self._forget(provider, replica, f"{why}{gone}" if now or gone else None)
+
+    def _forget(self, provider: _Provider, replica: Replica, error: str | None) -> None:
+        """The worker is gone: give back its budget, record why, drop the replica."""
+        self._release_budget(replica)
+        with self.lock:
+            if replica.state is ReplicaState.STOPPED:
+                return  # the other party to a race (a broken release and a stop) got here first
+            if replica.state is not ReplicaState.STOPPING:
+                replica.transition(ReplicaState.STOPPING, error or "ended")
+            replica.transition(ReplicaState.STOPPED, error or "stopped")
+            if error:
+                replica.last_error = provider.last_error = error
+            if provider.replicas.get(replica.index) is replica:
+                del provider.replicas[replica.index]
+            self._wake(provider)
+            self.changed.notify_all()
+
+    def _release_budget(self, replica: Replica) -> None:
+        admitter, replica.admitter = replica.admitter, None
+        if admitter is not None:
+            admitter.release(replica)
 
     # -- eviction and waiting -------------------------------------------------
     def _evict_idle(self, needed_gb: float) -> bool:
         """Stop the least recently used idle GPU worker; True if one was stopped."""
-        with self.cv:
-            idle = [(replica.worker.last_used, provider, replica)
+        with self.lock:
+            idle = [(replica.last_used, provider, replica)
                     for provider in self.providers.values() for replica in provider.replicas.values()
-                    if replica.free and replica.worker.is_running() and replica.worker.vram_budget_gb]
+                    if replica.state is ReplicaState.READY and replica.admitter is self.admission]
             if not idle:
                 return False
             _, provider, replica = min(idle, key=lambda item: item[0])
-            replica.retiring = True
-        replica.worker._note(f"evicted (idle) to make room for a worker needing {needed_gb:g} GB")
-        self._retire(provider, replica)
+        self._stop(provider, replica, f"evicted (idle) to make room for a worker needing {needed_gb:g} GB")
         return True
 
     def _client_gone(self) -> bool:
         """Whether the client this thread serves closed its connection (a killed flow run)."""
-        conn = getattr(self._current, "conn", None)
-        if conn is None:
+        connection = getattr(self._current, "connection", None)
+        if connection is None:
             return False
-        readable, _, _ = select.select([conn], [], [], 0)
+        readable, _, _ = select.select([connection.sock], [], [], 0)
         if not readable:
             return False
         try:
-            return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            return connection.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except BlockingIOError:
             return False
         except OSError:
             return True
 
-    def _log_wait(self, wait: dict[str, Any]) -> None:
+    def _report_wait(self, wait: dict[str, Any]) -> None:
         """Admission is waiting: say so in the pool's log and to the client that asked."""
         log.info("%s waits for %g GB (%.0f s so far); free %s; held by %s", wait["slug"], wait["needs_gb"],
                  wait["waited_s"], wait["free"], "; ".join(wait["holders"]) or "nobody in the pool")
-        conn = getattr(self._current, "conn", None)
-        if conn is not None:
+        connection = getattr(self._current, "connection", None)
+        if connection is not None:
             try:
-                send_line(conn, {"progress": {"waiting_for_admission": wait}})
+                send_line(connection.sock, {"progress": {"waiting_for_admission": wait}})
             except OSError:
-                pass  # the client is gone; its connection's cleanup releases what it held
+                pass  # the client is gone; its connection's cleanup ends what it held
 
     def waiting(self) -> list[dict[str, Any]]:
         queued = self.admission.waiting()
-        with self.cv:
+        with self.lock:
             for slug, provider in self.providers.items():
-                if len(provider.queue) > 0 and not provider.breaker.open_until:
+                if provider.queue:
                     queued.append({"slug": slug, "for": "a free replica", "count": len(provider.queue)})
         return queued
 
+    # -- maintenance: heartbeats, idle retirement, liveness ----------------------------------
+    def _maintain_loop(self) -> None:
+        while not self.finished.is_set():
+            try:
+                self._maintain()
+            except Exception:  # one bad pass must not end retirement for good; logged with its traceback
+                log.exception("maintenance pass failed")
+            self.finished.wait(_TICK_S)
+
+    def _maintain(self) -> None:
+        if not self._socket_is_ours():
+            # The state directory was deleted or another pool took the socket: no client can
+            # reach this pool, so its workers would only hold memory. Stand down.
+            log.warning("socket %s is gone or no longer ours; stopping every worker and exiting", self.socket_path)
+            self.begin_stop("its socket is gone", now=True)
+            return
+        now = time.monotonic()
+        beat = now - self._last_beat >= HEARTBEAT_INTERVAL_S
+        if beat:
+            self._last_beat = now
+        checks = []
+        with self.lock:
+            for provider in self.providers.values():
+                lifecycle = provider.manifest.lifecycle
+                for replica in list(provider.replicas.values()):
+                    if beat:  # a worker still loading its model counts on it too
+                        replica.process.beat()
+                    if replica.state is not ReplicaState.READY:
+                        continue
+                    rc = replica.process.poll()
+                    if rc is not None:
+                        why = f"{replica.name} exited while idle: {describe_exit(rc)}"
+                        replica.transition(ReplicaState.STOPPING, why)
+                        checks.append((self._forget, (provider, replica, why)))
+                    elif provider.manifest.mode == "subprocess" or (
+                            0 < lifecycle.idle_timeout_s <= replica.idle_s()):
+                        self._stop_later(provider, replica, f"idle for {replica.idle_s():.1f} s (idle_timeout_s = "
+                                                            f"{lifecycle.idle_timeout_s:g})")
+                    elif now - replica.last_checked >= lifecycle.ping_interval_s:
+                        replica.transition(ReplicaState.LEASED, "liveness ping")
+                        replica.lease = Lease(None, replica, {"pool": "liveness ping"})
+                        checks.append((self._check_liveness, (provider, replica)))
+            busy = self.connections or any(p.replicas for p in self.providers.values())
+            if busy:
+                self.quiet_since = now
+        for action, args in checks:
+            threading.Thread(target=action, args=args, daemon=True).start()
+        if self.quiet_exit_s > 0 and now - self.quiet_since >= self.quiet_exit_s and not self.draining:
+            log.info("no workers and no clients for %g s; exiting", self.quiet_exit_s)
+            self.begin_stop("quiet")
+
+    def _check_liveness(self, provider: _Provider, replica: Replica) -> None:
+        """Alive means running AND answering: an idle worker that does not answer is stopped."""
+        answer = replica.process.ping(timeout=LIVENESS_TIMEOUT_S)
+        with self.lock:
+            replica.last_checked = time.monotonic()
+            replica.lease = None
+            if replica.state is not ReplicaState.LEASED:
+                return  # stopped meanwhile
+            if answer is not None:
+                if replica.retire:
+                    self._stop_later(provider, replica, replica.retire)
+                else:
+                    replica.transition(ReplicaState.READY, "answered its liveness ping")
+                    self._wake(provider)
+                return
+        self._stop(provider, replica, f"{replica.name} did not answer a liveness ping within "
+                                      f"{LIVENESS_TIMEOUT_S:g} s; stopped", now=True)
+
     # -- status and stop --------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        workers = []
-        breakers = {}
-        with self.cv:
+        now = time.monotonic()
+        workers, providers, breakers = [], {}, {}
+        with self.lock:
             for slug, provider in sorted(self.providers.items()):
                 for index, replica in sorted(provider.replicas.items()):
-                    worker = replica.worker
-                    state = "busy" if replica.lease else worker.state.value
+                    process = replica.process
+                    lease = replica.lease
                     workers.append({
-                        "slug": slug, "replica": index, "pid": worker.pid if worker.is_running() else None,
-                        "state": state, "device": worker.device, "budget_gb": worker.vram_budget_gb,
-                        "served": worker.served, "starts": worker.starts,
-                        "idle_s": round(worker.idle_s(), 1), "uptime_s": _round(worker.uptime_s()),
-                        "transcript": str(worker.transcript) if worker.transcript else None,
+                        "slug": slug, "replica": index, "pid": process.pid if process.returncode is None else None,
+                        "state": replica.state.value, "version": replica.version,
+                        "current": replica.version == provider.version, "device": process.device,
+                        "budget_gb": replica.vram_budget_gb, "served": replica.served, "starts": provider.starts,
+                        "idle_s": round(replica.idle_s(), 1), "uptime_s": _round(process.uptime_s()),
+                        "transcript": process.transcript_path, "socket": process.socket_path,
+                        "last_error": replica.last_error,
+                        "retiring": replica.retire,
+                        "lease": None if lease is None else {"id": lease.id, "holder": lease.holder,
+                                                             "age_s": round(now - lease.since, 1)},
                     })
-                b = provider.breaker
-                if b.failures or b.open_until:
-                    breakers[slug] = {"failures": b.failures, "open": time.monotonic() < b.open_until,
-                                      "open_s": round(max(0.0, b.open_until - time.monotonic()), 1),
-                                      "refused": b.refused, "error": (b.error or {}).get("error")}
-        return {"pool": {"pid": os.getpid(), "socket": self.socket_path, "manifests": str(self.manifests),
-                         "since": self.started, "ledger": str(self.ledger.path)},
-                "workers": workers, "waiting": self.waiting(), "breakers": breakers,
+                snapshot = provider.breaker.snapshot()
+                if snapshot:
+                    breakers[slug] = snapshot
+                providers[slug] = {"version": provider.version, "manifest": str(provider.source),
+                                   "starts": provider.starts, "last_error": provider.last_error,
+                                   "breaker": snapshot}
+        return {"pool": {"pid": os.getpid(), "version": __version__, "socket": self.socket_path,
+                         "manifests": str(self.manifests), "since": self.started, "ledger": str(self.ledger.path),
+                         "draining": self.draining},
+                "workers": workers, "providers": providers, "waiting": self.waiting(), "breakers": breakers,
                 "ledger": self.ledger.entries()}
 
-    def stop(self, slug: str | None) -> list[str]:
-        """Stop every replica of ``slug`` (all providers when None); returns what was stopped."""
-        with self.cv:
-            targets = [(provider, replica) for name, provider in self.providers.items()
-                       if slug in (None, name) for replica in provider.replicas.values()]
-            for _, replica in targets:
-                replica.retiring = True
+    def stop(self, slug: str | None, now: bool = False, why: str = "stopped by `resident-pool stop`") -> list[str]:
+        """Stop ``slug``'s replicas (every provider's when None): leased ones drain first, up to drain_grace_s."""
+        with self.lock:
+            targets = [(provider, replica) for name, provider in self.providers.items() if slug in (None, name)
+                       for replica in provider.replicas.values()]
             if slug is not None and slug in self.providers:
                 self.providers[slug].breaker.reset()
-        stopped = []
-        for provider, replica in targets:
-            self._retire(provider, replica)
-            stopped.append(f"{replica.worker.slug}[{replica.worker.replica}]")
-        return stopped
+            for provider, replica in targets:
+                self._retire(provider, replica, why, now=now)
+            deadline = time.monotonic() + self.drain_grace_s
+            while any(r.state is not ReplicaState.STOPPED and r.state is not ReplicaState.FAILED
+                      for _, r in targets) and time.monotonic() < deadline:
+                self.changed.wait(_TICK_S)
+            late = [(p, r) for p, r in targets if r.state in (ReplicaState.LEASED, ReplicaState.DRAINING)]
+            for provider, replica in late:
+                self._stop_later(provider, replica, f"{why}: still busy after drain_grace_s = {self.drain_grace_s:g} s")
+            while any(r.state is ReplicaState.STOPPING for _, r in targets):
+                self.changed.wait(_TICK_S)
+        return [replica.name for _, replica in targets]
 
-    def stop_all(self) -> None:
-        self.stop(None)
+
+def _stamp(path: Path) -> tuple[int, ...]:
+    try:
+        info = path.stat()
+    except OSError:
+        return (0, 0, 0)
+    return (info.st_ino, info.st_mtime_ns, info.st_size)
+
+
+def _holder(raw: Any) -> dict[str, str]:
+    """Who a lease is for (a flow run's name, id and URL), as the client says; short strings only."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or len(raw) > _HOLDER_KEYS or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) + len(v) <= _HOLDER_CHARS for k, v in raw.items()):
+        raise ResidentPoolError(f"holder must be a mapping of at most {_HOLDER_KEYS} short strings",
+                                reason="bad_request")
+    return dict(raw)
 
 
 def _round(value: float | None) -> float | None:
     return round(value, 1) if value is not None else None
-

@@ -18,7 +18,6 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.context import TaskRunContext
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from . import paths
 from .client import Pool, Session, default_manifests
@@ -32,9 +31,10 @@ from .errors import (
     WorkerStartError,
 )
 from .exits import REFUSAL_CODES, describe_exit
+from .settings import settings
+from .transcripts import read_tail
 
 __all__ = [
-    "PoolSettings",
     "failure_artifact_key",
     "pool_session",
     "predict",
@@ -43,22 +43,13 @@ __all__ = [
 ]
 
 
-class PoolSettings(BaseSettings):
-    """Settings read from ``RESIDENT_POOL_*`` variables, like every other knob of the pool."""
-
-    model_config = SettingsConfigDict(env_prefix="RESIDENT_POOL_", extra="ignore")
-
-    manifests: Path | None = None
-    artifact_tail_lines: int = 20
-
-
 _clients: dict[tuple[Path, Path], Pool] = {}
 _clients_lock = threading.Lock()
 
 
 def _client(manifests: str | os.PathLike[str] | None) -> Pool:
     """One client per process and manifests folder (it is thread-safe); process pools get their own."""
-    directory = default_manifests(manifests or PoolSettings().manifests)
+    directory = default_manifests(manifests)
     key = (directory, paths.state_dir())
     with _clients_lock:
         client = _clients.get(key)
@@ -86,7 +77,7 @@ def failure_artifact_key(slug: str) -> str:
 
 def _one_line(error: ResidentPoolError) -> str:
     parts = [f"{error.slug or 'resident-pool'}: {error.reason}"]
-    first = str(error).splitlines()[0] if str(error) else ""
+    first = error.headline
     if first:
         parts.append(first.removeprefix(f"{error.slug}: "))
     if error.exit_code is not None and "exit code" not in first and "killed by" not in first:
@@ -109,10 +100,8 @@ def _markdown(error: ResidentPoolError, tail_lines: int) -> str:
     table = "\n".join(f"| {name} | {value.replace('|', '/')} |" for name, value in rows)
     tail = error.transcript_tail[-tail_lines:]
     if not tail and error.transcript:
-        from .supervisor import read_tail
-
         tail = read_tail(error.transcript, tail_lines)
-    message = str(error).split("\n  last lines:")[0]
+    message = error.headline
     text = f"## resident-pool: {error.slug} failed\n\n{message}\n\n| | |\n|---|---|\n{table}\n"
     if tail:
         text += "\n### Last lines of the transcript\n\n```\n" + "\n".join(tail) + "\n```\n"
@@ -121,10 +110,10 @@ def _markdown(error: ResidentPoolError, tail_lines: int) -> str:
 
 def _report(error: ResidentPoolError) -> ResidentPoolError:
     """Attach the failure artifact to the running task and return the error with a one-line message."""
-    settings = PoolSettings()
+    config = settings()
     if TaskRunContext.get() is not None:
         create_markdown_artifact(
-            markdown=_markdown(error, settings.artifact_tail_lines),
+            markdown=_markdown(error, config.artifact_tail_lines),
             key=failure_artifact_key(error.slug or "unknown"),
             # The description is what the task run's Artifacts tab shows without a click.
             description=_one_line(error),
@@ -159,7 +148,7 @@ def predict_batch(slug: str, payloads: list[Any], manifests: str | os.PathLike[s
         return [session.predict(payload) for payload in payloads]
 
 
-_RETRYABLE_REASONS = frozenset({"worker_died", "worker_stopped"})
+_RETRYABLE_REASONS = frozenset({"worker_died", "worker_stopped", "worker_exiting", "request_timeout"})
 
 
 def retry_pool_failures(task, task_run, state) -> bool:
@@ -183,6 +172,6 @@ def retry_pool_failures(task, task_run, state) -> bool:
             return False
         if isinstance(error, WorkerRequestError):
             # request_failed is the model refusing this input: a retry fails the same way.
-            return error.reason in _RETRYABLE_REASONS or error.reason == "worker_exiting"
+            return error.reason in _RETRYABLE_REASONS
         return isinstance(error, WorkerStartError)
     return True

@@ -1,4 +1,4 @@
-"""Process helpers shared by the supervisor and the ledger; no internal imports."""
+"""Process helpers: environments, liveness, process groups; no internal imports."""
 
 from __future__ import annotations
 
@@ -7,8 +7,26 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 
-__all__ = ["group_members", "pid_alive", "signal_group", "terminate_group", "wait_exit"]
+__all__ = ["child_env", "group_members", "pid_alive", "signal_group", "terminate_group", "wait_exit"]
+
+# After SIGKILL a process in uninterruptible sleep (stuck in a driver call) may never be
+# reapable; a stop must not hang the pool on it.
+KILL_WAIT_S = 10.0
+
+
+def child_env(extra_env: Mapping[str, str | None], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` with ``extra_env`` layered over it: a str sets, None removes."""
+    env = dict(os.environ if environ is None else environ)
+    for name, value in extra_env.items():
+        if value is None:
+            env.pop(name, None)
+        elif isinstance(value, str):
+            env[name] = value
+        else:
+            raise TypeError(f"environment value for {name} must be a str or None, not {type(value).__name__}")
+    return env
 
 
 def pid_alive(pid: int) -> bool:
@@ -75,12 +93,12 @@ def _group_alive(pgid: int) -> bool:
     return bool(group_members(pgid))
 
 
-def terminate_group(proc: subprocess.Popen, grace_s: float = 5.0) -> int:
-    """SIGTERM the worker's process group, wait, then SIGKILL what is left.
+def terminate_group(proc: subprocess.Popen, grace_s: float = 5.0, kill_wait_s: float = KILL_WAIT_S) -> int | None:
+    """SIGTERM the worker's process group, wait, then SIGKILL what is left; its return code.
 
     The worker runs in a session of its own (``start_new_session``), so its
     group id is its pid and its children (DataLoader workers, a kit's helpers)
-    go with it.
+    go with it. None when even SIGKILL did not end it within ``kill_wait_s``.
     """
     pgid = proc.pid
     signal_group(pgid, signal.SIGTERM)
@@ -91,5 +109,5 @@ def terminate_group(proc: subprocess.Popen, grace_s: float = 5.0) -> int:
         time.sleep(0.02)
     signal_group(pgid, signal.SIGKILL)
     if rc is None:
-        rc = proc.wait()
+        rc = wait_exit(proc, kill_wait_s)
     return rc

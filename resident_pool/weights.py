@@ -12,6 +12,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from .errors import WeightsMismatch
+from .settings import settings, xdg_dir
 
 __all__ = ["HashCache", "WeightsMismatch", "WeightsReport", "verify_weights"]
 
@@ -19,10 +20,7 @@ _BLOCK = 4 * 1024 * 1024
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("RESIDENT_POOL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "resident-pool"
-    )
-    return Path(base)
+    return settings().cache_dir or xdg_dir("cache") / "resident-pool"
 
 
 class HashCache:
@@ -86,21 +84,29 @@ class WeightsReport:
         return not self.problems
 
     def error(self) -> WeightsMismatch:
+        where = f"weights under {self.root}" if self.root is not None else "weights"
         return WeightsMismatch(
-            f"{self.slug}: weights under {self.root} are not at their pins: " + "; ".join(self.problems)
+            f"{self.slug}: {where} are not at their pins: " + "; ".join(self.problems)
             + f"; run `resident-pool check {self.slug}` once they are restored",
             slug=self.slug,
             details={"problems": self.problems, "root": str(self.root)},
         )
 
 
-def verify_weights(slug: str, root: Path | None, files, cache: HashCache | None = None) -> WeightsReport:
-    """Check each pinned file: present, then its size, then its sha256."""
+def verify_weights(
+    slug: str, root: Path | None, files, cache: HashCache | None = None, root_hint: str | None = None
+) -> WeightsReport:
+    """Check each pinned file: present, then its size, then its sha256.
+
+    ``root_hint`` is the next step when the root is missing ("set MINILM_WEIGHTS
+    to the weights directory").
+    """
     report = WeightsReport(slug=slug, root=root)
     if not files:
         return report
     if root is None or not root.is_dir():
-        report.problems.append(f"the weights root {root} is not a directory")
+        what = "no weights directory is given" if root is None else f"the weights directory {root} does not exist"
+        report.problems.append(f"{what}; {root_hint}" if root_hint else what)
         return report
     cache = cache or HashCache()
     for pin in files:

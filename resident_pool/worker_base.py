@@ -25,9 +25,41 @@ from typing import Any
 __all__ = ["load_arrays", "load_protocol", "release_cublas_workspaces", "serve"]
 
 DEFAULT_ORPHAN_GRACE_S = 120.0
-# How often the idle loop wakes to check whether its parent is gone.
+DEFAULT_HEARTBEAT_STALE_S = 30.0
+# How often the idle loop wakes to check whether its pool is gone.
 _TICK_S = 0.25
 _SEND_TIMEOUT_S = 60.0
+# Idle time counts from process start, not from serve(): a pool that died while the model
+# loaded is noticed as soon as serve() runs.
+_PROCESS_STARTED = time.monotonic()
+_PARENT_AT_START = os.getppid()
+
+
+class _Watchdog:
+    """Is the pool (or supervisor) that started this worker still there?
+
+    It keeps a heartbeat file fresh (``RESIDENT_POOL_HEARTBEAT``); a file that is gone or
+    older than ``RESIDENT_POOL_HEARTBEAT_STALE_S`` means it is gone. A file works where a
+    parent pid cannot: inside a container (the pool's pid is not visible) and in a worker
+    forked from a preloading process (its parent is not the pool). A worker started by hand,
+    with no heartbeat, falls back to watching its parent pid.
+    """
+
+    def __init__(self) -> None:
+        self.path = os.environ.get("RESIDENT_POOL_HEARTBEAT") or None
+        self.stale_s = float(os.environ.get("RESIDENT_POOL_HEARTBEAT_STALE_S") or DEFAULT_HEARTBEAT_STALE_S)
+
+    def describe(self) -> str:
+        return f"heartbeat {self.path}" if self.path else f"parent {_PARENT_AT_START}"
+
+    def gone(self) -> bool:
+        if self.path is None:
+            return os.getppid() != _PARENT_AT_START
+        try:
+            age = time.time() - os.stat(self.path).st_mtime
+        except OSError:
+            return True
+        return age > self.stale_s
 
 
 def load_protocol():
@@ -124,9 +156,9 @@ class _Server:
             orphan_grace_s = float(os.environ.get("RESIDENT_POOL_ORPHAN_GRACE_S", DEFAULT_ORPHAN_GRACE_S))
         self.orphan_grace_s = orphan_grace_s
         self.release_cublas = release_cublas and os.environ.get("RESIDENT_POOL_NO_CUBLAS_RELEASE") != "1"
-        self.parent_pid = os.getppid()
+        self.watchdog = _Watchdog()
         self.started = time.monotonic()
-        self.last_request = self.started
+        self.last_request = _PROCESS_STARTED
         self.served = 0
         self.stopping = False
         self._held_payload = None
@@ -146,10 +178,12 @@ class _Server:
                 events = self.selector.select(_TICK_S)
                 if not events and self._orphaned_and_idle():
                     self.log(
-                        f"parent {self.parent_pid} is gone and no request came for {self.orphan_grace_s:g} s; "
-                        "exiting so the device is given back"
+                        f"the pool is gone ({self.watchdog.describe()}) and no request came for "
+                        f"{self.orphan_grace_s:g} s; exiting so the device is given back"
                     )
-                    break
+                    self._unlink_socket()
+                    # os._exit: a thread a model library left running must not keep this process alive.
+                    os._exit(0)
                 for key, _ in events:
                     if key.fileobj is listener:
                         self._accept(listener)
@@ -217,9 +251,9 @@ class _Server:
                 return
 
     def _orphaned_and_idle(self) -> bool:
-        if os.getppid() == self.parent_pid:
+        if time.monotonic() - self.last_request < self.orphan_grace_s:
             return False
-        return time.monotonic() - self.last_request >= self.orphan_grace_s
+        return self.watchdog.gone()
 
     def _reply(self, conn: socket.socket, reply: dict[str, Any], inbox=None, received=()) -> bool:
         """Send ``reply``; its arrays go as attachments to a client that asked for them (else as lists)."""
@@ -249,7 +283,12 @@ class _Server:
                      "uptime_s": round(time.monotonic() - self.started, 3), "pid": os.getpid(),
                      "served": self.served}
             if self.ready is not None:
-                reply.update(self.ready() or {})
+                try:
+                    extra = self.ready() or {}
+                    reply.update(extra if isinstance(extra, dict) else {"ready_info": repr(extra)})
+                except Exception as exc:  # noqa: BLE001 - a broken ready() is reported, never fatal to a loaded model
+                    reply["ready_error"] = f"{type(exc).__name__}: {exc}"
+                reply.update({"ok": True, "id": request_id})
             reply["attachments"] = self._negotiate(request, inbox)
             return reply
         if op == "predict":
@@ -282,7 +321,8 @@ class _Server:
             message = _readable(exc)
             self.log(f"exiting ({type(exc).__name__}, code {code}): {message}")
             self._reply(conn, {"ok": False, "id": request_id, "reason": "worker_exiting",
-                               "error": message, "type": type(exc).__name__, "exit_code": code})
+                               "error": message, "type": type(exc).__name__, "exit_code": code,
+                               "traceback": traceback.format_exc(limit=8)[-4000:]})
             # Re-raise: kits arm timers that kill a process which swallowed
             # their refusal, and the exit code is what the operator branches on.
             raise

@@ -7,7 +7,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import TAG_VARIABLE, describe_pids, tagged_processes, wait_until
+from helpers import LONG_LIVED, TAG_VARIABLE, describe_pids, tagged_processes, wait_until
 
 # Every process the suite starts inherits this tag, so the leak check can
 # find them even after they were reparented.
@@ -41,7 +41,8 @@ def no_leaked_processes():
         # multiprocessing's resource tracker serves this pytest process for its whole life
         # (a ProcessPoolTaskRunner starts it once); it exits with pytest.
         return [pid for pid in tagged_processes(TAG)
-                if pid not in before and "multiprocessing.resource_tracker" not in describe_pids([pid])]
+                if pid not in before and pid not in LONG_LIVED
+                and "multiprocessing.resource_tracker" not in describe_pids([pid])]
 
     try:
         wait_until(lambda: not leftovers(), timeout=10, message="the test's processes to exit")

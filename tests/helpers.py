@@ -19,6 +19,8 @@ PREFECT = str(Path(sys.executable).with_name("prefect"))
 WORKERS = Path(__file__).parent / "workers"
 TEST_WORKER = WORKERS / "testworker.py"
 TAG_VARIABLE = "RESIDENT_POOL_TEST_TAG"
+# Processes a wider-scoped fixture keeps across tests on purpose; the per-test leak check skips them.
+LONG_LIVED: set[int] = set()
 
 
 def wait_until(condition, timeout=10.0, interval=0.02, message="condition"):

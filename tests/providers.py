@@ -21,20 +21,28 @@ def write_provider(root: Path, slug: str, body: str, worker: str = "testworker.p
     return path
 
 
-def make_kit_venv(target: Path) -> Path:
-    """A venv (no pip, fast) whose site-packages hold the test kits and toymodel; returns its python."""
+def make_kit_venv(target: Path, *kits: str, checkout: bool = True) -> Path:
+    """A venv (no pip, fast) holding the named test kits and toymodel; returns its python.
+
+    ``checkout``: each kit as a developer installs it from its checkout (``pip install -e``): the
+    package under ``<target>/<kit>-checkout/src``, so the kit tree two levels up is the checkout.
+    Otherwise the package is copied into site-packages, where no kit tree exists.
+    """
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(target)], check=True)
     python = target / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-    for item in KITS.iterdir():
-        if item.name == "README.md":
-            continue
-        destination = Path(purelib) / item.name
-        if item.is_dir():
-            shutil.copytree(item, destination, ignore=shutil.ignore_patterns("__pycache__"))
+    purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  capture_output=True, text=True, check=True).stdout.strip())
+    shutil.copy(KITS / "toymodel.py", purelib / "toymodel.py")
+    for kit in kits:
+        if checkout:
+            source = target / f"{kit}-checkout" / "src"
+            (target / f"{kit}-checkout" / "opt").mkdir(parents=True)  # where a real kit keeps its model root
+            # Sorted before the kit's own .pth, so its autoload finds the package.
+            (purelib / f"__editable__.{kit}.pth").write_text(f"{source}\n")
         else:
-            shutil.copy(item, destination)
+            source = purelib
+        shutil.copytree(KITS / kit, source / kit, ignore=shutil.ignore_patterns("__pycache__"))
+        autoload = KITS / f"{kit}-autoload.pth"
+        if autoload.exists():
+            shutil.copy(autoload, purelib / autoload.name)
     return python
-
-

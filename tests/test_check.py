@@ -11,12 +11,13 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from providers import write_provider
+from providers import make_kit_venv, write_provider
 
 from resident_pool.launch import weights_root
 from resident_pool.manifest import load_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
+MINILM = ROOT / "manifests" / "minilm"
 
 
 def run_check(*args, env=None):
@@ -24,17 +25,233 @@ def run_check(*args, env=None):
                           text=True, env={**os.environ, "COLUMNS": "400", **(env or {})}, timeout=300, check=False)
 
 
+def properties(element):
+    return {p.get("name"): p.get("value") for p in element.findall("properties/property")}
+
+
 @pytest.mark.slow
-def test_check_smoke_minilm_passes_and_writes_junit(tmp_path):
+def test_minilm_smoke_answer_matches_its_golden_file_and_the_junit_carries_provenance(tmp_path):
     report = tmp_path / "check.xml"
     done = run_check("--smoke", "minilm", "--junit", str(report))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 failed" in done.stdout
+    assert f"the answer matches {MINILM / 'smoke' / 'expected.json'} within atol 0.0001" in done.stdout
     suite = ET.parse(report).getroot().find("testsuite")
-    assert suite.get("failures") == "0"
+    assert suite.get("failures") == "0" and suite.get("name") == "resident-pool.minilm"
     steps = {case.get("name") for case in suite.iter("testcase")}
     assert steps == {"manifest", "interpreter", "weights", "kit", "smoke"}
     assert all(case.get("classname") == "resident-pool.minilm" for case in suite.iter("testcase"))
+    fingerprint = load_manifest(MINILM / "manifest.toml").fingerprint()
+    shared = properties(suite)
+    assert shared["manifest.fingerprint"] == fingerprint
+    assert shared["weights.pins"] == "9 of 9 files at their pins (size and sha256)"
+    assert shared["kit"] == "none" and shared["gpu"] == "cpu"
+    assert shared["env.torch"] == "2.13.0+cpu" and shared["env.cuda_runtime"] == "none: a CPU build of torch"
+    (smoke,) = [case for case in suite.iter("testcase") if case.get("name") == "smoke"]
+    own = properties(smoke)
+    assert own["manifest.fingerprint"] == fingerprint
+    assert own["smoke.expected"].startswith(str(MINILM / "smoke" / "expected.json"))
+    assert Path(own["smoke.transcript"]).is_file()
+
+
+def minilm_copy(root, slug, atol=None):
+    """A copy of minilm (its expected file too) whose worker adds 1e-2 to one embedding value."""
+    folder = root / slug
+    shutil.copytree(MINILM, folder)
+    manifest = (folder / "manifest.toml").read_text().replace('slug = "minilm"', f'slug = "{slug}"')
+    assert "atol = 1e-4\n" in manifest
+    (folder / "manifest.toml").write_text(manifest.replace("atol = 1e-4\n", f"atol = {atol}\n" if atol else "atol = 1e-4\n"))
+    worker = (folder / "worker.py").read_text()
+    line = "normalize_embeddings=True)\n"
+    assert worker.count(line) == 1
+    (folder / "worker.py").write_text(worker.replace(line, line + "        vectors[0][7] += 1e-2\n"))
+
+
+@pytest.mark.slow
+def test_a_minilm_that_perturbs_one_value_fails_naming_the_field_and_passes_with_a_tolerance_that_admits_it(
+        tmp_path):
+    minilm_copy(tmp_path, "minilm")
+    minilm_copy(tmp_path, "minilm-loose", atol=0.011)
+    done = run_check("--smoke", "--json", "--manifests", str(tmp_path))
+    assert done.returncode == 1, done.stdout + done.stderr
+    rows = {(row["slug"], row["step"]): row for row in json.loads(done.stdout)}
+    strict = rows[("minilm", "smoke")]
+    assert not strict["ok"]
+    (miss, *_) = strict["data"]["mismatches"]
+    assert miss["path"] == "items[0].embedding[7]"
+    assert miss["deviation"] == pytest.approx(1e-2, abs=2e-5)  # the answer rounds to 5 digits
+    assert miss["found"] == pytest.approx(miss["expected"] + 1e-2, abs=2e-5)
+    assert "items[0].embedding[7]: 1 of 384 numbers beyond the tolerance" in strict["detail"]
+    assert f"expected {miss['expected']}, found {miss['found']}; deviation 0.01" in strict["detail"]
+    assert rows[("minilm-loose", "smoke")]["ok"], rows[("minilm-loose", "smoke")]["detail"]
+    assert "within atol 0.011" in rows[("minilm-loose", "smoke")]["detail"]
+
+
+def echo_copy(root, expected=True):
+    shutil.copytree(ROOT / "manifests" / "echo", root / "echo")
+    if expected:
+        path = root / "echo" / "manifest.toml"
+        path.write_text(path.read_text().replace("[smoke]\n", '[smoke]\nexpected = "smoke/expected.json"\n'))
+    return root / "echo"
+
+
+def test_bless_writes_the_expected_file_refuses_to_overwrite_without_force_and_prints_the_diff(tmp_path):
+    folder = echo_copy(tmp_path)
+    recorded = folder / "smoke" / "expected.json"
+    blessed = run_check("--bless", "echo", "--manifests", str(tmp_path))
+    assert blessed.returncode == 0, blessed.stdout + blessed.stderr
+    document = json.loads(recorded.read_text())
+    assert document["result"] == {"echo": {"ping": "hello"}}  # the pid varies: neither recorded nor compared
+    assert document["payload"] == {"ping": "hello"}
+    assert document["blessed"]["provenance"]["manifest.fingerprint"] == load_manifest(
+        folder / "manifest.toml").fingerprint()
+    assert run_check("--smoke", "echo", "--manifests", str(tmp_path)).returncode == 0
+
+    manifest = folder / "manifest.toml"
+    manifest.write_text(manifest.read_text().replace('ping = "hello"', 'ping = "bonjour"'))
+    stale = run_check("--smoke", "echo", "--manifests", str(tmp_path), "--json")
+    assert stale.returncode == 1
+    (smoke,) = [row for row in json.loads(stale.stdout) if row["step"] == "smoke"]
+    assert "the smoke payload changed since" in smoke["detail"] and "--bless echo --force" in smoke["detail"]
+
+    before = recorded.read_bytes()
+    refused = run_check("--bless", "echo", "--manifests", str(tmp_path))
+    assert refused.returncode == 1
+    assert "is not overwritten without --force" in refused.stdout
+    assert 'echo.ping: differs; old "hello", new "bonjour"' in refused.stdout
+    assert 'the payload changed: {"ping": "hello"} -> {"ping": "bonjour"}' in refused.stdout
+    assert recorded.read_bytes() == before
+
+    forced = run_check("--bless", "echo", "--force", "--manifests", str(tmp_path))
+    assert forced.returncode == 0, forced.stdout
+    assert 'echo.ping: differs; old "hello", new "bonjour"' in forced.stdout
+    assert json.loads(recorded.read_text())["result"] == {"echo": {"ping": "bonjour"}}
+    assert run_check("--smoke", "echo", "--manifests", str(tmp_path)).returncode == 0
+
+
+def test_bless_needs_a_named_provider_and_an_expected_path(tmp_path):
+    everyone = run_check("--bless")
+    assert everyone.returncode == 2 and "name the providers to bless" in everyone.stderr
+    echo_copy(tmp_path, expected=False)
+    unset = run_check("--bless", "echo", "--manifests", str(tmp_path), "--json")
+    assert unset.returncode == 1
+    (row,) = [row for row in json.loads(unset.stdout) if row["step"] == "bless"]
+    assert 'add expected = "smoke/expected.json" under [smoke]' in row["detail"]
+
+
+def test_a_failing_kit_stops_a_bless_so_no_answer_is_recorded(tmp_path):
+    write_provider(tmp_path, "kitless", '[smoke]\nexpected = "smoke/expected.json"\n[kit]\nname = "absent"\nmode = "x"\n')
+    done = run_check("--bless", "kitless", "--manifests", str(tmp_path), "--json")
+    assert done.returncode == 1
+    rows = {row["step"]: row for row in json.loads(done.stdout)}
+    assert not rows["kit"]["ok"] and rows["bless"]["skipped"]
+    assert not (tmp_path / "kitless" / "smoke").exists()
+
+
+def test_a_missing_expected_file_fails_smoke_saying_how_to_record_it(tmp_path):
+    echo_copy(tmp_path)
+    done = run_check("--smoke", "echo", "--manifests", str(tmp_path), "--json")
+    assert done.returncode == 1
+    (row,) = [row for row in json.loads(done.stdout) if row["step"] == "smoke"]
+    assert "does not exist; record it with `resident-pool check --bless echo`" in row["detail"]
+
+
+# -- a kit against stock -------------------------------------------------------------------------------
+
+KITS = {
+    # slug: the [kit] table; all run tests/workers/toyworker.py on {"x": 21}, which answers {"value": 42}
+    "drifting": 'name = "driftkit"\nmode = "fast"\n',  # answers 1% high
+    "faithful": 'name = "toykit"\nmode = "fast"\n',  # patches, leaves the numbers; no off mode
+    "idle": 'name = "driftkit"\nmode = "idle"\n',  # says NOT ACTIVE
+    "stuck": 'name = "driftkit"\nmode = "fast"\n[kit.env]\nDRIFTKIT_STUCK_ON = "1"\n',  # its off mode is not off
+}
+
+
+@pytest.fixture(scope="module")
+def against_stock(tmp_path_factory):
+    """One `check --smoke --against-stock --json --junit` over the four kit providers."""
+    root = tmp_path_factory.mktemp("stock")
+    python = make_kit_venv(root / "venv", "driftkit_opt", "toykit_opt")
+    manifests = root / "manifests"
+    for slug, kit in KITS.items():
+        write_provider(manifests, slug, f'[env]\npython = "{python}"\n[smoke]\npayload = {{ x = 21 }}\n[kit]\n{kit}',
+                       worker="toyworker.py")
+    report = root / "check.xml"
+    env = {"XDG_CACHE_HOME": str(root / "cache"), "RESIDENT_POOL_STATE_DIR": str(root / "s"),
+           "RESIDENT_POOL_LOG_DIR": str(root / "logs")}
+    done = run_check("--smoke", "--against-stock", "--json", "--junit", str(report), "--manifests", str(manifests),
+                     env=env)
+    rows = {(row["slug"], row["step"]): row for row in json.loads(done.stdout)}
+    return done, rows, report, manifests, env
+
+
+def test_a_kit_that_changes_numerics_fails_against_stock_naming_the_field(against_stock):
+    done, rows, *_ = against_stock
+    assert done.returncode == 1
+    assert rows[("drifting", "smoke")]["ok"]  # no expected file: the kit's own answer is not judged there
+    row = rows[("drifting", "against-stock")]
+    assert not row["ok"] and row["data"]["reasons"] == ["kit_changes_answer"]
+    assert "the kit (mode fast) changes the answer beyond atol 1e-05 + rtol 0.0001" in row["detail"]
+    assert "value: beyond the tolerance; stock 42, kit 42.42" in row["detail"]
+    assert row["data"]["mismatches"][0]["deviation"] == pytest.approx(0.42)
+    assert row["provenance"]["stock.kit.mode"] == "kit mode off"
+    assert row["provenance"]["kit.active"] == "driftkit_opt: ACTIVE (fused predict, mode fast)"
+    assert row["provenance"]["stock.kit.active"] == "driftkit_opt: NOT ACTIVE (mode off engages no lever)"
+
+
+def test_a_kit_that_leaves_the_answer_alone_passes_against_stock(against_stock):
+    _, rows, *_ = against_stock
+    row = rows[("faithful", "against-stock")]
+    assert row["ok"], row["detail"]
+    assert "toykit_opt: ACTIVE (patched toymodel, mode fast)" in row["detail"]
+    assert row["provenance"]["stock.kit.mode"] == "without the kit (toykit_opt lists no off mode)"
+    assert row["provenance"]["stock.kit.active"] == "no ACTIVE line"
+    assert Path(row["provenance"]["stock.transcript"]).is_file()
+
+
+def test_the_stock_run_without_the_kit_drops_the_kits_stray_variables(against_stock):
+    *_, manifests, env = against_stock
+    # toykit exits 3 beside an undeclared TOYKIT_OPT_ name: the kit's run and the stock run must both drop it.
+    done = run_check("--against-stock", "faithful", "--json", "--manifests", str(manifests),
+                     env={**env, "TOYKIT_OPT_LEFTOVER": "1"})
+    assert done.returncode == 0, done.stdout
+    (row,) = [row for row in json.loads(done.stdout) if row["step"] == "against-stock"]
+    assert row["ok"] and row["provenance"]["stock.kit.mode"].startswith("without the kit")
+
+
+def test_a_kit_that_says_it_engaged_nothing_fails_against_stock(against_stock):
+    _, rows, *_ = against_stock
+    row = rows[("idle", "against-stock")]
+    assert not row["ok"] and row["data"]["reasons"] == ["kit_not_active"]
+    assert "the kit engaged nothing" in row["detail"]
+    assert "driftkit_opt: NOT ACTIVE (mode idle engages no lever)" in row["detail"]
+
+
+def test_a_stock_run_the_kit_still_patches_fails_against_stock(against_stock):
+    _, rows, *_ = against_stock
+    row = rows[("stuck", "against-stock")]
+    assert not row["ok"] and row["data"]["reasons"] == ["stock_not_stock"]
+    assert "(kit mode off) is not stock" in row["detail"]
+
+
+def test_the_junit_file_parses_and_its_properties_name_the_fingerprint_and_the_kit_mode(against_stock):
+    _, _, report, manifests, _ = against_stock
+    root = ET.parse(report).getroot()
+    suites = {suite.get("name"): suite for suite in root.findall("testsuite")}
+    assert set(suites) == {f"resident-pool.{slug}" for slug in KITS}
+    suite = suites["resident-pool.drifting"]
+    assert suite.get("failures") == "1" and suite.get("tests") == "6"
+    shared = properties(suite)
+    assert shared["manifest.fingerprint"] == load_manifest(manifests / "drifting" / "manifest.toml").fingerprint()
+    assert shared["kit.package"] == "driftkit_opt" and shared["kit.mode"] == "fast"
+    assert shared["kit.version"] == "0.3" and shared["kit.jit_cache_key"] == "driftkit-0.3-cpu-py311"
+    assert shared["env.torch"] == "not installed"  # the kit venv holds no torch
+    cases = {case.get("name"): case for case in suite.findall("testcase")}
+    stock = properties(cases["against-stock"])
+    assert stock["kit.mode"] == "fast" and stock["stock.kit.mode"] == "kit mode off"
+    assert stock["manifest.fingerprint"] == shared["manifest.fingerprint"]
+    assert "stock.kit.mode" not in shared  # a case's own property stays on the case
+    assert cases["against-stock"].find("failure").get("message").startswith("drifting: the kit (mode fast) changes")
 
 
 def test_one_altered_byte_fails_check_naming_the_file_and_both_hashes_and_restoring_passes(tmp_path):
@@ -87,3 +304,58 @@ def test_an_unknown_slug_is_a_failure():
     done = run_check("nosuch", "--json")
     assert done.returncode == 1
     assert "no such manifest file" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def kit_pythons(tmp_path_factory):
+    """One throwaway venv per kit, made once for this module."""
+    from providers import make_kit_venv
+
+    made = {}
+
+    def make(kit, checkout=True):
+        if (kit, checkout) not in made:
+            made[kit, checkout] = make_kit_venv(tmp_path_factory.mktemp(kit) / "venv", kit, checkout=checkout)
+        return made[kit, checkout]
+
+    return make
+
+
+def _kit_provider(root, slug, python, kit_body):
+    write_provider(root, slug, f'[env]\npython = "{python}"\n[kit]\n{kit_body}', worker="toyworker.py")
+
+
+def test_check_applies_every_start_rule_and_names_the_one_broken(tmp_path, kit_pythons):
+    """Each of these providers fails at every start; check must say so, not exit 0."""
+    manifests = tmp_path / "manifests"
+    _kit_provider(manifests, "emptyrow", kit_pythons("emptykit_opt"), 'name = "emptykit"\nmode = "any"\n')
+    _kit_provider(manifests, "nomode", kit_pythons("nomodekit_opt"), 'name = "nomodekit"\nmode = "only"\n')
+    _kit_provider(manifests, "optless", kit_pythons("optlesskit_opt"), 'name = "optlesskit"\nmode = "route"\n')
+    _kit_provider(manifests, "sited", kit_pythons("toykit_opt", checkout=False), 'name = "toykit"\nmode = "fast"\n')
+    # Declared, so the worker gets it; the kit polices its namespace and refuses it at every start.
+    _kit_provider(manifests, "policed", kit_pythons("toykit_opt"),
+                  'name = "toykit"\nmode = "fast"\n[kit.env]\nTOYKIT_OPT_BOGUS = "1"\n')
+    _kit_provider(manifests, "good", kit_pythons("toykit_opt"), 'name = "toykit"\nmode = "fast"\n')
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_DATA_HOME": str(tmp_path / "data")}
+    done = run_check("--manifests", str(manifests), "--json", env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    kit = {row["slug"]: row for row in json.loads(done.stdout) if row["step"] == "kit"}
+    assert 'env_row = "none"' in kit["emptyrow"]["detail"]
+    assert 'mode = "subprocess"' in kit["nomode"]["detail"]
+    assert "launch_opts" in kit["optless"]["detail"]
+    assert "export MODEL_OPT or set [kit] model_opt" in kit["sited"]["detail"]
+    assert "REFUSED: undeclared variables TOYKIT_OPT_BOGUS" in kit["policed"]["detail"]
+    assert kit["good"]["ok"] and "toykit_opt-checkout" in kit["good"]["detail"], kit["good"]["detail"]
+    assert [slug for slug, row in kit.items() if not row["ok"]] == ["emptyrow", "nomode", "optless", "policed",
+                                                                   "sited"]
+
+
+def test_the_kits_own_last_active_line_is_its_verdict(tmp_path):
+    from resident_pool.check import kit_says
+
+    transcript = tmp_path / "t.log"
+    transcript.write_text("--- resident-pool: started\nsuperkit_opt: ACTIVE (not this kit)\n"
+                          "kit_opt: ACTIVE (fused attention)\nloading\nkit_opt: NOT ACTIVE (no CUDA device)\n")
+    assert kit_says(transcript, "kit_opt") == ("NOT ACTIVE", "kit_opt: NOT ACTIVE (no CUDA device)")
+    assert kit_says(transcript, "otherkit_opt") == (None, "")
+    assert kit_says(None, "kit_opt") == (None, "")

@@ -1,17 +1,19 @@
-"""Container and venv commands. No container engine runs here: argv and binds are checked exactly."""
+"""Container and venv commands, argument by argument (tests/test_containers.py runs them in stand-in engines)."""
 
 from __future__ import annotations
 
 import os
 import stat
 import sys
+from pathlib import Path
 
 import pytest
 from providers import write_provider
 
-from resident_pool import WorkerStartError
-from resident_pool.exec_env import interpreter, passthrough_env, wrap
-from resident_pool.launch import worker_for
+import resident_pool
+from resident_pool import ManifestError, WorkerStartError
+from resident_pool.exec_env import engine_controls, interpreter, passthrough_env, wrap
+from resident_pool.launch import build_worker_command, worker_for
 from resident_pool.manifest import load_manifest
 
 BINDS = [("/w", "/w", True), ("/state", "/state", False)]
@@ -28,24 +30,33 @@ def _container(tmp_path, engine, gpu=True):
 def test_apptainer_argv_binds_and_env(tmp_path):
     manifest = _container(tmp_path, "apptainer")
     argv, env = wrap(manifest, ["/opt/py/bin/python", "w.py", "s"], {"A": "1", "GONE": None}, BINDS, name="n")
-    assert argv == ["apptainer", "exec", "--cleanenv", "--nv", "--bind", "/w:/w:ro", "--bind", "/state:/state",
+    assert argv == ["apptainer", "exec", "--cleanenv", "--contain", "--nv", "--bind", "/w:/w:ro", "--bind", "/state:/state",
                     "--bind", "/scratch:/scratch", "--bind", "/ref:/ref:ro", "reg/boltz:2",
                     "/opt/py/bin/python", "w.py", "s"]
     assert env == {"APPTAINERENV_A": "1"}
 
 
-@pytest.mark.parametrize(("engine", "gpu_flags"), [("docker", ["--gpus", "device=1"]),
-                                                   ("podman", ["--device", "nvidia.com/gpu=1"])])
-def test_docker_and_podman_argv_binds_and_env(tmp_path, engine, gpu_flags):
+@pytest.mark.parametrize(("engine", "user", "gpu_flags"), [
+    ("docker", ["--user", f"{os.getuid()}:{os.getgid()}"], ["--gpus", "device=1"]),
+    ("podman", ["--userns=keep-id"], ["--device", "nvidia.com/gpu=1"])])
+def test_docker_and_podman_argv_binds_and_env(tmp_path, engine, user, gpu_flags):
     manifest = _container(tmp_path, engine)
-    argv, env = wrap(manifest, ["/opt/py/bin/python", "w.py"], {"B": "2", "A": "1", "GONE": None}, BINDS,
-                     name="rp-x", device="1")
-    assert argv == [engine, "run", "--rm", "--init", "--name", "rp-x", "--network", "none",
-                    "--user", f"{os.getuid()}:{os.getgid()}",
+    argv, env = wrap(manifest, ["/opt/py/bin/python", "w.py"],
+                     {"B": "2", "A": "1", "GONE": None, "CUDA_VISIBLE_DEVICES": "1"}, BINDS, name="rp-x", device="1")
+    assert argv == [engine, "run", "--rm", "--init", "--name", "rp-x", "--network", "none", *user,
                     "--volume", "/w:/w:ro", "--volume", "/state:/state",
                     "--volume", "/scratch:/scratch", "--volume", "/ref:/ref:ro",
                     "--env", "A", "--env", "B", *gpu_flags, "reg/boltz:2", "/opt/py/bin/python", "w.py"]
-    assert env["A"] == "1" and env["B"] == "2"
+    assert env["A"] == "1" and env["B"] == "2" and "GONE" not in env
+
+
+@pytest.mark.parametrize(("engine", "device", "gpu_flags"), [
+    ("docker", None, ["--gpus", "device=all"]), ("docker", "0,1", ["--gpus", '"device=0,1"']),
+    ("podman", "0,1", ["--device", "nvidia.com/gpu=0", "--device", "nvidia.com/gpu=1"])])
+def test_gpu_flags_for_no_admitted_device_and_for_several(tmp_path, engine, device, gpu_flags):
+    argv, _ = wrap(_container(tmp_path, engine), ["python"], {}, [], name="n", device=device)
+    start = argv.index(gpu_flags[0])
+    assert argv[start:start + len(gpu_flags)] == gpu_flags
 
 
 def test_a_cpu_container_gets_no_gpu_flags(tmp_path):
@@ -68,8 +79,8 @@ def test_an_absent_engine_is_named(tmp_path, monkeypatch):
         interpreter(_container(tmp_path, "podman"))
 
 
-def test_binds_cover_weights_state_work_and_manifest(tmp_path, monkeypatch):
-    """Build a docker launch for real (a stand-in engine on PATH) and read its binds."""
+def test_binds_are_the_run_folder_work_weights_manifest_and_two_files(tmp_path, monkeypatch):
+    """Build a docker launch for real (a stand-in engine on PATH) and read its binds: nothing else is mounted."""
     engine = tmp_path / "bin" / "docker"
     engine.parent.mkdir()
     engine.write_text("#!/bin/sh\nexit 0\n")
@@ -81,14 +92,53 @@ def test_binds_cover_weights_state_work_and_manifest(tmp_path, monkeypatch):
     body = (f'work_root = "{work}"\n[env]\nkind = "container"\nengine = "docker"\nimage = "img"\n'
             f'[weights]\nroot = "{weights}"\n')
     manifest = load_manifest(write_provider(tmp_path, "bound", body))
-    worker = worker_for(manifest)
-    argv, _ = worker.build_command(worker)
+    run_dir = tmp_path / "w" / "bound-0-1"
+    run_dir.mkdir(parents=True)
+    heartbeat = tmp_path / "beats" / "heartbeat"
+    argv, env = build_worker_command(manifest, str(run_dir / "worker.sock"), name="rp-bound",
+                                     heartbeat=str(heartbeat))
     volumes = [argv[i + 1] for i, item in enumerate(argv) if item == "--volume"]
-    assert f"{weights}:{weights}:ro" in volumes
-    assert f"{work}:{work}" in volumes
-    state = os.path.dirname(worker.socket_path)
-    assert f"{state}:{state}" in volumes
-    assert f"{manifest.directory}:{manifest.directory}:ro" in volumes
+    package = Path(resident_pool.__file__).parent
+    assert volumes == [f"{run_dir}:{run_dir}", f"{work}:{work}", f"{manifest.directory}:{manifest.directory}:ro",
+                       f"{package / 'protocol.py'}:{package / 'protocol.py'}:ro",
+                       f"{package / 'worker_base.py'}:{package / 'worker_base.py'}:ro",
+                       f"{weights}:{weights}:ro", f"{heartbeat.parent}:{heartbeat.parent}"]
+    passed = {argv[i + 1] for i, item in enumerate(argv) if item == "--env"}
+    assert {"RESIDENT_POOL_PROTOCOL", "RESIDENT_POOL_WORKER_BASE", "RESIDENT_POOL_HEARTBEAT"} <= passed
+    assert env["RESIDENT_POOL_HEARTBEAT"] == str(heartbeat)
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ('image = "--privileged"\n', "env.image"),
+    ('image = "img"\npython = "-c"\n', "env.python"),
+    ('image = "img"\nbinds = ["/a,b:/c"]\n', "env.binds"),
+    ('image = "img"\nbinds = ["/a:/b:/c"]\n', "env.binds"),
+    ('image = "img"\npassthrough = ["HOME=/tmp/evil"]\n', "env.passthrough"),
+])
+def test_option_like_images_and_unbindable_paths_are_refused_naming_the_field(tmp_path, body, field):
+    with pytest.raises(ManifestError) as info:
+        load_manifest(write_provider(tmp_path, "hostile", '[env]\nkind = "container"\nengine = "docker"\n' + body))
+    assert info.value.details["field"] == field
+
+
+def test_a_work_root_with_a_colon_is_refused_before_the_engine_reads_it(tmp_path, monkeypatch):
+    engine = tmp_path / "bin" / "podman"
+    engine.parent.mkdir()
+    engine.write_text("#!/bin/sh\nexit 0\n")
+    engine.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{engine.parent}:{os.environ['PATH']}")
+    body = f'work_root = "{tmp_path}/a:b"\n[env]\nkind = "container"\nengine = "podman"\nimage = "img"\n'
+    manifest = load_manifest(write_provider(tmp_path, "colon", body))
+    with pytest.raises(ManifestError, match=r"work_root: the path .*a:b holds") as info:
+        build_worker_command(manifest, str(tmp_path / "worker.sock"))
+    assert info.value.details["field"] == "work_root"
+
+
+def test_engine_controls_by_engine(tmp_path):
+    assert engine_controls(_container(tmp_path, "docker"), "rp-1") == (["docker", "stop", "rp-1"],
+                                                                         ["docker", "kill", "rp-1"])
+    assert engine_controls(_container(tmp_path, "apptainer"), "rp-1") is None
+    assert engine_controls(load_manifest(write_provider(tmp_path, "venv", "")), "rp-1") is None
 
 
 def test_passthrough_keeps_only_what_is_allowed():

@@ -47,7 +47,8 @@ def test_the_ci_workflow_is_a_valid_github_actions_workflow():
                            str(INFRA / "ci" / "kit-validation.yml")], capture_output=True, text=True, timeout=60,
                           check=False)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "--smoke --junit" in (INFRA / "ci" / "kit-validation.yml").read_text()
+    assert "resident-pool check --smoke --against-stock --junit kit-validation.xml" in (
+        INFRA / "ci" / "kit-validation.yml").read_text()
 
 
 def test_the_local_stack_script_parses():

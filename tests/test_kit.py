@@ -1,4 +1,4 @@
-"""Kits probed and applied in an interpreter of their own (a throwaway venv)."""
+"""Kits probed and applied in an interpreter of their own: each kit alone in a throwaway venv."""
 
 from __future__ import annotations
 
@@ -10,37 +10,72 @@ import pytest
 from providers import make_kit_venv, write_provider
 
 from resident_pool import KitUnavailable
-from resident_pool.kit import kit_command, probe_kit, stray_variables
-from resident_pool.launch import worker_for
+from resident_pool import kit as kit_module
+from resident_pool.kit import stray_variables
+from resident_pool.launch import LaunchPlan, build_worker_command, worker_for
 from resident_pool.manifest import load_manifest
 
 
 @pytest.fixture(scope="module")
-def kit_python(tmp_path_factory):
-    return str(make_kit_venv(tmp_path_factory.mktemp("kitvenv") / "venv"))
+def kit_venv(tmp_path_factory):
+    """``kit_venv(kit, checkout=True)``: the python of a venv holding that one kit (made once per module)."""
+    made: dict[tuple[str, bool], Path] = {}
+
+    def make(kit: str, checkout: bool = True) -> Path:
+        if (kit, checkout) not in made:
+            folder = tmp_path_factory.mktemp(f"{kit}-{'checkout' if checkout else 'site'}")
+            made[kit, checkout] = make_kit_venv(folder / "venv", kit, checkout=checkout)
+        return made[kit, checkout]
+
+    return make
+
+
+def kit_tree(python: Path, kit: str) -> str:
+    """Where the kit's checkout is: two levels above its package directory."""
+    return str(python.parents[1] / f"{kit}-checkout")
 
 
 @pytest.fixture
-def provider(tmp_path, kit_python, monkeypatch):
+def provider(tmp_path, kit_venv, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("MODEL_OPT", raising=False)
+    monkeypatch.delenv("MODEL_OPT_JIT_ROOT", raising=False)
 
-    def make(slug, kit_body, extra=""):
-        body = f'[env]\npython = "{kit_python}"\n{extra}[kit]\n{kit_body}'
+    def make(slug, kit, kit_body, extra="", checkout=True, worker_args=None):
+        python = kit_venv(kit, checkout)
+        body = f'[env]\npython = "{python}"\n{extra}[kit]\n{kit_body}'
+        if worker_args is not None:
+            body = f"worker_args = {worker_args!r}\n".replace("'", '"') + body
         return load_manifest(write_provider(tmp_path, slug, body, worker="toyworker.py"))
 
     return make
+
+
+def probe(manifest, socket="/tmp/unused.sock"):
+    return LaunchPlan.resolve(manifest, socket).probe()
+
+
+def serve_once(manifest, payload):
+    worker = worker_for(manifest)
+    try:
+        result = worker.request(payload)
+        pong = worker.ping()
+    finally:
+        worker.close()
+    return result, pong
 
 
 AUTOLOAD = 'name = "toykit"\nmode = "fast"\nlevers_off = ["fusion", "graphs"]\n[kit.env]\nTOYKIT_OPT_TRACE = "1"\n'
 LAUNCH = 'package = "launchkit_opt"\nmode = "triton"\n'
 
 
-def test_probe_of_an_autoload_kit(provider, kit_python):
-    manifest = provider("auto", AUTOLOAD)
-    row = probe_kit(manifest, kit_python, {})
+def test_probe_of_an_autoload_kit_names_the_kit_tree(provider, kit_venv):
+    manifest = provider("auto", "toykit_opt", AUTOLOAD)
+    row = probe(manifest)
     assert row.package == "toykit_opt"
-    assert Path(row.model_opt).name == "toykit_opt" and str(Path(kit_python).parents[1]) in row.model_opt
-    assert row.mode_env == "TOYKIT_OPT_MODE"
+    assert row.model_opt == kit_tree(kit_venv("toykit_opt"), "toykit_opt")
+    assert row.model_opt_source == "kit tree" and row.model_opt_error is None
+    assert row.mode_env == "TOYKIT_OPT_MODE"  # ENV on toykit_opt._autoload
     assert row.modes == ["fast", "safe"]
     assert row.resolve_shape == "resolve(mode)"
     assert row.row == {"TOY_FUSED_KERNELS": "1", "OMP_NUM_THREADS": "1"}
@@ -49,60 +84,59 @@ def test_probe_of_an_autoload_kit(provider, kit_python):
     assert row.activation == "autoload" and row.launch_opts == []
 
 
-def test_probe_of_a_worker_launch_kit(provider, kit_python):
-    manifest = provider("launch", LAUNCH)
-    row = probe_kit(manifest, kit_python, {})
-    assert row.mode_env == "LAUNCHKIT_OPT_MODE"  # found as ENV_MODE on launchkit_opt.stack
+def test_probe_of_a_worker_launch_kit_hands_the_kit_tree_to_resolve(provider, kit_venv):
+    manifest = provider("launch", "launchkit_opt", LAUNCH)
+    row = probe(manifest)
+    tree = kit_tree(kit_venv("launchkit_opt"), "launchkit_opt")
+    assert row.mode_env == "LAUNCHKIT_OPT_MODE"  # ENV_MODE on launchkit_opt.stack
     assert row.modes == ["triton", "eager"]
     assert row.resolve_shape == "resolve(mode, home)"
-    assert row.row == {"LAUNCHKIT_HOME": row.model_opt, "LAUNCHKIT_FAST_PATH": "triton"}  # from .exports
+    assert row.row == {"LAUNCHKIT_HOME": tree, "LAUNCHKIT_FAST_PATH": "triton"}  # from .exports
     assert row.jit_cache_key is None
     assert row.jit_cache_key_error == "RuntimeError: no compiler found for the JIT cache key"
     assert row.activation == "worker_launch"
     assert row.launch_opts == ["--route", "triton", "--replicas", "1", "--profile", "defaults"]
 
 
-def test_the_kit_polices_its_namespace_and_the_probe_scrubs_strays(provider, kit_python, monkeypatch):
+def test_the_kit_polices_its_namespace_and_the_probe_scrubs_strays(provider, kit_venv, monkeypatch):
     monkeypatch.setenv("TOYKIT_OPT_LEFTOVER", "1")
-    refused = subprocess.run([kit_python, "-c", "pass"], capture_output=True, text=True, check=False)
+    refused = subprocess.run([kit_venv("toykit_opt"), "-c", "pass"], capture_output=True, text=True, check=False)
     assert refused.returncode == 3 and "TOYKIT_OPT_LEFTOVER" in refused.stderr
-    row = probe_kit(provider("scrub", AUTOLOAD), kit_python, {})
-    assert row.package == "toykit_opt"
+    assert probe(provider("scrub", "toykit_opt", AUTOLOAD)).package == "toykit_opt"
 
 
-def test_levers_off_reach_the_probe(provider, kit_python, tmp_path):
-    manifest = provider("levers", AUTOLOAD)
+def test_the_probe_runs_under_the_workers_environment(provider, tmp_path, monkeypatch):
+    """levers_off, the declared kit variables, the passthrough list and the weights root reach the probe."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    manifest = provider("levers", "toykit_opt", AUTOLOAD,
+                        extra=f'passthrough = []\n[weights]\nroot_env = "TOYWEIGHTS"\nroot = "{weights}"\n')
     spy = tmp_path / "spy.py"
-    spy.write_text("import os, json; print('KITROW ' + json.dumps({'levers': os.environ.get('MODEL_OPT_LEVERS_OFF'),"
-                   " 'strays': sorted(k for k in os.environ if k.startswith('TOYKIT_OPT_'))}))\n")
-    env = {"TOYKIT_OPT_STRAY": "x", "TOYKIT_OPT_TRACE": "1"}
-    import resident_pool.kit as kit_module
-
-    original = kit_module.PROBE_PATH
-    kit_module.PROBE_PATH = str(spy)
-    try:
-        row = probe_kit(manifest, kit_python, env)
-    finally:
-        kit_module.PROBE_PATH = original
-    assert row.levers == "fusion,graphs"
-    assert row.strays == ["TOYKIT_OPT_TRACE"]  # declared through [kit.env]; the stray is gone
+    spy.write_text("import os, json; print('KITROW ' + json.dumps({'env': dict(os.environ)}))\n")
+    monkeypatch.setenv("TOYKIT_OPT_STRAY", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hunter2")
+    monkeypatch.setattr(kit_module, "PROBE_PATH", str(spy))
+    env = probe(manifest).data["env"]
+    assert env["MODEL_OPT_LEVERS_OFF"] == "fusion,graphs"
+    assert env["TOYKIT_OPT_TRACE"] == "1"  # declared through [kit.env]; the stray is gone
+    assert "TOYKIT_OPT_STRAY" not in env
+    assert "AWS_SECRET_ACCESS_KEY" not in env  # not on the passthrough list: the worker will not see it either
+    assert env["TOYWEIGHTS"] == str(weights)
+    assert os.path.isfile(env["RESIDENT_POOL_WORKER_BASE"])
 
 
-def test_an_autoload_worker_really_runs_patched(provider, monkeypatch):
+def test_an_autoload_worker_runs_patched_with_model_opt_the_kit_tree(provider, kit_venv, monkeypatch):
     monkeypatch.setenv("TOYKIT_OPT_UNDECLARED", "would make the kit exit 3")
-    manifest = provider("toy", AUTOLOAD)
-    worker = worker_for(manifest)
-    try:
-        assert worker.request({"x": 21}) == {"value": 42}
-        pong = worker.ping()
-    finally:
-        worker.close()
+    manifest = provider("toy", "toykit_opt", AUTOLOAD, worker_args=["{socket}", "{kit}"])
+    result, pong = serve_once(manifest, {"x": 21})
+    assert result == {"value": 42}
     assert pong["patched"] == "toykit_opt:fast"
     env = pong["env"]
+    tree = kit_tree(kit_venv("toykit_opt"), "toykit_opt")
+    assert env["MODEL_OPT"] == tree and pong["argv"][2] == tree  # {kit} is the same path
     assert env["TOYKIT_OPT_MODE"] == "fast"
     assert env["TOYKIT_OPT_TRACE"] == "1"
     assert "TOYKIT_OPT_UNDECLARED" not in env
-    assert env["MODEL_OPT"].endswith("toykit_opt")
     assert env["MODEL_OPT_STACK_KEY"] == "toykit-1.0-cpu-py311"
     assert env["MODEL_OPT_LEVERS_OFF"] == "fusion,graphs"
     assert env["MODEL_OPT_JIT_ROOT"].endswith(os.path.join("resident-pool", "jit", "toy"))
@@ -110,42 +144,111 @@ def test_an_autoload_worker_really_runs_patched(provider, monkeypatch):
     assert env["TOY_FUSED_KERNELS"] == "1" and env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
-def test_a_worker_launch_worker_runs_under_the_kits_route(provider):
-    worker = worker_for(provider("launched", LAUNCH))
-    try:
-        assert worker.request({"x": 2}) == {"value": 4}
-        pong = worker.ping()
-    finally:
-        worker.close()
+def test_an_exported_model_opt_wins_over_the_kit_tree(provider, tmp_path, monkeypatch):
+    elsewhere = tmp_path / "models-opt"
+    elsewhere.mkdir()
+    monkeypatch.setenv("MODEL_OPT", str(elsewhere))
+    manifest = provider("exported", "launchkit_opt", LAUNCH)
+    row = probe(manifest)
+    assert row.model_opt == str(elsewhere) and row.model_opt_source == "environment"
+    assert row.row["LAUNCHKIT_HOME"] == str(elsewhere)  # resolve(mode, home) got it too
+    _, pong = serve_once(manifest, {"x": 1})
+    assert pong["env"]["MODEL_OPT"] == str(elsewhere)
+
+
+def test_a_model_opt_in_the_manifest_is_what_the_kit_sees(provider, tmp_path, monkeypatch):
+    tree = tmp_path / "boltz-checkout"
+    tree.mkdir()
+    monkeypatch.setenv("MODEL_OPT", str(tmp_path / "another-kits-tree"))
+    manifest = provider("declared", "launchkit_opt", LAUNCH + f'model_opt = "{tree}"\n')
+    _, pong = serve_once(manifest, {"x": 1})
+    assert pong["env"]["MODEL_OPT"] == str(tree) and pong["env"]["LAUNCHKIT_HOME"] == str(tree)
+
+
+def test_a_kit_in_site_packages_has_no_kit_tree_and_needs_model_opt(provider, tmp_path, monkeypatch):
+    manifest = provider("sited", "toykit_opt", AUTOLOAD, checkout=False)
+    row = probe(manifest)
+    assert row.model_opt is None and "site-packages" in row.model_opt_error
+    with pytest.raises(KitUnavailable, match=r"export MODEL_OPT or set \[kit\] model_opt") as info:
+        build_worker_command(manifest, "/tmp/unused.sock")
+    assert "site-packages" in str(info.value)
+    exported = tmp_path / "toykit-tree"
+    exported.mkdir()
+    monkeypatch.setenv("MODEL_OPT", str(exported))
+    _, pong = serve_once(manifest, {"x": 1})
+    assert pong["env"]["MODEL_OPT"] == str(exported) and pong["patched"] == "toykit_opt:fast"
+
+
+def test_a_worker_launch_worker_runs_under_the_kits_route_without_its_mode_variable(provider, monkeypatch):
+    """The mode variable would arm the kit's hook a second time inside the worker: it exits 3."""
+    monkeypatch.setenv("LAUNCHKIT_OPT_MODE", "triton")  # left in the pool's environment, and declared
+    manifest = provider("launched", "launchkit_opt", LAUNCH + 'mode_env = "LAUNCHKIT_OPT_MODE"\n')
+    result, pong = serve_once(manifest, {"x": 2})
+    assert result == {"value": 4}
     assert pong["patched"] == "launchkit_opt:triton"
+    assert "LAUNCHKIT_OPT_MODE" not in pong["env"]
     assert pong["env"]["LAUNCHKIT_ROUTE"] == "triton"
     assert pong["env"]["LAUNCHKIT_FAST_PATH"] == "triton"
     assert "MODEL_OPT_STACK_KEY" not in pong["env"]  # its key failed: recorded, not invented
 
 
-def test_an_empty_row_is_an_error_unless_declared(provider, kit_python):
-    manifest = provider("empty", 'name = "emptykit"\nmode = "any"\n')
-    row = probe_kit(manifest, kit_python, {})
+def test_the_jit_root_from_the_environment_is_used_as_is(provider, tmp_path, monkeypatch):
+    shared = tmp_path / "jit-shared"
+    monkeypatch.setenv("MODEL_OPT_JIT_ROOT", str(shared))
+    _, pong = serve_once(provider("jitenv", "toykit_opt", AUTOLOAD), {"x": 1})
+    assert pong["env"]["MODEL_OPT_JIT_ROOT"] == str(shared) and shared.is_dir()
+
+
+def test_the_manifests_jit_root_wins_over_the_environment(provider, tmp_path, monkeypatch):
+    monkeypatch.setenv("MODEL_OPT_JIT_ROOT", str(tmp_path / "jit-shared"))
+    mine = tmp_path / "jit-mine"
+    _, pong = serve_once(provider("jitmine", "toykit_opt", AUTOLOAD.replace("[kit.env]", f'jit_root = "{mine}"\n'
+                                                                                         "[kit.env]")), {"x": 1})
+    assert pong["env"]["MODEL_OPT_JIT_ROOT"] == str(mine)
+
+
+def test_a_worker_launch_kit_without_launch_opts_cannot_start(provider):
+    manifest = provider("optless", "optlesskit_opt", 'name = "optlesskit"\nmode = "route"\n')
+    row = probe(manifest)
+    assert row.activation == "worker_launch" and row.launch_opts is None
+    with pytest.raises(KitUnavailable, match="launch_opts"):
+        build_worker_command(manifest, "/tmp/unused.sock")
+
+
+def test_an_empty_row_is_an_error_unless_declared(provider):
+    manifest = provider("empty", "emptykit_opt", 'name = "emptykit"\nmode = "any"\n')
     with pytest.raises(KitUnavailable, match='env_row = "none"'):
-        kit_command(manifest, row, kit_python, ["w.py"])
-    declared = provider("emptyok", 'name = "emptykit"\nmode = "any"\nenv_row = "none"\nenv_row_reason = "CPU only"\n')
-    argv, env = kit_command(declared, probe_kit(declared, kit_python, {}), kit_python, ["w.py"])
-    assert argv == [kit_python, "w.py"] and env["EMPTYKIT_OPT_MODE"] == "any"
+        build_worker_command(manifest, "/tmp/unused.sock")
+    declared = provider("emptyok", "emptykit_opt",
+                        'name = "emptykit"\nmode = "any"\nenv_row = "none"\nenv_row_reason = "CPU only"\n')
+    argv, env = build_worker_command(declared, "/tmp/unused.sock")
+    assert argv[1:] == [str(declared.worker_path), "/tmp/unused.sock"] and env["EMPTYKIT_OPT_MODE"] == "any"
 
 
-def test_a_kit_without_a_mode_variable_belongs_in_subprocess_mode(provider, kit_python):
-    manifest = provider("nomode", 'name = "nomodekit"\nmode = "only"\n')
+def test_a_kit_without_a_mode_variable_belongs_in_subprocess_mode(provider):
+    manifest = provider("nomode", "nomodekit_opt", 'name = "nomodekit"\nmode = "only"\n')
     with pytest.raises(KitUnavailable, match='mode = "subprocess"'):
-        kit_command(manifest, probe_kit(manifest, kit_python, {}), kit_python, ["w.py"])
+        build_worker_command(manifest, "/tmp/unused.sock")
 
 
-def test_a_kit_that_is_not_installed_is_named_with_the_probe_output(provider, kit_python):
-    manifest = provider("absent", 'name = "absent"\nmode = "x"\n')
+def test_a_kit_that_is_not_installed_is_named_with_the_probe_output(provider, kit_venv):
+    manifest = provider("absent", "toykit_opt", 'name = "absent"\nmode = "x"\n')
     with pytest.raises(KitUnavailable) as info:
-        probe_kit(manifest, kit_python, {})
+        probe(manifest)
     assert "absent_opt gave no KITROW line" in str(info.value)
+    assert f"is it installed in {kit_venv('toykit_opt')}?" in str(info.value)
     assert info.value.exit_code == 1
     assert any("ModuleNotFoundError" in line for line in info.value.transcript_tail)
+
+
+def test_a_policing_refusal_in_the_probe_is_quoted_not_taken_for_a_missing_kit(provider):
+    manifest = provider("policed", "toykit_opt", AUTOLOAD.replace('TRACE = "1"', 'TRACE = "1"\nTOYKIT_OPT_BOGUS = "1"'))
+    with pytest.raises(KitUnavailable) as info:
+        build_worker_command(manifest, "/tmp/unused.sock")
+    message = str(info.value)
+    assert "refused" in message and "REFUSED: undeclared variables TOYKIT_OPT_BOGUS" in message
+    assert "is it installed" not in message
+    assert info.value.exit_code == 3
 
 
 def test_stray_variables():

@@ -41,7 +41,7 @@ def test_the_gpu_example_is_valid_and_not_picked_up_as_a_provider():
         ('[kit]\nname = "boltz"\nmode = "fast"\nenv_row = "none"\n', "kit", "env_row_reason"),
         ('[lifecycle]\nmax_replicas = 0\n', "lifecycle.max_replicas", "greater than or equal to 1"),
         ('[[weights.files]]\npath = "../etc/passwd"\nsha256 = "' + "0" * 64 + '"\nsize = 1\n', "weights.files.0.path", "'..'"),
-        ('[env]\nkind = "container"\nengine = "lxc"\nimage = "x"\n', "env.container.engine", "apptainer"),
+        ('[env]\nkind = "container"\nengine = "lxc"\nimage = "x"\n', "env.engine", "apptainer"),
     ],
 )
 def test_each_mistake_names_the_file_and_the_field(tmp_path, body, field, words):

@@ -29,7 +29,7 @@ def _host_env(base: Path, name: str) -> dict[str, str]:
     host = base / name
     return {**os.environ,
             "RESIDENT_POOL_STATE_DIR": str(host / "state"), "RESIDENT_POOL_LOG_DIR": str(host / "logs"),
-            "RESIDENT_POOL_ORPHAN_GRACE_S": "1",
+            "RESIDENT_POOL_ORPHAN_GRACE_S": "1", "RESIDENT_POOL_HEARTBEAT_STALE_S": "2",
             "PYTHONPATH": os.pathsep.join([str(ROOT / "flows"), str(ROOT / "tests"), str(ROOT)])}
 
 
@@ -98,7 +98,8 @@ def test_three_hosts_each_start_the_provider_once_and_a_killed_host_loses_nothin
                 os.kill(int(pid_file.read_text()), signal.SIGTERM)
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert sorted(r["index"] for r in records) == list(range(600))  # every input, once
-    assert summary["ok"] == 600 and summary["missing"] == 0
+    failures = sorted({f"{r['reason']}: {r.get('error', '')[:300]}" for r in records if not r["ok"]})
+    assert summary["ok"] == 600 and summary["missing"] == 0, failures[:5]
     for name in ("host-0", "host-1", "host-2"):
         starts = list((hosts / name / "logs").glob("embedder-*.log"))
         assert len(starts) <= 1, f"{name} started the provider {len(starts)} times"

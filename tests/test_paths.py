@@ -7,6 +7,7 @@ import pytest
 from helpers import worker_command
 
 from resident_pool import StateDirError, paths
+from resident_pool.errors import SocketPathTooLong
 
 
 def test_state_dir_is_created_0700(isolated_dirs):
@@ -51,4 +52,4 @@ def test_worker_socket_is_0600_and_an_over_long_path_is_a_clear_error(workers, t
     too_long = workers(slug="long", build_command=worker_command())
     with pytest.raises(ValueError, match="AF_UNIX limit") as info:
         too_long.ensure_started()
-    assert str(deep) in str(info.value)
+    assert str(deep) in str(info.value) and isinstance(info.value, SocketPathTooLong)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def gpu_provider(manifests, slug, budget, extra="", args='["{socket}"]', max_replicas=1, admission_timeout=60):
     body = (f"worker_args = {args}\n[gpu]\npolicy = \"required\"\nvram_budget_gb = {budget}\n"
-            f"[lifecycle]\nidle_timeout_s = 0\nmax_replicas = {max_replicas}\n"
+            f"[lifecycle]\nmax_replicas = {max_replicas}\n"
             f"admission_timeout_s = {admission_timeout}\n{extra}")
     return write_provider(manifests, slug, body)
 
@@ -80,7 +80,7 @@ def test_budgets_never_oversubscribe_and_waiters_go_in_arrival_order_after_evict
     gpu_provider(pool_dir, "c3", 3)
     with Pool() as pool:
         holder = run_client("a6", {"action": "sleep", "seconds": 2})
-        wait_until(lambda: any(w["slug"] == "a6" and w["state"] == "busy" for w in pool.status()["workers"]),
+        wait_until(lambda: any(w["slug"] == "a6" and w["state"] == "leased" for w in pool.status()["workers"]),
                    timeout=30, message="a6 to be busy")
         b = run_client("b6", {"action": "sleep", "seconds": 0.2})
         wait_until(lambda: [w["slug"] for w in pool.waiting() if "needs_gb" in w] == ["b6"], message="b6 waiting")
@@ -148,7 +148,8 @@ def test_memory_held_outside_the_pool_makes_admission_wait(pool_dir, monkeypatch
 
 def test_a_killed_pool_leaves_no_gpu_held_and_the_next_client_starts_afresh(pool_dir, monkeypatch, isolated_dirs):
     monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")
-    monkeypatch.setenv("RESIDENT_POOL_ORPHAN_GRACE_S", "1")
+    monkeypatch.setenv("RESIDENT_POOL_ORPHAN_GRACE_S", "1")  # the orphan retires within the test
+    monkeypatch.setenv("RESIDENT_POOL_HEARTBEAT_STALE_S", "2")
     gpu_provider(pool_dir, "a6", 6)
     first = finish(run_client("a6", {"action": "echo"}))["result"]["pid"]
     pool_pid = int(Path(isolated_dirs["state"], "pool.pid").read_text())

@@ -20,7 +20,7 @@ import pytest
 from helpers import wait_until
 from providers import write_provider
 
-from resident_pool import Pool, WorkerRequestError, WorkerStartError
+from resident_pool import Pool, RequestTimeout, WorkerRequestError, WorkerStartError
 from resident_pool.errors import ResidentPoolError
 from resident_pool.procs import pid_alive
 
@@ -34,9 +34,10 @@ def _after_fault_clean(pool: Pool, state_dir: str) -> None:
     """No ledger entry for a dead pid, no socket without a live worker behind it."""
     state = pool.status()
     assert all(pid_alive(entry["pid"]) for entry in state["ledger"])
-    live = {f"{w['slug']}-{w['replica']}.sock" for w in state["workers"] if w["pid"]}
-    sockets = {name for name in os.listdir(state_dir) if name.endswith(".sock") and name != "pool.sock"}
-    assert sockets <= live, f"sockets without a live worker: {sockets - live}"
+    live = {Path(w["socket"]).parent.name for w in state["workers"] if w["pid"]}
+    workers_dir = Path(state_dir) / "w"
+    run_dirs = set(os.listdir(workers_dir)) if workers_dir.is_dir() else set()
+    assert run_dirs <= live, f"worker folders (socket, heartbeat) without a live worker: {run_dirs - live}"
 
 
 WORKER_FAULTS = [
@@ -47,7 +48,8 @@ WORKER_FAULTS = [
      "exit code 5"),
     ("worker exits 3 inside a prediction", {"action": "exit", "code": 3}, WorkerRequestError, "worker_exiting",
      "exit code 3"),
-    ("worker hangs past request_timeout_s", {"action": "sleep", "seconds": 60}, TimeoutError, None, "timed out"),
+    ("worker hangs past request_timeout_s", {"action": "sleep", "seconds": 60}, RequestTimeout, "request_timeout",
+     "request_timeout_s = 1"),
 ]
 
 
@@ -58,14 +60,13 @@ def test_worker_faults(pool_dir, isolated_dirs, reliability_row, fault, payload,
         first = pool.predict("faulty", {"action": "echo"})["pid"]
         with pytest.raises(error) as info:
             pool.predict("faulty", payload)
-        if reason:
-            assert info.value.reason == reason
-        assert words in str(info.value) or (error is TimeoutError)
+        assert info.value.reason == reason
+        assert words in str(info.value)
         wait_until(lambda: not pid_alive(first), timeout=10, message="the faulty worker to be gone")
         after = pool.predict("faulty", {"action": "echo", "value": "next"})
         assert after["echo"] == "next" and after["pid"] != first
         _after_fault_clean(pool, isolated_dirs["state"])
-    reliability_row(fault, f"{type(info.value).__name__}" + (f"({reason})" if reason else "") + "; next request served")
+    reliability_row(fault, f"{type(info.value).__name__}({reason}); next request served")
 
 
 def test_worker_exits_3_and_5_at_start(pool_dir, reliability_row):
@@ -92,16 +93,19 @@ def test_stop_of_a_worker_that_ignores_sigterm_and_leaks_a_child(pool_dir, relia
     reliability_row("worker ignores SIGTERM; worker leaks a child", "stop escalates to SIGKILL of the group")
 
 
-def test_a_stale_socket_left_by_a_killed_worker(pool_dir, isolated_dirs, reliability_row):
+def test_a_worker_killed_while_idle_leaves_no_stale_socket(pool_dir, isolated_dirs, reliability_row):
     write_provider(pool_dir, "stale", "")
     with Pool() as pool:
         pid = pool.predict("stale", {"action": "echo"})["pid"]
-        os.kill(pid, signal.SIGKILL)  # idle: it cannot remove its socket
-        wait_until(lambda: not pid_alive(pid), message="the worker to die")
-        assert os.path.exists(os.path.join(isolated_dirs["state"], "stale-0.sock"))
+        (worker,) = pool.status()["workers"]
+        os.kill(pid, signal.SIGKILL)  # idle: it cannot remove its socket itself
+        wait_until(lambda: not os.path.exists(worker["socket"]), timeout=10, message="the pool to clear its socket")
+        wait_until(lambda: "SIGKILL" in (pool.status()["providers"]["stale"]["last_error"] or ""), timeout=10,
+                   message="the death to be recorded")
         assert pool.predict("stale", {"action": "echo"})["pid"] != pid
         _after_fault_clean(pool, isolated_dirs["state"])
-    reliability_row("stale socket from a killed worker", "replaced at the next start; request served")
+    reliability_row("worker SIGKILL while idle", "the pool saw it within a tick, cleared its socket, recorded why; "
+                    "next request served by a new worker")
 
 
 CAMPAIGN = textwrap.dedent(
@@ -125,7 +129,8 @@ CAMPAIGN = textwrap.dedent(
 
 
 def test_pool_sigkill_during_a_campaign(pool_dir, isolated_dirs, reliability_row, monkeypatch):
-    monkeypatch.setenv("RESIDENT_POOL_ORPHAN_GRACE_S", "1")
+    monkeypatch.setenv("RESIDENT_POOL_ORPHAN_GRACE_S", "1")  # orphans of the killed pool retire within the test
+    monkeypatch.setenv("RESIDENT_POOL_HEARTBEAT_STALE_S", "2")
     shutil.copytree(ROOT / "manifests" / "echo", pool_dir / "echo")
     with subprocess.Popen([sys.executable, "-c", CAMPAIGN, "300"], stdout=subprocess.PIPE, text=True) as campaign:
         while int(campaign.stdout.readline()) < 100:
@@ -153,7 +158,7 @@ WAITER = textwrap.dedent(
 def test_client_sigkill_while_waiting_for_admission(pool_dir, reliability_row, monkeypatch):
     monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")
     for slug in ("a6", "b6"):
-        write_provider(pool_dir, slug, '[gpu]\npolicy = "required"\nvram_budget_gb = 6\n[lifecycle]\nidle_timeout_s = 0\n')
+        write_provider(pool_dir, slug, '[gpu]\npolicy = "required"\nvram_budget_gb = 6\n')
     with Pool() as pool, pool.session("a6") as held:
         held.predict({"action": "echo"})
         with subprocess.Popen([sys.executable, "-c", WAITER], stdout=subprocess.PIPE, text=True) as waiter:
@@ -236,7 +241,7 @@ LOAD_CLIENT = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_load_64_clients_over_2_replicas(pool_dir, reliability_row):
-    write_provider(pool_dir, "twin", "[lifecycle]\nmax_replicas = 2\nidle_timeout_s = 0\n")
+    write_provider(pool_dir, "twin", "[lifecycle]\nmax_replicas = 2\n")
     clients, per_client = (64, 200) if FULL else (16, 100)
     with Pool() as pool:
         pool.predict("twin", {"action": "echo"})

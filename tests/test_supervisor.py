@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import TEST_WORKER, wait_until, worker_command
 
-from resident_pool import WorkerRequestError, WorkerStartError, child_env, exit_hint
+from resident_pool import RequestTimeout, WorkerRequestError, WorkerStartError, child_env, exit_hint
 from resident_pool.procs import pid_alive
 from resident_pool.states import WorkerState
 
@@ -110,8 +110,8 @@ def test_system_exit_or_refusal_in_a_prediction_is_worker_exiting(workers, paylo
     if payload["action"] == "exit":
         assert error.exit_code == 5 and exit_hint(5) in str(error)
         assert worker.returncode == 5  # the process really exited with it
-    else:
-        assert error.exit_code is None  # not a SystemExit: the code is the interpreter's
+    else:  # not a SystemExit: the code is the one the interpreter exited with, reaped
+        assert error.exit_code == worker.returncode == 1
     assert not pid_alive(pid)
 
 
@@ -134,12 +134,14 @@ def test_abrupt_death_mid_request_is_worker_died_and_the_next_request_restarts(w
     assert worker.starts == 2
 
 
-def test_a_request_past_its_timeout_on_a_live_worker_reraises_the_socket_timeout(workers):
+def test_a_request_past_a_half_second_timeout_is_a_request_timeout_naming_slug_timeout_transcript(workers):
     worker = workers(build_command=worker_command(), request_timeout_s=0.5)
     pid = worker.request({"action": "echo"})["pid"]
-    with pytest.raises(TimeoutError) as info:
+    with pytest.raises(RequestTimeout) as info:
         worker.request({"action": "sleep", "seconds": 30})
-    assert not isinstance(info.value, WorkerRequestError)
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value, WorkerRequestError)
+    assert info.value.reason == "request_timeout" and info.value.slug == "testworker"
+    assert "request_timeout_s = 0.5 s" in str(info.value) and str(worker.transcript) in str(info.value)
     # The hung worker cannot serve anyone else; it is replaced.
     assert not pid_alive(pid)
     assert worker.request({"action": "echo"})["pid"] != pid
@@ -202,7 +204,9 @@ SUPERVISOR_SCRIPT = textwrap.dedent(
 
 
 def test_orphan_watchdog_lets_an_in_flight_prediction_finish_then_exits(tmp_path, monkeypatch):
+    """A one-second grace and a two-second heartbeat, so the orphan retires within the test."""
     monkeypatch.setenv("RESIDENT_POOL_ORPHAN_GRACE_S", "1")
+    monkeypatch.setenv("RESIDENT_POOL_HEARTBEAT_STALE_S", "2")
     marker = tmp_path / "finished"
     script = SUPERVISOR_SCRIPT.format(tests=os.path.dirname(__file__), marker=str(marker))
     with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as supervisor:
@@ -213,7 +217,7 @@ def test_orphan_watchdog_lets_an_in_flight_prediction_finish_then_exits(tmp_path
             supervisor.kill()
     wait_until(marker.exists, timeout=10, message="the in-flight prediction to finish")
     wait_until(lambda: not pid_alive(worker_pid), timeout=10, message="the orphaned worker to exit")
-    assert "parent" in _transcript_text() and "exiting" in _transcript_text()
+    assert "the pool is gone (heartbeat" in _transcript_text() and "exiting" in _transcript_text()
 
 
 def _transcript_text() -> str:

@@ -11,7 +11,7 @@ from providers import write_provider
 from resident_pool.errors import WeightsMismatch
 from resident_pool.launch import build_worker_command, check_weights, weights_root
 from resident_pool.manifest import load_manifest
-from resident_pool.weights import HashCache, verify_weights
+from resident_pool.weights import HashCache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,8 +91,20 @@ def test_minilm_weights_are_found_through_the_package_and_match_their_pins(cache
     assert report.checked == len(manifest.weights.files)
 
 
-def test_no_root_at_all_is_reported(tmp_path, cache):
+def test_no_root_at_all_is_reported_with_the_field_to_give(tmp_path, cache):
     manifest = load_manifest(write_provider(
         tmp_path, "rootless", '[[weights.files]]\npath = "w"\nsha256 = "' + "0" * 64 + '"\nsize = 1\n'))
-    report = verify_weights("rootless", weights_root(manifest), manifest.weights.files, cache)
-    assert not report.ok and "not a directory" in report.problems[0]
+    report = check_weights(manifest, cache=cache)
+    assert not report.ok
+    assert report.problems == [f"no weights directory is given; give [weights] root_env or root in {manifest.path}"]
+
+
+def test_a_missing_weights_root_names_the_variable_to_set(tmp_path, monkeypatch, cache):
+    """Not "the weights root None is not a directory": the operator is told what to set."""
+    manifest = load_manifest(ROOT / "manifests" / "minilm" / "manifest.toml")
+    monkeypatch.setenv("MINILM_WEIGHTS", str(tmp_path / "nowhere"))
+    with pytest.raises(WeightsMismatch) as info:
+        build_worker_command(manifest, "/tmp/x.sock", cache=cache)
+    assert f"the weights directory {tmp_path / 'nowhere'} does not exist" in str(info.value)
+    assert "set MINILM_WEIGHTS to the weights directory" in str(info.value)
+    assert "None" not in str(info.value)

@@ -43,6 +43,10 @@ def main():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     worker_base = load("worker_base", "RESIDENT_POOL_WORKER_BASE")
+    if "--load-seconds" in options:  # a model that takes a while to load, before serve()
+        time.sleep(float(options[options.index("--load-seconds") + 1]))
+    if "--non-daemon-thread" in options:  # what some model libraries leave running
+        threading.Thread(target=signal.pause, name="leftover", daemon=False).start()
     releases = []
     real_release = worker_base.release_cublas_workspaces
 
@@ -89,6 +93,8 @@ def main():
                 open(payload["marker"], "w").close()
                 os._exit(9)
             return {"survived": True, "pid": os.getpid()}
+        if action == "interrupt":
+            raise KeyboardInterrupt
         if action == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         if action == "abort":
@@ -108,6 +114,8 @@ def main():
         raise ValueError(f"unknown action {action!r}")
 
     def ready():
+        if "--ready-raises" in options:
+            raise RuntimeError("ready() broke after the model loaded")
         return {"releases": len(releases), "max_in_flight": state["max_in_flight"], "options": options}
 
     worker_base.serve(

@@ -1,4 +1,7 @@
-"""python -m launchkit_opt.worker_launch <opts> -- <script> <args>: run the script under a kernel route."""
+"""python -m launchkit_opt.worker_launch <opts> -- <script> <args>: run the script under a kernel route.
+
+Importing it does nothing (the probe imports it to learn the kit engages this way); only __main__ runs.
+"""
 
 import os
 import runpy
@@ -10,6 +13,9 @@ def main():
     split = args.index("--")
     options, script = args[:split], args[split + 1 :]
     route = options[options.index("--route") + 1]
+    from launchkit_opt import _hook
+
+    _hook.arm("worker_launch")
     os.environ["LAUNCHKIT_ROUTE"] = route
     import toymodel  # patched before the worker script imports it
 

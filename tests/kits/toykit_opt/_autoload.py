@@ -4,14 +4,15 @@ import importlib.util
 import os
 import sys
 
-KNOWN = {"TOYKIT_OPT_MODE", "TOYKIT_OPT_TRACE"}
+ENV = "TOYKIT_OPT_MODE"  # the mode variable, found by the probe on ._autoload
+KNOWN = {ENV, "TOYKIT_OPT_TRACE"}
 stray = sorted(name for name in os.environ if name.startswith("TOYKIT_OPT_") and name not in KNOWN)
 if stray:
     sys.stderr.write(f"toykit_opt: REFUSED: undeclared variables {', '.join(stray)}\n")
     sys.stderr.flush()
     os._exit(3)
 
-MODE = os.environ.get("TOYKIT_OPT_MODE")
+MODE = os.environ.get(ENV)
 
 
 class _Patcher:
@@ -27,7 +28,9 @@ class _Patcher:
 
         def exec_module(module):
             original(module)
-            module.PATCHED_BY = f"toykit_opt:{MODE}"
+            module.PATCHED_BY = f"toykit_opt:{MODE}"  # a patch that leaves the numbers as they were
+            sys.stderr.write(f"toykit_opt: ACTIVE (patched toymodel, mode {MODE})\n")
+            sys.stderr.flush()
 
         spec.loader.exec_module = exec_module
         return spec

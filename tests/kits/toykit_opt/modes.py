@@ -1,4 +1,3 @@
-ENV = "TOYKIT_OPT_MODE"
 MODES = ["fast", "safe"]
 
 

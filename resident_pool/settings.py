@@ -1,0 +1,95 @@
+"""Every ``RESIDENT_POOL_*`` variable, with its type and default, and the XDG folders they fall back to.
+
+Other modules take their values from ``settings()`` and never read ``os.environ``
+for these names. ``worker_base.py`` keeps its own reads of the worker-side names
+(it is standard library only); they are listed here too, so this file is the one
+place that names them all.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .errors import ResidentPoolError
+
+__all__ = ["WORKER_SIDE", "Settings", "settings", "xdg_dir"]
+
+# Read by the worker (worker_base.py) from its own environment; the pool sets them.
+WORKER_SIDE = {
+    "RESIDENT_POOL_PROTOCOL": "absolute path of protocol.py, set for every worker",
+    "RESIDENT_POOL_WORKER_BASE": "absolute path of worker_base.py, set for every worker",
+    "RESIDENT_POOL_HEARTBEAT": "the file whose mtime the pool refreshes while it lives, set for every worker",
+}
+
+
+class Settings(BaseSettings):
+    """The pool's and the client's settings, from ``RESIDENT_POOL_<NAME>`` variables."""
+
+    model_config = SettingsConfigDict(env_prefix="RESIDENT_POOL_", extra="ignore", frozen=True)
+
+    manifests: Path | None = Field(None, description="the providers' folder (default ./manifests)")
+    state_dir: Path | None = Field(
+        None, description="sockets, ledger, locks; must be yours and 0700 "
+        "(default $XDG_RUNTIME_DIR/resident-pool, else /tmp/resident-pool-<uid>)")
+    log_dir: Path | None = Field(
+        None, description="one transcript per worker start; outlives the pool "
+        "(default $XDG_STATE_HOME/resident-pool/logs)")
+    cache_dir: Path | None = Field(None, description="hash cache (default $XDG_CACHE_HOME/resident-pool)")
+    gpu_capacity_gb: str | None = Field(
+        None, description="declared capacity where NVML cannot read: `80`, or `0:80,1:80`")
+    gpu_headroom_gb: float = Field(0.5, ge=0, description="kept free on every device")
+    fake_nvml: Path | None = Field(None, description="read device memory from this JSON file (drills, tests)")
+    ledger_audit: Path | None = Field(None, description="append every ledger state to this JSONL file")
+    quiet_exit_s: float = Field(600.0, ge=0, description="the pool exits after this long with no worker and "
+                                "no client (0: never)")
+    breaker_cooldown_s: float = Field(300.0, ge=0, description="how long a provider that refused at start "
+                                      "is not started again")
+    drain_grace_s: float = Field(60.0, ge=0, description="on SIGTERM or `stop`, how long leased requests may "
+                                 "finish before their workers are stopped; keep it below the unit's "
+                                 "TimeoutStopSec")
+    heartbeat_stale_s: float = Field(30.0, gt=0, description="passed to workers: a heartbeat older than "
+                                     "this means the pool is gone (the pool refreshes it every 2 s)")
+    orphan_grace_s: float | None = Field(None, gt=0, description="passed to workers, overriding each manifest's "
+                                         "orphan_grace_s: a worker whose pool is gone exits after this long "
+                                         "without a request")
+    artifact_tail_lines: int = Field(20, ge=0, description="transcript lines in a Prefect failure artifact")
+    no_cublas_release: bool = Field(False, description="passed to workers: turns off the cuBLAS workspace release "
+                                    "after each prediction")
+    attach_min_bytes: int = Field(64 * 1024, ge=0, description="arrays and bytes of at least this size travel "
+                                  "beside the line as attachments; smaller ones inline, as base64 (the worker "
+                                  "reads it too)")
+    max_attachment_bytes: int = Field(4 * 1024**3, ge=0, description="the largest attachment a receiver maps; "
+                                      "a sender checks the receiver's cap first (the worker reads it too)")
+
+
+def settings() -> Settings:
+    """The settings as the environment gives them now; a bad value names its variable."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"RESIDENT_POOL_{str(e['loc'][0]).upper()}={e.get('input')!r}: {e['msg']}" for e in exc.errors())
+        raise ResidentPoolError(f"bad setting: {problems}; fix or unset the variable",
+                                reason="bad_setting") from None
+
+
+def xdg_dir(kind: str) -> Path:
+    """The XDG base folder of ``kind`` (runtime, state, cache, data), with the spec's fallbacks."""
+    home = Path(os.path.expanduser("~"))
+    variable, fallback = {
+        "runtime": ("XDG_RUNTIME_DIR", None),
+        "state": ("XDG_STATE_HOME", home / ".local" / "state"),
+        "cache": ("XDG_CACHE_HOME", home / ".cache"),
+        "data": ("XDG_DATA_HOME", home / ".local" / "share"),
+    }[kind]
+    value = os.environ.get(variable)
+    if value and os.path.isabs(value):
+        return Path(value)
+    if fallback is None:  # no runtime folder: a per-user one under the temp dir
+        return Path(tempfile.gettempdir())
+    return fallback

@@ -1,0 +1,313 @@
+"""One worker OS process: spawn it, wait for its first answer, stop its group, say how it ended.
+
+No lock and no timer here: whoever owns the process (a standalone ``ResidentWorker``,
+or the pool's replica record) decides when each of these happens, one at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import paths
+from .errors import ResidentPoolError, SocketPathTooLong, WorkerRequestError, WorkerStartError
+from .exits import describe_exit, exit_hint
+from .procs import child_env, terminate_group, wait_exit
+from .protocol import (
+    CONNECT_TIMEOUT_S,
+    ProtocolError,
+    SocketPathError,
+    check_socket_path,
+    connect,
+    recv_line,
+    send_line,
+)
+from .transcripts import Transcript, read_tail, render_tail
+
+__all__ = ["HEARTBEAT_INTERVAL_S", "PROTOCOL_PATH", "WORKER_BASE_PATH", "Launch", "WorkerProcess", "env_for"]
+
+log = logging.getLogger("resident_pool.worker_process")
+
+PROTOCOL_PATH = str(Path(__file__).with_name("protocol.py"))
+WORKER_BASE_PATH = str(Path(__file__).with_name("worker_base.py"))
+# How often the owner refreshes a worker's heartbeat; workers judge it stale after
+# RESIDENT_POOL_HEARTBEAT_STALE_S (30 s by default), so a busy owner may miss a few.
+HEARTBEAT_INTERVAL_S = 2.0
+# After a request's socket broke, how long to wait for the process to become reapable
+# before deciding it is alive rather than dead.
+DEATH_WAIT_S = 2.0
+_ENGINE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How to run one worker: its argv, the environment changes (None removes), and its engine's stop."""
+
+    argv: list[str]
+    env: Mapping[str, str | None] = field(default_factory=dict)
+    stop: list[str] | None = None  # asks a container engine to stop it (`docker stop NAME`)
+    kill: list[str] | None = None  # makes the engine kill it (`docker kill NAME`)
+
+    @classmethod
+    def of(cls, built: Launch | tuple[list[str], Mapping[str, str | None]]) -> Launch:
+        """A build_command's answer: a Launch, or the spec's ``(argv, extra_env)``."""
+        if isinstance(built, Launch):
+            return built
+        argv, env = built
+        return cls(list(argv), dict(env))
+
+
+class WorkerProcess:
+    """The OS side of one worker start: its run folder (socket, heartbeat), process group and transcript."""
+
+    def __init__(
+        self,
+        slug: str,
+        replica: int,
+        *,
+        state_dir: Path | None = None,
+        log_path: Path | None = None,
+        start_timeout_s: float = 900.0,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    ) -> None:
+        self.slug = slug
+        self.replica = replica
+        self.start_timeout_s = start_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.log_path = log_path
+        self.run_dir = paths.workers_dir(state_dir) / f"{slug}-{replica}-{secrets.token_hex(3)}"
+        try:
+            self.socket_path = check_socket_path(self.run_dir / "worker.sock")
+        except SocketPathError as exc:
+            raise SocketPathTooLong(f"{slug}: {exc}", slug=slug) from None
+        self.heartbeat_path = self.run_dir / "heartbeat"
+        self.device: str | None = None  # set by the owner from admission, before the command is built
+        self.transcript: Transcript | None = None
+        self.proc: subprocess.Popen | None = None
+        self.launch: Launch | None = None
+        self.returncode: int | None = None
+        self.started_at: float | None = None  # wall clock, for display
+        self._started_mono: float | None = None
+
+    # -- facts -----------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def transcript_path(self) -> str | None:
+        return str(self.transcript.path) if self.transcript is not None else None
+
+    def poll(self) -> int | None:
+        """The return code once the process has ended (it is then reaped and cleaned up), else None."""
+        if self.proc is None:
+            return self.returncode
+        rc = self.proc.poll()
+        if rc is not None:
+            self._ended(rc)
+        return rc
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.poll() is None
+
+    def uptime_s(self) -> float | None:
+        return time.monotonic() - self._started_mono if self._started_mono is not None and self.alive() else None
+
+    def tail(self) -> list[str]:
+        return read_tail(self.transcript_path)
+
+    def note(self, message: str) -> None:
+        log.info("%s[%d]: %s", self.slug, self.replica, message)
+        if self.transcript is not None:
+            self.transcript.note(message)
+
+    # -- start -----------------------------------------------------------------
+    def start(self, launch: Launch, extra_env: Mapping[str, str | None] | None = None) -> dict[str, Any]:
+        """Spawn the worker and wait until it answers a ping; returns that first answer."""
+        if self.proc is not None:
+            raise RuntimeError(f"{self.slug}[{self.replica}]: a WorkerProcess starts once; make a new one")
+        self.launch = launch
+        self.run_dir.mkdir(mode=0o700)
+        self.beat()
+        try:
+            self.transcript = (Transcript.append_to(self.log_path) if self.log_path is not None
+                               else Transcript.create(paths.log_dir(), self.slug, self.replica))
+        except OSError as exc:
+            self._cleanup()
+            where = self.log_path or paths.log_dir()
+            raise WorkerStartError(
+                f"{self.slug}: cannot open the transcript under {where}: {exc.strerror}; set RESIDENT_POOL_LOG_DIR "
+                "to a writable directory with free space", slug=self.slug) from exc
+        env = child_env({**env_for(self), **launch.env, **(extra_env or {})})
+        try:
+            self.proc = subprocess.Popen(
+                launch.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=self.transcript.fileno(),
+                stderr=subprocess.STDOUT,
+                env=env,
+                # A Ctrl-C to the orchestrator is not the model's, and the worker's
+                # children share its group so a stop reaches them.
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            self._cleanup()
+            headline = (f"{self.slug}: cannot execute {launch.argv[0]}: {exc.strerror}; check the provider's "
+                        f"interpreter and worker script (transcript {self.transcript_path})")
+            raise WorkerStartError(headline, slug=self.slug, transcript=self.transcript_path) from exc
+        self.started_at = time.time()
+        self._started_mono = time.monotonic()
+        self.note(f"started pid {self.proc.pid}: {' '.join(launch.argv)}")
+        return self._wait_ready()
+
+    def _wait_ready(self) -> dict[str, Any]:
+        """Alive means running AND answering: wait for the first ping's answer."""
+        deadline = time.monotonic() + self.start_timeout_s
+        delay = 0.005
+        while True:
+            rc = self.poll()
+            if rc is not None:
+                raise self.error(WorkerStartError, "exited before it answered", rc, "start_failed")
+            if os.path.exists(self.socket_path):
+                answer = self.ping(timeout=max(1.0, deadline - time.monotonic()))
+                if answer is not None:
+                    return answer
+            if time.monotonic() >= deadline:
+                self.note(f"no answer within start_timeout_s = {self.start_timeout_s:g} s; terminating")
+                rc = self.kill(grace_s=5.0)
+                raise self.error(
+                    WorkerStartError,
+                    f"did not answer on {self.socket_path} within start_timeout_s = {self.start_timeout_s:g} s "
+                    "and was terminated", rc, "start_timeout", describe=False)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    # -- talking to it ---------------------------------------------------------------
+    def ping(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The worker's answer to ``ping`` on a connection of its own, or None when it gives none in time."""
+        timeout = self.connect_timeout_s if timeout is None else timeout
+        try:
+            with connect(self.socket_path, timeout=min(timeout, self.connect_timeout_s)) as conn:
+                conn.settimeout(timeout)
+                send_line(conn, {"op": "ping", "id": 0})
+                answer = recv_line(conn, bytearray())
+        except (OSError, ProtocolError, ValueError):
+            return None
+        return answer if answer is not None and answer.get("ok") else None
+
+    def beat(self) -> None:
+        """Refresh the heartbeat the worker watches; a worker that sees it go stale retires itself."""
+        try:
+            os.utime(self.heartbeat_path)
+        except FileNotFoundError:
+            if self.run_dir.is_dir():
+                self.heartbeat_path.touch(mode=0o600)
+
+    # -- how it ended ----------------------------------------------------------------
+    def error(self, cls: type[ResidentPoolError], what: str, rc: int | None, reason: str,
+              describe: bool = True) -> ResidentPoolError:
+        """An error naming what happened, the exit in words, the transcript and its last lines."""
+        tail = self.tail()
+        exit_words = f": {describe_exit(rc)}" if describe else ""
+        headline = f"{self.slug}: the worker {what}{exit_words}; transcript {self.transcript_path}"
+        return cls(headline + render_tail(tail), slug=self.slug, reason=reason, exit_code=rc, hint=exit_hint(rc),
+                   transcript=self.transcript_path, transcript_tail=tail, headline=headline)
+
+    def wait_dead(self, timeout: float = DEATH_WAIT_S) -> int | None:
+        """Its return code if it ends within ``timeout`` (a socket just broke), else None: it lives."""
+        if self.proc is None:
+            return self.returncode
+        rc = wait_exit(self.proc, timeout)
+        if rc is not None:
+            self._ended(rc)
+        return rc
+
+    def died_error(self, rc: int, stopping: bool = False) -> WorkerRequestError:
+        what = "was stopped while this request ran" if stopping else "died mid-request"
+        return self.error(WorkerRequestError, what, rc, "worker_stopped" if stopping else "worker_died")
+
+    def exiting_error(self, reply: dict[str, Any]) -> WorkerRequestError:
+        """The worker answered ``worker_exiting`` and is leaving: reap it, then name its code."""
+        rc = self.wait_dead(10.0)
+        code = reply.get("exit_code")
+        if code is None:  # a KeyboardInterrupt has no code of its own; its signal is the truth
+            code = rc
+        message = str(reply.get("error") or "no message")
+        tail = self.tail()
+        headline = (f"{self.slug}: the worker is exiting: {message}; {describe_exit(code)}; "
+                    f"transcript {self.transcript_path}")
+        return WorkerRequestError(
+            headline + render_tail(tail), slug=self.slug, reason="worker_exiting", exit_code=code,
+            transcript=self.transcript_path, transcript_tail=tail, headline=headline,
+            details={"type": reply.get("type"), "traceback": reply.get("traceback")})
+
+    # -- stop --------------------------------------------------------------------------
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """Ask it to shut down, wait, then SIGTERM and SIGKILL its group; frees the device."""
+        if self.proc is None:
+            return self.returncode
+        if self.alive():
+            try:
+                with connect(self.socket_path, timeout=min(grace_s, self.connect_timeout_s)) as conn:
+                    conn.settimeout(min(grace_s, 5.0))
+                    send_line(conn, {"op": "shutdown", "id": 0})
+                    acknowledged = recv_line(conn, bytearray()) is not None
+            except (OSError, ProtocolError, ValueError):
+                acknowledged = False  # busy, hung or unreachable: the escalation below ends it
+            if acknowledged:
+                self.wait_dead(grace_s)
+        return self.kill(grace_s=min(grace_s, 10.0))
+
+    def kill(self, grace_s: float = 5.0) -> int | None:
+        """SIGTERM the group (through the container engine where there is one), then SIGKILL."""
+        if self.proc is None:
+            return self.returncode
+        if self.launch is not None and self.launch.stop and self.proc.poll() is None:
+            self._engine(self.launch.stop, grace_s + 5.0)
+        # Even when the leader has exited, its children (DataLoader workers) may not have: the group goes.
+        rc = terminate_group(self.proc, grace_s)
+        if self.launch is not None and self.launch.kill:
+            self._engine(self.launch.kill, _ENGINE_TIMEOUT_S)  # the engine's client may be gone; its container not
+        if rc is None:
+            self.note(f"pid {self.proc.pid} did not end after SIGKILL (uninterruptible sleep in a driver?); "
+                      "its memory may stay held until it does")
+            return None
+        self._ended(rc)
+        return rc
+
+    def _engine(self, argv: list[str], timeout: float) -> None:
+        try:
+            subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=timeout, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            self.note(f"{' '.join(argv)} failed: {exc}")
+
+    def _ended(self, rc: int) -> None:
+        """The process is gone: record how, remove its run folder, close its transcript."""
+        if self.returncode is not None:
+            return
+        self.returncode = rc
+        self.note(f"pid {self.proc.pid} ended: {describe_exit(rc)}")
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        # The run folder is this start's alone (its name carries a random token): its socket and
+        # heartbeat go with it, so a worker that somehow outlived this sees its pool gone.
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.transcript is not None:
+            self.transcript.close()
+
+
+def env_for(process: WorkerProcess) -> dict[str, str]:
+    """What every worker is told about its pool: protocol, worker base and heartbeat paths."""
+    return {"RESIDENT_POOL_PROTOCOL": PROTOCOL_PATH, "RESIDENT_POOL_WORKER_BASE": WORKER_BASE_PATH,
+            "RESIDENT_POOL_HEARTBEAT": str(process.heartbeat_path)}

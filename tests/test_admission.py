@@ -1,0 +1,105 @@
+"""Admission with injected devices and a real ledger file: placement, headroom, free memory, order."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+import pytest
+from helpers import wait_until
+
+from resident_pool.admission import Admission, Device, Ledger, _declared
+from resident_pool.errors import AdmissionRefused, AdmissionTimeout
+
+
+@dataclass
+class FakeWorker:
+    slug: str
+    vram_budget_gb: float
+    replica: int = 0
+    manifest: object = None
+    pid: int | None = None
+
+
+def admission(tmp_path, devices, headroom_gb=0.0, **kwargs):
+    return Admission(Ledger(tmp_path / "ledger.json"), devices=lambda: (devices, "test"), headroom_gb=headroom_gb,
+                     **kwargs)
+
+
+def test_a_two_device_host_places_each_worker_on_the_device_with_most_room(tmp_path):
+    gate = admission(tmp_path, _declared("0:80,1:80"))
+    first = gate.admit(FakeWorker("a", 50), timeout_s=1)["CUDA_VISIBLE_DEVICES"]
+    second = gate.admit(FakeWorker("b", 50), timeout_s=1)["CUDA_VISIBLE_DEVICES"]
+    assert {first, second} == {"0", "1"}
+    assert gate.admit(FakeWorker("c", 30), timeout_s=1)  # 30 still fits beside either
+    with pytest.raises(AdmissionTimeout, match=r"d: waited .* for 40 GB"):
+        gate.admit(FakeWorker("d", 40), timeout_s=0.3)
+    assert sorted(e["slug"] for e in gate.ledger.entries()) == ["a", "b", "c"]
+
+
+def test_headroom_is_kept_free_and_a_budget_over_every_device_is_refused_at_once(tmp_path):
+    gate = admission(tmp_path, [Device(0, 10.0)], headroom_gb=1.0)
+    with pytest.raises(AdmissionRefused, match=r"needs 9\.5 GB but the largest device holds 9 GB"):
+        gate.admit(FakeWorker("big", 9.5), timeout_s=60)
+    gate.admit(FakeWorker("a", 9), timeout_s=1)
+    with pytest.raises(AdmissionTimeout):
+        gate.admit(FakeWorker("b", 0.5), timeout_s=0.3)
+
+
+def test_measured_free_memory_caps_what_the_ledger_would_allow(tmp_path):
+    gate = admission(tmp_path, [Device(0, total_gb=10.0, free_gb=3.0)])  # 7 GB held outside the pool
+    with pytest.raises(AdmissionTimeout, match="free now: GPU 0: 3 GB"):
+        gate.admit(FakeWorker("a", 4), timeout_s=0.3)
+    assert gate.admit(FakeWorker("b", 2), timeout_s=1)["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_waiters_are_admitted_first_come_first_served(tmp_path):
+    gate = admission(tmp_path, [Device(0, 10.0)])
+    holder = FakeWorker("a6", 6)
+    gate.admit(holder, timeout_s=1)
+    order = []
+
+    def ask(worker):
+        gate.admit(worker, timeout_s=30)
+        order.append(worker.slug)
+
+    second = threading.Thread(target=ask, args=(FakeWorker("b6", 6),))
+    second.start()
+    wait_until(lambda: [w["slug"] for w in gate.waiting()] == ["b6"], message="b6 waiting")
+    third = threading.Thread(target=ask, args=(FakeWorker("c3", 3),))  # would fit now, but b6 came first
+    third.start()
+    wait_until(lambda: [w["slug"] for w in gate.waiting()] == ["b6", "c3"], message="c3 queued behind b6")
+    assert order == []
+    gate.release(holder)
+    second.join(10)
+    third.join(10)
+    assert order == ["b6", "c3"]
+
+
+def test_an_entry_whose_pid_is_dead_is_reclaimed_on_read(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "ledger.json").write_text(json.dumps([
+        {"slug": "ghost", "replica": 0, "device": 0, "budget_gb": 8, "pid": dead.pid, "owner": dead.pid,
+         "since": 0}]))
+    gate = admission(tmp_path, [Device(0, 10.0)])
+    assert gate.admit(FakeWorker("a6", 6), timeout_s=1)
+    assert [e["slug"] for e in gate.ledger.entries()] == ["a6"]
+
+
+def test_a_request_that_does_not_fit_asks_for_an_eviction_and_is_admitted_after_it(tmp_path):
+    asked = []
+
+    def evict(needed_gb):
+        asked.append(needed_gb)
+        gate.release(holder)
+        return True
+
+    gate = admission(tmp_path, [Device(0, 10.0)], evict=evict)
+    holder = FakeWorker("a6", 6)
+    gate.admit(holder, timeout_s=1)
+    assert gate.admit(FakeWorker("b6", 6), timeout_s=5)
+    assert asked == [6]

@@ -1,0 +1,48 @@
+"""One place names every RESIDENT_POOL_* variable."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import resident_pool
+from resident_pool.errors import ResidentPoolError
+from resident_pool.settings import WORKER_SIDE, Settings, settings
+
+ROOT = Path(resident_pool.__file__).parents[1]
+NAME = re.compile(r"RESIDENT_POOL_[A-Z0-9_]*[A-Z0-9]")
+READ = re.compile(r"""environ(\.get\(|\[)\s*["']RESIDENT_POOL_|["']RESIDENT_POOL_[A-Z_]+["']\s+(not\s+)?in\s+os\.environ""")
+
+
+def declared() -> set[str]:
+    return {f"RESIDENT_POOL_{field.upper()}" for field in Settings.model_fields} | set(WORKER_SIDE)
+
+
+def test_every_variable_the_code_reads_is_declared_in_settings():
+    used = set()
+    for folder in ("resident_pool", "flows", "manifests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            used |= set(NAME.findall(path.read_text()))
+    assert used - declared() == set()
+
+
+def test_every_declared_variable_is_in_the_readme_table():
+    readme = (ROOT / "README.md").read_text()
+    assert {name for name in declared() if f"`{name}`" not in readme} == set()
+
+
+def test_a_bad_value_names_its_variable(monkeypatch):
+    monkeypatch.setenv("RESIDENT_POOL_GPU_HEADROOM_GB", "lots")
+    with pytest.raises(ResidentPoolError, match="RESIDENT_POOL_GPU_HEADROOM_GB='lots'"):
+        settings()
+
+
+def test_modules_other_than_settings_and_the_worker_side_do_not_read_the_environment_for_these_names():
+    readers = []
+    for path in sorted((ROOT / "resident_pool").glob("*.py")):
+        if path.stem in ("settings", "worker_base"):
+            continue
+        readers += [f"{path.name}: {line.strip()}" for line in path.read_text().splitlines() if READ.search(line)]
+    assert readers == []
