@@ -80,16 +80,21 @@ def load_protocol():
 
 
 def load_arrays():
-    """The arrays module (arrays beside the line, as attachments), found beside protocol.py."""
+    """The arrays module (arrays beside the line, as attachments), found beside protocol.py.
+
+    None where it is not there (a container that binds only protocol.py and
+    worker_base.py): the worker then speaks plain JSON, arrays as lists.
+    """
     if __package__:
         from . import arrays
 
         return arrays
     module = sys.modules.get("resident_pool_arrays")
     if module is None:
-        protocol_path = load_protocol().__file__
-        spec = importlib.util.spec_from_file_location(
-            "resident_pool_arrays", os.path.join(os.path.dirname(os.path.abspath(protocol_path)), "arrays.py"))
+        path = os.path.join(os.path.dirname(os.path.abspath(load_protocol().__file__)), "arrays.py")
+        if not os.path.isfile(path):
+            return None
+        spec = importlib.util.spec_from_file_location("resident_pool_arrays", path)
         module = importlib.util.module_from_spec(spec)
         sys.modules["resident_pool_arrays"] = module
         spec.loader.exec_module(module)
@@ -145,7 +150,7 @@ class _Server:
     def __init__(self, slug, socket_path, on_predict, ready, on_reset, log, orphan_grace_s, release_cublas):
         self.protocol = load_protocol()
         self.arrays = load_arrays()
-        self.attach_min_bytes, self.max_attachment_bytes = self.arrays.limits()
+        self.attach_min_bytes, self.max_attachment_bytes = self.arrays.limits() if self.arrays else (0, 0)
         self.slug = slug
         self.socket_path = os.fspath(socket_path)
         self.on_predict = on_predict
@@ -168,6 +173,9 @@ class _Server:
         listener = self.protocol.bind_unix(self.socket_path)
         self.socket_inode = os.stat(self.socket_path).st_ino
         self.log(f"listening on {self.socket_path} (pid {os.getpid()})")
+        if self.arrays is None:
+            self.log("arrays.py is not beside protocol.py here: arrays go as JSON lists, not attachments "
+                     "(bind it into the container beside protocol.py)")
         # Many clients may connect, but requests run one at a time in this
         # thread: one CUDA context never interleaves two requests, and a client
         # that connects and says nothing cannot wedge the others.
@@ -259,8 +267,11 @@ class _Server:
         """Send ``reply``; its arrays go as attachments to a client that asked for them (else as lists)."""
         fresh = None
         try:
-            raw, fds, fresh = self.arrays.encode(reply, inbox.peer if inbox is not None else None,
-                                                 self.attach_min_bytes, received)
+            if self.arrays is None:
+                raw, fds = self.protocol.encode_line(reply), []
+            else:
+                raw, fds, fresh = self.arrays.encode(reply, inbox.peer if inbox is not None else None,
+                                                     self.attach_min_bytes, received)
             self.protocol.send_raw(conn, raw, fds)
         except (ValueError, TypeError) as exc:
             # The result itself cannot cross the wire (NaN, a set, over the cap).
@@ -289,7 +300,9 @@ class _Server:
                 except Exception as exc:  # noqa: BLE001 - a broken ready() is reported, never fatal to a loaded model
                     reply["ready_error"] = f"{type(exc).__name__}: {exc}"
                 reply.update({"ok": True, "id": request_id})
-            reply["attachments"] = self._negotiate(request, inbox)
+            offer = self._negotiate(request, inbox)
+            if offer:
+                reply["attachments"] = offer
             return reply
         if op == "predict":
             return self._predict(request, conn, message)
@@ -303,7 +316,7 @@ class _Server:
         request_id = request.get("id")
         try:
             payload = self._payload(request, message)
-        except self.arrays.ArrayError as exc:
+        except self._array_errors as exc:
             return {"ok": False, "id": request_id, "reason": "bad_request", "error": f"bad request: {exc}"}
         started = time.monotonic()
         self.last_request = started
@@ -341,8 +354,14 @@ class _Server:
         return reply
 
     # -- arrays beside the line ------------------------------------------------
-    def _negotiate(self, request: dict[str, Any], inbox) -> dict[str, Any]:
-        """Record whether this connection's client takes attachments; say that this worker does."""
+    @property
+    def _array_errors(self) -> tuple[type[Exception], ...]:
+        return (self.arrays.ArrayError,) if self.arrays else ()
+
+    def _negotiate(self, request: dict[str, Any], inbox) -> dict[str, Any] | None:
+        """Record whether this connection's client takes attachments; this worker's offer, if it makes one."""
+        if self.arrays is None:
+            return None
         if inbox is not None:
             inbox.peer = self.arrays.accepted(request.get("attachments"))
         return {"version": self.arrays.VERSION, "max_bytes": self.max_attachment_bytes}
@@ -350,7 +369,7 @@ class _Server:
     def _payload(self, request: dict[str, Any], message) -> Any:
         """The request's payload with its array references read (numpy arrays where numpy imports)."""
         payload = request.get("payload")
-        if message is None or not message.references:
+        if message is None or not message.references or self.arrays is None:
             return payload
         # Held until the reply is sent: unmapping a large payload (freeing its
         # pages) is then no longer on the caller's clock.

@@ -375,6 +375,31 @@ def test_a_client_that_did_not_negotiate_gets_plain_json(array_worker):
     assert reply["result"]["value"] == [7] * 100_000
 
 
+def test_a_worker_that_cannot_find_arrays_py_speaks_plain_json(tmp_path):
+    """A container that binds only protocol.py and worker_base.py: the worker must still start and answer."""
+    import shutil
+
+    for name in (PROTOCOL_PATH, WORKER_BASE_PATH):
+        shutil.copy(name, tmp_path)
+    socket_path = str(paths.state_dir() / "plain.sock")
+    env = {**os.environ, "RESIDENT_POOL_PROTOCOL": str(tmp_path / "protocol.py"),
+           "RESIDENT_POOL_WORKER_BASE": str(tmp_path / "worker_base.py")}
+    value = random_array("int16", (300, 300))
+    with subprocess.Popen([sys.executable, str(WORKERS / "testworker.py"), socket_path], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+        try:
+            wait_until(lambda: answers(socket_path) or proc.poll() is not None, message="the worker to answer")
+            with protocol.connect(socket_path) as conn:
+                inbox = Inbox()
+                reply = arrays.exchange(conn, inbox, {"op": "predict", "id": 1,
+                                                      "payload": {"action": "echo", "value": value}})
+        finally:
+            proc.kill()
+        log = proc.stderr.read().decode()
+    assert inbox.peer == {} and reply["result"]["echo"] == value.tolist()
+    assert "arrays.py is not beside protocol.py" in log
+
+
 class OldWorker(threading.Thread):
     """A worker from before attachments: JSON lines only, a ping without an offer; records what it got."""
 
