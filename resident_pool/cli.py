@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .arrays import plain
 from .check import check_providers, junit_xml
 from .errors import ResidentPoolError
 from .manifest import json_schema
@@ -206,7 +207,7 @@ def predict(
     except ResidentPoolError as exc:
         console.print(f"[red]{type(exc).__name__}[/]: {safe(exc)}")
         raise typer.Exit(1) from None
-    typer.echo(json.dumps(result))
+    typer.echo(json.dumps(result, default=plain))  # arrays as nested lists, bytes as base64
 
 
 @app.command()

@@ -19,9 +19,9 @@ from typing import Any
 
 from filelock import FileLock
 
-from . import paths
+from . import arrays, paths
 from .errors import RequestTimeout, ResidentPoolError, WorkerRequestError, error_from_dict
-from .protocol import PeerError, ProtocolError, connect, recv_line, send_line
+from .protocol import Inbox, PeerError, ProtocolError, connect, recv_line, send_line
 from .settings import settings
 from .version import __version__
 
@@ -42,7 +42,7 @@ class _Link:
     def __init__(self, pool_socket: socket.socket) -> None:
         self.pool = pool_socket
         self.buf = bytearray()
-        self.workers: dict[tuple[str, int], tuple[socket.socket, bytearray]] = {}
+        self.workers: dict[tuple[str, int], tuple[socket.socket, Inbox]] = {}
 
     def close(self) -> None:
         for sock, _ in self.workers.values():
@@ -306,14 +306,16 @@ class Session:
         self._ended = False
         self._ids = 0
 
-    def _worker(self) -> tuple[socket.socket, bytearray]:
+    def _worker(self) -> tuple[socket.socket, Inbox]:
         link = self.pool._link()
         key = (self.lease["socket"], self.pid)
         cached = link.workers.get(key)
         if cached is None:
             for old in [k for k in link.workers if k[0] == key[0]]:
                 link.workers.pop(old)[0].close()
-            cached = link.workers[key] = (connect(self.lease["socket"]), bytearray())
+            config = settings()
+            inbox = Inbox(config.max_attachment_bytes, config.attach_min_bytes)
+            cached = link.workers[key] = (connect(self.lease["socket"]), inbox)
         return cached
 
     def _forget_worker(self) -> None:
@@ -330,8 +332,8 @@ class Session:
         try:
             sock, buf = self._worker()
             sock.settimeout(timeout)
-            send_line(sock, {"op": "predict", "id": self._ids, "payload": payload})
-            reply = recv_line(sock, buf)
+            # Arrays in the payload and the result travel beside the line (arrays.py).
+            reply = arrays.exchange(sock, buf, {"op": "predict", "id": self._ids, "payload": payload})
             if reply is None:
                 raise ConnectionResetError("the worker closed the connection without a reply")
         except PeerError as exc:

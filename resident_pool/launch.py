@@ -25,7 +25,7 @@ from .settings import settings
 from .supervisor import Admitter, BuildCommand, ResidentWorker
 from .trust import check_trusted
 from .weights import HashCache, WeightsReport, verify_weights
-from .worker_process import PROTOCOL_PATH, WORKER_BASE_PATH, Launch
+from .worker_process import ARRAYS_PATH, PROTOCOL_PATH, WORKER_BASE_PATH, Launch
 
 __all__ = [
     "LaunchPlan",
@@ -177,6 +177,8 @@ class LaunchPlan:
         env["RESIDENT_POOL_HEARTBEAT_STALE_S"] = f"{config.heartbeat_stale_s:g}"
         if config.no_cublas_release:
             env["RESIDENT_POOL_NO_CUBLAS_RELEASE"] = "1"
+        env["RESIDENT_POOL_ATTACH_MIN_BYTES"] = str(config.attach_min_bytes)
+        env["RESIDENT_POOL_MAX_ATTACHMENT_BYTES"] = str(config.max_attachment_bytes)
         if heartbeat:
             env["RESIDENT_POOL_HEARTBEAT"] = heartbeat
         if device is not None:
@@ -193,6 +195,7 @@ class LaunchPlan:
                  Bind(str(work), str(work), False, "work_root"),
                  Bind(str(manifest.directory), str(manifest.directory), True, "the manifest's folder"),
                  Bind(PROTOCOL_PATH, PROTOCOL_PATH, True, "resident_pool's protocol.py"),
+                 Bind(ARRAYS_PATH, ARRAYS_PATH, True, "resident_pool's arrays.py"),
                  Bind(WORKER_BASE_PATH, WORKER_BASE_PATH, True, "resident_pool's worker_base.py")]
         if not manifest.worker_path.is_relative_to(manifest.directory):
             binds.append(Bind(str(manifest.worker_path), str(manifest.worker_path), True, "worker"))

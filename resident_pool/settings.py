@@ -62,6 +62,11 @@ class Settings(BaseSettings):
     artifact_tail_lines: int = Field(20, ge=0, description="transcript lines in a Prefect failure artifact")
     no_cublas_release: bool = Field(False, description="passed to workers: turns off the cuBLAS workspace release "
                                     "after each prediction")
+    attach_min_bytes: int = Field(64 * 1024, ge=0, description="arrays and bytes of at least this size travel "
+                                  "beside the line as attachments; smaller ones inline, as base64 (the worker "
+                                  "reads it too)")
+    max_attachment_bytes: int = Field(4 * 1024**3, ge=0, description="the largest attachment a receiver maps; "
+                                      "a sender checks the receiver's cap first (the worker reads it too)")
 
 
 def settings() -> Settings:

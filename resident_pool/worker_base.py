@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["load_protocol", "release_cublas_workspaces", "serve"]
+__all__ = ["load_arrays", "load_protocol", "release_cublas_workspaces", "serve"]
 
 DEFAULT_ORPHAN_GRACE_S = 120.0
 DEFAULT_HEARTBEAT_STALE_S = 30.0
@@ -79,6 +79,28 @@ def load_protocol():
     return module
 
 
+def load_arrays():
+    """The arrays module (arrays beside the line, as attachments), found beside protocol.py.
+
+    None where it is not there (a container that binds only protocol.py and
+    worker_base.py): the worker then speaks plain JSON, arrays as lists.
+    """
+    if __package__:
+        from . import arrays
+
+        return arrays
+    module = sys.modules.get("resident_pool_arrays")
+    if module is None:
+        path = os.path.join(os.path.dirname(os.path.abspath(load_protocol().__file__)), "arrays.py")
+        if not os.path.isfile(path):
+            return None
+        spec = importlib.util.spec_from_file_location("resident_pool_arrays", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["resident_pool_arrays"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
 def release_cublas_workspaces() -> int:
     """Free torch's per-(handle, stream) cuBLAS workspaces; returns bytes freed.
 
@@ -127,6 +149,8 @@ def _readable(exc: BaseException) -> str:
 class _Server:
     def __init__(self, slug, socket_path, on_predict, ready, on_reset, log, orphan_grace_s, release_cublas):
         self.protocol = load_protocol()
+        self.arrays = load_arrays()
+        self.attach_min_bytes, self.max_attachment_bytes = self.arrays.limits() if self.arrays else (0, 0)
         self.slug = slug
         self.socket_path = os.fspath(socket_path)
         self.on_predict = on_predict
@@ -142,12 +166,16 @@ class _Server:
         self.last_request = _PROCESS_STARTED
         self.served = 0
         self.stopping = False
+        self._held_payload = None
 
     # -- the loop ----------------------------------------------------------
     def run(self) -> None:
         listener = self.protocol.bind_unix(self.socket_path)
         self.socket_inode = os.stat(self.socket_path).st_ino
         self.log(f"listening on {self.socket_path} (pid {os.getpid()})")
+        if self.arrays is None:
+            self.log("arrays.py is not beside protocol.py here: arrays go as JSON lists, not attachments "
+                     "(bind it into the container beside protocol.py)")
         # Many clients may connect, but requests run one at a time in this
         # thread: one CUDA context never interleaves two requests, and a client
         # that connects and says nothing cannot wedge the others.
@@ -174,6 +202,8 @@ class _Server:
         finally:
             for key in list(self.selector.get_map().values()):
                 key.fileobj.close()
+                if key.data is not None:
+                    key.data.close_fds()
             self.selector.close()
             self._unlink_socket()
 
@@ -184,25 +214,30 @@ class _Server:
             return
         # A reader that stops reading must not block the worker forever.
         conn.settimeout(_SEND_TIMEOUT_S)
-        self.selector.register(conn, selectors.EVENT_READ, bytearray())
+        inbox = self.protocol.Inbox(self.max_attachment_bytes, self.attach_min_bytes)
+        self.selector.register(conn, selectors.EVENT_READ, inbox)
 
     def _close(self, conn: socket.socket) -> None:
-        self.selector.unregister(conn)
+        self.selector.unregister(conn).data.close_fds()
         conn.close()
 
-    def _read(self, conn: socket.socket, buf: bytearray) -> None:
+    def _read(self, conn: socket.socket, inbox) -> None:
+        # The inbox queues the descriptors that came with each line (arrays sent
+        # as attachments); each is closed once that line's reply is sent.
         try:
-            chunk = conn.recv(self.protocol.RECV_CHUNK)
+            got = self.protocol.fill(conn, inbox)
+        except self.protocol.ProtocolError as exc:
+            self._reply(conn, {"ok": False, "error": f"bad request line: {exc}", "reason": "bad_request"})
+            got = 0
         except OSError:
-            chunk = b""
-        if not chunk:
+            got = 0
+        if not got:
             self._close(conn)
             return
-        scan_from = len(buf)
-        buf += chunk
+        scan_from = len(inbox) - got
         while not self.stopping:
             try:
-                request = self.protocol.pop_line(buf, scan_from=scan_from)
+                message = self.protocol.pop_message(inbox, scan_from=scan_from)
             except self.protocol.ProtocolError as exc:
                 self._reply(conn, {"ok": False, "error": f"bad request line: {exc}", "reason": "bad_request"})
                 if exc.recoverable:
@@ -210,11 +245,16 @@ class _Server:
                     continue
                 self._close(conn)
                 return
-            if request is None:
+            if message is None:
                 return
             scan_from = 0
-            reply = self._handle(request, conn)
-            if not self._reply(conn, reply):
+            try:
+                reply = self._handle(message.obj, conn, inbox, message)
+                sent = self._reply(conn, reply, inbox, message.attachments)
+            finally:
+                message.close()
+                self._held_payload = None  # its mappings are unmapped now, after the reply
+            if not sent:
                 self._close(conn)
                 return
 
@@ -223,9 +263,16 @@ class _Server:
             return False
         return self.watchdog.gone()
 
-    def _reply(self, conn: socket.socket, reply: dict[str, Any]) -> bool:
+    def _reply(self, conn: socket.socket, reply: dict[str, Any], inbox=None, received=()) -> bool:
+        """Send ``reply``; its arrays go as attachments to a client that asked for them (else as lists)."""
+        fresh = None
         try:
-            self.protocol.send_line(conn, reply)
+            if self.arrays is None:
+                raw, fds = self.protocol.encode_line(reply), []
+            else:
+                raw, fds, fresh = self.arrays.encode(reply, inbox.peer if inbox is not None else None,
+                                                     self.attach_min_bytes, received)
+            self.protocol.send_raw(conn, raw, fds)
         except (ValueError, TypeError) as exc:
             # The result itself cannot cross the wire (NaN, a set, over the cap).
             fallback = {"ok": False, "reason": "request_failed", "id": reply.get("id"),
@@ -233,10 +280,13 @@ class _Server:
             return self._reply(conn, fallback)
         except OSError:
             return False
+        finally:
+            if fresh is not None:
+                os.close(fresh)
         return True
 
     # -- ops ---------------------------------------------------------------
-    def _handle(self, request: dict[str, Any], conn: socket.socket) -> dict[str, Any]:
+    def _handle(self, request: dict[str, Any], conn: socket.socket, inbox=None, message=None) -> dict[str, Any]:
         op = request.get("op")
         request_id = request.get("id")
         if op == "ping":
@@ -250,23 +300,30 @@ class _Server:
                 except Exception as exc:  # noqa: BLE001 - a broken ready() is reported, never fatal to a loaded model
                     reply["ready_error"] = f"{type(exc).__name__}: {exc}"
                 reply.update({"ok": True, "id": request_id})
+            offer = self._negotiate(request, inbox)
+            if offer:
+                reply["attachments"] = offer
             return reply
         if op == "predict":
-            return self._predict(request, conn)
+            return self._predict(request, conn, message)
         if op == "shutdown":
             self.stopping = True
             return {"ok": True, "id": request_id, "stopping": True}
         return {"ok": False, "id": request_id, "reason": "unknown_op",
                 "error": f"unknown op {op!r}; expected one of {', '.join(self.protocol.OPS)}"}
 
-    def _predict(self, request: dict[str, Any], conn: socket.socket) -> dict[str, Any]:
+    def _predict(self, request: dict[str, Any], conn: socket.socket, message=None) -> dict[str, Any]:
         request_id = request.get("id")
+        try:
+            payload = self._payload(request, message)
+        except self._array_errors as exc:
+            return {"ok": False, "id": request_id, "reason": "bad_request", "error": f"bad request: {exc}"}
         started = time.monotonic()
         self.last_request = started
         try:
             if self.on_reset is not None:
                 self.on_reset()
-            result = self.on_predict(request.get("payload"))
+            result = self.on_predict(payload)
         except Exception as exc:  # noqa: BLE001 - any Exception is the request's failure, not the worker's
             self.log(f"request failed: {type(exc).__name__}: {exc}")
             return {"ok": False, "id": request_id, "reason": "request_failed",
@@ -295,6 +352,29 @@ class _Server:
             else:
                 reply["cublas_workspaces_freed_mib"] = freed_mib
         return reply
+
+    # -- arrays beside the line ------------------------------------------------
+    @property
+    def _array_errors(self) -> tuple[type[Exception], ...]:
+        return (self.arrays.ArrayError,) if self.arrays else ()
+
+    def _negotiate(self, request: dict[str, Any], inbox) -> dict[str, Any] | None:
+        """Record whether this connection's client takes attachments; this worker's offer, if it makes one."""
+        if self.arrays is None:
+            return None
+        if inbox is not None:
+            inbox.peer = self.arrays.accepted(request.get("attachments"))
+        return {"version": self.arrays.VERSION, "max_bytes": self.max_attachment_bytes}
+
+    def _payload(self, request: dict[str, Any], message) -> Any:
+        """The request's payload with its array references read (numpy arrays where numpy imports)."""
+        payload = request.get("payload")
+        if message is None or not message.references or self.arrays is None:
+            return payload
+        # Held until the reply is sent: unmapping a large payload (freeing its
+        # pages) is then no longer on the caller's clock.
+        self._held_payload = self.arrays.decode(payload, message.attachments)
+        return self._held_payload
 
     def _release(self) -> int:
         if not self.release_cublas:

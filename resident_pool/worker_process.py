@@ -32,12 +32,14 @@ from .protocol import (
 )
 from .transcripts import Transcript, read_tail, render_tail
 
-__all__ = ["HEARTBEAT_INTERVAL_S", "PROTOCOL_PATH", "WORKER_BASE_PATH", "Launch", "WorkerProcess", "env_for"]
+__all__ = ["ARRAYS_PATH", "HEARTBEAT_INTERVAL_S", "PROTOCOL_PATH", "WORKER_BASE_PATH", "Launch", "WorkerProcess",
+           "env_for"]
 
 log = logging.getLogger("resident_pool.worker_process")
 
 PROTOCOL_PATH = str(Path(__file__).with_name("protocol.py"))
 WORKER_BASE_PATH = str(Path(__file__).with_name("worker_base.py"))
+ARRAYS_PATH = str(Path(__file__).with_name("arrays.py"))  # found beside protocol.py by the worker
 # How often the owner refreshes a worker's heartbeat; workers judge it stale after
 # RESIDENT_POOL_HEARTBEAT_STALE_S (30 s by default), so a busy owner may miss a few.
 HEARTBEAT_INTERVAL_S = 2.0

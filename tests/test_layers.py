@@ -13,7 +13,7 @@ PACKAGE = Path(resident_pool.__file__).parent
 
 # Bottom to top. A module may import only from its own layer or below.
 LAYERS = [
-    {"states", "exits", "protocol", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden"},
+    {"states", "exits", "protocol", "arrays", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden"},
     {"errors"},
     {"settings"},
     {"trust"},
@@ -26,7 +26,7 @@ LAYERS = [
     {"cli", "prefect", "__init__", "__main__"},
 ]
 # Standard library only: loaded by path inside the model's own environment.
-STANDALONE = {"protocol", "worker_base", "kit_probe", "env_probe"}
+STANDALONE = {"protocol", "arrays", "worker_base", "kit_probe", "env_probe"}
 
 
 def _layer(module: str) -> int:

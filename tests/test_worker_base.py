@@ -23,9 +23,17 @@ def raw_worker():
     env = {**os.environ, "RESIDENT_POOL_PROTOCOL": PROTOCOL_PATH, "RESIDENT_POOL_WORKER_BASE": WORKER_BASE_PATH}
     with subprocess.Popen([sys.executable, str(TEST_WORKER), socket_path], env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
-        wait_until(lambda: os.path.exists(socket_path), message="the worker's socket")
+        # The path exists from bind(), a moment before listen(): wait for an answer, not a file.
+        wait_until(lambda: _answers(socket_path), message="the worker to answer on its socket")
         yield socket_path, proc
         proc.kill()
+
+
+def _answers(socket_path):
+    try:
+        return _ask(socket_path, {"op": "ping", "id": 0})["ok"]
+    except (FileNotFoundError, ConnectionRefusedError):
+        return False
 
 
 def _ask(socket_path, message):

@@ -2,9 +2,12 @@
 
 argv: <socket> <weights_root>. Payload: {"inputs": [str, ...]}; result:
 {"items": [{"embedding": [...384 floats], "tokens": n, "truncated": bool}], ...}.
-With "encoding": "float32-base64" each item carries "embedding_f32" instead: the
-384 float32 values, little-endian, base64; JSON's float text costs more than
-the model itself for large batches.
+With "encoding": "array" the result is {"embeddings": float32 array [n, 384],
+"items": [{"tokens": n, "truncated": bool}], ...}: the array travels beside the
+line as an attachment, and the client gets a numpy array. With "encoding":
+"float32-base64" each item carries "embedding_f32" instead: the 384 float32
+values, little-endian, base64. JSON's float text costs more than the model
+itself for large batches.
 """
 
 import base64
@@ -30,6 +33,7 @@ def main():
     socket_path, weights_root = sys.argv[1], sys.argv[2]
     worker_base = load_worker_base()
     started = time.monotonic()
+    import numpy
     import torch
     from sentence_transformers import SentenceTransformer
 
@@ -48,6 +52,12 @@ def main():
             return {"items": [], "dim": 384}
         tokens = [len(ids) for ids in model.tokenizer(inputs, add_special_tokens=True)["input_ids"]]
         vectors = model.encode(inputs, batch_size=int(payload.get("batch_size", 32)), normalize_embeddings=True)
+        if payload.get("encoding") == "array":
+            # One float32 [n, 384] array: it travels beside the line as an
+            # attachment (a list of floats to a client that did not ask for arrays).
+            items = [{"tokens": count, "truncated": count > max_tokens} for count in tokens]
+            return {"embeddings": numpy.ascontiguousarray(vectors, dtype=numpy.float32), "items": items,
+                    "dim": int(vectors.shape[1]), "pid": os.getpid(), "device": device}
         if payload.get("encoding") == "float32-base64":
             items = [
                 {"embedding_f32": base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii"),

@@ -1,0 +1,441 @@
+"""Arrays in messages: numpy arrays and bytes travel beside the JSON line, as sealed memfds.
+
+Standard library only, like protocol.py beside it: a worker loads this file by
+path inside the model's own environment. numpy is used where it is importable;
+without it an array arrives as an ``Array``.
+
+In a line, an array is a reference: ``{"$buffer": 0, "dtype": "float32",
+"shape": [1000, 1000], "offset": 0}`` names bytes in the message's attachment 0;
+one under the threshold rides inline as ``{"$base64": "...", "dtype": ...,
+"shape": [...]}``. ``bytes`` are dtype "bytes". A peer that did not say in its
+ping that it takes attachments gets plain JSON instead: arrays as nested lists,
+bytes as base64 text.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import importlib.util
+import json
+import math
+import os
+import struct
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["DTYPES", "Array", "ArrayError", "decode", "encode", "exchange", "limits", "negotiate", "plain"]
+
+VERSION = 1
+# Name -> itemsize. Native byte order (little-endian on every host the pool runs on).
+DTYPES = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,
+          "uint64": 8, "float16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16}
+BYTES = "bytes"
+MIN_BYTES_VARIABLE = "RESIDENT_POOL_ATTACH_MIN_BYTES"
+MAX_BYTES_VARIABLE = "RESIDENT_POOL_MAX_ATTACHMENT_BYTES"
+_ALIGN = 64  # each packed array starts on a cache line
+_MAX_DIMS = 32
+# memoryview.cast formats; float16 and the complex types are unpacked with struct.
+_FORMATS = {"bool": "?", "int8": "b", "uint8": "B", "int16": "h", "uint16": "H", "int32": "i", "uint32": "I",
+            "int64": "q", "uint64": "Q", "float32": "f", "float64": "d"}
+_STRUCT = {"float16": "e", "complex64": "ff", "complex128": "dd"}
+
+
+def _load_protocol():
+    if __package__:
+        from . import protocol
+
+        return protocol
+    module = sys.modules.get("resident_pool_protocol")  # worker_base loaded it first
+    if module is None:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "protocol.py")
+        spec = importlib.util.spec_from_file_location("resident_pool_protocol", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["resident_pool_protocol"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+protocol = _load_protocol()
+
+
+class ArrayError(ValueError):
+    """A reference in a message that names no array this message carries."""
+
+
+def limits(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(attach_min_bytes, max_attachment_bytes) from the environment, or their defaults.
+
+    For the worker, which has no settings module; a client takes them from ``settings()``.
+    """
+    environ = os.environ if environ is None else environ
+    values = []
+    for name, default in ((MIN_BYTES_VARIABLE, protocol.ATTACH_MIN_BYTES),
+                          (MAX_BYTES_VARIABLE, protocol.MAX_ATTACHMENT_BYTES)):
+        text = environ.get(name)
+        try:
+            value = default if text is None or not text.strip() else int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ValueError(f"{name}={text!r} is not a size in bytes; unset it or give a whole number")
+        values.append(value)
+    return values[0], values[1]
+
+
+_numpy_missing = False
+
+
+def _numpy():
+    """numpy if importable here (imported on first need), else None."""
+    global _numpy_missing  # noqa: PLW0603 - one failed import is remembered, not retried per array
+    module = sys.modules.get("numpy")
+    if module is not None or _numpy_missing:
+        return module
+    try:
+        import numpy
+    except ImportError:
+        _numpy_missing = True
+        return None
+    return numpy
+
+
+class Array:
+    """An array without numpy: C-order bytes in native byte order, a dtype name and a shape.
+
+    What a receiver gets where numpy is not importable; ``numpy.asarray`` takes
+    it without a copy. It pickles as its bytes.
+    """
+
+    __slots__ = ("_origin", "data", "dtype", "shape")
+
+    def __init__(self, data: Any, dtype: str, shape: Any) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        shape = tuple(int(n) for n in shape)
+        view = memoryview(data).cast("B")
+        if len(view) != DTYPES[dtype] * math.prod(shape):
+            raise ValueError(f"{len(view)} bytes cannot hold a {dtype} array of shape {list(shape)}")
+        self.data = view.toreadonly()
+        self.dtype = dtype
+        self.shape = shape
+        self._origin: tuple[Any, int] | None = None  # (attachment, offset) it was read from
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def tobytes(self) -> bytes:
+        return self.data.tobytes()
+
+    def tolist(self) -> Any:
+        """Nested lists of Python numbers, as numpy's ``tolist``."""
+        if self.dtype in _FORMATS:
+            flat = self.data.cast(_FORMATS[self.dtype]).tolist()
+        else:
+            code = _STRUCT[self.dtype]
+            values = struct.iter_unpack(code, self.data)
+            flat = [v[0] for v in values] if len(code) == 1 else [complex(*v) for v in values]
+        return _nest(flat, self.shape)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        numpy = sys.modules.get("numpy")  # whoever asks for __array__ imported it
+        if numpy is None:
+            raise TypeError("numpy is not imported here")
+        array = numpy.frombuffer(self.data, dtype=self.dtype).reshape(self.shape)
+        return array if dtype is None else array.astype(dtype)
+
+    def __reduce__(self):
+        return (Array, (self.tobytes(), self.dtype, list(self.shape)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Array):
+            return NotImplemented
+        return (self.dtype, self.shape) == (other.dtype, other.shape) and self.data == other.data
+
+    __hash__ = None  # type: ignore[assignment] # equal by content, and content is not hashed
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d array")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"Array(dtype={self.dtype!r}, shape={list(self.shape)}, nbytes={self.nbytes})"
+
+
+# -- sending ---------------------------------------------------------------------
+class _Encoder:
+    """json's ``default`` hook: each array or bytes becomes a reference (or plain JSON, for a peer without them)."""
+
+    def __init__(self, peer: Mapping[str, Any] | None, min_bytes: int, received: list[Any]) -> None:
+        self.accept = bool(peer)
+        self.max_bytes = int(peer.get("max_bytes", protocol.MAX_ATTACHMENT_BYTES)) if peer else 0
+        self.min_bytes = min_bytes
+        self.received = received
+        self.numpy = sys.modules.get("numpy")  # an ndarray can only exist if numpy was imported
+        self.sizes: list[int] = []  # per attachment
+        self.fds: list[int] = []  # per attachment; -1 for the fresh memfd, made once the line is encoded
+        self.passed: dict[int, int] = {}  # id(received attachment) -> its index here
+        self.fresh_index: int | None = None
+        self.parts: list[tuple[int, memoryview]] = []
+        self.fresh_size = 0
+
+    def default(self, value: Any) -> Any:
+        numpy = self.numpy
+        if numpy is not None and isinstance(value, numpy.ndarray):
+            if not self.accept:
+                return value.tolist()
+            return self._reference(value, *self._numpy_parts(value))
+        if numpy is not None and isinstance(value, numpy.generic):
+            return value.item()
+        if isinstance(value, Array):
+            return self._reference(value, value.data, value.dtype, value.shape) if self.accept else value.tolist()
+        if isinstance(value, bytes | bytearray | memoryview):
+            data = memoryview(value)
+            data = data.cast("B") if data.c_contiguous else memoryview(data.tobytes())
+            if not self.accept:
+                return base64.b64encode(data).decode("ascii")
+            return self._reference(value, data, BYTES, (len(data),))
+        raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+    def _numpy_parts(self, value: Any) -> tuple[memoryview, str, tuple[int, ...]]:
+        name = value.dtype.name
+        if name not in DTYPES:
+            raise TypeError(f"a numpy array of dtype {value.dtype} cannot be sent; the protocol carries "
+                            f"{', '.join(DTYPES)} (convert it, or send .tolist())")
+        if not value.dtype.isnative:
+            value = value.astype(value.dtype.newbyteorder("="))
+        if not value.flags.c_contiguous:
+            value = self.numpy.ascontiguousarray(value)
+        return memoryview(value.reshape(-1).view(self.numpy.uint8)), name, value.shape
+
+    def _reference(self, value: Any, data: memoryview, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
+        nbytes = len(data)
+        if nbytes < self.min_bytes:
+            return {"$base64": base64.b64encode(data).decode("ascii"), "dtype": dtype, "shape": list(shape)}
+        passed = self._passed_on(value, nbytes)
+        if passed is not None:
+            index, offset = passed
+            return {"$buffer": index, "dtype": dtype, "shape": list(shape), "offset": offset}
+        offset = -(-self.fresh_size // _ALIGN) * _ALIGN
+        if offset + nbytes > self.max_bytes:
+            raise ValueError(f"the arrays of this message add up to {offset + nbytes} bytes, over the receiver's "
+                             f"attachment cap of {self.max_bytes} bytes ({MAX_BYTES_VARIABLE}); "
+                             "send them in several requests")
+        if self.fresh_index is None:
+            self.fresh_index = self._slot(-1, 0)
+        self.parts.append((offset, data))
+        self.fresh_size = offset + nbytes
+        self.sizes[self.fresh_index] = self.fresh_size
+        return {"$buffer": self.fresh_index, "dtype": dtype, "shape": list(shape), "offset": offset}
+
+    def _slot(self, fd: int, size: int) -> int:
+        if len(self.sizes) >= protocol.MAX_ATTACHMENTS:
+            raise ValueError(f"a message carries at most {protocol.MAX_ATTACHMENTS} attachments")
+        self.sizes.append(size)
+        self.fds.append(fd)
+        return len(self.sizes) - 1
+
+    def _passed_on(self, value: Any, nbytes: int) -> tuple[int, int] | None:
+        """Where ``value`` lies wholly in a received (sealed, so unchanged) attachment: pass that one on."""
+        if not self.received:
+            return None
+        if isinstance(value, Array):
+            if value._origin is None:
+                return None
+            attachment, offset = value._origin
+        elif self.numpy is not None and isinstance(value, self.numpy.ndarray) and value.flags.c_contiguous:
+            owner = _owner(value)
+            attachment = next((a for a in self.received if _owner(a.buffer) is owner and a.size), None)
+            if attachment is None:
+                return None
+            if attachment.address is None:  # a copy read instead of a mapping
+                attachment.address = self.numpy.frombuffer(attachment.buffer, self.numpy.uint8).ctypes.data
+            offset = value.ctypes.data - attachment.address
+        else:
+            return None
+        if attachment.fd < 0 or not 0 <= offset <= attachment.size - nbytes or not any(
+                attachment is a for a in self.received):
+            return None
+        index = self.passed.get(id(attachment))
+        if index is None:
+            index = self.passed[id(attachment)] = self._slot(attachment.fd, attachment.size)
+        return index, offset
+
+
+def _nest(flat: list[Any], shape: tuple[int, ...]) -> Any:
+    if not shape:
+        return flat[0]
+
+    def build(dims: tuple[int, ...], start: int) -> list[Any]:
+        if len(dims) == 1:
+            return flat[start:start + dims[0]]
+        step = math.prod(dims[1:])
+        return [build(dims[1:], start + i * step) for i in range(dims[0])]
+
+    return build(shape, 0)
+
+
+def _owner(value: Any) -> Any:
+    """The object that owns ``value``'s memory: past numpy views and memoryviews."""
+    while getattr(value, "base", None) is not None and not isinstance(value, memoryview):
+        value = value.base
+    return value.obj if isinstance(value, memoryview) else value
+
+
+def encode(message: dict[str, Any], peer: Mapping[str, Any] | None, min_bytes: int = protocol.ATTACH_MIN_BYTES,
+           received: Sequence[Any] = ()) -> tuple[bytes, list[int], int | None]:
+    """The line for ``message``, the descriptors to send beside it, and the fresh memfd to close once sent.
+
+    ``peer`` is what the other side said in its ping (falsy: plain JSON only).
+    ``received`` are this request's attachments, which a reply may pass on.
+    A message without arrays encodes exactly as ``protocol.encode_line``.
+    """
+    encoder = _Encoder(peer, min_bytes, list(received))
+    text = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=encoder.default)
+    if encoder.sizes:
+        text = f'{text[:-1]}{"," if len(text) > 2 else ""}"buffers":{json.dumps(encoder.sizes)}}}'
+    raw = text.encode("utf-8") + b"\n"
+    if len(raw) > protocol.MAX_LINE_BYTES:
+        raise ValueError(f"message is {len(raw)} bytes, over the protocol cap of {protocol.MAX_LINE_BYTES} bytes; "
+                         "send large data as numpy arrays or bytes (they travel beside the line)")
+    fresh = None
+    if encoder.fresh_index is not None:
+        try:
+            fresh = protocol.seal_memfd(encoder.parts, encoder.fresh_size)
+        except OSError as exc:  # out of memory or descriptors: this message's failure, not the socket's
+            raise ValueError(f"could not put {encoder.fresh_size} bytes of arrays in a memfd: {exc}") from exc
+        encoder.fds[encoder.fresh_index] = fresh
+    return raw, encoder.fds, fresh
+
+
+def plain(value: Any) -> Any:
+    """A ``default`` for ``json.dumps``: arrays as nested lists, bytes as base64 text."""
+    return _Encoder(None, 0, []).default(value)
+
+
+# -- receiving -------------------------------------------------------------------
+def decode(value: Any, attachments: list[Any]) -> Any:
+    """``value`` with each reference replaced by the array (or bytes) it names; read in place, never copied.
+
+    Raises ArrayError for a reference that names no attachment of this message,
+    an unknown dtype, or bytes past the attachment's end.
+    """
+    numpy = _numpy()
+    if _is_reference(value):
+        return _build(value, attachments, numpy)
+    stack = [value]
+    while stack:  # iterative: a deep payload must not exhaust the stack
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, item in items:
+            if _is_reference(item):
+                node[key] = _build(item, attachments, numpy)
+            elif isinstance(item, dict | list):
+                stack.append(item)
+    return value
+
+
+def _is_reference(value: Any) -> bool:
+    return isinstance(value, dict) and ("$buffer" in value or "$base64" in value)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _build(reference: dict[str, Any], attachments: list[Any], numpy: Any) -> Any:
+    dtype, shape = reference.get("dtype"), reference.get("shape")
+    if dtype != BYTES and dtype not in DTYPES:
+        raise ArrayError(f"array reference names dtype {dtype!r}; the protocol carries {', '.join(DTYPES)}, bytes")
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_int(n) and n >= 0 for n in shape):
+        raise ArrayError(f"array reference has shape {shape!r}; a shape is a list of at most {_MAX_DIMS} sizes")
+    itemsize = 1 if dtype == BYTES else DTYPES[dtype]
+    count = math.prod(shape)
+    nbytes = count * itemsize
+    attachment = None
+    if "$buffer" in reference:
+        index, offset = reference["$buffer"], reference.get("offset", 0)
+        if not _int(index) or not 0 <= index < len(attachments):
+            raise ArrayError(f"array reference names attachment {index!r}, but the message carried "
+                             f"{len(attachments)}")
+        attachment = attachments[index]
+        if not _int(offset) or offset < 0 or offset % itemsize or offset + nbytes > attachment.size:
+            raise ArrayError(f"array reference reads {nbytes} bytes at offset {offset!r} of attachment {index}, "
+                             f"which holds {attachment.size}")
+        buffer = attachment.buffer
+    else:
+        text = reference["$base64"]
+        try:
+            buffer = base64.b64decode(text, validate=True) if isinstance(text, str) else None
+        except binascii.Error:
+            buffer = None
+        if buffer is None or len(buffer) != nbytes:
+            raise ArrayError(f"inline array is not {nbytes} bytes of base64 for a {dtype} array of shape {shape}")
+        offset = 0
+    if dtype == BYTES:
+        return bytes(memoryview(buffer)[offset:offset + nbytes])
+    if numpy is not None:
+        return numpy.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
+    array = Array(memoryview(buffer)[offset:offset + nbytes], dtype, shape)
+    if attachment is not None:
+        array._origin = (attachment, offset)
+    return array
+
+
+# -- the client's half of a request --------------------------------------------------
+def negotiate(sock: Any, inbox: Any) -> None:
+    """Ask the peer (a ping on this connection) whether it takes attachments; record its answer on ``inbox``.
+
+    Tells the peer this side's cap (``inbox.max_attachment_bytes``).
+    """
+    protocol.send_line(sock, {"op": "ping", "id": "attachments",
+                              "attachments": {"version": VERSION, "max_bytes": inbox.max_attachment_bytes}})
+    reply = protocol.recv_message(sock, inbox)
+    if reply is None:
+        raise ConnectionResetError("the worker closed the connection before answering the attachments ping")
+    reply.close()
+    inbox.peer = accepted(reply.obj.get("attachments"))
+
+
+def accepted(offer: Any) -> dict[str, Any]:
+    """The peer's attachments offer if it is one this side speaks, else {} (plain JSON only)."""
+    if isinstance(offer, dict) and _int(offer.get("version")) and offer["version"] >= VERSION and _int(
+            offer.get("max_bytes", 0)):
+        return offer
+    return {}
+
+
+def exchange(sock: Any, inbox: Any, message: dict[str, Any]) -> dict[str, Any] | None:
+    """Send a request and return its reply, arrays in place; None when the peer closed instead.
+
+    The first call on a connection negotiates (``negotiate``): arrays travel as
+    attachments only to a worker that said it takes them.
+    """
+    if inbox.peer is None:
+        negotiate(sock, inbox)
+    raw, fds, fresh = encode(message, inbox.peer, inbox.attach_min_bytes)
+    try:
+        protocol.send_raw(sock, raw, fds)
+    finally:
+        if fresh is not None:
+            os.close(fresh)
+    reply = protocol.recv_message(sock, inbox)
+    if reply is None:
+        return None
+    try:
+        return decode(reply.obj, reply.attachments) if reply.references else reply.obj
+    except ArrayError as exc:
+        raise protocol.ProtocolError(f"the reply's arrays cannot be read: {exc}", recoverable=True) from None
+    finally:
+        reply.close()

@@ -1,0 +1,574 @@
+"""Arrays beside the line: sealed memfds passed with SCM_RIGHTS, checked, mapped, matched to their line."""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import hashlib
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import WORKERS, wait_until
+from hypothesis import given
+from hypothesis import strategies as st
+from providers import write_provider
+
+from resident_pool import Pool, WorkerRequestError, arrays, paths, protocol
+from resident_pool.arrays import DTYPES, Array
+from resident_pool.protocol import Inbox, ProtocolError, recv_message, send_line, send_raw
+from resident_pool.supervisor import PROTOCOL_PATH, WORKER_BASE_PATH
+
+ARRAY_WORKER = WORKERS / "arrayworker.py"
+PEER = {"version": arrays.VERSION, "max_bytes": protocol.MAX_ATTACHMENT_BYTES}
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+
+
+@pytest.fixture
+def pair():
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    yield left, right
+    left.close()
+    right.close()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def random_array(dtype: str, shape, seed: int = 0):
+    """Every bit pattern is fair game (NaN payloads, negative zero, subnormals): compare bytes, not values."""
+    count = int(np.prod(shape))
+    raw = np.random.default_rng(seed).integers(0, 256, count * DTYPES[dtype], dtype=np.uint8)
+    if dtype == "bool":
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def send(sock, message, peer=PEER, received=()):
+    raw, fds, fresh = arrays.encode(message, peer, received=received)
+    try:
+        send_raw(sock, raw, fds)
+    finally:
+        if fresh is not None:
+            os.close(fresh)
+    return raw, fds
+
+
+def receive(sock, inbox=None):
+    message = recv_message(sock, inbox if inbox is not None else Inbox())
+    try:
+        return arrays.decode(message.obj, message.attachments), message
+    finally:
+        message.close()
+
+
+def memfd(data: bytes, seals: int = SEALS | fcntl.F_SEAL_SEAL) -> int:
+    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, data)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def send_with_fds(sock, obj, fds):
+    sock.sendmsg([protocol.encode_line(obj)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+
+
+# -- the wire, between two sockets -------------------------------------------------
+@pytest.mark.parametrize("dtype", [*DTYPES, "bytes"])
+@pytest.mark.parametrize("size", ["inline", "attached"])
+def test_every_dtype_round_trips_bit_exact(pair, dtype, size):
+    left, right = pair
+    shape = (3, 5) if size == "inline" else (300, 257)  # 1-byte dtypes too are over 64 KiB
+    value = random_array("uint8", (int(np.prod(shape)),)).tobytes() if dtype == "bytes" else \
+        random_array(dtype, shape)
+    _, fds = send(left, {"op": "predict", "payload": {"x": value, "zero_d": np.float64(-0.0)}})
+    assert (len(fds) == 1) == (size == "attached")
+    got, _ = receive(right)
+    back = got["payload"]["x"]
+    if dtype == "bytes":
+        assert type(back) is bytes and back == value
+    else:
+        assert isinstance(back, np.ndarray) and back.dtype == value.dtype and back.shape == value.shape
+        assert back.tobytes() == value.tobytes()
+        assert not back.flags.writeable  # read in place from the sealed mapping
+    assert json.dumps(got["payload"]["zero_d"]) == "-0.0"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_without_numpy_the_receiver_gets_an_array_object_that_round_trips_and_pickles(pair, dtype, monkeypatch):
+    left, right = pair
+    value = random_array(dtype, (130, 140), seed=1)
+    send(left, {"op": "predict", "payload": value})
+    monkeypatch.setattr(arrays, "_numpy", lambda: None)
+    got, _ = receive(right)
+    payload = got["payload"]
+    assert isinstance(payload, Array) and payload.dtype == dtype and payload.shape == (130, 140)
+    assert payload.tobytes() == value.tobytes()
+    copy = pickle.loads(pickle.dumps(payload))
+    assert copy == payload and copy.tobytes() == value.tobytes()
+    if dtype not in ("float16", "float32", "float64", "complex64", "complex128"):  # NaN != NaN in lists
+        assert payload.tolist() == value.tolist()
+    assert np.asarray(payload).tobytes() == value.tobytes()
+
+
+@given(shape=st.lists(st.integers(0, 4), max_size=4), dtype=st.sampled_from(list(DTYPES)), seed=st.integers(0, 99))
+def test_array_tolist_matches_numpy_for_any_shape(shape, dtype, seed):
+    value = random_array(dtype, shape, seed)
+    if dtype.startswith(("float", "complex")):
+        value = np.nan_to_num(value, nan=1.5, posinf=2.5, neginf=-2.5)  # NaN != NaN in lists
+    assert Array(value.tobytes(), dtype, shape).tolist() == value.tolist()
+
+
+def test_received_numpy_arrays_pickle_by_value(pair):
+    left, right = pair
+    value = random_array("float32", (512, 512))
+    send(left, {"op": "predict", "payload": value})
+    got, _ = receive(right)
+    copy = pickle.loads(pickle.dumps(got["payload"]))
+    assert copy.tobytes() == value.tobytes() and copy.flags.writeable
+
+
+def test_received_arrays_hold_no_descriptor_while_they_live(pair):
+    """A campaign may keep thousands of results: each must cost a mapping, not an open fd."""
+    left, right = pair
+    value = random_array("float32", (200, 200))
+    before = open_fds()
+    held = []
+    for _ in range(300):
+        send(left, {"op": "predict", "payload": value})
+        held.append(receive(right)[0]["payload"])
+    assert open_fds() == before
+    assert all(item.tobytes() == value.tobytes() for item in held)
+
+
+def test_descriptors_are_matched_to_their_own_line_when_one_read_brings_several(pair):
+    left, right = pair
+    first, second = random_array("int32", (300, 100), 1), random_array("int32", (300, 100), 2)
+    # Four lines in a row before the reader reads: plain, attached, plain, attached.
+    send_line(left, {"n": 1})
+    send(left, {"n": 2, "x": first})
+    send_line(left, {"n": 3})
+    send(left, {"n": 4, "x": second})
+    inbox = Inbox()
+    seen = []
+    for _ in range(4):
+        message = recv_message(right, inbox)
+        got = arrays.decode(message.obj, message.attachments)
+        seen.append((got["n"], len(message.attachments), got.get("x")))
+        message.close()
+    assert [(n, count) for n, count, _ in seen] == [(1, 0), (2, 1), (3, 0), (4, 1)]
+    assert seen[1][2].tobytes() == first.tobytes() and seen[3][2].tobytes() == second.tobytes()
+    assert not inbox.fds
+
+
+def test_descriptors_sent_with_a_line_that_does_not_announce_them_are_refused_and_closed(pair):
+    left, right = pair
+    before = open_fds()
+    fd = memfd(b"x" * 64)
+    send_with_fds(left, {"op": "predict", "payload": 1}, [fd])
+    os.close(fd)
+    send_line(left, {"op": "ping"})
+    inbox = Inbox()
+    with pytest.raises(ProtocolError, match="announces 0 attachment") as info:
+        recv_message(right, inbox)
+    assert info.value.recoverable
+    assert recv_message(right, inbox).obj == {"op": "ping"}  # the stream is still framed
+    assert open_fds() == before
+
+
+def _case(kind):
+    """(descriptor, announced size) for each thing a hostile or buggy sender could pass."""
+    if kind == "wrong size":
+        return memfd(b"x" * 100), 200
+    if kind == "unsealed memfd":
+        return memfd(b"x" * 100, seals=0), 100
+    if kind == "writable memfd":
+        return memfd(b"x" * 100, seals=fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK), 100
+    if kind == "shrinkable memfd":
+        return memfd(b"x" * 100, seals=fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW), 100
+    if kind == "pipe":
+        read, write = os.pipe()
+        os.close(write)
+        return read, 100
+    if kind == "regular file":
+        path = paths.state_dir() / "plain-file"
+        path.write_bytes(b"x" * 100)
+        return os.open(path, os.O_RDONLY), 100
+    raise AssertionError(kind)
+
+
+REFUSALS = {"wrong size": "holds 100 bytes, not the 200 announced", "unsealed memfd": "not sealed",
+            "writable memfd": "not sealed", "shrinkable memfd": "not sealed", "pipe": "not a memfd",
+            "regular file": "not a memfd"}
+
+
+@pytest.mark.parametrize("kind", list(REFUSALS))
+def test_a_descriptor_that_is_not_a_sealed_memfd_of_the_announced_size_is_refused(pair, kind):
+    left, right = pair
+    before = open_fds()
+    fd, size = _case(kind)
+    send_with_fds(left, {"op": "predict", "buffers": [size],
+                         "payload": {"$buffer": 0, "dtype": "uint8", "shape": [size]}}, [fd])
+    os.close(fd)
+    send_line(left, {"op": "ping"})
+    inbox = Inbox()
+    with pytest.raises(ProtocolError, match=REFUSALS[kind]) as info:
+        recv_message(right, inbox)
+    assert info.value.recoverable
+    assert recv_message(right, inbox).obj == {"op": "ping"}
+    assert open_fds() == before  # the refused descriptor was closed, once
+
+
+def test_an_attachment_over_a_lowered_cap_is_refused_before_mapping(pair):
+    left, right = pair
+    value = random_array("uint8", (100_000,))
+    send(left, {"op": "predict", "payload": value})
+    with pytest.raises(ProtocolError, match=r"over the cap of 1000 bytes.*RESIDENT_POOL_MAX_ATTACHMENT_BYTES"):
+        recv_message(right, Inbox(max_attachment_bytes=1000))
+
+
+def test_a_sender_checks_the_receivers_cap_first():
+    with pytest.raises(ValueError, match="over the receiver's attachment cap of 1000 bytes"):
+        arrays.encode({"op": "predict", "payload": np.zeros(100_000, np.uint8)}, {"version": 1, "max_bytes": 1000})
+
+
+@pytest.mark.parametrize(
+    ("reference", "buffers", "expected"),
+    [({"$buffer": 0, "dtype": "float32", "shape": [4]}, [], "names attachment 0, but the message carried 0"),
+     ({"$buffer": 3, "dtype": "float32", "shape": [4]}, [16], "names attachment 3, but the message carried 1"),
+     ({"$buffer": 0, "dtype": "float32", "shape": [8]}, [16], "which holds 16"),
+     ({"$buffer": 0, "dtype": "float32", "shape": [2], "offset": 12}, [16], "at offset 12"),
+     ({"$buffer": 0, "dtype": "object", "shape": [1]}, [16], "names dtype 'object'"),
+     ({"$buffer": 0, "dtype": "uint8", "shape": [-1]}, [16], "shape"),
+     ({"$base64": "AAAA", "dtype": "float64", "shape": [1]}, [], "not 8 bytes of base64")],
+)
+def test_references_that_name_what_the_message_does_not_carry_are_refused(pair, reference, buffers, expected):
+    left, right = pair
+    fds = [memfd(b"\0" * size) for size in buffers]
+    send_with_fds(left, {"op": "predict", "payload": {"x": [reference]}, "buffers": buffers}, fds) if fds else \
+        send_line(left, {"op": "predict", "payload": {"x": [reference]}})
+    for fd in fds:
+        os.close(fd)
+    message = recv_message(right, Inbox())
+    with pytest.raises(arrays.ArrayError, match=expected):
+        arrays.decode(message.obj, message.attachments)
+    message.close()
+
+
+def test_small_payloads_stay_pure_json_lines(pair):
+    left, right = pair
+    plain = {"op": "predict", "id": 7, "payload": {"inputs": ["MKV", "GGA"], "n": 2.5}}
+    raw, fds, fresh = arrays.encode(plain, PEER)
+    assert raw == protocol.encode_line(plain) and fds == [] and fresh is None
+    small = np.arange(10, dtype=np.float32)  # far under the threshold: inline, no descriptor
+    raw, fds = send(left, {"op": "predict", "payload": small})
+    assert fds == [] and b'"$base64"' in raw and b'"buffers"' not in raw
+    got, message = receive(right)
+    assert message.attachments == [] and got["payload"].tobytes() == small.tobytes()
+
+
+def test_a_peer_that_did_not_ask_for_attachments_gets_lists_and_base64():
+    raw, fds, _ = arrays.encode({"ok": True, "result": {"x": np.arange(3, dtype=np.int16), "b": b"\x00\xff"}}, {})
+    assert fds == [] and json.loads(raw) == {"ok": True, "result": {"x": [0, 1, 2], "b": "AP8="}}
+
+
+def test_unsupported_dtypes_are_named():
+    with pytest.raises(TypeError, match="dtype <U3 cannot be sent"):
+        arrays.encode({"ok": True, "result": np.array(["abc"])}, PEER)
+
+
+# -- a real worker -------------------------------------------------------------------
+@pytest.fixture
+def array_worker(request):
+    """The array test worker started by hand (``python -S``: no numpy in its environment, when asked)."""
+    flags = getattr(request, "param", [])
+    socket_path = str(paths.state_dir() / "arrays.sock")
+    env = {**os.environ, "RESIDENT_POOL_PROTOCOL": PROTOCOL_PATH, "RESIDENT_POOL_WORKER_BASE": WORKER_BASE_PATH}
+    with subprocess.Popen([sys.executable, *flags, str(ARRAY_WORKER), socket_path], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+        wait_until(lambda: answers(socket_path) or proc.poll() is not None, message="the worker to answer")
+        assert proc.poll() is None, proc.stderr.read().decode()
+        yield socket_path, proc
+        proc.kill()
+
+
+def answers(socket_path):
+    """The path exists from bind(), a moment before listen(): only a ping answered says it serves."""
+    try:
+        with protocol.connect(socket_path) as conn:
+            send_line(conn, {"op": "ping", "id": 0})
+            return protocol.recv_line(conn, bytearray())["ok"]
+    except (FileNotFoundError, ConnectionRefusedError):
+        return False
+
+
+def test_hostile_json_naming_an_unsent_buffer_gets_an_error_reply(array_worker):
+    socket_path, proc = array_worker
+    with protocol.connect(socket_path) as conn:
+        inbox = Inbox()
+        arrays.negotiate(conn, inbox)
+        for hostile in ({"$buffer": 0, "dtype": "float32", "shape": [1000]},
+                        {"$buffer": 5, "dtype": "float32", "shape": [1], "offset": 0}):
+            send_line(conn, {"op": "predict", "id": 1, "payload": {"value": hostile}})
+            reply = recv_message(conn, inbox).obj
+            assert reply["ok"] is False and reply["reason"] == "bad_request"
+            assert "names attachment" in reply["error"] and "carried 0" in reply["error"]
+        fd = memfd(b"x" * 100, seals=0)  # and an unsealed descriptor, announced as the payload
+        send_with_fds(conn, {"op": "predict", "id": 2, "buffers": [100],
+                             "payload": {"value": {"$buffer": 0, "dtype": "uint8", "shape": [100]}}}, [fd])
+        os.close(fd)
+        reply = recv_message(conn, inbox).obj
+        assert reply["reason"] == "bad_request" and "not sealed" in reply["error"]
+        assert arrays.exchange(conn, inbox, {"op": "predict", "id": 3, "payload": {"value": 5}})["result"]["value"] == 5
+    assert proc.poll() is None
+
+
+def test_an_echo_passes_on_the_descriptor_it_received(array_worker):
+    socket_path, _ = array_worker
+    value = random_array("float32", (256, 256))
+    with protocol.connect(socket_path) as conn:
+        inbox = Inbox()
+        arrays.negotiate(conn, inbox)
+        raw, fds, fresh = arrays.encode({"op": "predict", "id": 1, "payload": {"value": value}}, inbox.peer)
+        sent = os.fstat(fresh).st_ino
+        send_raw(conn, raw, fds)
+        os.close(fresh)
+        reply = recv_message(conn, inbox)
+        assert [os.fstat(a.fd).st_ino for a in reply.attachments] == [sent]  # the same memfd came back
+        result = arrays.decode(reply.obj, reply.attachments)["result"]
+        reply.close()
+    assert result["value"].tobytes() == value.tobytes()
+
+
+@pytest.mark.parametrize("array_worker", [["-S"]], indirect=True, ids=["no numpy in the worker"])
+def test_a_worker_without_numpy_gets_array_objects_and_returns_them(array_worker):
+    socket_path, _ = array_worker
+    value = random_array("float64", (300, 70))
+    with protocol.connect(socket_path) as conn:
+        inbox = Inbox()
+        seen = arrays.exchange(conn, inbox, {"op": "predict", "id": 1,
+                                             "payload": {"action": "describe", "value": value}})["result"]
+        assert seen == {"type": "Array", "numpy": False, "sha256": hashlib.sha256(value.tobytes()).hexdigest()}
+        echoed = arrays.exchange(conn, inbox, {"op": "predict", "id": 2, "payload": {"value": value}})["result"]
+        made = arrays.exchange(conn, inbox, {"op": "predict", "id": 3, "payload": {
+            "action": "make", "dtype": "int16", "shape": [400, 200], "nbytes": 160_000, "hex": "0102"}})["result"]
+    assert echoed["value"].tobytes() == value.tobytes()
+    assert made["value"].dtype == np.int16 and made["value"].shape == (400, 200)
+    assert made["value"].tobytes() == b"\x01\x02" * 80_000
+
+
+def test_a_client_that_did_not_negotiate_gets_plain_json(array_worker):
+    socket_path, _ = array_worker
+    with protocol.connect(socket_path) as conn:
+        send_line(conn, {"op": "predict", "id": 1, "payload": {
+            "action": "make", "dtype": "uint8", "shape": [100_000], "nbytes": 100_000, "hex": "07"}})
+        reply = protocol.recv_line(conn, bytearray())
+    assert reply["result"]["value"] == [7] * 100_000
+
+
+def test_a_worker_that_cannot_find_arrays_py_speaks_plain_json(tmp_path):
+    """A container that binds only protocol.py and worker_base.py: the worker must still start and answer."""
+    import shutil
+
+    for name in (PROTOCOL_PATH, WORKER_BASE_PATH):
+        shutil.copy(name, tmp_path)
+    socket_path = str(paths.state_dir() / "plain.sock")
+    env = {**os.environ, "RESIDENT_POOL_PROTOCOL": str(tmp_path / "protocol.py"),
+           "RESIDENT_POOL_WORKER_BASE": str(tmp_path / "worker_base.py")}
+    value = random_array("int16", (300, 300))
+    with subprocess.Popen([sys.executable, str(WORKERS / "testworker.py"), socket_path], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+        try:
+            wait_until(lambda: answers(socket_path) or proc.poll() is not None, message="the worker to answer")
+            with protocol.connect(socket_path) as conn:
+                inbox = Inbox()
+                reply = arrays.exchange(conn, inbox, {"op": "predict", "id": 1,
+                                                      "payload": {"action": "echo", "value": value}})
+        finally:
+            proc.kill()
+        log = proc.stderr.read().decode()
+    assert inbox.peer == {} and reply["result"]["echo"] == value.tolist()
+    assert "arrays.py is not beside protocol.py" in log
+
+
+class OldWorker(threading.Thread):
+    """A worker from before attachments: JSON lines only, a ping without an offer; records what it got."""
+
+    def __init__(self, path):
+        super().__init__(daemon=True)
+        self.listener = protocol.bind_unix(path)
+        self.lines: list[bytes] = []
+        self.descriptors = 0
+
+    def run(self):
+        conn, _ = self.listener.accept()
+        with conn:
+            buf = bytearray()
+            while True:
+                data, ancillary, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(64 * 4))
+                self.descriptors += len(ancillary)
+                if not data:
+                    return
+                buf += data
+                while (message := protocol.pop_line(buf)) is not None:
+                    self.lines.append(protocol.encode_line(message))
+                    answer = {"model": "old"} if message["op"] == "ping" else {"result": message.get("payload")}
+                    send_line(conn, {"ok": True, "id": message.get("id"), **answer})
+
+
+def test_an_old_worker_gets_plain_json_and_keeps_working():
+    path = str(paths.state_dir() / "old.sock")
+    old = OldWorker(path)
+    old.start()
+    value = random_array("int32", (200, 200))
+    with protocol.connect(path) as conn:
+        inbox = Inbox()
+        result = arrays.exchange(conn, inbox, {"op": "predict", "id": 1, "payload": {"x": value}})["result"]
+        small = {"op": "predict", "id": 2, "payload": {"inputs": ["MKV"]}}
+        assert arrays.exchange(conn, inbox, small)["result"] == {"inputs": ["MKV"]}
+    old.join(timeout=10)
+    old.listener.close()
+    assert inbox.peer == {} and old.descriptors == 0
+    assert result == {"x": value.tolist()}
+    assert old.lines[-1] == protocol.encode_line(small)  # a plain request is byte for byte what it always was
+
+
+# -- through the pool ------------------------------------------------------------------
+def array_provider(manifests):
+    write_provider(manifests, "arrays", 'worker_args = ["{socket}"]\n[lifecycle]\nidle_timeout_s = 0\n',
+                   worker="arrayworker.py")
+
+
+def worker_fds(pid):
+    """The worker's open fds once it has closed the last request's descriptors (just after it replied)."""
+
+    def memfds():
+        links = []
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                links.append(os.readlink(f"/proc/{pid}/fd/{name}"))
+            except FileNotFoundError:
+                pass
+        return links, [link for link in links if link.startswith("/memfd:")]
+
+    wait_until(lambda: not memfds()[1], message="the worker to close the last request's descriptors")
+    return len(memfds()[0])
+
+
+@pytest.mark.slow
+def test_no_descriptor_leaks_over_10000_requests_with_attachments(pool_dir, reliability_row):
+    array_provider(pool_dir)
+    value = random_array("float32", (128, 256))  # 128 KiB: over the threshold, so an attachment each way
+    with Pool() as pool, pool.session("arrays") as session:
+        session.predict({"value": value})
+        client_before, worker_before = open_fds(), worker_fds(session.pid)
+        for i in range(10_000):
+            echoed = session.predict({"value": value, "i": i})
+            assert echoed["value"].shape == (128, 256)
+        client_after, worker_after = open_fds(), worker_fds(session.pid)
+        assert echoed["value"].tobytes() == value.tobytes()
+    reliability_row("10,000 requests with attachments", "every array back, bit-exact",
+                    leaked=(client_after - client_before) + (worker_after - worker_before))
+    assert (client_after, worker_after) == (client_before, worker_before)
+
+
+def test_a_worker_that_dies_holding_a_mapped_buffer_loses_nothing_of_the_callers(pool_dir):
+    array_provider(pool_dir)
+    sent = random_array("float64", (500, 500))
+    kept = sent.copy()
+    with Pool() as pool:
+        with pool.session("arrays") as session:
+            made = session.predict({"action": "make", "dtype": "uint8", "shape": [1 << 20], "nbytes": 1 << 20,
+                                    "hex": "abcd"})["value"]
+        with pool.session("arrays") as session, pytest.raises(WorkerRequestError) as info:
+            session.predict({"action": "die", "value": sent})
+        assert info.value.reason == "worker_died"
+        wait_until(lambda: not os.path.exists(f"/proc/{session.pid}"), message="the worker to be gone")
+        # The caller's own array is untouched, and a result mapped from the dead worker's memfd still reads.
+        assert sent.tobytes() == kept.tobytes()
+        assert made.tobytes() == b"\xab\xcd" * (1 << 19)
+        again = pool.predict("arrays", {"value": sent})  # a fresh worker takes the same array
+    assert again["value"].tobytes() == kept.tobytes()
+
+
+@pytest.mark.slow
+def test_minilm_returns_its_embeddings_as_one_array_when_asked(pool_dir):
+    import shutil
+
+    shutil.copytree(Path(__file__).resolve().parents[1] / "manifests" / "minilm", pool_dir / "minilm")
+    texts = [f"MKVLAAGIVGLLLA{'G' * i}" for i in range(50)]  # 50 x 384 float32: over the threshold, attached
+    with Pool() as pool, pool.session("minilm") as session:
+        answer = session.predict({"inputs": texts, "encoding": "array"})
+        reference = session.predict({"inputs": texts, "digits": 8})
+    embeddings = answer["embeddings"]
+    assert isinstance(embeddings, np.ndarray) and embeddings.dtype == np.float32 and embeddings.shape == (50, 384)
+    assert [item["tokens"] for item in answer["items"]] == [item["tokens"] for item in reference["items"]]
+    expected = np.array([item["embedding"] for item in reference["items"]], dtype=np.float32)
+    assert np.abs(embeddings - expected).max() < 1e-6
+
+
+def test_the_cli_prints_arrays_in_a_result_as_lists(pool_dir):
+    array_provider(pool_dir)
+    payload = {"action": "make", "dtype": "uint16", "shape": [2, 40_000], "nbytes": 160_000, "hex": "0300"}
+    done = subprocess.run([sys.executable, "-m", "resident_pool", "predict", "arrays", "--json", json.dumps(payload)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert json.loads(done.stdout)["value"] == [[3] * 40_000] * 2
+
+
+def worker_memfds(pid):
+    names = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{name}").startswith("/memfd:"):
+                names.append(name)
+        except FileNotFoundError:
+            pass
+    return names
+
+
+def test_a_client_that_dies_mid_line_leaves_the_worker_no_descriptor(array_worker):
+    socket_path, proc = array_worker
+    conn = protocol.connect(socket_path)
+    fds = [memfd(b"x" * 4096) for _ in range(3)]
+    # Half a line with three descriptors beside it, then the client is gone.
+    conn.sendmsg([b'{"op": "predict", "buffers": [4096, 4096, 4096], "payload": '],
+                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    for fd in fds:
+        os.close(fd)
+    wait_until(lambda: len(worker_memfds(proc.pid)) == 3, message="the worker to hold the three descriptors")
+    conn.close()
+    wait_until(lambda: not worker_memfds(proc.pid), message="the worker to close them")
+    assert answers(socket_path)
+
+
+def test_a_flood_of_descriptors_without_a_line_closes_that_connection_only(array_worker):
+    socket_path, proc = array_worker
+    conn = protocol.connect(socket_path)
+    fd = memfd(b"x" * 64)
+    try:
+        for _ in range(300):  # one descriptor a byte, never a newline: past what a message may carry
+            conn.sendmsg([b" "], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the worker hung up: what this test wants
+    finally:
+        os.close(fd)
+    try:  # the reply, unless the hang-up with our bytes unread reset the stream first (Linux does that)
+        reply = recv_message(conn, Inbox())
+        assert reply.obj["reason"] == "bad_request"
+        assert "more descriptors than a message may carry" in reply.obj["error"]
+        assert recv_message(conn, Inbox()) is None
+    except ConnectionResetError:
+        pass
+    conn.close()
+    wait_until(lambda: not worker_memfds(proc.pid), message="the worker to close every descriptor it was sent")
+    assert answers(socket_path) and proc.poll() is None

@@ -1,0 +1,62 @@
+"""A test worker for arrays beside the line: standard library only, numpy used when importable.
+
+Per-request behaviour from the payload's ``action``; loads worker_base by path,
+as a real provider does (run with ``python -S`` it has no numpy).
+"""
+
+import hashlib
+import importlib.util
+import os
+import sys
+
+
+def load(name, variable):
+    spec = importlib.util.spec_from_file_location(name, os.environ[variable])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main():
+    socket_path = sys.argv[1]
+    worker_base = load("worker_base", "RESIDENT_POOL_WORKER_BASE")
+    Array = worker_base.load_arrays().Array
+
+    def raw(value):
+        """The bytes of an array of either kind, read in place."""
+        if isinstance(value, bytes):
+            return memoryview(value)
+        if isinstance(value, Array):
+            return value.data
+        return memoryview(value).cast("B")
+
+    def on_predict(payload):
+        action = payload.get("action", "echo")
+        value = payload.get("value")
+        if action == "echo":
+            return {"value": value, "pid": os.getpid()}
+        if action == "describe":
+            return {"type": type(value).__name__, "numpy": "numpy" in sys.modules,
+                    "sha256": hashlib.sha256(raw(value)).hexdigest()}
+        if action == "make":  # a fresh array filled with the bytes given
+            pattern = bytes.fromhex(payload["hex"])
+            data = (pattern * (payload["nbytes"] // len(pattern) + 1))[: payload["nbytes"]]
+            if payload["dtype"] == "bytes":
+                return {"value": data}
+            made = Array(data, payload["dtype"], payload["shape"])
+            if "numpy" in sys.modules:
+                import numpy
+
+                made = numpy.array(made)  # a copy the worker owns, not a view of `data`
+            return {"value": made, "pid": os.getpid()}
+        if action == "die":  # read the mapped buffer, then die holding it
+            hashlib.sha256(raw(value)).hexdigest()
+            os._exit(9)
+        raise ValueError(f"unknown action {action!r}")
+
+    worker_base.serve(slug=os.environ.get("TESTWORKER_SLUG", "arrays"), socket_path=socket_path,
+                      on_predict=on_predict)
+
+
+if __name__ == "__main__":
+    main()
