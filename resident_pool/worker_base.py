@@ -12,6 +12,7 @@ own environment, where this package is not installed::
 
 from __future__ import annotations
 
+import array
 import importlib.util
 import os
 import selectors
@@ -28,7 +29,6 @@ DEFAULT_ORPHAN_GRACE_S = 120.0
 DEFAULT_HEARTBEAT_STALE_S = 30.0
 # How often the idle loop wakes to check whether its pool is gone.
 _TICK_S = 0.25
-_SEND_TIMEOUT_S = 60.0
 # Idle time counts from process start, not from serve(): a pool that died while the model
 # loaded is noticed as soon as serve() runs.
 _PROCESS_STARTED = time.monotonic()
@@ -122,6 +122,14 @@ def release_cublas_workspaces() -> int:
     return max(0, before - cuda.memory_allocated())
 
 
+# How long an exiting worker waits for its last reply to be read.
+_LAST_REPLY_TIMEOUT_S = 5.0
+
+
+def _nothing() -> None:
+    pass
+
+
 def _exit_code(exc: BaseException) -> int | None:
     """The code the process will exit with when ``exc`` propagates."""
     if isinstance(exc, SystemExit):
@@ -167,6 +175,9 @@ class _Server:
         self.served = 0
         self.stopping = False
         self._held_payload = None
+        # Replies a client has not read yet, by connection: the rest of the bytes, the descriptors
+        # still to go with the first of them, and what to release once those have gone.
+        self._unsent: dict[socket.socket, tuple[memoryview, list[int], Callable[[], None]]] = {}
 
     # -- the loop ----------------------------------------------------------
     def run(self) -> None:
@@ -192,14 +203,18 @@ class _Server:
                     self._unlink_socket()
                     # os._exit: a thread a model library left running must not keep this process alive.
                     os._exit(0)
-                for key, _ in events:
+                for key, mask in events:
                     if key.fileobj is listener:
                         self._accept(listener)
+                    elif mask & selectors.EVENT_WRITE:
+                        self._flush(key.fileobj, key.data)
                     else:
                         self._read(key.fileobj, key.data)
                     if self.stopping:
                         break
         finally:
+            for conn in list(self._unsent):
+                self._unsent.pop(conn)[2]()
             for key in list(self.selector.get_map().values()):
                 key.fileobj.close()
                 if key.data is not None:
@@ -212,12 +227,15 @@ class _Server:
             conn, _ = listener.accept()
         except OSError:
             return
-        # A reader that stops reading must not block the worker forever.
-        conn.settimeout(_SEND_TIMEOUT_S)
+        # Non-blocking: a client that stops reading holds only its own reply (see _send), never this loop.
+        conn.setblocking(False)
         inbox = self.protocol.Inbox(self.max_attachment_bytes, self.attach_min_bytes)
         self.selector.register(conn, selectors.EVENT_READ, inbox)
 
     def _close(self, conn: socket.socket) -> None:
+        unsent = self._unsent.pop(conn, None)
+        if unsent is not None:
+            unsent[2]()
         self.selector.unregister(conn).data.close_fds()
         conn.close()
 
@@ -234,8 +252,11 @@ class _Server:
         if not got:
             self._close(conn)
             return
-        scan_from = len(inbox) - got
-        while not self.stopping:
+        self._serve_lines(conn, inbox, len(inbox) - got)
+
+    def _serve_lines(self, conn: socket.socket, inbox, scan_from: int) -> None:
+        """Answer each whole line buffered for ``conn``, until one's reply must wait for the client to read."""
+        while not self.stopping and conn not in self._unsent:
             try:
                 message = self.protocol.pop_message(inbox, scan_from=scan_from)
             except self.protocol.ProtocolError as exc:
@@ -248,13 +269,17 @@ class _Server:
             if message is None:
                 return
             scan_from = 0
-            try:
-                reply = self._handle(message.obj, conn, inbox, message)
-                sent = self._reply(conn, reply, inbox, message.attachments)
-            finally:
+
+            def release(message=message) -> None:
                 message.close()
                 self._held_payload = None  # its mappings are unmapped now, after the reply
-            if not sent:
+
+            try:
+                reply = self._handle(message.obj, conn, inbox, message)
+            except BaseException:
+                release()
+                raise
+            if not self._reply(conn, reply, inbox, message.attachments, release):
                 self._close(conn)
                 return
 
@@ -263,27 +288,87 @@ class _Server:
             return False
         return self.watchdog.gone()
 
-    def _reply(self, conn: socket.socket, reply: dict[str, Any], inbox=None, received=()) -> bool:
-        """Send ``reply``; its arrays go as attachments to a client that asked for them (else as lists)."""
-        fresh = None
+    def _reply(self, conn: socket.socket, reply: dict[str, Any], inbox=None, received=(),
+               release: Callable[[], None] | None = None) -> bool:
+        """Send ``reply``; its arrays go as attachments to a client that asked for them (else as lists).
+
+        ``release`` runs once the reply's descriptors are in the kernel's hands (or the
+        connection is gone); False when the connection is broken.
+        """
         try:
             if self.arrays is None:
-                raw, fds = self.protocol.encode_line(reply), []
+                raw, fds, fresh = self.protocol.encode_line(reply), [], None
             else:
                 raw, fds, fresh = self.arrays.encode(reply, inbox.peer if inbox is not None else None,
                                                      self.attach_min_bytes, received)
-            self.protocol.send_raw(conn, raw, fds)
         except (ValueError, TypeError) as exc:
             # The result itself cannot cross the wire (NaN, a set, over the cap).
             fallback = {"ok": False, "reason": "request_failed", "id": reply.get("id"),
                         "error": f"{self.slug}: the result cannot be sent: {exc}"}
-            return self._reply(conn, fallback)
-        except OSError:
-            return False
-        finally:
+            return self._reply(conn, fallback, release=release)
+
+        def done() -> None:
             if fresh is not None:
                 os.close(fresh)
+            if release is not None:
+                release()
+
+        return self._send(conn, memoryview(raw), list(fds), done)
+
+    def _send(self, conn: socket.socket, data: memoryview, fds: list[int], done: Callable[[], None]) -> bool:
+        """Send what the socket takes now; the rest waits until the client reads (EVENT_WRITE).
+
+        A client that never reads its replies stalls only itself: this connection is not
+        read again until its reply has gone, while every other client is served.
+        """
+        try:
+            if fds:
+                sent = conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, self._fd_array(fds))])
+            else:
+                sent = conn.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            done()
+            return False
+        if sent and fds:
+            fds = []  # in the kernel's hands now: ours may close
+        if not fds:
+            done()
+            done = _nothing
+        if sent < len(data):
+            self._unsent[conn] = (data[sent:], fds, done)
+            self.selector.modify(conn, selectors.EVENT_WRITE, self.selector.get_key(conn).data)
         return True
+
+    def _flush(self, conn: socket.socket, inbox) -> None:
+        """The client read some: send more of its reply, and once it has all gone, serve its next lines."""
+        data, fds, done = self._unsent.pop(conn)
+        self.selector.modify(conn, selectors.EVENT_READ, inbox)
+        if not self._send(conn, data, fds, done):
+            self._close(conn)
+        elif conn not in self._unsent:
+            self._serve_lines(conn, inbox, 0)
+
+    @staticmethod
+    def _fd_array(fds: list[int]):
+        return array.array("i", fds)
+
+    def _send_before_exit(self, conn: socket.socket) -> None:
+        """The last reply goes out before the process does (for a few seconds at most)."""
+        unsent = self._unsent.pop(conn, None)
+        if unsent is None:
+            return
+        data, fds, done = unsent
+        try:
+            conn.settimeout(_LAST_REPLY_TIMEOUT_S)
+            if fds:
+                data = data[conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, self._fd_array(fds))]):]
+            conn.sendall(data)
+        except OSError:
+            pass  # the client is gone; the exit code still tells the pool
+        finally:
+            done()
 
     # -- ops ---------------------------------------------------------------
     def _handle(self, request: dict[str, Any], conn: socket.socket, inbox=None, message=None) -> dict[str, Any]:
@@ -336,6 +421,7 @@ class _Server:
             self._reply(conn, {"ok": False, "id": request_id, "reason": "worker_exiting",
                                "error": message, "type": type(exc).__name__, "exit_code": code,
                                "traceback": traceback.format_exc(limit=8)[-4000:]})
+            self._send_before_exit(conn)
             # Re-raise: kits arm timers that kill a process which swallowed
             # their refusal, and the exit code is what the operator branches on.
             raise
