@@ -6,6 +6,7 @@ protocol, the settings and the errors, never for the server.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import subprocess
@@ -28,6 +29,7 @@ from .version import __version__
 __all__ = ["Pool", "Session", "default_manifests", "shutdown_pool"]
 
 POOL_START_TIMEOUT_S = 60.0
+_request_ids = itertools.count(1)
 
 
 def default_manifests(manifests: str | os.PathLike[str] | None = None) -> Path:
@@ -92,8 +94,12 @@ class Pool:
         for _ in range(3):
             sock = self._open()
             try:
+                sock.settimeout(settings().client_timeout_s)
                 send_line(sock, {"op": "hello", "version": __version__})
                 hello = recv_line(sock, bytearray())
+            except TimeoutError:
+                sock.close()
+                raise self._unresponsive("hello") from None
             except (OSError, ProtocolError):
                 sock.close()
                 raise
@@ -169,9 +175,18 @@ class Pool:
         except (OSError, ProtocolError):
             pass  # it is gone already
 
+    def _unresponsive(self, op: str) -> ResidentPoolError:
+        return ResidentPoolError(
+            f"the pool at {self.socket_path} did not answer {op} within {settings().client_timeout_s:g} s "
+            "(RESIDENT_POOL_CLIENT_TIMEOUT_S); it may be stopped (SIGSTOP), swapping or wedged: look at "
+            f"{paths.log_dir() / 'pool.log'}, or restart it", reason="pool_unresponsive")
+
     def _call(self, message: dict[str, Any], expect_reply: bool = True) -> dict[str, Any]:
         link = self._link()
         try:
+            # Long ops (a cold start, a drain) send a keepalive every few seconds: silence past the
+            # timeout means the pool is frozen, not busy.
+            link.pool.settimeout(settings().client_timeout_s)
             send_line(link.pool, message)
             if not expect_reply:
                 return {}
@@ -181,6 +196,9 @@ class Pool:
                 if wait is not None and self.on_wait is not None:
                     self.on_wait(wait)
                 reply = recv_line(link.pool, link.buf)
+        except TimeoutError:
+            self._drop_link()
+            raise self._unresponsive(str(message.get("op"))) from None
         except (OSError, ProtocolError):
             self._drop_link()
             raise
@@ -304,7 +322,6 @@ class Session:
         self.version: str | None = lease.get("version")
         self.served = 0
         self._ended = False
-        self._ids = 0
 
     def _worker(self) -> tuple[socket.socket, Inbox]:
         link = self.pool._link()
@@ -327,15 +344,17 @@ class Session:
         if self._ended:
             raise WorkerRequestError(f"{self.slug}: this session has ended; open a new one", slug=self.slug,
                                      reason="session_ended")
-        self._ids += 1
+        request_id = next(_request_ids)  # unique in this process: a reply to another request is never taken
         timeout = self.lease["request_timeout_s"]
         try:
             sock, buf = self._worker()
             sock.settimeout(timeout)
             # Arrays in the payload and the result travel beside the line (arrays.py).
-            reply = arrays.exchange(sock, buf, {"op": "predict", "id": self._ids, "payload": payload})
+            reply = arrays.exchange(sock, buf, {"op": "predict", "id": request_id, "payload": payload})
             if reply is None:
                 raise ConnectionResetError("the worker closed the connection without a reply")
+            if reply.get("id") != request_id:
+                raise ProtocolError(f"the worker answered request {reply.get('id')!r}, not {request_id}")
         except PeerError as exc:
             self.release()
             raise ResidentPoolError(f"{self.slug}: {exc}", slug=self.slug, reason="peer_not_you") from None
@@ -352,6 +371,18 @@ class Session:
             answer = self._end("broken", {})
             if answer.get("error"):
                 raise error_from_dict(answer["error"]) from exc
+            raise
+        except BaseException:
+            # Interrupted with the request in flight (Ctrl-C, a cancelled task): its reply may still
+            # come on this connection, and the worker still computes. Drop the connection, and let
+            # the pool drain the worker before anyone else gets it.
+            self._forget_worker()
+            self._ended = True
+            try:
+                self.pool._call({"op": "release", "lease": self.lease["lease"], "outcome": "abandoned",
+                                 "served": self.served}, expect_reply=False)
+            except (OSError, ResidentPoolError):
+                pass  # the pool is gone: the lease went with its connection
             raise
         self.served += 1
         if reply.get("ok"):

@@ -18,7 +18,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,11 @@ _TICK_S = 0.25
 # A worker between requests answers a ping at once; one that does not within this is computing.
 ABANDON_PROBE_S = 1.0
 LIVENESS_TIMEOUT_S = 10.0
-RELEASE_OUTCOMES = ("ok", "broken", "exiting", "timeout")
+RELEASE_OUTCOMES = ("ok", "broken", "exiting", "timeout", "abandoned")
 _HOLDER_KEYS, _HOLDER_CHARS = 8, 300
+# How often a client waiting on a long op hears from the pool; it gives up after a minute of silence.
+KEEPALIVE_S = 10.0
+_LONG_OPS = ("acquire", "stop")
 
 
 class _Connection:
@@ -67,6 +71,32 @@ class _Connection:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.id = next(self._ids)
+        self._send_lock = threading.Lock()  # a reply, a progress line and a keepalive never interleave
+
+    def send(self, message: dict[str, Any]) -> None:
+        with self._send_lock:
+            send_line(self.sock, message)
+
+    @contextmanager
+    def keepalive(self) -> Iterator[None]:
+        """While a long op runs (a cold start, a drain), tell the client every few seconds that the pool lives."""
+        done = threading.Event()
+        started = time.monotonic()
+
+        def beat() -> None:
+            while not done.wait(KEEPALIVE_S):
+                try:
+                    self.send({"progress": {"alive_s": round(time.monotonic() - started)}})
+                except OSError:
+                    return  # the client is gone; its op notices on its own
+
+        thread = threading.Thread(target=beat, name=f"keepalive-{self.id}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
 
 class _CpuOnly:
@@ -229,16 +259,20 @@ class PoolServer:
                 try:
                     message = recv_line(sock, buf, CONTROL_LINE_BYTES)
                 except ProtocolError as exc:
-                    send_line(sock, {"ok": False, "reason": "bad_request", "error": {
+                    connection.send({"ok": False, "reason": "bad_request", "error": {
                         "type": "ResidentPoolError", "reason": "bad_request", "error": f"bad request line: {exc}"}})
                     if exc.recoverable:
                         continue
                     return
                 if message is None:
                     return
-                reply = self._dispatch(message, connection)
+                if message.get("op") in _LONG_OPS:
+                    with connection.keepalive():
+                        reply = self._dispatch(message, connection)
+                else:
+                    reply = self._dispatch(message, connection)
                 if reply is not None:
-                    send_line(sock, reply)
+                    connection.send(reply)
         except OSError:
             pass  # the client went away mid-reply; its leases end below
         finally:
@@ -445,27 +479,42 @@ class PoolServer:
         admitter = self._admitter(manifest)
         with self.lock:
             provider.starts += 1
+        self._current.starting = replica  # admission's wait ends too when this start is called off
         try:
             env: dict[str, str | None] = {}
             if replica.vram_budget_gb and admitter is not None:
                 env = dict(admitter.admit(replica))
                 replica.admitter = admitter
+            if replica.abort:
+                raise WorkerStartError(f"{provider.slug}: the start was called off: {replica.abort}",
+                                       slug=provider.slug, reason="start_cancelled")
             replica.process.device = env.get("CUDA_VISIBLE_DEVICES")
             launch = Launch.of(command_builder(manifest)(replica.process))
             if provider.strip_kit:  # stock without the kit: none of its variables, even under passthrough "*"
                 launch = replace(launch, env={**launch.env, **stray_variables(provider.strip_kit, os.environ, set())})
-            replica.process.start(launch, env)
+
+            def spawned(pid: int) -> None:
+                if replica.admitter is self.admission:
+                    self.admission.started(replica)  # the ledger names the loading worker from now on
+
+            replica.process.start(launch, env, on_spawn=spawned, cancelled=lambda: replica.abort)
         except Exception as exc:
             raise self._start_failed(provider, replica, lease, exc) from exc
-        if replica.admitter is self.admission:
-            self.admission.started(replica)
+        finally:
+            self._current.starting = None
         with self.lock:
             provider.breaker.succeeded()
             replica.last_checked = time.monotonic()
             replica.transition(ReplicaState.LEASED, "started")
 
     def _start_failed(self, provider: _Provider, replica: Replica, lease: Lease, exc: Exception) -> ResidentPoolError:
-        if isinstance(exc, ResidentPoolError):
+        if replica.abort and self.draining:
+            error: ResidentPoolError = self._stopping_error()  # the client retries with the next pool
+        elif replica.abort:
+            error = WorkerStartError(f"{provider.slug}: the start was called off: {replica.abort}",
+                                     slug=provider.slug, reason="start_cancelled",
+                                     transcript=replica.process.transcript_path)
+        elif isinstance(exc, ResidentPoolError):
             error = exc
         else:
             headline = f"{provider.slug}: could not start a worker: {type(exc).__name__}: {exc}"
@@ -480,7 +529,7 @@ class PoolServer:
             replica.last_error = provider.last_error = error.headline
             if provider.replicas.get(replica.index) is replica:
                 del provider.replicas[replica.index]
-            if error.reason != "client_gone" and provider.breaker.failed(
+            if error.reason not in ("client_gone", "start_cancelled", "pool_stopping") and provider.breaker.failed(
                     provider.fingerprint, error.to_dict(), refusal=error.exit_code in REFUSAL_CODES):
                 log.warning("%s: breaker open for %g s after: %s", provider.slug, self.breaker_cooldown_s,
                             error.headline)
@@ -536,6 +585,9 @@ class PoolServer:
             if outcome == "ok":
                 self._free(provider, replica, "released")
                 return None
+        if outcome == "abandoned":  # interrupted mid-request (Ctrl-C, a cancelled task): drain what it left
+            self._abandoned(provider, replica, "its client gave up on a request in flight")
+            return None
         if outcome == "timeout":
             timeout = provider.manifest.lifecycle.request_timeout_s
             self._stop(provider, replica, f"a request outran request_timeout_s = {timeout:g} s", now=True)
@@ -546,7 +598,8 @@ class PoolServer:
             return {"ok": True, "error": error.to_dict()}
         rc = replica.process.wait_dead(DEATH_WAIT_S)  # broken: died, or a live worker closed on it
         if rc is not None:
-            error = replica.process.died_error(rc, stopping=replica.state is ReplicaState.STOPPING)
+            stopped = replica.retire is not None  # the pool stopped it on purpose (stop --now), else it died
+            error = replica.process.died_error(rc, stopping=stopped)
             self._forget(provider, replica, error.headline)
             return {"ok": True, "error": error.to_dict()}
         self._abandoned(provider, replica, "its client's connection to it broke")
@@ -600,7 +653,12 @@ class PoolServer:
                 self._wake(provider)
                 return
             if answer is None:
-                why = f"its abandoned request still ran after abandon_grace_s = {grace:g} s"
+                # Its socket closes a moment before it can be reaped: wait that moment, or a death reads as a hang.
+                rc = replica.process.wait_dead(DEATH_WAIT_S)
+                if rc is not None:
+                    why = f"died while its abandoned request ran: {describe_exit(rc)}"
+                else:
+                    why = f"its abandoned request still ran after abandon_grace_s = {grace:g} s"
                 replica.last_error = provider.last_error = f"{replica.name}: {why}; stopped"
             else:
                 why = replica.retire or "its manifest changed"
@@ -615,7 +673,9 @@ class PoolServer:
             self._stop_later(provider, replica, why, now=now)
         elif replica.state is ReplicaState.LEASED and replica.lease is not None and replica.lease.connection:
             replica.transition(ReplicaState.DRAINING, f"{why}; its lease finishes first")
-        # STARTING: acted on when its lease ends; DRAINING: its drain ends in a stop.
+        elif replica.state is ReplicaState.STARTING and now:
+            replica.abort = why  # its start thread stops the worker and fails the start
+        # STARTING: otherwise acted on when its lease ends; DRAINING: its drain ends in a stop.
 
     def _stop_later(self, provider: _Provider, replica: Replica, why: str, now: bool = False) -> None:
         """Move to STOPPING (the lock is held) and stop the process on a thread of its own."""
@@ -667,11 +727,17 @@ class PoolServer:
             if not idle:
                 return False
             _, provider, replica = min(idle, key=lambda item: item[0])
-        self._stop(provider, replica, f"evicted (idle) to make room for a worker needing {needed_gb:g} GB")
+            why = f"evicted (idle) to make room for a worker needing {needed_gb:g} GB"
+            replica.transition(ReplicaState.STOPPING, why)  # in the same hold: no client can lease it in between
+        self._stop_process(provider, replica, why)
         return True
 
     def _client_gone(self) -> bool:
-        """Whether the client this thread serves closed its connection (a killed flow run)."""
+        """Whether the wait this thread is in should end: its client left (a killed flow run), or its start
+        was called off (a stop, the pool stopping)."""
+        starting = getattr(self._current, "starting", None)
+        if starting is not None and starting.abort:
+            return True
         connection = getattr(self._current, "connection", None)
         if connection is None:
             return False
@@ -692,7 +758,7 @@ class PoolServer:
         connection = getattr(self._current, "connection", None)
         if connection is not None:
             try:
-                send_line(connection.sock, {"progress": {"waiting_for_admission": wait}})
+                connection.send({"progress": {"waiting_for_admission": wait}})
             except OSError:
                 pass  # the client is gone; its connection's cleanup ends what it held
 
@@ -744,6 +810,13 @@ class PoolServer:
                 for replica in list(provider.replicas.values()):
                     if beat:  # a worker still loading its model counts on it too
                         replica.process.beat()
+                    if replica.state in (ReplicaState.LEASED, ReplicaState.DRAINING):
+                        rc = replica.process.poll()
+                        if rc is not None:  # the OOM killer, between two requests of a session
+                            why = f"{replica.name} died while {replica.state}: {describe_exit(rc)}"
+                            replica.transition(ReplicaState.STOPPING, why)
+                            checks.append((self._forget, (provider, replica, why)))
+                        continue
                     if replica.state is not ReplicaState.READY:
                         continue
                     rc = replica.process.poll()
@@ -832,10 +905,13 @@ class PoolServer:
             while any(r.state is not ReplicaState.STOPPED and r.state is not ReplicaState.FAILED
                       for _, r in targets) and time.monotonic() < deadline:
                 self.changed.wait(_TICK_S)
-            late = [(p, r) for p, r in targets if r.state in (ReplicaState.LEASED, ReplicaState.DRAINING)]
-            for provider, replica in late:
-                self._stop_later(provider, replica, f"{why}: still busy after drain_grace_s = {self.drain_grace_s:g} s")
-            while any(r.state is ReplicaState.STOPPING for _, r in targets):
+            late = f"{why}: still busy after drain_grace_s = {self.drain_grace_s:g} s"
+            for provider, replica in targets:
+                if replica.state in (ReplicaState.LEASED, ReplicaState.DRAINING):
+                    self._stop_later(provider, replica, late)
+                elif replica.state is ReplicaState.STARTING:
+                    replica.abort = replica.abort or late  # its start thread stops it and fails the start
+            while any(r.state in (ReplicaState.STOPPING, ReplicaState.STARTING) for _, r in targets):
                 self.changed.wait(_TICK_S)
         return [replica.name for _, replica in targets]
 

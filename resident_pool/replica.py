@@ -52,6 +52,7 @@ class Replica:
         self.served = 0
         self.last_error: str | None = None
         self.admitter: Any = None  # what admitted its budget, told when it is gone
+        self.abort: str | None = None  # why a start in progress is called off (a stop --now, the pool stopping)
 
     # Admission and the ledger know a worker by slug and replica number.
     @property

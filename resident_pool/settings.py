@@ -54,6 +54,8 @@ class Settings(BaseSettings):
                                  "TimeoutStopSec")
     max_connections: int = Field(256, ge=4, description="connections the pool serves at once; one over it is "
                                  "told so and closed")
+    client_timeout_s: float = Field(60.0, gt=0, description="a client gives up on a pool silent this long (a long "
+                                    "op sends a keepalive every 10 s)")
     heartbeat_stale_s: float = Field(30.0, gt=0, description="passed to workers: a heartbeat older than "
                                      "this means the pool is gone (the pool refreshes it every 2 s)")
     orphan_grace_s: float | None = Field(None, gt=0, description="passed to workers, overriding each manifest's "

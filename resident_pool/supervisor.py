@@ -170,8 +170,10 @@ class ResidentWorker:
                 self._admitted = True
             self._process.device = admission_env.get("CUDA_VISIBLE_DEVICES")
             self.starts += 1
+            self._start_keeper()  # the heartbeat must stay fresh while the model loads, however long
             self._process.start(Launch.of(self.build_command(self)), admission_env)
         except BaseException as exc:
+            self._keeper_stop.set()
             self._transition(WorkerState.FAILED, str(exc))
             self.last_error = exc if isinstance(exc, Exception) else None
             if self._process.proc is not None and self._process.returncode is None:
@@ -180,7 +182,6 @@ class ResidentWorker:
             raise
         self._transition(WorkerState.READY)
         self.last_used = time.monotonic()
-        self._start_keeper()
 
     # -- requests ----------------------------------------------------------
     def request(self, payload: Any, timeout: float | None = None) -> Any:
@@ -325,9 +326,13 @@ class ResidentWorker:
         if self.idle_timeout_s > 0:
             interval = min(interval, max(0.05, self.idle_timeout_s / 4))
         while not stop.wait(interval):
+            if process.returncode is not None:
+                return
+            process.beat()  # from before the spawn: a long model load must not look like a dead supervisor
+            if process.proc is None or self.state is not WorkerState.READY:
+                continue
             if not process.alive():
                 return
-            process.beat()
             if self.idle_timeout_s <= 0 or self.idle_s() < self.idle_timeout_s:
                 continue
             if not self._lock.acquire(blocking=False):  # a request in flight holds the lock: busy is never idle

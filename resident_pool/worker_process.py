@@ -12,7 +12,7 @@ import secrets
 import shutil
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,9 @@ HEARTBEAT_INTERVAL_S = 2.0
 # before deciding it is alive rather than dead.
 DEATH_WAIT_S = 2.0
 _ENGINE_TIMEOUT_S = 30.0
+# After a worker acknowledged `shutdown`, how long its interpreter may take to exit before SIGTERM:
+# a thread a model library left running would otherwise hold the exit for the whole grace.
+SHUTDOWN_EXIT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -132,8 +135,21 @@ class WorkerProcess:
             self.transcript.note(message)
 
     # -- start -----------------------------------------------------------------
-    def start(self, launch: Launch, extra_env: Mapping[str, str | None] | None = None) -> dict[str, Any]:
-        """Spawn the worker and wait until it answers a ping; returns that first answer."""
+    def start(
+        self,
+        launch: Launch,
+        extra_env: Mapping[str, str | None] | None = None,
+        *,
+        on_spawn: Callable[[int], None] | None = None,
+        cancelled: Callable[[], str | None] | None = None,
+    ) -> dict[str, Any]:
+        """Spawn the worker and wait until it answers a ping; returns that first answer.
+
+        ``on_spawn(pid)`` runs as soon as the process exists (the ledger then names it, so a
+        pool that dies during a long model load leaves its budget held by the loading worker,
+        not by a dead pid). ``cancelled()`` returning a reason ends the wait: the worker is
+        stopped and the start fails with ``start_cancelled``.
+        """
         if self.proc is not None:
             raise RuntimeError(f"{self.slug}[{self.replica}]: a WorkerProcess starts once; make a new one")
         self.launch = launch
@@ -169,9 +185,11 @@ class WorkerProcess:
         self.started_at = time.time()
         self._started_mono = time.monotonic()
         self.note(f"started pid {self.proc.pid}: {' '.join(launch.argv)}")
-        return self._wait_ready()
+        if on_spawn is not None:
+            on_spawn(self.proc.pid)
+        return self._wait_ready(cancelled)
 
-    def _wait_ready(self) -> dict[str, Any]:
+    def _wait_ready(self, cancelled: Callable[[], str | None] | None = None) -> dict[str, Any]:
         """Alive means running AND answering: wait for the first ping's answer."""
         deadline = time.monotonic() + self.start_timeout_s
         delay = 0.005
@@ -179,6 +197,12 @@ class WorkerProcess:
             rc = self.poll()
             if rc is not None:
                 raise self.error(WorkerStartError, "exited before it answered", rc, "start_failed")
+            why = cancelled() if cancelled is not None else None
+            if why:
+                self.note(f"start cancelled ({why}); stopping it")
+                rc = self.kill(grace_s=5.0)
+                raise self.error(WorkerStartError, f"was stopped while it started: {why}", rc, "start_cancelled",
+                                 describe=False)
             if os.path.exists(self.socket_path):
                 answer = self.ping(timeout=max(1.0, deadline - time.monotonic()))
                 if answer is not None:
@@ -265,8 +289,8 @@ class WorkerProcess:
                     acknowledged = recv_line(conn, bytearray()) is not None
             except (OSError, ProtocolError, ValueError):
                 acknowledged = False  # busy, hung or unreachable: the escalation below ends it
-            if acknowledged:
-                self.wait_dead(grace_s)
+            if acknowledged:  # serve() has returned; a leftover non-daemon thread must not hold the exit long
+                self.wait_dead(min(grace_s, SHUTDOWN_EXIT_S))
         return self.kill(grace_s=min(grace_s, 10.0))
 
     def kill(self, grace_s: float = 5.0) -> int | None:

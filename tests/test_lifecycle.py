@@ -14,6 +14,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -323,3 +324,268 @@ def test_a_client_of_another_version_is_told_both_versions_and_the_fix(pool_dir,
             stranger.predict("busy", {"action": "echo"})
         assert "resident-pool stop --all" in str(info.value)
     reliability_row('client of another version, pool busy', 'error naming both versions and `resident-pool stop --all`')
+
+
+# -- found by the outside review of this issue ------------------------------------------------------------
+
+
+def _worker_pid_from_transcript(slug: str) -> int:
+    logs = Path(os.environ["RESIDENT_POOL_LOG_DIR"])
+    for path in sorted(logs.glob(f"{slug}-*.log"), key=lambda p: p.stat().st_mtime):
+        text = path.read_text(errors="replace")
+        if "testworker pid " in text:
+            return int(text.split("testworker pid ")[1].split()[0])
+    raise AssertionError("no worker pid in any transcript")
+
+
+def test_a_standalone_worker_loading_longer_than_a_two_second_heartbeat_is_not_orphaned(workers, monkeypatch):
+    """Scaled: staleness 30 -> 2 s, grace 120 -> 1 s, a 150 s load -> 4 s. Its supervisor lives throughout."""
+    from helpers import worker_command
+
+    monkeypatch.setenv("RESIDENT_POOL_ORPHAN_GRACE_S", "1")
+    monkeypatch.setenv("RESIDENT_POOL_HEARTBEAT_STALE_S", "2")
+    worker = workers(build_command=worker_command("--load-seconds", "4"))
+    worker.ensure_started()
+    pid = worker.pid
+    assert worker.request({"action": "sleep", "seconds": 1.5})["pid"] == pid  # several idle ticks past the load
+    assert worker.request({"action": "echo"})["pid"] == pid and worker.starts == 1
+    assert "the pool is gone" not in worker.transcript.read_text()
+
+
+def test_stop_now_on_a_starting_worker_stops_it_promptly(pool_dir):
+    write_provider(pool_dir, "loading", 'worker_args = ["{socket}", "--load-seconds", "5"]\n')
+    outcome: dict = {}
+
+    def client():
+        try:
+            with Pool() as pool, pool.session("loading") as session:
+                outcome["answer"] = session.predict({"action": "sleep", "seconds": 25})
+        except Exception as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    try:
+        wait_until(lambda: _transcript_has("loading", "testworker pid"), timeout=20, message="the worker to spawn")
+        pid = _worker_pid_from_transcript("loading")
+        started = time.monotonic()
+        with Pool() as pool:
+            pool.stop("loading", now=True)
+        took = time.monotonic() - started
+        wait_until(lambda: not pid_alive(pid), timeout=10, message="the starting worker to be stopped")
+    finally:
+        thread.join(timeout=90)
+    assert took < 10, f"`stop --now` on a starting worker took {took:.1f} s"
+    assert "answer" not in outcome and outcome["error"].reason == "start_cancelled"
+
+
+def test_sigterm_while_a_worker_loads_stops_that_worker_after_a_two_second_drain_grace(pool_dir, isolated_dirs,
+                                                                                     monkeypatch):
+    """drain_grace_s = 2 stands in for a model load longer than the 60 s default."""
+    monkeypatch.setenv("RESIDENT_POOL_DRAIN_GRACE_S", "2")
+    write_provider(pool_dir, "loading", 'worker_args = ["{socket}", "--load-seconds", "30"]\n')
+    with Pool() as pool:
+        pool.status()  # the pool runs; the client below uses it, and starts no other once it stops
+    client = subprocess.Popen([sys.executable, "-c", "from resident_pool import Pool; Pool(start=False).predict("
+                               "'loading', {})"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _transcript_has("loading", "testworker pid"), timeout=20, message="the worker to spawn")
+        pid = _worker_pid_from_transcript("loading")
+        pool_pid = _pool_pid(isolated_dirs)
+        os.kill(pool_pid, signal.SIGTERM)  # `systemctl stop` during a model load
+        wait_until(lambda: not pid_alive(pool_pid), timeout=30, message="the pool to exit")
+        wait_until(lambda: not pid_alive(pid), timeout=10, message="its loading worker to be gone too")
+    finally:
+        client.kill()
+        client.wait()
+
+
+def test_a_new_pool_never_double_books_the_gpu_of_a_worker_still_loading_for_a_killed_pool(
+        pool_dir, isolated_dirs, monkeypatch):
+    """10 GB declared, 6 GB per worker: two workers may never hold the card at once."""
+    monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")
+    write_provider(pool_dir, "big", 'worker_args = ["{socket}", "--load-seconds", "12"]\n'
+                                    '[gpu]\npolicy = "required"\nvram_budget_gb = 6\n')
+    first = subprocess.Popen([sys.executable, "-c", "from resident_pool import Pool; Pool().predict('big', {})"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _transcript_has("big", "testworker pid"), timeout=20, message="the worker to spawn")
+        old = _worker_pid_from_transcript("big")
+        os.kill(_pool_pid(isolated_dirs), signal.SIGKILL)
+        with Pool() as pool:
+            wait_until(lambda: [w for w in pool.waiting() if w.get("slug") == "big"], timeout=20,
+                       message="the new pool's request to wait for the loading worker's 6 GB")
+            assert pid_alive(old) and [e["pid"] for e in pool.status()["ledger"]] == [old]
+    finally:
+        first.kill()
+        first.wait()
+        if pid_alive(old):
+            os.kill(old, signal.SIGKILL)
+
+
+def test_stop_now_on_a_leased_worker_tells_its_client_stopped_not_died(pool_dir):
+    write_provider(pool_dir, "held", "")
+    outcome: dict = {}
+    with Pool() as pool:
+        pool.predict("held", {"action": "echo"})
+
+        def client():
+            try:
+                with Pool() as mine, mine.session("held") as session:
+                    session.predict({"action": "sleep", "seconds": 30})
+            except Exception as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        wait_until(lambda: _transcript_has("held", "action sleep"), timeout=10, message="the request to start")
+        pool.stop("held", now=True)
+        thread.join(timeout=30)
+        wait_until(lambda: pool.status()["workers"] == [], timeout=10, message="the replica to go")
+    assert outcome["error"].reason == "worker_stopped", str(outcome["error"])
+
+
+def test_an_abandoned_worker_that_dies_is_recorded_as_died(pool_dir, tmp_path):
+    write_provider(pool_dir, "solo", "")
+    with Pool() as pool:
+        pid = _abandon("solo", 60, tmp_path / "never")
+        wait_until(lambda: _state(pool, pid) == "draining", timeout=5, message="draining")
+        os.kill(pid, signal.SIGKILL)  # the OOM killer takes it mid-request
+        wait_until(lambda: pool.status()["workers"] == [], timeout=10, message="the dead replica to go")
+        last_error = pool.status()["providers"]["solo"]["last_error"]
+    assert "SIGKILL" in last_error and "abandon_grace_s" not in last_error
+
+
+def test_a_client_of_a_frozen_pool_gets_an_error_after_a_three_second_client_timeout(pool_dir, isolated_dirs):
+    """RESIDENT_POOL_CLIENT_TIMEOUT_S = 3 instead of 60, so the test does not wait a minute."""
+    write_provider(pool_dir, "any", "")
+    with Pool() as pool:
+        pool.status()
+    pool_pid = _pool_pid(isolated_dirs)
+    os.kill(pool_pid, signal.SIGSTOP)
+    try:
+        done = subprocess.run([sys.executable, "-c", "from resident_pool import Pool; Pool().status()"],
+                              env={**os.environ, "RESIDENT_POOL_CLIENT_TIMEOUT_S": "3"}, capture_output=True,
+                              text=True, timeout=60, check=False)
+    finally:
+        os.kill(pool_pid, signal.SIGCONT)
+    assert done.returncode != 0 and "did not answer hello within 3 s" in done.stderr
+
+
+SLOW_EVICTION_DAEMON = textwrap.dedent(
+    """
+    import sys, time
+    import resident_pool.pool as pool_module
+    original = pool_module.PoolServer._stop_process
+    def slow_stop(self, provider, replica, why, now=False):
+        if why.startswith("evicted"):
+            time.sleep(3.0)  # widen the gap between choosing the idle replica and stopping it
+        return original(self, provider, replica, why, now)
+    pool_module.PoolServer._stop_process = slow_stop
+    from resident_pool.cli import app
+    sys.argv = ["resident-pool", "daemon", "--manifests", sys.argv[1]]
+    app()
+    """
+)
+
+
+def test_eviction_never_stops_a_worker_a_client_leased_meanwhile(pool_dir, isolated_dirs, monkeypatch):
+    monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")
+    gpu = '[gpu]\npolicy = "required"\nvram_budget_gb = 6\n'
+    write_provider(pool_dir, "a", gpu)
+    write_provider(pool_dir, "b", gpu)
+    daemon = subprocess.Popen([sys.executable, "-c", SLOW_EVICTION_DAEMON, str(pool_dir)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    outcome: dict = {}
+    try:
+        wait_until(lambda: Path(isolated_dirs["state"], "pool.sock").exists(), timeout=20, message="the pool")
+        with Pool() as pool:
+            a_pid = pool.predict("a", {"action": "echo"})["pid"]
+
+            def want_b():
+                with Pool() as other:
+                    outcome["b"] = other.predict("b", {"action": "echo"})
+
+            thread = threading.Thread(target=want_b)
+            thread.start()
+            wait_until(lambda: _transcript_has("a", "evicted (idle)"), timeout=20, message="a to be chosen")
+            try:  # inside the eviction's widened gap: a is no longer ready, so this waits or starts afresh
+                with pool.session("a") as session:
+                    outcome["a"] = session.predict({"action": "echo"})
+            except Exception as exc:
+                outcome["a_error"] = exc
+            thread.join(timeout=60)
+    finally:
+        from resident_pool.client import shutdown_pool
+
+        shutdown_pool()
+        if daemon.poll() is None:
+            os.killpg(daemon.pid, signal.SIGKILL)
+        daemon.wait()
+    assert "a_error" not in outcome, f"a's worker was evicted under its client: {outcome.get('a_error')!r}"
+    assert outcome["a"]["pid"] != a_pid and outcome["b"]["echo"] is None
+
+
+def test_status_shows_a_leased_worker_that_died_between_requests_as_gone(pool_dir):
+    write_provider(pool_dir, "held", "")
+    with Pool() as pool, pool.session("held") as session:
+        pid = session.predict({"action": "echo"})["pid"]
+        os.kill(pid, signal.SIGKILL)  # the OOM killer, while the client prepares its next input
+        wait_until(lambda: pool.status()["workers"] == [], timeout=10, message="the dead worker to leave the status")
+        assert "died while leased" in pool.status()["providers"]["held"]["last_error"]
+        with pytest.raises(WorkerRequestError) as info:
+            session.predict({"action": "echo"})
+        assert info.value.reason == "worker_died"
+
+
+def test_stopping_an_idle_worker_with_a_stray_thread_is_prompt(pool_dir):
+    write_provider(pool_dir, "stray", 'worker_args = ["{socket}", "--non-daemon-thread"]\n')
+    with Pool() as pool:
+        pid = pool.predict("stray", {"action": "echo"})["pid"]
+        started = time.monotonic()
+        pool.stop("stray")
+        took = time.monotonic() - started
+    assert not pid_alive(pid) and took < 8, f"stopping an idle worker took {took:.1f} s"
+
+
+class _Cancelled(BaseException):
+    """What Ctrl-C (KeyboardInterrupt) or a cancelled task raises inside a blocked predict()."""
+
+
+def _interrupt_after(seconds: float):
+    def handler(signum, frame):
+        raise _Cancelled
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    return previous
+
+
+def _interrupted_session(pool: Pool, slug: str, seconds: float) -> None:
+    previous = _interrupt_after(1.0)
+    try:
+        with pool.session(slug) as session:
+            session.predict({"action": "sleep", "seconds": seconds})
+    except _Cancelled:
+        pass
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_an_interrupted_request_never_hands_its_answer_to_the_next_request(pool_dir):
+    write_provider(pool_dir, "intr", "")
+    with Pool() as pool:
+        pool.predict("intr", {"action": "echo", "value": "warm"})
+        _interrupted_session(pool, "intr", 3)
+        assert pool.predict("intr", {"action": "echo", "value": "second"})["echo"] == "second"
+
+
+def test_an_interrupted_request_leaves_its_worker_draining_not_ready(pool_dir):
+    write_provider(pool_dir, "intr", "")
+    with Pool() as pool:
+        pool.predict("intr", {"action": "echo", "value": "warm"})
+        _interrupted_session(pool, "intr", 4)
+        (worker,) = pool.status()["workers"]
+        assert worker["state"] == "draining"
+        assert pool.predict("intr", {"action": "echo", "value": "after"})["echo"] == "after"
