@@ -105,16 +105,27 @@ def _items(provider: str, answer: Any, expected: int) -> list[dict[str, Any] | N
 Submit = Callable[..., Any]
 
 
+CLUSTER_WINDOW = 32  # chunks in flight under Dask or Ray when max_workers does not say how many threads it has
+
+
 @contextmanager
-def _chunk_runner(threads: int) -> Iterator[Submit]:
-    """Submit chunks to a thread pool of ``threads``; under another task runner (Dask, Ray) to that one."""
+def _chunk_runner(max_workers: int | None, replicas: int) -> Iterator[tuple[Submit, int]]:
+    """How to submit a chunk, and how many may be in flight.
+
+    On this host: a thread pool of ``max_workers`` (default the provider's
+    replicas + 1: one computing per replica, one more holding its place in
+    line, so the UI shows as many runs Running as can really run), with twice
+    that many chunks in flight. Under the flow's own Dask or Ray task runner,
+    the cluster spreads them: as many in flight as ``max_workers`` x 2, or 32.
+    """
     context = FlowRunContext.get()
     runner = context.task_runner if context is not None else None
     if runner is not None and not isinstance(runner, ThreadPoolTaskRunner):
-        yield runner.submit
+        yield runner.submit, 2 * max_workers if max_workers else CLUSTER_WINDOW
         return
+    threads = max_workers or replicas + 1
     with ThreadPoolTaskRunner(max_workers=threads) as own:
-        yield own.submit
+        yield own.submit, 2 * threads
 
 
 class _Progress:
@@ -291,15 +302,15 @@ def screen(
         return Failed(message=refused[0])
     options = {"encoding": encoding} if encoding else {}
     version = provider_version(manifest)
-    threads = max_workers or manifest.lifecycle.max_replicas + 1
     summaries = []
     progress = _Progress(provider, f"{provider}: {input}")
-    with ResultStore.for_provider(provider, settings.results_dir) as store, _chunk_runner(threads) as submit:
+    with ResultStore.for_provider(provider, settings.results_dir) as store, \
+            _chunk_runner(max_workers, manifest.lifecycle.max_replicas) as (submit, window):
         for source, target in files:
             try:
                 summaries.append(_screen_file(source, target, provider=provider, manifests=manifests_dir,
                                               version=version, store=store, options=options, chunk_size=chunk_size,
-                                              fmt=format, submit=submit, window=2 * threads, progress=progress))
+                                              fmt=format, submit=submit, window=window, progress=progress))
             except InputError as error:
                 refused.append(str(error))
     for problem in refused:
