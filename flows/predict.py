@@ -14,6 +14,7 @@ from typing import Any
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
+from prefect.states import Failed
 
 from resident_pool.client import default_manifests
 from resident_pool.errors import ManifestError
@@ -60,12 +61,15 @@ def _markdown(provider: str, inputs: list[Any], answer: dict[str, Any]) -> str:
 
 
 @flow(name="predict", persist_result=True, log_prints=True)
-def predict(provider: str = "echo", inputs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def predict(provider: str = "echo", inputs: list[dict[str, Any]] | None = None):
     """Send each input (one payload per item) to ``provider``; none: its ``[smoke]`` payload.
 
     The providers are those of ``$RESIDENT_POOL_MANIFESTS`` (the deployment sets it).
     """
-    inputs = _inputs_or_smoke(provider, inputs)
+    try:
+        inputs = _inputs_or_smoke(provider, inputs)
+    except ManifestError as error:  # one sentence on the run page, not a traceback
+        return Failed(message=str(error))
     answer = predict_inputs(provider, inputs, None)
     answer.update({"flow_run_pid": os.getpid(), "host": socket.gethostname()})
     create_markdown_artifact(markdown=_markdown(provider, inputs, answer), key=artifact_key("predict", provider),
