@@ -53,7 +53,8 @@ _EXPECTED = {
 }
 # What a FASTA sequence line may hold: residue or base letters, gaps, stop; spaces are dropped.
 _SEQUENCE_BYTES = (string.ascii_letters + "*-.").encode()
-_BLANKS = b" \t"
+_WHITESPACE = b" \t\r\n\v\f"
+FASTA_BLOCK = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +164,7 @@ class InputFile:
         with self._open() as stream:
             head = self._read_head(stream)
         truncated = len(head) == SNIFF_BYTES
-        cut = head.rindex(b"\n") + 1 if truncated and b"\n" in head else len(head)
+        cut = (head.rindex(b"\n") + 1 if b"\n" in head else 0) if truncated else len(head)
         head, tail = head[:cut], head[cut:]
         first_problem = None
         for record in self._parse(io.BytesIO(head), truncated=truncated):
@@ -189,85 +190,48 @@ class InputFile:
     def records(self) -> Iterator[Record]:
         """Every record of the file, in order, read lazily; bad ones carry their error."""
         with self._open() as stream:
-            lines = _Lines(stream, self.max_record_bytes)
             try:
-                yield from self._parse_lines(lines)
+                yield from self._parse(stream)
             except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
-                raise InputError(f"{self.path}: the compressed data is damaged after line {lines.number} ({exc}); "
-                                 "the records before it were read", details={"path": str(self.path)}) from None
+                raise InputError(f"{self.path}: the compressed data is damaged ({exc}); the records before the "
+                                 "damage were read", details={"path": str(self.path)}) from None
 
     def _parse(self, stream: IO[bytes], truncated: bool = False) -> Iterator[Record]:
-        return self._parse_lines(_Lines(stream, self.max_record_bytes), truncated)
-
-    def _parse_lines(self, lines: _Lines, truncated: bool = False) -> Iterator[Record]:
         if self.format == "fasta":
-            return self._fasta(lines, truncated)
+            return self._fasta(stream, truncated)
+        lines = _Lines(stream, self.max_record_bytes)
         if self.format == "jsonl":
             return self._jsonl(lines)
         return self._table(lines, "\t" if self.format == "tsv" else ",")
 
-    def _bad(self, index: int, identifier: str, line: int, problem: str) -> Record:
+    def bad(self, index: int, identifier: str, line: int, problem: str) -> Record:
         return Record(index, identifier, "", line, f"{self.path}:{line}: {problem}")
 
     # FASTA ---------------------------------------------------------------------------
-    def _fasta(self, lines: _Lines, truncated: bool) -> Iterator[Record]:
-        limit = self.max_record_bytes
-        index = 0
-        start = 0  # line of the current record's header; 0 before the first
-        identifier = ""
-        parts: list[bytes] = []
-        size = 0
-        problem: str | None = None
-        junk_start = 0  # first line of sequence data seen before any header
+    def _fasta(self, stream: IO[bytes], truncated: bool) -> Iterator[Record]:
+        return _FastaBlocks(self, stream, truncated).records()
 
-        def finish(last: bool) -> Record:
-            if problem is not None:
-                return self._bad(index, identifier, start, problem)
-            text = b"".join(parts).translate(None, _BLANKS).upper().decode("ascii")
-            if not text and not (last and truncated):
-                return self._bad(index, identifier, start, "empty sequence")
-            return Record(index, identifier, text, start)
-
-        for number, line, over in lines:
-            if line.startswith(b">"):
-                if junk_start:
-                    yield self._bad(index, f"line-{junk_start}", junk_start,
-                                    "sequence data before the first '>' header; is this FASTA?")
-                    index, junk_start = index + 1, 0
-                if start:
-                    yield finish(last=False)
-                    index += 1
-                start, parts, size, problem = number, [], 0, None
-                try:
-                    words = line[1:].decode("utf-8").split()
-                except UnicodeDecodeError as exc:
-                    words, problem = [], f"the header is not UTF-8 text (byte {exc.start + 1})"
-                identifier = words[0] if words else f"line-{number}"
-                if over:
-                    problem = f"the header line is over the {limit}-byte record limit"
-                continue
-            if not start:
-                if line.strip() and not junk_start:
-                    junk_start = number
-                continue
-            if problem is not None:
-                continue  # the rest of a record already known to be bad
-            size += len(line)
-            if over or size > limit:
-                problem, parts = (f"the sequence is over the {limit}-byte record limit "
-                                  "(RESIDENT_POOL_MAX_RECORD_BYTES)"), []
-                continue
-            stray = line.translate(None, _SEQUENCE_BYTES + _BLANKS)
-            if stray:
-                problem, parts = f"line {number} holds {stray[:1]!r}, which is not a sequence letter", []
-                continue
-            parts.append(line)
-        if junk_start:
-            yield self._bad(index, f"line-{junk_start}", junk_start,
-                            "sequence data before the first '>' header; is this FASTA?")
-            index += 1
-        if start:
-            yield finish(last=True)
+    def fasta_record(self, index: int, line: int, record: bytes, over: bool = False, last: bool = False) -> Record:
+        """One record's bytes, from its '>' to the end of its last sequence line."""
+        newline = record.find(b"\n")
+        header, body = (record[1:], b"") if newline < 0 else (record[1:newline], record[newline + 1:])
+        try:
+            words = header.rstrip(b"\r").decode("utf-8").split()
+        except UnicodeDecodeError as exc:
+            return self.bad(index, f"line-{line}", line, f"the header is not UTF-8 text (byte {exc.start + 2})")
+        identifier = words[0] if words else f"line-{line}"
+        if over:
+            return self.bad(index, identifier, line, f"the record is over the {self.max_record_bytes}-byte limit "
+                                                      "(RESIDENT_POOL_MAX_RECORD_BYTES)")
+        sequence = body.translate(None, _WHITESPACE)
+        stray = sequence.translate(None, _SEQUENCE_BYTES)
+        if stray:
+            where = line + 1 + body.count(b"\n", 0, body.find(stray[:1]))
+            return self.bad(index, identifier, line, f"line {where} holds {stray[:1]!r}, which is not a sequence "
+                                                      "letter")
+        if not sequence and not last:
+            return self.bad(index, identifier, line, "empty sequence")
+        return Record(index, identifier, sequence.upper().decode("ascii"), line)
 
     # CSV and TSV ---------------------------------------------------------------------
     def _table(self, lines: _Lines, delimiter: str) -> Iterator[Record]:
@@ -303,14 +267,14 @@ class InputFile:
             except StopIteration:
                 return
             except csv.Error as exc:
-                yield self._bad(index, f"line-{last + 1}", last + 1, f"not a valid {self.format.upper()} row: {exc}")
+                yield self.bad(index, f"line-{last + 1}", last + 1, f"not a valid {self.format.upper()} row: {exc}")
                 index, last = index + 1, reader.line_num
                 continue
             start, last = last + 1, reader.line_num
             if flags:
                 problems = "; ".join(problem for _, problem in flags)
                 flags.clear()
-                yield self._bad(index, f"line-{start}", start, problems)
+                yield self.bad(index, f"line-{start}", start, problems)
                 index += 1
                 continue
             if not row or not any(cell.strip() for cell in row):
@@ -319,7 +283,7 @@ class InputFile:
             identifier = identifier or f"line-{start}"
             text = row[text_at].strip() if text_at < len(row) else ""
             if not text:
-                yield self._bad(index, identifier, start, f"no value in column {name!r}")
+                yield self.bad(index, identifier, start, f"no value in column {name!r}")
             else:
                 yield Record(index, identifier, text, start)
             index += 1
@@ -330,10 +294,12 @@ class InputFile:
         except StopIteration:
             header = []
         except csv.Error as exc:
-            raise InputError(f"{self.path}: the header row cannot be read ({exc})",
+            raise InputError(f"{self.path}: not a {self.format.upper()} input file: the header row cannot be read "
+                             f"({exc}); expected {_EXPECTED[self.format]}",
                              details={"path": str(self.path)}) from None
         if flags:
-            raise InputError(f"{self.path}: the header row cannot be read: {flags[0][1]}; expected "
+            raise InputError(f"{self.path}: not a {self.format.upper()} input file: the header row cannot be read: "
+                             f"{flags[0][1]}; expected "
                              f"{_EXPECTED[self.format]}", details={"path": str(self.path)})
         if header:
             header[0] = header[0].removeprefix("\ufeff")
@@ -361,7 +327,7 @@ class InputFile:
         for number, line, over in lines:
             fallback = f"line-{number}"
             if over:
-                yield self._bad(index, fallback, number, f"the line is over the {limit}-byte record limit "
+                yield self.bad(index, fallback, number, f"the line is over the {limit}-byte record limit "
                                                          "(RESIDENT_POOL_MAX_RECORD_BYTES)")
                 index += 1
                 continue
@@ -378,7 +344,7 @@ class InputFile:
             else:
                 problem = None if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object"
             if problem is not None:
-                yield self._bad(index, fallback, number, problem)
+                yield self.bad(index, fallback, number, problem)
                 index += 1
                 continue
             text = _field(row, text_names)
@@ -386,10 +352,99 @@ class InputFile:
             identifier = str(identifier) if isinstance(identifier, str | int) and identifier != "" else fallback
             if not isinstance(text, str) or not text.strip():
                 names = " or ".join(repr(name) for name in text_names)
-                yield self._bad(index, identifier, number, f"no non-empty string field {names}")
+                yield self.bad(index, identifier, number, f"no non-empty string field {names}")
             else:
                 yield Record(index, identifier, text.strip(), number)
             index += 1
+
+
+class _FastaBlocks:
+    """FASTA read a megabyte at a time and split on '\\n>': a million records in seconds, not minutes.
+
+    A record is everything from its '>' to the next header line; one larger
+    than the record limit is reported and skipped without being held.
+    """
+
+    def __init__(self, source: InputFile, stream: IO[bytes], truncated: bool) -> None:
+        self.source, self.stream, self.truncated = source, stream, truncated
+        self.limit = source.max_record_bytes
+        self.buffer = b""
+        self.line = 1  # the line the buffer starts on
+        self.index = 0
+        self.eof = False
+
+    def records(self) -> Iterator[Record]:
+        started = skipping = False
+        while not self.eof:
+            data = self.stream.read(FASTA_BLOCK)
+            self.eof = not data
+            self.buffer += data
+            if skipping and not self._skip():
+                continue
+            skipping = False
+            if not started:
+                started = yield from self._preamble()
+                if not started or not self.buffer:
+                    continue
+            skipping = yield from self._complete_records()
+
+    def _advance(self, to: int) -> None:
+        """Drop the buffer up to ``to``, counting its lines."""
+        self.line += self.buffer.count(b"\n", 0, to)
+        self.buffer = self.buffer[to:]
+
+    def _skip(self) -> bool:
+        """Inside a record over the limit: True once the next header is at the buffer's start."""
+        found = self.buffer.find(b"\n>")
+        if found < 0:
+            # Keep the last byte: a '\n' there may be followed by '>' in the next block.
+            self._advance(len(self.buffer) - 1 if not self.eof else len(self.buffer))
+            return False
+        self._advance(found + 1)
+        return True
+
+    def _preamble(self) -> Iterator[Record]:
+        """Before the first header: anything but blank lines is one bad record. Returns whether a header came."""
+        buffer = self.buffer
+        first = 0 if buffer.startswith(b">") else buffer.find(b"\n>") + 1
+        if first == 0 and not buffer.startswith(b">"):
+            if not self.eof and len(buffer) <= self.limit:
+                return False  # read on
+            first = len(buffer)
+        if buffer[:first].strip():
+            yield self.source.bad(self.index, f"line-{self.line}", self.line,
+                                  "sequence data before the first '>' header; is this FASTA?")
+            self.index += 1
+        self._advance(first)
+        return bool(self.buffer) or self.eof
+
+    def _complete_records(self) -> Iterator[Record]:
+        """Every record the buffer holds whole; returns True when one over the limit is being skipped."""
+        buffer, at, skipping = self.buffer, 0, False
+        while True:
+            end = buffer.find(b"\n>", at + 1)
+            if end < 0 and not self.eof:
+                if len(buffer) - at > self.limit:  # over the limit and still going: report it, skip the rest
+                    yield self._record(buffer[at:at + self.limit], over=True)
+                    self.line += buffer.count(b"\n", at, len(buffer) - 1)
+                    at, skipping = len(buffer) - 1, True
+                break
+            last = end < 0
+            end = len(buffer) if last else end
+            if at < end:
+                yield self._record(buffer[at:end], over=end - at > self.limit, last=last and self.truncated)
+            if last:
+                at = end
+                break
+            self.line += buffer.count(b"\n", at, end) + 1
+            at = end + 1
+        self.buffer = buffer[at:]
+        return skipping
+
+    def _record(self, data: bytes, over: bool, last: bool = False) -> Record:
+        record = self.source.fasta_record(self.index, self.line, data, over=over, last=last)
+        self.index += 1
+        return record
 
 
 def _text_so_far(data: bytes) -> bool:

@@ -129,7 +129,7 @@ def test_bad_records_fail_alone_naming_file_and_line(pool_dir, embedder, tmp_pat
     records = _records(tmp_path / "fasta.out.jsonl")
     assert [r["ok"] for r in records] == [True, False, False, False, False, True]
     assert records[0]["id"] == "good1" and records[0]["tokens"] == 8 and records[5]["tokens"] == 3
-    for record, line, words in ((records[1], 4, "not UTF-8"), (records[2], 6, "record limit"),
+    for record, line, words in ((records[1], 4, "not UTF-8"), (records[2], 6, "byte limit"),
                                 (records[3], 8, "not a sequence letter"), (records[4], 10, "empty sequence")):
         assert record["reason"] == "bad_input"
         assert record["error"].startswith(f"{fasta}:{line}: ") and words in record["error"]
