@@ -142,3 +142,14 @@ def test_the_nightly_screen_is_scheduled_and_each_run_computes_only_what_the_inb
     outputs = sorted((inbox / "screened").iterdir())
     assert [p.name for p in outputs] == ["week1.fasta.embedder.jsonl", "week2.tsv.embedder.jsonl"]
     assert len(outputs[0].read_text().splitlines()) == 60 and len(outputs[1].read_text().splitlines()) == 15
+
+    # What `make stack-up` registers (infra/local/stack.sh): the same schedules, paused.
+    subprocess.run([sys.executable, str(ROOT / "flows" / "deploy.py"), "--work-pool", "rp-nightly",
+                    "--manifests", str(pool_dir), "--schedule", "0 2 * * *", "--inbox", str(inbox), "--paused"],
+                   env=env, check=True, cwd=ROOT, timeout=120)
+    done = subprocess.run([sys.executable, "-c", DEPLOYMENTS], env=env, capture_output=True, text=True, timeout=60,
+                          check=True)
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["screen/screen"]["paused"] is True and found["validate/validate"]["paused"] is True
+    assert found["screen/screen"]["schedules"][0]["cron"] == "0 2 * * *"
+    assert "--paused" in (ROOT / "infra" / "local" / "stack.sh").read_text()
