@@ -230,6 +230,9 @@ def _input_files(input: str, output: str | None, provider: str, fmt: str, column
     path = Path(input).expanduser()
     if path.is_dir():
         outbox = Path(output).expanduser() if output else path / "screened"
+        if outbox.resolve() == path.resolve():
+            raise InputError(f"{outbox}: the outputs cannot go into the inbox itself (the next run would screen "
+                             "them); give another --output folder")
         candidates = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
         candidates = [p for p in candidates if _is_input_name(p)]
         targets = [(p, outbox / output_name(p, provider, fmt)) for p in candidates]
@@ -238,6 +241,8 @@ def _input_files(input: str, output: str | None, provider: str, fmt: str, column
         targets = [(path, Path(output).expanduser() if output else default)]
     files, refused = [], []
     for candidate, target in targets:
+        if target.resolve() == candidate.resolve():
+            raise InputError(f"{target}: the output would replace its own input; give another --output")
         try:
             source = InputFile(candidate, column=column, id_column=id_column, max_record_bytes=limit)
             source.check()

@@ -313,6 +313,11 @@ def test_a_folder_is_an_inbox_one_output_per_file_and_unreadable_files_named(poo
     second = _state(pool_dir, input=str(inbox))
     assert second.is_failed() and "corrupt.fasta" in second.message and second.message.startswith("45 ok, 0 failed")
     assert embedder() == 25
+    into_inbox = _state(pool_dir, input=str(inbox), output=str(inbox))
+    assert into_inbox.is_failed() and "cannot go into the inbox itself" in into_inbox.message
+    over_input = _state(pool_dir, input=str(inbox / "monday.jsonl"), output=str(inbox / "monday.jsonl"))
+    assert over_input.is_failed() and "would replace its own input" in over_input.message
+    assert json.loads((inbox / "monday.jsonl").read_text().splitlines()[0])["id"] == "s0"
 
 
 def test_parquet_output_has_fixed_size_float32_embeddings(pool_dir, embedder, tmp_path):

@@ -131,3 +131,13 @@ def test_duplicates_in_flight_are_computed_once_and_every_input_gets_its_record(
     assert counts["ok"] == 3 and counts["failure_reasons"] == {"request_failed": 2, "worker_died": 1}
     assert campaign.counts["duplicates"] == 3 and campaign.counts["computed"] == 3
     assert not (tmp_path / "out.jsonl.partial").exists()
+
+
+def test_the_campaign_core_imports_nothing_of_prefect():
+    import subprocess
+    import sys
+
+    code = ("import sys, resident_pool.campaign, resident_pool.inputs, resident_pool.results; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'prefect'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "[]"
