@@ -17,14 +17,14 @@ import os
 import re
 import statistics
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from .errors import InputError
 from .inputs import DEFAULT_MAX_RECORD_BYTES, Record
-from .results import ResultStore, options_text, result_key
+from .results import ResultStore, default_results_dir, options_text, result_key
 
 __all__ = [
     "BLOCK",
@@ -46,11 +46,11 @@ OUTPUT_FORMATS = ("jsonl", "parquet")
 class CampaignSettings:
     """The campaign's settings from ``RESIDENT_POOL_*`` variables (read here, nowhere else)."""
 
-    results_dir: str | None = None
+    results_dir: Path
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> CampaignSettings:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> CampaignSettings:
         env = os.environ if environ is None else environ
         raw = env.get("RESIDENT_POOL_MAX_RECORD_BYTES", "")
         try:
@@ -59,7 +59,7 @@ class CampaignSettings:
             raise InputError(f"RESIDENT_POOL_MAX_RECORD_BYTES={raw!r} is not a whole number of bytes") from None
         if limit < 1:
             raise InputError(f"RESIDENT_POOL_MAX_RECORD_BYTES={raw!r} must be at least 1")
-        return cls(results_dir=env.get("RESIDENT_POOL_RESULTS_DIR") or None, max_record_bytes=limit)
+        return cls(results_dir=default_results_dir(env), max_record_bytes=limit)
 
 
 def output_name(input_path: str | os.PathLike[str], provider: str, fmt: str) -> str:

@@ -15,7 +15,7 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +50,12 @@ def result_key(version: str, options: str, text: str) -> bytes:
     return hashlib.sha256(f"{version}\0{options}\0{text}".encode()).digest()
 
 
-def default_results_dir() -> Path:
-    """``$RESIDENT_POOL_RESULTS_DIR``, else ``$XDG_DATA_HOME/resident-pool/results`` (``~/.local/share``)."""
-    configured = os.environ.get("RESIDENT_POOL_RESULTS_DIR")
+def default_results_dir(environ: Mapping[str, str]) -> Path:
+    """``RESIDENT_POOL_RESULTS_DIR``, else ``$XDG_DATA_HOME/resident-pool/results`` (``~/.local/share``)."""
+    configured = environ.get("RESIDENT_POOL_RESULTS_DIR")
     if configured:
         return Path(configured).expanduser()
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    base = environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return Path(base) / "resident-pool" / "results"
 
 
@@ -83,9 +83,9 @@ class ResultStore:
                                     "campaign starts a new one", reason="store_unreadable") from None
 
     @classmethod
-    def for_provider(cls, slug: str, root: str | os.PathLike[str] | None = None) -> ResultStore:
-        """The store every campaign of this user uses for ``slug`` (a slug is a safe file name)."""
-        return cls(Path(root or default_results_dir()) / f"{slug}.sqlite3")
+    def for_provider(cls, slug: str, root: str | os.PathLike[str]) -> ResultStore:
+        """The store every campaign of this user uses for ``slug`` under ``root`` (a slug is a safe file name)."""
+        return cls(Path(root) / f"{slug}.sqlite3")
 
     def close(self) -> None:
         self.connection.close()

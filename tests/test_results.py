@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from resident_pool.campaign import Campaign
+from resident_pool.campaign import Campaign, CampaignSettings
 from resident_pool.errors import InputError, ResidentPoolError, StateDirError
 from resident_pool.inputs import Record
 from resident_pool.results import ResultStore, default_results_dir, options_text, result_key
@@ -23,12 +23,15 @@ def test_a_key_is_the_text_version_and_options_never_the_position_or_id():
                                                                       "MKVL")}) == 4
 
 
-def test_the_store_lives_in_the_users_data_folder_unless_set(monkeypatch, tmp_path):
-    monkeypatch.delenv("RESIDENT_POOL_RESULTS_DIR")
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
-    assert default_results_dir() == tmp_path / "data" / "resident-pool" / "results"
-    monkeypatch.setenv("RESIDENT_POOL_RESULTS_DIR", str(tmp_path / "elsewhere"))
-    assert default_results_dir() == tmp_path / "elsewhere"
+def test_the_store_lives_in_the_users_data_folder_unless_set(tmp_path):
+    assert CampaignSettings.from_env({"XDG_DATA_HOME": str(tmp_path / "data")}).results_dir == \
+        tmp_path / "data" / "resident-pool" / "results"
+    assert default_results_dir({"HOME": "/h"}).name == "results"
+    settings = CampaignSettings.from_env({"RESIDENT_POOL_RESULTS_DIR": str(tmp_path / "elsewhere"),
+                                          "RESIDENT_POOL_MAX_RECORD_BYTES": "4096"})
+    assert settings.results_dir == tmp_path / "elsewhere" and settings.max_record_bytes == 4096
+    with pytest.raises(InputError, match="RESIDENT_POOL_MAX_RECORD_BYTES='1MB' is not a whole number"):
+        CampaignSettings.from_env({"RESIDENT_POOL_MAX_RECORD_BYTES": "1MB"})
 
 
 def test_put_keeps_the_first_result_and_present_finds_what_is_stored(tmp_path):
