@@ -291,26 +291,25 @@ def screen(
     """
     started = time.monotonic()
     logger = get_run_logger()
-    settings = CampaignSettings.from_env()
     manifests_dir = str(default_manifests(manifests))
-    try:
-        if chunk_size < 1:
-            raise InputError(f"chunk_size must be at least 1, not {chunk_size}")
+    try:  # everything that can be wrong before any work: one sentence on the run, no traceback
+        settings = CampaignSettings.from_env()
+        if chunk_size < 1 or (max_workers is not None and max_workers < 1):
+            raise InputError(f"chunk_size ({chunk_size}) and max_workers ({max_workers}) must be at least 1")
         manifest = _load_provider(manifests_dir, provider)
         files, refused = _input_files(input, output, provider, format, column, id_column,
                                       settings.max_record_bytes)
-    except (InputError, ManifestError) as error:
+        if len(refused) == 1 and not files and not Path(input).is_dir():
+            raise InputError(refused[0])
+        store = ResultStore.for_provider(provider, settings.results_dir)
+    except ResidentPoolError as error:
         logger.error("%s", error)
         return Failed(message=str(error))
-    if len(refused) == 1 and not files and not Path(input).is_dir():
-        logger.error("%s", refused[0])
-        return Failed(message=refused[0])
     options = {"encoding": encoding} if encoding else {}
     version = provider_version(manifest)
     summaries = []
     progress = _Progress(provider, f"{provider}: {input}")
-    with ResultStore.for_provider(provider, settings.results_dir) as store, \
-            _chunk_runner(max_workers, manifest.lifecycle.max_replicas) as (submit, window):
+    with store, _chunk_runner(max_workers, manifest.lifecycle.max_replicas) as (submit, window):
         for source, target in files:
             try:
                 summaries.append(_screen_file(source, target, provider=provider, manifests=manifests_dir,
