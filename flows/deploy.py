@@ -1,19 +1,33 @@
 """Register the three flows as deployments on a process work pool.
 
     python flows/deploy.py [--work-pool resident-pool] [--manifests DIR]
+                           [--schedule "0 2 * * *" --inbox DIR [--outbox DIR]] [--provider minilm]
+                           [--validate-schedule "0 3 * * *"] [--paused]
 
-Run a worker for that pool (`prefect worker start --pool resident-pool`) on each
-GPU host; every flow run then reaches that host's resident pool.
+`validate` runs nightly (``--validate-schedule``). With ``--schedule``,
+`screen` runs on that cron over an inbox folder: every input file in it,
+computing only what no earlier run computed, one output per file.
+``--paused`` registers both schedules paused (``make stack-up`` does, so a
+developer's laptop does not screen at night); resume them in the UI.
+
+The provider parameter of `predict` and `screen` is a dropdown of the
+providers in ``--manifests`` at deploy time; run this again after adding one.
+Run a worker for the pool (`prefect worker start --pool resident-pool`) on
+each GPU host; every flow run then reaches that host's resident pool.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from prefect import flow
 from prefect.client.orchestration import get_client
+from prefect.deployments.runner import deploy
 from prefect.exceptions import ObjectAlreadyExists
+
+from resident_pool.manifest import SLUG
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOWS = {
@@ -21,6 +35,7 @@ FLOWS = {
     "validate": "flows/validate.py:validate",
     "predict": "flows/predict.py:predict",
 }
+VALIDATE_CRON = "0 3 * * *"  # nightly, after the 2 a.m. screen a README example sets up
 
 
 def ensure_work_pool(name: str) -> None:
@@ -33,21 +48,71 @@ def ensure_work_pool(name: str) -> None:
             pass  # registering again is fine
 
 
-def deploy_all(work_pool: str, manifests: str | None = None, tags: list[str] | None = None) -> list[str]:
+def provider_choices(manifests: str | Path) -> list[str]:
+    """The providers in ``manifests`` (folders holding a manifest.toml), sorted."""
+    return sorted(path.parent.name for path in Path(manifests).glob("*/manifest.toml") if SLUG.match(path.parent.name))
+
+
+def _dropdown(deployment, choices: list[str]) -> None:
+    """Make the provider parameter a choice among ``choices`` in the UI form (and checked by the server)."""
+    # The schema Prefect sends with the deployment: the UI draws its form from it.
+    properties = deployment._parameter_openapi_schema.properties
+    if "provider" not in properties or not choices:
+        return
+    default = properties["provider"].get("default")
+    properties["provider"] = {**properties["provider"], "type": "string", "enum": choices,
+                              "default": default if default in choices else choices[0]}
+    properties["provider"].pop("anyOf", None)
+
+
+def deploy_all(work_pool: str, manifests: str | None = None, tags: list[str] | None = None, *,
+               schedule: str | None = None, inbox: str | None = None, outbox: str | None = None,
+               provider: str | None = None, validate_schedule: str | None = VALIDATE_CRON,
+               paused: bool = False) -> list[str]:
+    """Register screen, validate and predict; returns the deployment ids."""
+    if schedule and not inbox:
+        raise ValueError("--schedule screens an inbox folder: give --inbox DIR")
     ensure_work_pool(work_pool)
-    ids = []
+    manifests_dir = Path(manifests).expanduser().resolve() if manifests else ROOT / "manifests"
+    choices = provider_choices(manifests_dir)
+    # The flow run's process finds the providers here, so no UI form has to ask for a path.
+    job_variables = {"env": {"RESIDENT_POOL_MANIFESTS": str(manifests_dir)}}
+    deployments = []
     for name, entrypoint in FLOWS.items():
+        parameters: dict[str, Any] = {}
+        cron = None
+        if name == "screen" and schedule:
+            cron = schedule
+            parameters["input"] = str(Path(inbox).expanduser().resolve())
+            if outbox:
+                parameters["output"] = str(Path(outbox).expanduser().resolve())
+            if provider:
+                parameters["provider"] = provider
+        if name == "validate":
+            cron = validate_schedule
         remote = flow.from_source(source=str(ROOT), entrypoint=entrypoint)
-        parameters = {"manifests": manifests} if manifests else {}
-        ids.append(str(remote.deploy(name=name, work_pool_name=work_pool, parameters=parameters,
-                                     tags=tags or ["resident-pool"], print_next_steps=False)))
-    return ids
+        deployment = remote.to_deployment(name=name, parameters=parameters, cron=cron,
+                                          paused=paused if cron else None, tags=tags or ["resident-pool"],
+                                          job_variables=job_variables, work_pool_name=work_pool)
+        _dropdown(deployment, choices)
+        deployments.append(deployment)
+    ids = deploy(*deployments, work_pool_name=work_pool, print_next_steps_message=False, ignore_warnings=True)
+    return [str(deployment_id) for deployment_id in ids]
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-pool", default="resident-pool")
     parser.add_argument("--manifests", default=str(ROOT / "manifests"))
+    parser.add_argument("--schedule", help='cron for the screen deployment, e.g. "0 2 * * *" (needs --inbox)')
+    parser.add_argument("--inbox", help="the folder the scheduled screen reads every input file from")
+    parser.add_argument("--outbox", help="where its outputs go (default: <inbox>/screened)")
+    parser.add_argument("--provider", help="the scheduled screen's provider (default: the flow's, minilm)")
+    parser.add_argument("--validate-schedule", default=VALIDATE_CRON,
+                        help=f"cron for the validate deployment (default {VALIDATE_CRON!r}; '' for none)")
+    parser.add_argument("--paused", action="store_true", help="register the schedules paused")
     arguments = parser.parse_args()
-    for deployment_id in deploy_all(arguments.work_pool, arguments.manifests):
+    for deployment_id in deploy_all(arguments.work_pool, arguments.manifests, schedule=arguments.schedule,
+                                    inbox=arguments.inbox, outbox=arguments.outbox, provider=arguments.provider,
+                                    validate_schedule=arguments.validate_schedule or None, paused=arguments.paused):
         print(deployment_id)

@@ -1,14 +1,28 @@
-"""An ad hoc prediction, for a run started from the Prefect UI: pick a provider, give inputs."""
+"""An ad hoc prediction, for a run started from the Prefect UI: pick a provider, give inputs (or none).
+
+With no inputs the provider's ``[smoke]`` payload is sent, so a bare run from
+the UI shows what the provider answers. The answer is shown on the run's page
+as a markdown artifact (a flow's return value is not displayed in the UI).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from typing import Any
 
 from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.states import Failed
 
-from resident_pool.prefect import pool_session, retry_pool_failures
+from resident_pool.client import default_manifests
+from resident_pool.errors import ManifestError
+from resident_pool.manifest import SLUG, load_manifest
+from resident_pool.prefect import artifact_key, pool_session, retry_pool_failures
+
+SHOWN_INPUTS = 20  # answers shown in the artifact; the flow's result keeps them all
+SHOWN_CHARS = 4000  # per answer: an embedding's 384 floats fit, a structure file does not
 
 
 @task(name="predict", retries=1, retry_condition_fn=retry_pool_failures)
@@ -18,16 +32,48 @@ def predict_inputs(provider: str, inputs: list[Any], manifests: str | None) -> d
         return {"results": results, "worker_pid": session.pid, "cold": session.cold, "replica": session.replica}
 
 
+def _inputs_or_smoke(provider: str, inputs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    if inputs:
+        return inputs
+    if not SLUG.match(provider):
+        raise ManifestError(f"{provider!r} is not a provider name (lowercase letters, digits, '-' or '_')")
+    manifest = load_manifest(default_manifests() / provider / "manifest.toml")
+    if not manifest.smoke.payload:
+        raise ManifestError(f"{provider}: no inputs were given and its manifest has no [smoke] payload to send; "
+                            "give inputs", slug=provider)
+    return [manifest.smoke.payload]
+
+
+def _markdown(provider: str, inputs: list[Any], answer: dict[str, Any]) -> str:
+    warmth = "cold start" if answer["cold"] else "warm"
+    lines = [f"## {provider}: {len(inputs)} prediction(s)", "",
+             f"worker pid {answer['worker_pid']} (replica {answer['replica']}, {warmth}) on {answer['host']}", ""]
+    for number, (payload, result) in enumerate(zip(inputs, answer["results"], strict=True)):
+        if number == SHOWN_INPUTS:
+            lines.append(f"... and {len(inputs) - SHOWN_INPUTS} more in the flow run's result")
+            break
+        text = json.dumps(result, indent=1)
+        if len(text) > SHOWN_CHARS:
+            text = text[:SHOWN_CHARS] + f"\n... ({len(text)} characters in all)"
+        lines += [f"### input {number}", "", "```json", json.dumps(payload)[:SHOWN_CHARS], "```", "",
+                  "answer:", "", "```json", text, "```", ""]
+    return "\n".join(lines)
+
+
 @flow(name="predict", persist_result=True, log_prints=True)
-def predict(
-    provider: str = "echo",
-    inputs: list[dict[str, Any]] | None = None,
-    manifests: str | None = None,
-) -> dict[str, Any]:
-    """Send each input (one payload per item) to ``provider`` through the host pool."""
-    inputs = inputs if inputs is not None else [{"inputs": ["MKTAYIAKQRQISFVKSHFSRQ"]}]
-    answer = predict_inputs(provider, inputs, manifests)
+def predict(provider: str = "echo", inputs: list[dict[str, Any]] | None = None):
+    """Send each input (one payload per item) to ``provider``; none: its ``[smoke]`` payload.
+
+    The providers are those of ``$RESIDENT_POOL_MANIFESTS`` (the deployment sets it).
+    """
+    try:
+        inputs = _inputs_or_smoke(provider, inputs)
+    except ManifestError as error:  # one sentence on the run page, not a traceback
+        return Failed(message=str(error))
+    answer = predict_inputs(provider, inputs, None)
     answer.update({"flow_run_pid": os.getpid(), "host": socket.gethostname()})
+    create_markdown_artifact(markdown=_markdown(provider, inputs, answer), key=artifact_key("predict", provider),
+                             description=f"{provider}: {len(inputs)} prediction(s)")
     print(f"{provider}: {len(inputs)} prediction(s) by worker pid {answer['worker_pid']} "
           f"({'cold start' if answer['cold'] else 'warm'}) on {answer['host']}")
     return answer

@@ -1,198 +1,414 @@
-"""A screening campaign's bookkeeping: inputs, chunks, cache keys and the output file.
+"""A screening campaign's bookkeeping: which inputs to compute, their results, the output file.
 
-No Prefect here: ``flows/screen.py`` orchestrates; this keeps the promise that
-every input ends with exactly one record, a result or a failure with its reason.
+No Prefect here: ``flows/screen.py`` orchestrates. Memory stays bounded
+whatever the input size: inputs are read lazily and handled a block at a time,
+the only inputs held are those waiting for a chunk or in flight, and the
+index of the campaign (input number -> id, key, or why it is bad) lives in
+SQLite's private temporary database, which the final output is joined from.
+Every input ends with exactly one record: a result, or a failure and its reason.
 """
 
 from __future__ import annotations
 
-import csv
-import hashlib
+import array
+import base64
 import json
 import os
+import re
 import statistics
-import tempfile
-from collections.abc import Iterable
-from dataclasses import dataclass
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["Item", "OutputFile", "chunk_key", "chunks", "failure_records", "read_inputs", "summarize"]
+from .errors import InputError
+from .inputs import DEFAULT_MAX_RECORD_BYTES, Record
+from .results import ResultStore, default_results_dir, options_text, result_key
+from .settings import settings
 
-TEXT_FIELDS = ("sequence", "text", "input", "seq")
-ID_FIELDS = ("id", "name", "accession")
+__all__ = [
+    "BLOCK",
+    "Campaign",
+    "CampaignSettings",
+    "Chunk",
+    "output_name",
+    "summarize",
+]
+
+BLOCK = 1024  # records looked up in the store at once
+# One encoder, made once: json.dumps with arguments builds a new one per call, a second per million results.
+_COMPACT = json.JSONEncoder(separators=(",", ":")).encode
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_.:|/+=-]*")  # ids that are their own JSON string body
+OUTPUT_FORMATS = ("jsonl", "parquet")
 
 
 @dataclass(frozen=True)
-class Item:
-    index: int  # position in the input: the key of its one output record
-    id: str
-    text: str
+class CampaignSettings:
+    """The campaign's settings from ``RESIDENT_POOL_*`` variables (read here, nowhere else)."""
+
+    results_dir: Path
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+
+    @classmethod
+    def from_env(cls) -> CampaignSettings:
+        config = settings()
+        return cls(results_dir=config.results_dir or default_results_dir(), max_record_bytes=config.max_record_bytes)
 
 
-class InputError(ValueError):
-    """An input file that cannot be read as a campaign's inputs."""
+def output_name(input_path: str | os.PathLike[str], provider: str, fmt: str) -> str:
+    """One output per input file: ``<input file name>.<provider>.<format>``."""
+    return f"{Path(input_path).name}.{provider}.{fmt}"
 
 
-def read_inputs(path: str | os.PathLike[str]) -> tuple[list[Item], list[dict[str, Any]]]:
-    """Items to predict, and records for inputs that failed before any prediction (empty, malformed)."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such input file; give a FASTA, CSV or JSONL file")
-    suffix = path.suffix.lower()
-    if suffix in (".fasta", ".fa", ".faa", ".fas"):
-        raw = _fasta(path)
-    elif suffix == ".csv":
-        raw = _csv(path)
-    elif suffix in (".jsonl", ".ndjson"):
-        raw = _jsonl(path)
-    else:
-        raise InputError(f"{path}: unknown input format {suffix!r}; use .fasta, .csv or .jsonl")
-    items, failures = [], []
-    for index, (identifier, text, problem) in enumerate(raw):
-        why = problem if problem is not None or text else "empty sequence"
-        if why is not None:
-            failures.append({"index": index, "id": identifier, "ok": False, "reason": "bad_input", "error": why})
+@dataclass
+class Chunk:
+    """Distinct inputs no earlier run computed, packed for one task run."""
+
+    keys: list[bytes] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    indexes: list[int] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+
+    @property
+    def first(self) -> int:
+        return self.indexes[0]
+
+    @property
+    def last(self) -> int:
+        return self.indexes[-1]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def _open_new(path: Path, flags: int) -> int:
+    """Open for writing without following a symlink at ``path``; created with the user's umask."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | flags, 0o666)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot write the output there ({exc.strerror}); a symlink is never followed",
+                         details={"path": str(path)}) from None
+
+
+class Campaign:
+    """One input file through one provider version.
+
+    ``add`` takes records a block at a time and returns the chunks to compute;
+    ``finish``/``fail`` take a chunk's outcome; ``write`` produces the output.
+    Uses the store's connection from one thread.
+    """
+
+    def __init__(self, store: ResultStore, version: str, options: dict[str, Any], chunk_size: int,
+                 output: str | os.PathLike[str]) -> None:
+        if chunk_size < 1:
+            raise InputError(f"chunk_size must be at least 1, not {chunk_size}")
+        self.store = store
+        self.db = store.connection
+        self.version = version
+        self.options = options_text(options)
+        self.chunk_size = chunk_size
+        self.output = Path(output)
+        self.journal_path = self.output.with_name(self.output.name + ".partial")
+        self.pending = Chunk()
+        self.waiting: set[bytes] = set()  # keys pending or in flight: a duplicate of one is not computed twice
+        self.counts = {"inputs": 0, "bad_input": 0, "from_store": 0, "duplicates": 0, "computed": 0, "chunks": 0}
+        self.chunk_stats: list[dict[str, Any]] = []
+        # The index lives in SQLite's temporary database: a private file, unlinked as soon as it is made.
+        self.db.executescript("""
+            DROP TABLE IF EXISTS temp.slots;
+            DROP TABLE IF EXISTS temp.failures;
+            CREATE TEMP TABLE slots (idx INTEGER PRIMARY KEY, id TEXT NOT NULL, key BLOB, error TEXT);
+            CREATE TEMP TABLE failures (key BLOB PRIMARY KEY, reason TEXT NOT NULL, error TEXT NOT NULL);
+        """)
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        self.journal = os.fdopen(_open_new(self.journal_path, os.O_TRUNC | os.O_APPEND), "w", encoding="utf-8")
+
+    def close(self) -> None:
+        if not self.journal.closed:
+            self.journal.close()
+        self.db.executescript("DROP TABLE IF EXISTS temp.slots; DROP TABLE IF EXISTS temp.failures;")
+
+    # -- planning -----------------------------------------------------------------
+    def add(self, records: list[Record]) -> list[Chunk]:
+        """Index a block of records; return the full chunks of what is neither stored nor already on its way."""
+        version, options = self.version, self.options
+        rows: list[tuple[int, str, bytes | None, str | None]] = []
+        keyed: list[tuple[bytes, Record]] = []
+        for record in records:
+            if record.error is not None:
+                rows.append((record.index, record.id, None, record.error))
+            else:
+                key = result_key(version, options, record.text)
+                rows.append((record.index, record.id, key, None))
+                keyed.append((key, record))
+        self.db.execute("BEGIN")  # deferred: only the private temp database is written
+        self.db.executemany("INSERT INTO temp.slots (idx, id, key, error) VALUES (?, ?, ?, ?)", rows)
+        self.db.execute("COMMIT")
+        self.counts["inputs"] += len(rows)
+        self.counts["bad_input"] += len(rows) - len(keyed)
+        stored = self.store.present([key for key, _ in keyed])
+        pending, waiting = self.pending, self.waiting
+        for key, record in keyed:
+            if key in stored:
+                self.counts["from_store"] += 1
+            elif key in waiting:
+                self.counts["duplicates"] += 1
+            else:
+                waiting.add(key)
+                pending.keys.append(key)
+                pending.texts.append(record.text)
+                pending.indexes.append(record.index)
+                pending.ids.append(record.id)
+        chunks = []
+        while len(self.pending) >= self.chunk_size:
+            chunks.append(self._cut(self.chunk_size))
+        return chunks
+
+    def flush(self) -> list[Chunk]:
+        """The last, partly filled chunk, once the input is read."""
+        return [self._cut(len(self.pending))] if len(self.pending) else []
+
+    def _cut(self, size: int) -> Chunk:
+        pending = self.pending
+        chunk = Chunk(pending.keys[:size], pending.texts[:size], pending.indexes[:size], pending.ids[:size])
+        self.pending = Chunk(pending.keys[size:], pending.texts[size:], pending.indexes[size:], pending.ids[size:])
+        self.counts["computed"] += len(chunk)
+        self.counts["chunks"] += 1
+        return chunk
+
+    # -- outcomes -----------------------------------------------------------------
+    def finish(self, chunk: Chunk, results: list[dict[str, Any] | None], failed: dict[int, tuple[str, str]],
+               stats: dict[str, Any]) -> None:
+        """Store a computed chunk: ``results[i]`` for input i, or ``failed[i] = (reason, error)``."""
+        if len(results) != len(chunk):
+            self.fail(chunk, "bad_answer", f"{len(results)} results came back for {len(chunk)} inputs", stats)
+            return
+        stored: list[tuple[bytes, str]] = []
+        lines: list[str] = []
+        failures: list[tuple[bytes, str, str]] = []
+        for position, (key, result) in enumerate(zip(chunk.keys, results, strict=True)):
+            head = _head(chunk.indexes[position], chunk.ids[position])
+            if result is None or position in failed:
+                reason, error = failed.get(position, ("bad_answer", "no result came back for this input"))
+                failures.append((key, reason, error))
+                lines.append(_failure_line(head, reason, error))
+            else:
+                text = _COMPACT(result)
+                stored.append((key, text))
+                lines.append(_ok_line(head, text))
+        self.store.put(self.version, stored)
+        self._record_failures(failures)
+        self._journal(lines)
+        self.waiting.difference_update(chunk.keys)
+        self.chunk_stats.append({**stats, "n": len(chunk)})
+
+    def fail(self, chunk: Chunk, reason: str, error: str, stats: dict[str, Any] | None = None) -> None:
+        """Every input of a chunk failed for one reason (the worker could not be had, it kept dying)."""
+        self._record_failures([(key, reason, error) for key in chunk.keys])
+        self._journal([_failure_line(_head(index, ident), reason, error)
+                       for index, ident in zip(chunk.indexes, chunk.ids, strict=True)])
+        self.waiting.difference_update(chunk.keys)
+        self.chunk_stats.append({**(stats or {}), "failed": True, "n": len(chunk)})
+
+    def _record_failures(self, failures: list[tuple[bytes, str, str]]) -> None:
+        if failures:
+            self.db.execute("BEGIN")
+            self.db.executemany("INSERT OR REPLACE INTO temp.failures (key, reason, error) VALUES (?, ?, ?)",
+                                failures)
+            self.db.execute("COMMIT")
+
+    def _journal(self, lines: list[str]) -> None:
+        self.journal.writelines(lines)
+        self.journal.flush()
+
+    # -- the output ---------------------------------------------------------------
+    def _joined(self) -> Iterator[tuple[int, str, str | None, str | None, str | None, str | None]]:
+        return self.db.execute("""
+            SELECT s.idx, s.id, s.error, r.result, f.reason, f.error
+            FROM temp.slots AS s
+            LEFT JOIN main.results AS r ON r.key = s.key
+            LEFT JOIN temp.failures AS f ON f.key = s.key
+            ORDER BY s.idx
+        """)
+
+    def write(self, fmt: Literal["jsonl", "parquet"] = "jsonl") -> dict[str, Any]:
+        """Write the output in input order, one record per input, atomically; returns the counts."""
+        if fmt not in OUTPUT_FORMATS:
+            raise InputError(f"unknown output format {fmt!r}; use one of {', '.join(OUTPUT_FORMATS)}")
+        self.journal.close()
+        temp = self.output.with_name(f".{self.output.name}.{uuid.uuid4().hex[:8]}.tmp")
+        fd = _open_new(temp, os.O_EXCL)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                rows = _Counted(self._joined())
+                if fmt == "parquet":
+                    _write_parquet(out, rows, self._first_result())
+                else:
+                    _write_jsonl(out, rows)
+            os.replace(temp, self.output)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        self.journal_path.unlink(missing_ok=True)
+        return rows.counts
+
+    def _first_result(self) -> dict[str, Any] | None:
+        row = self.db.execute("SELECT r.result FROM temp.slots AS s JOIN main.results AS r ON r.key = s.key "
+                              "ORDER BY s.idx LIMIT 1").fetchone()
+        return None if row is None else json.loads(row[0])
+
+
+_MISSING = ("not_computed", "no result and no failure was recorded for this input; run the campaign again")
+
+
+class _Counted:
+    """The joined rows, each resolved to (index, id, ok, result JSON, reason, error), counted on the way."""
+
+    def __init__(self, rows: Iterable[tuple]) -> None:
+        self.rows = rows
+        self.counts: dict[str, Any] = {"records": 0, "ok": 0, "failed": 0, "missing": 0, "failure_reasons": {}}
+
+    def __iter__(self) -> Iterator[tuple[int, str, bool, str | None, str | None, str | None]]:
+        counts, reasons = self.counts, self.counts["failure_reasons"]
+        for index, ident, bad, stored, recorded_reason, recorded_error in self.rows:
+            counts["records"] += 1
+            if stored is not None and bad is None:
+                counts["ok"] += 1
+                yield index, ident, True, stored, None, None
+                continue
+            if bad is not None:
+                reason, error = "bad_input", bad
+            elif recorded_reason is None:
+                (reason, error), counts["missing"] = _MISSING, counts["missing"] + 1
+            else:
+                reason, error = recorded_reason, recorded_error
+            counts["failed"] += 1
+            reasons[reason] = reasons.get(reason, 0) + 1
+            yield index, ident, False, None, reason, error
+
+
+def _head(index: int, ident: str) -> str:
+    quoted = f'"{ident}"' if _PLAIN_ID.fullmatch(ident) else _COMPACT(ident)
+    return f'{{"index":{index},"id":{quoted}'
+
+
+def _ok_line(head: str, result: str) -> str:
+    return f'{head},"ok":true}}\n' if result == "{}" else f'{head},"ok":true,{result[1:]}\n'
+
+
+def _failure_line(head: str, reason: str, error: str) -> str:
+    return f'{head},"ok":false,"reason":{_COMPACT(reason)},"error":{_COMPACT(error)}}}\n'
+
+
+def _write_jsonl(out, rows: _Counted) -> None:
+    batch: list[str] = []
+    for index, ident, ok, result, reason, error in rows:
+        head = _head(index, ident)
+        batch.append(_ok_line(head, result) if ok else _failure_line(head, reason, error))
+        if len(batch) >= 4096:
+            out.write("".join(batch).encode())
+            batch.clear()
+    out.write("".join(batch).encode())
+
+
+# -- Parquet --------------------------------------------------------------------------
+def _write_parquet(out, rows: _Counted, example: dict[str, Any] | None, batch_rows: int = 8192) -> None:
+    """id, index, ok, reason, error, then the result's fields; embeddings as fixed-size float32 lists."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise InputError("--format parquet needs pyarrow: pip install 'resident-pool[parquet]'") from None
+    columns = _parquet_columns(example or {}, pa)
+    schema = pa.schema([("id", pa.string()), ("index", pa.int64()), ("ok", pa.bool_()), ("reason", pa.string()),
+                        ("error", pa.string())] + [(name, kind) for name, kind, _ in columns])
+    with pq.ParquetWriter(out, schema) as writer:
+        batch: list[tuple] = []
+        for row in rows:
+            batch.append(row)
+            if len(batch) >= batch_rows:
+                writer.write_table(_parquet_batch(batch, columns, schema, pa))
+                batch.clear()
+        if batch or not rows.counts["records"]:
+            writer.write_table(_parquet_batch(batch, columns, schema, pa))
+
+
+def _parquet_columns(example: dict[str, Any], pa) -> list[tuple[str, Any, str]]:
+    """(column, arrow type, how to read it from a result) for each field of an example result."""
+    columns = []
+    for name, value in example.items():
+        if name == "embedding_f32" and isinstance(value, str):
+            columns.append(("embedding", pa.list_(pa.float32(), len(base64.b64decode(value)) // 4), "f32"))
+        elif name == "embedding" and isinstance(value, list) and all(isinstance(x, int | float) for x in value):
+            columns.append(("embedding", pa.list_(pa.float32(), len(value)), "floats"))
+        elif isinstance(value, bool):
+            columns.append((name, pa.bool_(), "value"))
+        elif isinstance(value, int):
+            columns.append((name, pa.int64(), "value"))
+        elif isinstance(value, float):
+            columns.append((name, pa.float64(), "value"))
+        elif isinstance(value, str):
+            columns.append((name, pa.string(), "value"))
         else:
-            items.append(Item(index, identifier, text))
-    return items, failures
+            columns.append((name, pa.string(), "json"))
+    return columns
 
 
-def _fasta(path: Path) -> Iterable[tuple[str, str, str | None]]:
-    identifier, parts, seen = None, [], False
-    with open(path, encoding="utf-8") as handle:
-        for number, raw_line in enumerate(handle, 1):
-            line = raw_line.strip()
-            if line.startswith(">"):
-                if identifier is not None:
-                    yield identifier, "".join(parts).upper(), None
-                identifier = line[1:].split()[0] if line[1:].split() else f"line-{number}"
-                parts, seen = [], True
-            elif line and not seen:
-                raise InputError(f"{path}:{number}: sequence data before the first '>' header; is it FASTA?")
-            elif line:
-                parts.append("".join(line.split()))
-    if identifier is not None:
-        yield identifier, "".join(parts).upper(), None
+def _parquet_batch(batch: list[tuple], columns: list[tuple[str, Any, str]], schema, pa):
+    results = [json.loads(row[3]) if row[2] else None for row in batch]
+    arrays = [pa.array([row[1] for row in batch], pa.string()), pa.array([row[0] for row in batch], pa.int64()),
+              pa.array([row[2] for row in batch], pa.bool_()), pa.array([row[4] for row in batch], pa.string()),
+              pa.array([row[5] for row in batch], pa.string())]
+    for name, kind, how in columns:
+        source = "embedding_f32" if how == "f32" else name
+        values = [None if result is None else result.get(source) for result in results]
+        if how in ("f32", "floats"):
+            arrays.append(_vectors(values, kind.list_size, how, pa))
+        elif how == "json":
+            arrays.append(pa.array([None if v is None else json.dumps(v) for v in values], pa.string()))
+        else:
+            arrays.append(pa.array(values, kind))
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _pick(row: dict[str, Any], names: tuple[str, ...]) -> Any:
-    for name in names:
-        if name in row:
-            return row[name]
-    return None
+def _vectors(values: list[Any], dim: int, how: str, pa):
+    """A fixed-size float32 list column built from one buffer (nulls where a row has no vector)."""
+    zero = bytes(4 * dim)
+    blobs, valid = [], []
+    for value in values:
+        blob = None
+        if value is not None:
+            blob = base64.b64decode(value) if how == "f32" else array.array("f", value).tobytes()
+        if blob is None or len(blob) != 4 * dim:
+            blobs.append(zero)
+            valid.append(False)
+        else:
+            blobs.append(blob)
+            valid.append(True)
+    flat = pa.Array.from_buffers(pa.float32(), len(values) * dim, [None, pa.py_buffer(b"".join(blobs))])
+    mask = None if all(valid) else pa.array([not v for v in valid], pa.bool_())
+    return pa.FixedSizeListArray.from_arrays(flat, dim, mask=mask)
 
 
-def _csv(path: Path) -> Iterable[tuple[str, str, str | None]]:
-    with open(path, newline="", encoding="utf-8") as handle:
-        reader = csv.DictReader(handle)
-        if not reader.fieldnames or not set(reader.fieldnames) & set(TEXT_FIELDS):
-            raise InputError(f"{path}: no column named {' or '.join(TEXT_FIELDS)}; found {reader.fieldnames}")
-        for number, row in enumerate(reader, 2):
-            identifier = str(_pick(row, ID_FIELDS) or f"row-{number}")
-            yield identifier, (_pick(row, TEXT_FIELDS) or "").strip(), None
-
-
-def _jsonl(path: Path) -> Iterable[tuple[str, str, str | None]]:
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                yield f"line-{number}", "", f"line {number} is not JSON: {exc}"
-                continue
-            if not isinstance(row, dict):
-                yield f"line-{number}", "", f"line {number} is not a JSON object"
-                continue
-            text = _pick(row, TEXT_FIELDS)
-            identifier = str(_pick(row, ID_FIELDS) or f"line-{number}")
-            if not isinstance(text, str):
-                yield identifier, "", f"line {number} has no string field {' or '.join(TEXT_FIELDS)}"
-                continue
-            yield identifier, text.strip(), None
-
-
-def chunks(items: list[Item], size: int) -> list[list[Item]]:
-    if size < 1:
-        raise ValueError(f"chunk_size must be at least 1, not {size}")
-    return [items[start : start + size] for start in range(0, len(items), size)]
-
-
-def chunk_key(provider: str, fingerprint: str, chunk: list[dict[str, Any]]) -> str:
-    """Same inputs, same provider, same pins: the same key, so a re-run recomputes nothing."""
-    digest = hashlib.sha256()
-    digest.update(f"{provider}\0{fingerprint}\0".encode())
-    for item in chunk:
-        digest.update(f"{item['index']}\0{item['id']}\0{item['text']}\n".encode())
-    return f"screen-{provider}-{digest.hexdigest()[:32]}"
-
-
-def failure_records(chunk: list[dict[str, Any]], reason: str, error: str) -> list[dict[str, Any]]:
-    return [{"index": item["index"], "id": item["id"], "ok": False, "reason": reason, "error": error}
-            for item in chunk]
-
-
-class OutputFile:
-    """Records appended as chunks finish; compacted at the end to one record per input."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def append(self, records: list[dict[str, Any]]) -> None:
-        with open(self.path, "a", encoding="utf-8") as out:
-            out.writelines(json.dumps(record) + "\n" for record in records)
-            out.flush()
-            os.fsync(out.fileno())
-
-    def records(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with open(self.path, encoding="utf-8") as handle:
-            return [json.loads(line) for line in handle if line.strip()]
-
-    def compact(self, total: int) -> list[dict[str, Any]]:
-        """Keep one record per input index, a result over a failure, the latest of each; in input order."""
-        best: dict[int, dict[str, Any]] = {}
-        for record in self.records():
-            if record["index"] >= total:
-                continue
-            current = best.get(record["index"])
-            if current is None or record["ok"] or not current["ok"]:
-                best[record["index"]] = record
-        ordered = [best[index] for index in sorted(best)]
-        handle, temp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.writelines(json.dumps(record) + "\n" for record in ordered)
-        os.replace(temp, self.path)
-        return ordered
-
-
-def summarize(records: list[dict[str, Any]], chunk_stats: list[dict[str, Any]], total: int,
+def summarize(counts: dict[str, Any], written: dict[str, Any], chunk_stats: list[dict[str, Any]],
               wall_s: float) -> dict[str, Any]:
-    """The campaign's table: inputs, ok, failed, cold starts, warm median latency, throughput."""
-    computed = [s for s in chunk_stats if not s.get("cached")]
+    """One file's line of the campaign table: inputs, ok, failed, what was computed, latency, throughput."""
+    computed = [s for s in chunk_stats if not s.get("failed")]
     warm = [s["latency_s"] for s in computed if not s.get("cold") and s.get("latency_s") is not None]
-    ok = sum(1 for r in records if r["ok"])
-    reasons: dict[str, int] = {}
-    for record in records:
-        if not record["ok"]:
-            reasons[record["reason"]] = reasons.get(record["reason"], 0) + 1
     return {
-        "inputs": total,
-        "ok": ok,
-        "failed": len(records) - ok,
-        "missing": total - len(records),
-        "failure_reasons": reasons,
-        "chunks": len(chunk_stats),
-        "cached_chunks": sum(1 for s in chunk_stats if s.get("cached")),
+        "inputs": counts["inputs"],
+        "ok": written["ok"],
+        "failed": written["failed"],
+        "missing": written["missing"],
+        "failure_reasons": written["failure_reasons"],
+        "computed": counts["computed"],
+        "from_store": counts["from_store"],
+        "duplicates": counts["duplicates"],
+        "chunks": counts["chunks"],
         "cold_starts": sum(1 for s in computed if s.get("cold")),
         "warm_median_chunk_latency_ms": round(statistics.median(warm) * 1000, 1) if warm else None,
-        "throughput_inputs_per_s": round(total / wall_s, 1) if wall_s > 0 else None,
+        "throughput_inputs_per_s": round(counts["inputs"] / wall_s, 1) if wall_s > 0 else None,
         "wall_s": round(wall_s, 2),
         "workers": sorted({s["pid"] for s in computed if s.get("pid")}),
     }
-
-

@@ -15,7 +15,9 @@ from .exits import exit_hint
 __all__ = [
     "AdmissionRefused",
     "AdmissionTimeout",
+    "CampaignFailed",
     "GoldenMismatch",
+    "InputError",
     "KitUnavailable",
     "ManifestError",
     "PoolStopping",
@@ -144,6 +146,18 @@ class StateDirError(ResidentPoolError, PermissionError):
     default_reason = "state_dir_unsafe"
 
 
+class InputError(ResidentPoolError, ValueError):
+    """A campaign's input file cannot be read as inputs (names the file and what was expected)."""
+
+    default_reason = "bad_input_file"
+
+
+class CampaignFailed(ResidentPoolError):
+    """A campaign ended with failed inputs and was asked to fail for them; ``details["summary"]`` has its table."""
+
+    default_reason = "input_errors"
+
+
 _TYPES = {
     cls.__name__: cls
     for cls in (
@@ -154,6 +168,8 @@ _TYPES = {
         PoolStopping,
         AdmissionTimeout,
         AdmissionRefused,
+        CampaignFailed,
+        InputError,
         KitUnavailable,
         GoldenMismatch,
         ManifestError,

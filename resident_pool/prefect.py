@@ -36,6 +36,7 @@ from .settings import settings
 from .transcripts import read_tail
 
 __all__ = [
+    "artifact_key",
     "failure_artifact_key",
     "pool_session",
     "predict",
@@ -44,6 +45,7 @@ __all__ = [
 ]
 
 
+_KEY_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
 _clients: dict[tuple[Path, Path], Pool] = {}
 _clients_lock = threading.Lock()
 
@@ -70,10 +72,21 @@ def _log_wait(wait: dict[str, Any]) -> None:
     )
 
 
+def artifact_key(*parts: str) -> str:
+    """The one way an artifact key is made: Prefect takes lowercase ASCII letters, digits and dashes only.
+
+    Any slug works (``esm_2`` -> ``esm-2``); runs of other characters become one dash.
+    """
+    words = []
+    for part in parts:
+        cleaned = "".join(ch if ch in _KEY_CHARACTERS else "-" for ch in part.lower())
+        words += [word for word in cleaned.split("-") if word]
+    return "-".join(words) or "resident-pool"
+
+
 def failure_artifact_key(slug: str) -> str:
-    """Artifact keys are lowercase letters, digits and dashes; one stable key per provider."""
-    cleaned = "".join(ch if ch.isalnum() else "-" for ch in slug.lower())
-    return f"resident-pool-failure-{cleaned}".strip("-")
+    """One stable failure artifact key per provider."""
+    return artifact_key("resident-pool-failure", slug)
 
 
 def _one_line(error: ResidentPoolError) -> str:

@@ -62,6 +62,11 @@ class Settings(BaseSettings):
                                          "orphan_grace_s: a worker whose pool is gone exits after this long "
                                          "without a request")
     artifact_tail_lines: int = Field(20, ge=0, description="transcript lines in a Prefect failure artifact")
+    results_dir: Path | None = Field(None, description="the campaign result store: every campaign of this user and "
+                                     "provider resumes and deduplicates from it "
+                                     "(default $XDG_DATA_HOME/resident-pool/results)")
+    max_record_bytes: int = Field(1024 * 1024, ge=1, description="a campaign input record longer than this fails "
+                                  "alone as bad_input")
     no_cublas_release: bool = Field(False, description="passed to workers: turns off the cuBLAS workspace release "
                                     "after each prediction")
     attach_min_bytes: int = Field(64 * 1024, ge=0, description="arrays and bytes of at least this size travel "

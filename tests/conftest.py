@@ -26,7 +26,9 @@ def isolated_dirs(monkeypatch, no_leaked_processes):  # the leak check runs afte
     logs = tempfile.mkdtemp(prefix="rp-logs-")
     monkeypatch.setenv("RESIDENT_POOL_STATE_DIR", os.path.join(state, "s"))
     monkeypatch.setenv("RESIDENT_POOL_LOG_DIR", logs)
-    yield {"state": os.path.join(state, "s"), "logs": logs}
+    # Campaign results too: a test must not be answered from another test's (or the user's) result store.
+    monkeypatch.setenv("RESIDENT_POOL_RESULTS_DIR", os.path.join(state, "results"))
+    yield {"state": os.path.join(state, "s"), "logs": logs, "results": os.path.join(state, "results")}
     stop_pool_in(os.path.join(state, "s"))
 
 

@@ -9,6 +9,9 @@ from pathlib import Path
 
 WORKERS = Path(__file__).parent / "workers"
 KITS = Path(__file__).parent / "kits"
+# A worker sees only a fixed base of the pool's environment plus what its manifest names: the
+# test embedder's knobs must be named.
+EMBEDDER_ENV = '[env]\npassthrough = ["EMBEDDER_COUNT", "EMBEDDER_DELAY_S", "EMBEDDER_MARKER"]\n'
 
 
 def write_provider(root: Path, slug: str, body: str, worker: str = "testworker.py") -> Path:

@@ -1,4 +1,9 @@
-"""Warm across flow runs, end to end: a real `prefect server`, a process worker, two deployment runs."""
+"""Deployments end to end on one real `prefect server` (shared by this file), a process worker per test.
+
+Warm across flow runs: two deployment runs, the second served by the worker the
+first started. The nightly screen: registered with its cron over an inbox, run
+twice while the inbox gains a file, computing only what is new.
+"""
 
 from __future__ import annotations
 
@@ -6,52 +11,145 @@ import json
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from helpers import prefect_server, stop_group, wait_until
+from providers import EMBEDDER_ENV, write_provider
 
 from resident_pool.procs import pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
 RUN = """
 import json, sys
 from prefect.deployments import run_deployment
-run = run_deployment("predict/predict", parameters={"provider": "echo", "inputs": [{"n": int(sys.argv[1])}]}, timeout=240)
-print(json.dumps({"state": run.state.type.value, "result": run.state.result(raise_on_failure=False)}, default=str))
+run = run_deployment(sys.argv[1], parameters=json.loads(sys.argv[2]), timeout=240)
+print(json.dumps({"state": run.state.type.value, "message": run.state.message,
+                  "result": run.state.result(raise_on_failure=False)}, default=str))
+"""
+
+DEPLOYMENTS = """
+import json
+from prefect.client.orchestration import get_client
+with get_client(sync_client=True) as client:
+    found = {}
+    for name in ("screen/screen", "validate/validate", "predict/predict"):
+        deployment = client.read_deployment_by_name(name)
+        found[name] = {"paused": deployment.paused, "parameters": deployment.parameters,
+                       "provider": deployment.parameter_openapi_schema["properties"].get("provider"),
+                       "schema": sorted(deployment.parameter_openapi_schema["properties"]),
+                       "schedules": [{"cron": s.schedule.cron, "active": s.active} for s in deployment.schedules],
+                       "env": deployment.job_variables.get("env")}
+print(json.dumps(found))
 """
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_the_second_deployment_run_is_served_by_the_worker_the_first_started(pool_dir, tmp_path):
-    shutil.copytree(ROOT / "manifests" / "echo", pool_dir / "echo")
-    with prefect_server(tmp_path) as env, open(tmp_path / "worker.log", "w") as worker_log:
-        worker = None
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One real Prefect server for this file's tests: the PREFECT_* variables that point at it."""
+    with prefect_server(tmp_path_factory.mktemp("server")) as env:
+        yield {name: value for name, value in env.items() if name.startswith("PREFECT_")}
+
+
+def _env(server, **extra):
+    import os
+
+    return {**os.environ, **server, **extra}
+
+
+def _run(env, deployment: str, parameters: dict, log: Path) -> dict:
+    done = subprocess.run([sys.executable, "-c", RUN, deployment, json.dumps(parameters)], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:] + log.read_text()[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@contextmanager
+def _worker(env, pool: str, log: Path):
+    with open(log, "w") as out:
+        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", pool, "--type", "process"], env=env,
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
         try:
-            subprocess.run([sys.executable, str(ROOT / "flows" / "deploy.py"), "--work-pool", "rp-e2e",
-                            "--manifests", str(pool_dir)], env=env, check=True, cwd=ROOT, timeout=120)
-            worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "rp-e2e", "--type", "process"], env=env,
-                                      stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-            runs = []
-            for n in (1, 2):
-                done = subprocess.run([sys.executable, "-c", RUN, str(n)], env=env, capture_output=True, text=True,
-                                      timeout=300, check=False)
-                assert done.returncode == 0, done.stderr[-3000:] + (tmp_path / "worker.log").read_text()[-3000:]
-                runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-                if n == 1:  # the first flow run's process is gone; the model worker it started is not
-                    flow_run_pid, worker_pid = runs[0]["result"]["flow_run_pid"], runs[0]["result"]["worker_pid"]
-                    wait_until(lambda pid=flow_run_pid: not pid_alive(pid), timeout=60,
-                               message="the first flow run's process to exit")
-                    assert pid_alive(worker_pid)
+            yield worker
         finally:
-            if worker is not None:
-                stop_group(worker)
+            stop_group(worker)
+
+
+def test_the_second_deployment_run_is_served_by_the_worker_the_first_started(server, pool_dir, tmp_path):
+    shutil.copytree(ROOT / "manifests" / "echo", pool_dir / "echo")
+    env = _env(server)
+    subprocess.run([sys.executable, str(ROOT / "flows" / "deploy.py"), "--work-pool", "rp-e2e",
+                    "--manifests", str(pool_dir)], env=env, check=True, cwd=ROOT, timeout=120)
+    log = tmp_path / "worker.log"
+    runs = []
+    with _worker(env, "rp-e2e", log):
+        for n in (1, 2):
+            runs.append(_run(env, "predict/predict", {"provider": "echo", "inputs": [{"n": n}]}, log))
+            if n == 1:  # the first flow run's process is gone; the model worker it started is not
+                flow_run_pid, worker_pid = runs[0]["result"]["flow_run_pid"], runs[0]["result"]["worker_pid"]
+                wait_until(lambda pid=flow_run_pid: not pid_alive(pid), timeout=60,
+                           message="the first flow run's process to exit")
+                assert pid_alive(worker_pid)
     first, second = (run["result"] for run in runs)
     assert [run["state"] for run in runs] == ["COMPLETED", "COMPLETED"]
     assert first["flow_run_pid"] != second["flow_run_pid"]  # two processes
     assert first["cold"] is True and second["cold"] is False
     assert second["worker_pid"] == first["worker_pid"]  # the same warm worker
     assert second["results"] == [{"echo": {"n": 2}, "pid": first["worker_pid"]}]
+
+
+def test_the_nightly_screen_is_scheduled_and_each_run_computes_only_what_the_inbox_gained(server, pool_dir, tmp_path):
+    write_provider(pool_dir, "embedder", EMBEDDER_ENV, worker="embedder.py")
+    shutil.copytree(ROOT / "manifests" / "echo", pool_dir / "echo")
+    count = tmp_path / "computed.log"
+    env = _env(server, EMBEDDER_COUNT=str(count))
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "week1.fasta").write_text("".join(f">w1-{n}\nMKV{'ACDEFGHIKL'[n % 10]}{'MNPQRSTVWY'[n // 10]}\n"
+                                               for n in range(60)))
+    subprocess.run([sys.executable, str(ROOT / "flows" / "deploy.py"), "--work-pool", "rp-nightly",
+                    "--manifests", str(pool_dir), "--schedule", "0 2 * * *", "--inbox", str(inbox),
+                    "--provider", "embedder"], env=env, check=True, cwd=ROOT, timeout=120)
+    done = subprocess.run([sys.executable, "-c", DEPLOYMENTS], env=env, capture_output=True, text=True, timeout=60,
+                          check=True)
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    screen, validate, predict = found["screen/screen"], found["validate/validate"], found["predict/predict"]
+    assert screen["schedules"] == [{"cron": "0 2 * * *", "active": True}] and screen["paused"] is False
+    assert validate["schedules"] == [{"cron": "0 3 * * *", "active": True}] and validate["paused"] is False
+    assert predict["schedules"] == []
+    assert screen["parameters"] == {"input": str(inbox), "provider": "embedder"}
+    assert predict["provider"]["enum"] == ["echo", "embedder"] and "manifests" not in predict["schema"]
+    assert predict["env"] == {"RESIDENT_POOL_MANIFESTS": str(pool_dir)}
+
+    def computed() -> int:
+        return sum(int(line) for line in count.read_text().split()) if count.exists() else 0
+
+    log = tmp_path / "worker.log"
+    with _worker(env, "rp-nightly", log):
+        first = _run(env, "screen/screen", {}, log)
+        assert first["state"] == "COMPLETED" and first["message"] == "60 ok, 0 failed", first
+        assert computed() == 60
+        (inbox / "week2.tsv").write_text("Entry\tSequence\n" + "".join(f"w2-{n}\tMKV{'ACDEFGHIKL'[n % 10]}W{n}\n"
+                                                                        for n in range(15)))
+        second = _run(env, "screen/screen", {}, log)
+    assert second["state"] == "COMPLETED" and second["message"] == "75 ok, 0 failed", second
+    assert computed() == 75  # the second night computed week2's 15, nothing of week1
+    outputs = sorted((inbox / "screened").iterdir())
+    assert [p.name for p in outputs] == ["week1.fasta.embedder.jsonl", "week2.tsv.embedder.jsonl"]
+    assert len(outputs[0].read_text().splitlines()) == 60 and len(outputs[1].read_text().splitlines()) == 15
+
+    # What `make stack-up` registers (infra/local/stack.sh): the same schedules, paused.
+    subprocess.run([sys.executable, str(ROOT / "flows" / "deploy.py"), "--work-pool", "rp-nightly",
+                    "--manifests", str(pool_dir), "--schedule", "0 2 * * *", "--inbox", str(inbox), "--paused"],
+                   env=env, check=True, cwd=ROOT, timeout=120)
+    done = subprocess.run([sys.executable, "-c", DEPLOYMENTS], env=env, capture_output=True, text=True, timeout=60,
+                          check=True)
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["screen/screen"]["paused"] is True and found["validate/validate"]["paused"] is True
+    assert found["screen/screen"]["schedules"][0]["cron"] == "0 2 * * *"
+    assert "--paused" in (ROOT / "infra" / "local" / "stack.sh").read_text()

@@ -15,10 +15,11 @@ PACKAGE = Path(resident_pool.__file__).parent
 LAYERS = [
     {"states", "exits", "protocol", "arrays", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden"},
     {"errors"},
-    {"settings"},
+    {"settings", "inputs"},
     {"trust"},
     {"paths", "transcripts", "manifest", "breaker", "replica"},
-    {"worker_process", "weights", "exec_env", "admission", "campaign", "expected"},
+    {"worker_process", "weights", "exec_env", "admission", "results", "expected"},
+    {"campaign"},
     {"supervisor", "kit", "client"},
     {"provenance"},
     {"launch"},

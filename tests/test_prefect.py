@@ -20,7 +20,7 @@ from prefect.client.schemas.filters import (
     LogFilterTaskRunId,
 )
 from prefect.task_runners import ThreadPoolTaskRunner
-from providers import make_kit_venv, write_provider
+from providers import EMBEDDER_ENV, make_kit_venv, write_provider
 
 from resident_pool import Pool, WorkerStartError
 from resident_pool.prefect import failure_artifact_key, predict, retry_pool_failures
@@ -88,10 +88,9 @@ def test_a_worker_that_dies_mid_request_is_retried_and_then_succeeds(pool_dir, t
 @pytest.mark.slow
 def test_a_2000_input_campaign_survives_a_killed_worker_and_a_rerun_recomputes_nothing(pool_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("EMBEDDER_MARKER", str(tmp_path / "killed"))
-    write_provider(pool_dir, "embedder", '[env]\npassthrough = ["EMBEDDER_MARKER"]\n[lifecycle]\nmax_replicas = 2\n',
-                   worker="embedder.py")
+    write_provider(pool_dir, "embedder", EMBEDDER_ENV + "[lifecycle]\nmax_replicas = 2\n", worker="embedder.py")
     inputs = tmp_path / "inputs.jsonl"
-    rows = [{"id": f"seq{n}", "sequence": "MKV" * (1 + n % 7)} for n in range(2000)]
+    rows = [{"id": f"seq{n}", "sequence": f"MKV{n}"} for n in range(2000)]
     rows[1000]["sequence"] = "DIE-ONCE"
     rows[1500]["sequence"] = "RAISE"
     rows[1700]["sequence"] = ""
@@ -102,13 +101,14 @@ def test_a_2000_input_campaign_survives_a_killed_worker_and_a_rerun_recomputes_n
     first = screen(input=str(inputs), provider="embedder", chunk_size=100, output=str(output), manifests=str(pool_dir))
     assert (tmp_path / "killed").exists()  # the worker really died mid-campaign
     records = [json.loads(line) for line in output.read_text().splitlines()]
-    assert sorted(r["index"] for r in records) == list(range(2000))  # one record per input: none lost, none twice
+    assert [r["index"] for r in records] == list(range(2000))  # one record per input: none lost, none twice
     failed = {r["index"]: r["reason"] for r in records if not r["ok"]}
     assert failed == {1500: "request_failed", 1700: "bad_input"}
-    assert first["ok"] == 1998 and first["missing"] == 0 and first["chunks"] == 20
+    assert first["ok"] == 1998 and first["missing"] == 0 and first["chunks"] == 20 and first["computed"] == 1999
 
     second = screen(input=str(inputs), provider="embedder", chunk_size=100, output=str(output), manifests=str(pool_dir))
-    assert second["cached_chunks"] == 20 and second["cold_starts"] == 0
+    # Only the input the model refused is asked again (a refusal is not stored): one chunk of one input.
+    assert second["computed"] == 1 and second["from_store"] == 1998 and second["chunks"] == 1
     assert len(output.read_text().splitlines()) == 2000
 
 

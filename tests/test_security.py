@@ -541,3 +541,42 @@ def test_the_compose_file_binds_to_an_internal_interface_with_an_auth_string():
     compose = (ROOT / "infra" / "compose" / "docker-compose.yml").read_text()
     assert "0.0.0.0:4200" not in compose and '"${PREFECT_BIND_ADDRESS:-127.0.0.1}:4200:4200"' in compose
     assert "${PREFECT_SERVER_API_AUTH_STRING:?" in compose  # compose refuses to start without one
+
+
+# -- 6. campaign output through a planted symlink -----------------------------------------------------------
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_campaign_never_writes_through_a_planted_symlink(pool_dir, tmp_path, security_row):
+    from providers import EMBEDDER_ENV
+
+    sys.path.insert(0, str(ROOT / "flows"))
+    from screen import screen
+
+    write_provider(pool_dir, "embedder", EMBEDDER_ENV, worker="embedder.py")
+    profile = tmp_path / "home" / ".bashrc"
+    profile.parent.mkdir()
+    profile.write_text("# the victim's shell profile\n")
+    inputs = tmp_path / "hostile.fasta"
+    inputs.write_text(">$(touch${IFS}/tmp/pwned)\nMKTAYIAKQRQ\n>two\nMKVLAAGIV\n")
+    from resident_pool.errors import CampaignFailed
+
+    output = tmp_path / "out.jsonl"
+    partial = tmp_path / "out.jsonl.partial"  # where records go as chunks finish
+    partial.symlink_to(profile)
+    with pytest.raises(CampaignFailed, match="a symlink is never followed"):
+        screen(input=str(inputs), provider="embedder", output=str(output), manifests=str(pool_dir))
+    assert profile.read_text() == "# the victim's shell profile\n"
+    partial.unlink()
+    output.symlink_to(profile)  # planted where the finished output goes
+    old_umask = os.umask(0o027)  # an analyst's group may read outputs, nobody else
+    try:
+        summary = screen(input=str(inputs), provider="embedder", output=str(output), manifests=str(pool_dir))
+    finally:
+        os.umask(old_umask)
+    assert profile.read_text() == "# the victim's shell profile\n"
+    assert not output.is_symlink() and summary["ok"] == 2  # the link was replaced, never followed
+    assert oct(output.stat().st_mode & 0o777) == oct(0o640)
+    assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == ["$(touch${IFS}/tmp/pwned)", "two"]
+    assert not Path("/tmp/pwned").exists()
+    security_row("campaign output planted as a symlink to ~/.bashrc; a FASTA id holding $(touch ...)",
+                 "the link is replaced, never followed; ids are data; the output gets the user's umask")

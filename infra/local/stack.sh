@@ -9,6 +9,8 @@ VENV=${VENV:-.venv}
 PORT=${PREFECT_PORT:-4200}
 POOL=${WORK_POOL:-resident-pool}
 STACK_DIR=${STACK_DIR:-$PWD/.stack}
+INBOX=${INBOX:-$STACK_DIR/inbox}
+SCREEN_CRON=${SCREEN_CRON:-0 2 * * *}
 export PREFECT_API_URL="http://127.0.0.1:${PORT}/api"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_HOME=${PREFECT_HOME:-$STACK_DIR/prefect-home}
@@ -44,9 +46,11 @@ case "${1:-}" in
       curl -fsS "http://127.0.0.1:${PORT}/api/health" >/dev/null 2>&1 && break; sleep 0.5
     done
     curl -fsS "http://127.0.0.1:${PORT}/api/health" >/dev/null || { echo "server did not come up; see $STACK_DIR/server.log"; exit 1; }
-    "$VENV/bin/python" flows/deploy.py --work-pool "$POOL" >>"$STACK_DIR/deploy.log" 2>&1 \
-      || { echo "deploy failed; see $STACK_DIR/deploy.log"; exit 1; }
-    echo "deployments registered on work pool $POOL"
+    mkdir -p "$INBOX"
+    # The nightly screen and validation are registered paused: a laptop must not screen at night.
+    "$VENV/bin/python" flows/deploy.py --work-pool "$POOL" --schedule "$SCREEN_CRON" --inbox "$INBOX" --paused \
+      >>"$STACK_DIR/deploy.log" 2>&1 || { echo "deploy failed; see $STACK_DIR/deploy.log"; exit 1; }
+    echo "deployments registered on work pool $POOL; nightly screen of $INBOX registered paused (resume it in the UI)"
     start worker "$VENV/bin/prefect" worker start --pool "$POOL" --type process
     echo "UI: http://127.0.0.1:${PORT}  (run: PREFECT_API_URL=$PREFECT_API_URL $VENV/bin/prefect deployment run predict/predict)"
     ;;

@@ -2,11 +2,14 @@
 
 "RAISE" in an input makes the request fail (the model refusing an input);
 "DIE-ONCE" kills the worker the first time it is seen ($EMBEDDER_MARKER records it).
+$EMBEDDER_COUNT names a file that gets one line per request: how many inputs it computed.
+$EMBEDDER_DELAY_S makes each request take that long (a campaign slow enough to be killed halfway).
 """
 
 import importlib.util
 import os
 import sys
+import time
 
 
 def main():
@@ -14,6 +17,8 @@ def main():
     worker_base = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker_base)
     marker = os.environ.get("EMBEDDER_MARKER", "")
+    count = os.environ.get("EMBEDDER_COUNT", "")
+    delay = float(os.environ.get("EMBEDDER_DELAY_S") or 0)
 
     def on_predict(payload):
         inputs = payload["inputs"]
@@ -22,7 +27,12 @@ def main():
         if marker and any("DIE-ONCE" in text for text in inputs) and not os.path.exists(marker):
             open(marker, "w").close()
             os._exit(9)
+        if delay:
+            time.sleep(delay)
         items = [{"embedding": [len(text), sum(map(ord, text)) % 997], "tokens": len(text)} for text in inputs]
+        if count:
+            with open(count, "a") as log:
+                log.write(f"{len(inputs)}\n")
         return {"items": items, "pid": os.getpid()}
 
     worker_base.serve(slug="embedder", socket_path=sys.argv[1], on_predict=on_predict)

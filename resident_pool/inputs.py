@@ -1,0 +1,466 @@
+"""A campaign's input files, read lazily: FASTA, CSV, TSV and JSONL, each optionally gzip-compressed.
+
+A record that cannot be used (undecodable, over the size limit, malformed) is
+yielded as a bad record naming the file and line; the rest of the file goes on.
+A file in which no valid record appears in its first 64 KiB is not an input
+file: ``InputFile.check()`` says so, once, before any work starts.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import gzip
+import io
+import json
+import os
+import stat
+import string
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from .errors import InputError
+
+__all__ = [
+    "DEFAULT_MAX_RECORD_BYTES",
+    "FORMATS",
+    "ID_FIELDS",
+    "SNIFF_BYTES",
+    "TEXT_FIELDS",
+    "InputFile",
+    "Record",
+    "input_format",
+]
+
+SNIFF_BYTES = 64 * 1024
+DEFAULT_MAX_RECORD_BYTES = 1 << 20  # a titin-sized protein is 35 kB; a record this large is a mistake
+TEXT_FIELDS = ("sequence", "text", "input", "seq")
+ID_FIELDS = ("id", "name", "accession", "entry")
+FORMATS = {
+    ".fasta": "fasta", ".fa": "fasta", ".faa": "fasta", ".fas": "fasta", ".fna": "fasta",
+    ".csv": "csv", ".tsv": "tsv", ".tab": "tsv",
+    ".jsonl": "jsonl", ".ndjson": "jsonl",
+}
+_EXPECTED = {
+    "fasta": "FASTA: '>' header lines, each followed by lines of sequence letters",
+    "csv": "CSV: a header row naming the columns, then one row per input",
+    "tsv": "TSV: a tab-separated header row naming the columns, then one row per input",
+    "jsonl": 'JSON Lines: one JSON object per line, with a "sequence" or "text" field',
+}
+# What a FASTA sequence line may hold: residue or base letters, gaps, stop; spaces are dropped.
+_SEQUENCE_BYTES = (string.ascii_letters + "*-.").encode()
+_WHITESPACE = b" \t\r\n\v\f"
+FASTA_BLOCK = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One input: its position, id and text; or, when ``error`` is set, why it cannot be used."""
+
+    index: int
+    id: str
+    text: str
+    line: int
+    error: str | None = None
+
+
+def input_format(path: str | os.PathLike[str]) -> tuple[str, bool]:
+    """The format of ``path`` from its suffix, and whether it is gzip-compressed."""
+    suffixes = [s.lower() for s in Path(path).suffixes]
+    compressed = bool(suffixes) and suffixes[-1] == ".gz"
+    if compressed:
+        suffixes.pop()
+    kind = FORMATS.get(suffixes[-1]) if suffixes else None
+    if kind is None:
+        known = ", ".join(sorted(FORMATS))
+        raise InputError(f"{path}: unknown input format; name it with one of {known} (optionally .gz)",
+                         details={"path": str(path)})
+    return kind, compressed
+
+
+class _Lines:
+    """Numbered lines of a binary stream, each read with a bounded buffer.
+
+    Yields ``(number, line, over)``; a line longer than ``limit`` bytes is
+    skipped in bounded reads and yielded as its first ``limit`` bytes with
+    ``over`` set, so one huge line never makes the reader allocate without bound.
+    """
+
+    def __init__(self, stream: IO[bytes], limit: int) -> None:
+        self.stream = stream
+        self.limit = limit
+        self.number = 0
+
+    def __iter__(self) -> Iterator[tuple[int, bytes, bool]]:
+        readline, limit = self.stream.readline, self.limit
+        while True:
+            line = readline(limit + 1)
+            if not line:
+                return
+            self.number += 1
+            if len(line) > limit and not line.endswith(b"\n"):
+                rest = line
+                while rest and not rest.endswith(b"\n"):
+                    rest = readline(limit + 1)
+                yield self.number, line[:limit], True
+                continue
+            yield self.number, line.rstrip(b"\r\n"), False
+
+
+class InputFile:
+    """One input file: ``check()`` it, then iterate ``records()`` lazily."""
+
+    def __init__(self, path: str | os.PathLike[str], *, column: str | None = None, id_column: str | None = None,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
+        self.path = Path(path)
+        self.format, self.compressed = input_format(self.path)
+        self.column = column
+        self.id_column = id_column
+        self.max_record_bytes = max_record_bytes
+        self._raw: IO[bytes] | None = None
+
+    # -- opening -------------------------------------------------------------------
+    @contextmanager
+    def _open(self) -> Iterator[IO[bytes]]:
+        try:
+            # O_NONBLOCK: a FIFO named seqs.fasta must not hang the campaign before it is refused.
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise InputError(f"{self.path}: no such input file; give a FASTA, CSV, TSV or JSONL file, or a folder "
+                             "of them", details={"path": str(self.path)}) from None
+        except OSError as exc:
+            raise InputError(f"{self.path}: cannot be opened ({exc.strerror})", details={"path": str(self.path)}) \
+                from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise InputError(f"{self.path}: not a regular file; give a FASTA, CSV, TSV or JSONL file",
+                             details={"path": str(self.path)})
+        os.set_blocking(fd, True)
+        with open(fd, "rb", buffering=1 << 20) as raw:
+            self._raw = raw
+            if not self.compressed:
+                yield raw
+                return
+            with gzip.GzipFile(fileobj=raw, mode="rb") as unpacked:
+                yield unpacked
+
+    def size(self) -> int:
+        return self.path.stat().st_size
+
+    def bytes_read(self) -> int:
+        """How far into the file (compressed bytes, for .gz) the reader has got."""
+        try:
+            return self._raw.tell() if self._raw is not None and not self._raw.closed else 0
+        except (OSError, ValueError):
+            return 0
+
+    # -- the first 64 KiB ------------------------------------------------------------
+    def check(self) -> None:
+        """Raise InputError unless a valid record appears in the first 64 KiB."""
+        with self._open() as stream:
+            head = self._read_head(stream)
+        truncated = len(head) == SNIFF_BYTES
+        cut = (head.rindex(b"\n") + 1 if b"\n" in head else 0) if truncated else len(head)
+        head, tail = head[:cut], head[cut:]
+        first_problem = None
+        for record in self._parse(io.BytesIO(head), truncated=truncated):
+            if record.error is None:
+                return
+            first_problem = first_problem or record.error
+        if first_problem is None and _text_so_far(tail):
+            return  # a first record longer than the sniff, readable as far as it goes
+        what = _EXPECTED[self.format] + (", gzip-compressed" if self.compressed else "")
+        found = "it is empty" if not head else (first_problem or "no record at all")
+        raise InputError(f"{self.path}: not a {self.format.upper()} input file: no valid record in its first "
+                         f"{SNIFF_BYTES // 1024} KiB ({found.removeprefix(f'{self.path}:')}); expected {what}",
+                         details={"path": str(self.path)})
+
+    def _read_head(self, stream: IO[bytes]) -> bytes:
+        try:
+            return stream.read(SNIFF_BYTES)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+            raise InputError(f"{self.path}: not gzip-compressed data ({exc}); a .gz input must be gzip-compressed",
+                             details={"path": str(self.path)}) from None
+
+    # -- all of it -------------------------------------------------------------------
+    def records(self) -> Iterator[Record]:
+        """Every record of the file, in order, read lazily; bad ones carry their error."""
+        with self._open() as stream:
+            try:
+                yield from self._parse(stream)
+            except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+                raise InputError(f"{self.path}: the compressed data is damaged ({exc}); the records before the "
+                                 "damage were read", details={"path": str(self.path)}) from None
+
+    def _parse(self, stream: IO[bytes], truncated: bool = False) -> Iterator[Record]:
+        if self.format == "fasta":
+            return self._fasta(stream, truncated)
+        lines = _Lines(stream, self.max_record_bytes)
+        if self.format == "jsonl":
+            return self._jsonl(lines)
+        return self._table(lines, "\t" if self.format == "tsv" else ",")
+
+    def bad(self, index: int, identifier: str, line: int, problem: str) -> Record:
+        return Record(index, identifier, "", line, f"{self.path}:{line}: {problem}")
+
+    # FASTA ---------------------------------------------------------------------------
+    def _fasta(self, stream: IO[bytes], truncated: bool) -> Iterator[Record]:
+        return _FastaBlocks(self, stream, truncated).records()
+
+    def fasta_record(self, index: int, line: int, record: bytes, over: bool = False, last: bool = False) -> Record:
+        """One record's bytes, from its '>' to the end of its last sequence line."""
+        newline = record.find(b"\n")
+        header, body = (record[1:], b"") if newline < 0 else (record[1:newline], record[newline + 1:])
+        try:
+            words = header.rstrip(b"\r").decode("utf-8").split()
+        except UnicodeDecodeError as exc:
+            return self.bad(index, f"line-{line}", line, f"the header is not UTF-8 text (byte {exc.start + 2})")
+        identifier = words[0] if words else f"line-{line}"
+        if over:
+            return self.bad(index, identifier, line, f"the record is over the {self.max_record_bytes}-byte limit "
+                                                      "(RESIDENT_POOL_MAX_RECORD_BYTES)")
+        sequence = body.translate(None, _WHITESPACE)
+        stray = sequence.translate(None, _SEQUENCE_BYTES)
+        if stray:
+            where = line + 1 + body.count(b"\n", 0, body.find(stray[:1]))
+            return self.bad(index, identifier, line, f"line {where} holds {stray[:1]!r}, which is not a sequence "
+                                                      "letter")
+        if not sequence and not last:
+            return self.bad(index, identifier, line, "empty sequence")
+        return Record(index, identifier, sequence.upper().decode("ascii"), line)
+
+    # CSV and TSV ---------------------------------------------------------------------
+    def _table(self, lines: _Lines, delimiter: str) -> Iterator[Record]:
+        flags: list[tuple[int, str]] = []
+        limit = self.max_record_bytes
+
+        def text_lines() -> Iterator[str]:
+            for number, line, over in lines:
+                if over:
+                    flags.append((number, f"line {number} is over the {limit}-byte record limit "
+                                          "(RESIDENT_POOL_MAX_RECORD_BYTES)"))
+                    yield "\n"
+                    continue
+                try:
+                    yield line.decode("utf-8") + "\n"
+                except UnicodeDecodeError as exc:
+                    flags.append((number, f"line {number} is not UTF-8 text (byte {exc.start + 1})"))
+                    yield "\n"
+
+        # The csv module's own cap (131,072 bytes) would raise out of the reader; ours is per record.
+        if csv.field_size_limit() < limit:
+            csv.field_size_limit(limit)
+        reader = csv.reader(text_lines(), delimiter=delimiter)
+        header = self._header(reader, flags)
+        text_at = self._pick_column(header, self.column, TEXT_FIELDS, "--column")
+        id_at = self._pick_column(header, self.id_column, ID_FIELDS, "--id-column", required=bool(self.id_column))
+        name = header[text_at]
+        index = 0
+        last = reader.line_num
+        while True:
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as exc:
+                yield self.bad(index, f"line-{last + 1}", last + 1, f"not a valid {self.format.upper()} row: {exc}")
+                index, last = index + 1, reader.line_num
+                continue
+            start, last = last + 1, reader.line_num
+            if flags:
+                problems = "; ".join(problem for _, problem in flags)
+                flags.clear()
+                yield self.bad(index, f"line-{start}", start, problems)
+                index += 1
+                continue
+            if not row or not any(cell.strip() for cell in row):
+                continue
+            identifier = row[id_at].strip() if id_at is not None and id_at < len(row) else ""
+            identifier = identifier or f"line-{start}"
+            text = row[text_at].strip() if text_at < len(row) else ""
+            if not text:
+                yield self.bad(index, identifier, start, f"no value in column {name!r}")
+            else:
+                yield Record(index, identifier, text, start)
+            index += 1
+
+    def _header(self, reader, flags: list[tuple[int, str]]) -> list[str]:
+        try:
+            header = next(reader)
+        except StopIteration:
+            header = []
+        except csv.Error as exc:
+            raise InputError(f"{self.path}: not a {self.format.upper()} input file: the header row cannot be read "
+                             f"({exc}); expected {_EXPECTED[self.format]}",
+                             details={"path": str(self.path)}) from None
+        if flags:
+            raise InputError(f"{self.path}: not a {self.format.upper()} input file: the header row cannot be read: "
+                             f"{flags[0][1]}; expected "
+                             f"{_EXPECTED[self.format]}", details={"path": str(self.path)})
+        if header:
+            header[0] = header[0].removeprefix("\ufeff")
+        return [cell.strip() for cell in header]
+
+    def _pick_column(self, header: list[str], wanted: str | None, defaults: tuple[str, ...], option: str,
+                     required: bool = True) -> int | None:
+        """The column named ``wanted`` (or the first of ``defaults``), matched case-insensitively."""
+        lowered = [cell.lower() for cell in header]
+        for name in (wanted,) if wanted else defaults:
+            if name.lower() in lowered:
+                return lowered.index(name.lower())
+        if not required:
+            return None
+        asked = repr(wanted) if wanted else " or ".join(repr(name) for name in defaults)
+        raise InputError(f"{self.path}: no column named {asked} (matched ignoring case); its columns are "
+                         f"{header}; name the input column with {option} NAME", details={"path": str(self.path)})
+
+    # JSON Lines ----------------------------------------------------------------------
+    def _jsonl(self, lines: _Lines) -> Iterator[Record]:
+        limit = self.max_record_bytes
+        text_names = (self.column,) if self.column else TEXT_FIELDS
+        id_names = (self.id_column,) if self.id_column else ID_FIELDS
+        index = 0
+        for number, line, over in lines:
+            fallback = f"line-{number}"
+            if over:
+                yield self.bad(index, fallback, number, f"the line is over the {limit}-byte record limit "
+                                                         "(RESIDENT_POOL_MAX_RECORD_BYTES)")
+                index += 1
+                continue
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                problem = f"not UTF-8 text (byte {exc.start + 1})"
+            except ValueError as exc:
+                problem = f"not JSON: {exc}"
+            except RecursionError:
+                problem = "JSON nested too deeply to read"
+            else:
+                problem = None if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object"
+            if problem is not None:
+                yield self.bad(index, fallback, number, problem)
+                index += 1
+                continue
+            text = _field(row, text_names)
+            identifier = _field(row, id_names)
+            identifier = str(identifier) if isinstance(identifier, str | int) and identifier != "" else fallback
+            if not isinstance(text, str) or not text.strip():
+                names = " or ".join(repr(name) for name in text_names)
+                yield self.bad(index, identifier, number, f"no non-empty string field {names}")
+            else:
+                yield Record(index, identifier, text.strip(), number)
+            index += 1
+
+
+class _FastaBlocks:
+    """FASTA read a megabyte at a time and split on '\\n>': a million records in seconds, not minutes.
+
+    A record is everything from its '>' to the next header line; one larger
+    than the record limit is reported and skipped without being held.
+    """
+
+    def __init__(self, source: InputFile, stream: IO[bytes], truncated: bool) -> None:
+        self.source, self.stream, self.truncated = source, stream, truncated
+        self.limit = source.max_record_bytes
+        self.buffer = b""
+        self.line = 1  # the line the buffer starts on
+        self.index = 0
+        self.eof = False
+
+    def records(self) -> Iterator[Record]:
+        started = skipping = False
+        while not self.eof:
+            data = self.stream.read(FASTA_BLOCK)
+            self.eof = not data
+            self.buffer += data
+            if skipping and not self._skip():
+                continue
+            skipping = False
+            if not started:
+                started = yield from self._preamble()
+                if not started or not self.buffer:
+                    continue
+            skipping = yield from self._complete_records()
+
+    def _advance(self, to: int) -> None:
+        """Drop the buffer up to ``to``, counting its lines."""
+        self.line += self.buffer.count(b"\n", 0, to)
+        self.buffer = self.buffer[to:]
+
+    def _skip(self) -> bool:
+        """Inside a record over the limit: True once the next header is at the buffer's start."""
+        found = self.buffer.find(b"\n>")
+        if found < 0:
+            # Keep the last byte: a '\n' there may be followed by '>' in the next block.
+            self._advance(len(self.buffer) - 1 if not self.eof else len(self.buffer))
+            return False
+        self._advance(found + 1)
+        return True
+
+    def _preamble(self) -> Iterator[Record]:
+        """Before the first header: anything but blank lines is one bad record. Returns whether a header came."""
+        buffer = self.buffer
+        first = 0 if buffer.startswith(b">") else buffer.find(b"\n>") + 1
+        if first == 0 and not buffer.startswith(b">"):
+            if not self.eof and len(buffer) <= self.limit:
+                return False  # read on
+            first = len(buffer)
+        if buffer[:first].strip():
+            yield self.source.bad(self.index, f"line-{self.line}", self.line,
+                                  "sequence data before the first '>' header; is this FASTA?")
+            self.index += 1
+        self._advance(first)
+        return bool(self.buffer) or self.eof
+
+    def _complete_records(self) -> Iterator[Record]:
+        """Every record the buffer holds whole; returns True when one over the limit is being skipped."""
+        buffer, at, skipping = self.buffer, 0, False
+        while True:
+            end = buffer.find(b"\n>", at + 1)
+            if end < 0 and not self.eof:
+                if len(buffer) - at > self.limit:  # over the limit and still going: report it, skip the rest
+                    yield self._record(buffer[at:at + self.limit], over=True)
+                    self.line += buffer.count(b"\n", at, len(buffer) - 1)
+                    at, skipping = len(buffer) - 1, True
+                break
+            last = end < 0
+            end = len(buffer) if last else end
+            if at < end:
+                yield self._record(buffer[at:end], over=end - at > self.limit, last=last and self.truncated)
+            if last:
+                at = end
+                break
+            self.line += buffer.count(b"\n", at, end) + 1
+            at = end + 1
+        self.buffer = buffer[at:]
+        return skipping
+
+    def _record(self, data: bytes, over: bool, last: bool = False) -> Record:
+        record = self.source.fasta_record(self.index, self.line, data, over=over, last=last)
+        self.index += 1
+        return record
+
+
+def _text_so_far(data: bytes) -> bool:
+    """Non-blank UTF-8 text, allowing a character cut off at the end."""
+    try:
+        return bool(codecs.getincrementaldecoder("utf-8")().decode(data, final=False).strip())
+    except UnicodeDecodeError:
+        return False
+
+
+def _field(row: dict, names: tuple[str, ...]) -> object:
+    for name in names:
+        if name in row:
+            return row[name]
+    lowered = {str(key).lower(): value for key, value in row.items()}
+    for name in names:
+        if name.lower() in lowered:
+            return lowered[name.lower()]
+    return None

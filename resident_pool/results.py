@@ -1,0 +1,146 @@
+"""The content-addressed result store: one SQLite file per provider, keyed by sha256(version, options, text).
+
+It is the campaign's resume and its dedupe: whatever any earlier campaign of
+this user computed with the same provider version and options is answered
+from here and never sent to the model again. SQLite gives atomic writes and
+locking between concurrent campaigns on the host (WAL: readers never wait for
+a writer; a writer waits ``busy_timeout`` for another).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import stat
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from .errors import ResidentPoolError
+from .manifest import Manifest
+from .paths import ensure_private_dir
+from .settings import xdg_dir
+
+__all__ = ["ResultStore", "default_results_dir", "provider_version", "result_key"]
+
+BUSY_TIMEOUT_MS = 120_000  # another campaign's write is one chunk: milliseconds, but a slow disk may stall it
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS results (
+    key BLOB PRIMARY KEY,   -- sha256(version, options, text)
+    version TEXT NOT NULL,  -- which provider version computed it, to prune old ones
+    result TEXT NOT NULL,   -- the provider's answer for this input, compact JSON
+    created REAL NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+def provider_version(manifest: Manifest) -> str:
+    """The provider version a result belongs to: part of every key, so a new version computes anew.
+
+    The same version the pool stamps on the replicas it serves from (and on each lease): what
+    changes answers, not a lifecycle or description edit.
+    """
+    return manifest.version()
+
+
+def options_text(options: dict[str, Any]) -> str:
+    return json.dumps(options, sort_keys=True, separators=(",", ":"))
+
+
+def result_key(version: str, options: str, text: str) -> bytes:
+    """sha256 over the version, the canonical options and the input's text (not its position or id)."""
+    return hashlib.sha256(f"{version}\0{options}\0{text}".encode()).digest()
+
+
+def default_results_dir() -> Path:
+    """Where results live unless RESIDENT_POOL_RESULTS_DIR says: ``$XDG_DATA_HOME/resident-pool/results``."""
+    return xdg_dir("data") / "resident-pool" / "results"
+
+
+class ResultStore:
+    """One provider's stored results. Not thread-safe: one connection, used by one thread."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        ensure_private_dir(self.path.parent, "result store directory", "RESIDENT_POOL_RESULTS_DIR")
+        try:
+            info = self.path.lstat()
+        except FileNotFoundError:
+            info = None
+        if info is not None and not stat.S_ISREG(info.st_mode):
+            raise ResidentPoolError(f"result store {self.path} is not a plain file (a symlink?); remove it or set "
+                                    "RESIDENT_POOL_RESULTS_DIR to a directory you own", reason="store_unsafe")
+        try:
+            self.connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                                              check_same_thread=False)
+            self.connection.execute("PRAGMA journal_mode=WAL")
+            self.connection.execute("PRAGMA synchronous=NORMAL")  # durable at each checkpoint; WAL keeps it atomic
+            self.connection.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            raise ResidentPoolError(f"result store {self.path} cannot be opened ({exc}); move it aside and the next "
+                                    "campaign starts a new one", reason="store_unreadable") from None
+
+    @classmethod
+    def for_provider(cls, slug: str, root: str | os.PathLike[str]) -> ResultStore:
+        """The store every campaign of this user uses for ``slug`` under ``root`` (a slug is a safe file name)."""
+        return cls(Path(root) / f"{slug}.sqlite3")
+
+    def close(self) -> None:
+        self.connection.close()
+
+    def __enter__(self) -> ResultStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def present(self, keys: list[bytes]) -> set[bytes]:
+        """Which of ``keys`` have a stored result."""
+        found: set[bytes] = set()
+        for start in range(0, len(keys), 4096):
+            batch = keys[start:start + 4096]
+            marks = ",".join("?" * len(batch))
+            found.update(row[0] for row in self.connection.execute(
+                f"SELECT key FROM results WHERE key IN ({marks})", batch))  # noqa: S608 - only '?' marks
+        return found
+
+    def get(self, key: bytes) -> dict[str, Any] | None:
+        row = self.connection.execute("SELECT result FROM results WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def put(self, version: str, items: Iterable[tuple[bytes, str]]) -> None:
+        """Store ``(key, result JSON)`` pairs in one transaction; a key already there keeps its first result."""
+        now = time.time()
+        with self.transaction():
+            self.connection.executemany("INSERT OR IGNORE INTO results (key, version, result, created) "
+                                        "VALUES (?, ?, ?, ?)", ((key, version, text, now) for key, text in items))
+
+    def count(self, version: str | None = None) -> int:
+        if version is None:
+            return self.connection.execute("SELECT count(*) FROM results").fetchone()[0]
+        return self.connection.execute("SELECT count(*) FROM results WHERE version = ?", (version,)).fetchone()[0]
+
+    def prune(self, keep_version: str) -> int:
+        """Drop every result not computed by ``keep_version``; returns how many went."""
+        with self.transaction():
+            return self.connection.execute("DELETE FROM results WHERE version != ?", (keep_version,)).rowcount
+
+    def transaction(self) -> _Transaction:
+        return _Transaction(self.connection)
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE .. COMMIT (ROLLBACK on error): take the write lock up front, wait for it, never deadlock."""
+
+    def __init__(self, connection: sqlite3.Connection) -> None:
+        self.connection = connection
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.connection.execute("BEGIN IMMEDIATE")
+        return self.connection
+
+    def __exit__(self, kind, value, traceback) -> None:
+        self.connection.execute("COMMIT" if kind is None else "ROLLBACK")

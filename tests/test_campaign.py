@@ -1,0 +1,335 @@
+"""The screening campaign end to end: flows/screen.py on Prefect's test harness, a real pool, a fast provider.
+
+The provider (tests/workers/embedder.py) logs how many inputs each request
+computed to $EMBEDDER_COUNT, so "computes only what is new" is counted at the model.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import wait_until
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+from providers import EMBEDDER_ENV, write_provider
+
+from resident_pool import Pool
+from resident_pool.errors import CampaignFailed
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "flows"))
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+@pytest.fixture
+def embedder(pool_dir, tmp_path, monkeypatch):
+    """The fast provider, counting what it computes; returns a function that reads the count."""
+    count = tmp_path / "computed.log"
+    monkeypatch.setenv("EMBEDDER_COUNT", str(count))
+    write_provider(pool_dir, "embedder", EMBEDDER_ENV + "[lifecycle]\nmax_replicas = 1\n", worker="embedder.py")
+
+    def computed() -> int:
+        return sum(int(line) for line in count.read_text().split()) if count.exists() else 0
+
+    return computed
+
+
+def _screen(pool_dir, **parameters):
+    from screen import screen
+
+    parameters.setdefault("provider", "embedder")
+    return screen(manifests=str(pool_dir), **parameters)
+
+
+def _state(pool_dir, **parameters):
+    from screen import screen
+
+    parameters.setdefault("provider", "embedder")
+    return screen(manifests=str(pool_dir), return_state=True, **parameters)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"id": f"s{n}", "sequence": text}) + "\n" for n, text in enumerate(texts)))
+    return path
+
+
+def _texts(n: int, salt: str = "") -> list[str]:
+    """``n`` distinct protein-like texts (letters only, so they are valid FASTA too)."""
+    letters = "ACDEFGHIKLMNPQRSTVWY"
+    return [f"MKV{salt}" + "".join(letters[(i // 20**p) % 20] for p in range(5)) for i in range(n)]
+
+
+def _task_runs(state):
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(
+            id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+
+
+def _artifacts(state):
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+
+
+def test_a_rerun_a_reordered_file_and_ten_appended_sequences_compute_0_0_and_10(pool_dir, embedder, tmp_path):
+    texts = _texts(300)
+    output = tmp_path / "out.jsonl"
+    first = _screen(pool_dir, input=str(_jsonl(tmp_path / "a.jsonl", texts)), chunk_size=64, output=str(output))
+    assert first["computed"] == embedder() == 300 and first["ok"] == 300
+    again = _screen(pool_dir, input=str(tmp_path / "a.jsonl"), chunk_size=64, output=str(output))
+    assert again["computed"] == 0 and again["from_store"] == 300 and embedder() == 300
+    shuffled = texts[150:] + texts[:150]
+    reordered = _screen(pool_dir, input=str(_jsonl(tmp_path / "b.jsonl", shuffled)), chunk_size=64,
+                        output=str(tmp_path / "b.out.jsonl"))
+    assert reordered["computed"] == 0 and embedder() == 300
+    grown = _screen(pool_dir, input=str(_jsonl(tmp_path / "c.jsonl", texts + _texts(10, salt="NEW"))), chunk_size=64,
+                    output=str(tmp_path / "c.out.jsonl"))
+    assert grown["computed"] == 10 and embedder() == 310
+    records = _records(tmp_path / "c.out.jsonl")
+    assert [r["index"] for r in records] == list(range(310)) and all(r["ok"] for r in records)
+    # The same text answers the same wherever it sits in the file.
+    by_text = {t: r["embedding"] for t, r in zip(texts + _texts(10, salt="NEW"), records, strict=True)}
+    for text, record in zip(shuffled, _records(tmp_path / "b.out.jsonl"), strict=True):
+        assert record["embedding"] == by_text[text]
+
+
+def test_duplicates_inside_one_file_are_computed_once_and_each_gets_its_record(pool_dir, embedder, tmp_path):
+    texts = _texts(40) * 5 + _texts(40)[:7]
+    summary = _screen(pool_dir, input=str(_jsonl(tmp_path / "dups.jsonl", texts)), chunk_size=16,
+                      output=str(tmp_path / "out.jsonl"))
+    assert embedder() == 40 and summary["computed"] == 40
+    assert summary["duplicates"] + summary["from_store"] == len(texts) - 40
+    records = _records(tmp_path / "out.jsonl")
+    assert len(records) == len(texts) and all(r["ok"] for r in records)
+    assert records[0]["embedding"] == records[40]["embedding"] == records[200]["embedding"]
+
+
+def test_bad_records_fail_alone_naming_file_and_line(pool_dir, embedder, tmp_path):
+    fasta = tmp_path / "mixed.fasta"
+    fasta.write_bytes(b">good1 first\nMKVLA\nAGG\n"
+                      b">bad\xff\xfeheader\nMKV\n"
+                      b">huge\n" + b"A" * (1024 * 1024 + 10) + b"\n"
+                      b">binary\nMK\x00\x01V\n"
+                      b">empty\n"
+                      b">good2\nmkv\n")
+    summary = _screen(pool_dir, input=str(fasta), output=str(tmp_path / "fasta.out.jsonl"))
+    records = _records(tmp_path / "fasta.out.jsonl")
+    assert [r["ok"] for r in records] == [True, False, False, False, False, True]
+    assert records[0]["id"] == "good1" and records[0]["tokens"] == 8 and records[5]["tokens"] == 3
+    for record, line, words in ((records[1], 4, "not UTF-8"), (records[2], 6, "byte limit"),
+                                (records[3], 8, "not a sequence letter"), (records[4], 10, "empty sequence")):
+        assert record["reason"] == "bad_input"
+        assert record["error"].startswith(f"{fasta}:{line}: ") and words in record["error"]
+    assert summary["ok"] == 2 and summary["failure_reasons"] == {"bad_input": 4}
+
+    table = tmp_path / "mixed.csv"
+    table.write_bytes(b"ID,Sequence\nbig," + b"M" * 200_000 + b"\nhuge," + b"M" * (2 * 1024 * 1024) +
+                      b"\nlatin1,caf\xe9\nfine,MKV\n")
+    _screen(pool_dir, input=str(table), output=str(tmp_path / "csv.out.jsonl"))
+    records = _records(tmp_path / "csv.out.jsonl")
+    assert [r["ok"] for r in records] == [True, False, False, True]  # 200 kB is a record, 2 MiB is not
+    assert "record limit" in records[1]["error"] and f"{table}:3:" in records[1]["error"]
+    assert "not UTF-8" in records[2]["error"] and f"{table}:4:" in records[2]["error"]
+
+    lines = tmp_path / "mixed.jsonl"
+    lines.write_text(json.dumps({"id": "a", "sequence": "MKV"}) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n"
+                     + json.dumps({"id": "c", "text": "MKVL"}) + "\n" + json.dumps({"id": "d", "sequence": 5}) + "\n")
+    _screen(pool_dir, input=str(lines), output=str(tmp_path / "jsonl.out.jsonl"))
+    records = _records(tmp_path / "jsonl.out.jsonl")
+    assert [r["ok"] for r in records] == [True, False, True, False]
+    assert "nested too deeply" in records[1]["error"] and records[1]["error"].startswith(f"{lines}:2:")
+
+
+def test_a_binary_file_named_fasta_gets_one_clear_error_and_no_task_runs(pool_dir, embedder, tmp_path):
+    binary = tmp_path / "proteins.fasta"
+    binary.write_bytes(bytes(range(256)) * 1024)
+    done = subprocess.run([sys.executable, str(ROOT / "flows" / "screen.py"), "--input", str(binary),
+                           "--provider", "embedder", "--manifests", str(pool_dir)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert str(binary) in line and "not a FASTA input file" in line and "expected FASTA" in line
+    state = _state(pool_dir, input=str(binary), output=str(tmp_path / "out.jsonl"))
+    assert state.is_failed() and str(binary) in state.message and "first 64 KiB" in state.message
+    assert _task_runs(state) == [] and embedder() == 0
+
+
+def test_a_gzipped_fasta_a_tsv_with_a_sequence_column_and_a_slug_with_an_underscore(pool_dir, embedder, tmp_path):
+    write_provider(pool_dir, "esm_2", "", worker="embedder.py")
+    fasta = tmp_path / "seqs.fa.gz"
+    with gzip.open(fasta, "wt") as out:
+        out.write("".join(f">p{n} protein {n}\n{text[:4]}\n{text[4:]}\n" for n, text in enumerate(_texts(30))))
+    state = _state(pool_dir, input=str(fasta), provider="esm_2", chunk_size=8, output=str(tmp_path / "gz.jsonl"))
+    assert state.is_completed(), state.message
+    records = _records(tmp_path / "gz.jsonl")
+    assert [r["id"] for r in records] == [f"p{n}" for n in range(30)] and all(r["ok"] for r in records)
+    keys = {artifact.key for artifact in _artifacts(state)}
+    assert {"screen-progress-esm-2", "screen-summary-esm-2"} <= keys
+
+    tsv = tmp_path / "uniprot.tsv"
+    tsv.write_text("Entry\tProtein names\tSequence\n" + "".join(f"Q{n}\tprotein {n}\t{text}\n"
+                                                                for n, text in enumerate(_texts(12))))
+    _screen(pool_dir, input=str(tsv), provider="esm_2", id_column="entry", output=str(tmp_path / "tsv.jsonl"))
+    records = _records(tmp_path / "tsv.jsonl")
+    assert [r["id"] for r in records] == [f"Q{n}" for n in range(12)] and all(r["ok"] for r in records)
+    assert records[3]["tokens"] == len(_texts(12)[3])
+
+    named = tmp_path / "named.csv"
+    named.write_text("accession,aa\nX1,MKV\n")
+    _screen(pool_dir, input=str(named), provider="esm_2", column="AA", output=str(tmp_path / "named.jsonl"))
+    assert _records(tmp_path / "named.jsonl")[0]["tokens"] == 3
+    wrong = _state(pool_dir, input=str(named), provider="esm_2", output=str(tmp_path / "wrong.jsonl"))
+    assert wrong.is_failed() and "no column named 'sequence'" in wrong.message and "--column" in wrong.message
+
+
+def test_chunk_runs_are_named_by_their_inputs_and_nothing_is_persisted_by_prefect(pool_dir, embedder, tmp_path):
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+
+    storage = tmp_path / "prefect-results"
+    with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: storage}):
+        state = _state(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", _texts(100))), chunk_size=32,
+                       output=str(tmp_path / "out.jsonl"))
+    assert state.is_completed() and state.message == "100 ok, 0 failed"
+    runs = _task_runs(state)
+    assert sorted(run.name for run in runs) == sorted(
+        ["predict-chunk[0-31]", "predict-chunk[32-63]", "predict-chunk[64-95]", "predict-chunk[96-99]"])
+    # One replica: at most two chunk runs at once (one computing, the next holding its place in line).
+    spans = sorted((run.start_time, run.end_time) for run in runs)
+    most = max(sum(1 for start, end in spans if start <= at < end) for at, _ in spans)
+    assert most <= 2
+    assert not storage.exists() or not any(storage.iterdir())
+    link = [a for a in _artifacts(state) if a.type == "markdown" and "out.jsonl" in (a.data or "")]
+    assert link and (tmp_path / "out.jsonl").as_uri() in link[0].data
+
+
+def test_fail_on_input_errors_fails_the_run_and_the_cli_exits_1(pool_dir, embedder, tmp_path):
+    inputs = _jsonl(tmp_path / "in.jsonl", [*_texts(9), ""])
+    default = _state(pool_dir, input=str(inputs), output=str(tmp_path / "a.jsonl"))
+    assert default.is_completed() and default.message == "9 ok, 1 failed"
+    strict = _state(pool_dir, input=str(inputs), output=str(tmp_path / "b.jsonl"), fail_on_input_errors=True)
+    assert strict.is_failed() and strict.message.startswith("9 ok, 1 failed")
+    with pytest.raises(CampaignFailed) as raised:
+        _screen(pool_dir, input=str(inputs), output=str(tmp_path / "c.jsonl"), fail_on_input_errors=True)
+    assert raised.value.details["summary"]["failed"] == 1
+    assert len(_records(tmp_path / "b.jsonl")) == 10  # every input still has its record
+
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    command = [sys.executable, str(ROOT / "flows" / "screen.py"), "--input", str(inputs), "--provider", "embedder",
+               "--manifests", str(pool_dir), "--output", str(tmp_path / "cli.jsonl")]
+    assert subprocess.run(command, env=env, capture_output=True, timeout=180, check=False).returncode == 0
+    done = subprocess.run([*command, "--fail-on-input-errors"], env=env, capture_output=True, text=True, timeout=180,
+                          check=False)
+    assert done.returncode == 1 and "9 ok, 1 failed" in done.stderr
+
+
+KILLABLE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from screen import screen
+screen(input=sys.argv[2], provider="embedder", chunk_size=50, output=sys.argv[3], manifests=sys.argv[4])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_campaign_killed_at_half_computes_only_the_rest_when_run_again(pool_dir, embedder, tmp_path, monkeypatch,
+                                                                         isolated_dirs):
+    from prefect.settings import PREFECT_API_URL
+
+    monkeypatch.setenv("EMBEDDER_DELAY_S", "0.1")  # a campaign slow enough (about 4 s) to be killed halfway
+    texts = _texts(2000)
+    inputs = _jsonl(tmp_path / "in.jsonl", texts)
+    output = tmp_path / "out.jsonl"
+    store = Path(isolated_dirs["results"]) / "embedder.sqlite3"
+
+    def stored() -> int:
+        if not store.exists():
+            return 0
+        db = sqlite3.connect(f"file:{store}?mode=ro", uri=True)
+        try:
+            return db.execute("SELECT count(*) FROM results").fetchone()[0]
+        except sqlite3.OperationalError:  # created, its table not yet
+            return 0
+        finally:
+            db.close()
+
+    def requests() -> list[int]:
+        return [int(line) for line in (tmp_path / "computed.log").read_text().split()]
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    flow_run = subprocess.Popen([sys.executable, "-c", KILLABLE, str(ROOT / "flows"), str(inputs), str(output),
+                                 str(pool_dir)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: stored() >= 1000, timeout=240, interval=0.05, message="half the campaign in the store")
+    finally:
+        os.kill(flow_run.pid, signal.SIGKILL)
+        flow_run.wait()
+    assert not output.exists()  # killed before the end: no output that could pass for a whole one
+    with Pool() as pool:  # answered once the worker has finished the request the dead flow process left
+        pool.predict("embedder", {"inputs": []})
+    served_before = requests()[:-1]
+    before = stored()
+    assert 1000 <= before < 2000
+    assert before <= sum(served_before) <= before + 4 * 50  # at most the window in flight was computed twice
+
+    again = _screen(pool_dir, input=str(inputs), chunk_size=50, output=str(output))
+    assert again["computed"] == 2000 - before and again["from_store"] == before and again["ok"] == 2000
+    served_after = requests()[len(served_before) + 1:]
+    assert sum(served_after) == 2000 - before  # the provider computed only the rest
+    assert len(served_after) == -(-(2000 - before) // 50)  # packed into full chunks
+    records = _records(output)
+    assert [r["index"] for r in records] == list(range(2000))  # every input once, in order
+    assert [r["tokens"] for r in records] == [len(text) for text in texts]
+
+
+def test_a_folder_is_an_inbox_one_output_per_file_and_unreadable_files_named(pool_dir, embedder, tmp_path):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    _jsonl(inbox / "monday.jsonl", _texts(20))
+    (inbox / "tuesday.fasta").write_text("".join(f">t{n}\n{text}\n" for n, text in enumerate(_texts(25))))
+    (inbox / "notes.txt").write_text("not an input: ignored by name\n")
+    first = _state(pool_dir, input=str(inbox))
+    assert first.is_completed() and first.message == "45 ok, 0 failed"
+    assert sorted(p.name for p in (inbox / "screened").iterdir()) == [
+        "monday.jsonl.embedder.jsonl", "tuesday.fasta.embedder.jsonl"]
+    assert embedder() == 25  # tuesday's 25 include monday's 20 texts
+    (inbox / "corrupt.fasta").write_bytes(os.urandom(5000))
+    second = _state(pool_dir, input=str(inbox))
+    assert second.is_failed() and "corrupt.fasta" in second.message and second.message.startswith("45 ok, 0 failed")
+    assert embedder() == 25
+    into_inbox = _state(pool_dir, input=str(inbox), output=str(inbox))
+    assert into_inbox.is_failed() and "cannot go into the inbox itself" in into_inbox.message
+    over_input = _state(pool_dir, input=str(inbox / "monday.jsonl"), output=str(inbox / "monday.jsonl"))
+    assert over_input.is_failed() and "would replace its own input" in over_input.message
+    assert json.loads((inbox / "monday.jsonl").read_text().splitlines()[0])["id"] == "s0"
+
+
+def test_parquet_output_has_fixed_size_float32_embeddings(pool_dir, embedder, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (pip install -e .[parquet])")
+    import pyarrow as pa
+
+    inputs = _jsonl(tmp_path / "in.jsonl", [*_texts(10), ""])
+    _screen(pool_dir, input=str(inputs), output=str(tmp_path / "out.parquet"), format="parquet")
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.column_names[:5] == ["id", "index", "ok", "reason", "error"]
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 2)
+    rows = table.to_pylist()
+    assert [r["index"] for r in rows] == list(range(11)) and rows[10]["ok"] is False
+    assert rows[10]["embedding"] is None and rows[10]["reason"] == "bad_input"
+    assert rows[0]["embedding"] == [float(len(_texts(10)[0])), float(sum(map(ord, _texts(10)[0])) % 997)]

@@ -1,0 +1,184 @@
+"""resident_pool.inputs: lazy readers for FASTA, CSV, TSV and JSONL (each optionally .gz), bad records alone."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import tracemalloc
+
+import pytest
+
+from resident_pool import inputs
+from resident_pool.errors import InputError
+from resident_pool.inputs import InputFile
+
+
+def _records(path, **options):
+    source = InputFile(path, **options)
+    source.check()
+    return list(source.records())
+
+
+def _reference_fasta(text: str) -> list[tuple[str, str, int]]:
+    """A plain line-by-line reading of well-formed FASTA: (id, sequence, header line)."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith(">"):
+            found.append([line[1:].split()[0], "", number])
+        elif found:
+            found[-1][1] += line.strip().upper()
+    return [tuple(record) for record in found]
+
+
+@pytest.mark.parametrize("block", [1, 7, 64, 1 << 20])
+def test_fasta_read_in_blocks_of_any_size_matches_a_line_by_line_reading(tmp_path, monkeypatch, block):
+    monkeypatch.setattr(inputs, "FASTA_BLOCK", block)
+    rng = random.Random(block)
+    lines = ["", "  "]  # blank lines before the first header are not a record
+    for n in range(200):
+        lines.append(f">p{n} some description {n}")
+        sequence = "".join(rng.choice("ACDEFGHIKLMNPQRSTVWYacd") for _ in range(rng.randint(1, 300)))
+        lines += [sequence[i:i + 60] for i in range(0, len(sequence), 60)] + ([""] if n % 7 == 0 else [])
+    text = "\r\n".join(lines) + "\n" if block == 7 else "\n".join(lines)
+    path = tmp_path / "seqs.fasta"
+    path.write_text(text)
+    records = _records(path)
+    assert [(r.id, r.text, r.line) for r in records] == _reference_fasta(text.replace("\r", ""))
+    assert [r.index for r in records] == list(range(200)) and all(r.error is None for r in records)
+
+
+@pytest.mark.parametrize("block", [5, 1 << 20])
+def test_a_fasta_record_over_the_limit_is_skipped_without_being_held(tmp_path, monkeypatch, block):
+    monkeypatch.setattr(inputs, "FASTA_BLOCK", block)
+    path = tmp_path / "big.fasta"
+    path.write_bytes(b">a\nMKV\n>huge\n" + (b"A" * 59 + b"\n") * 20 + b">b\nMK\n>tail\n" + b"C" * 2000)
+    records = _records(path, max_record_bytes=1000)
+    assert [(r.id, r.text, r.line) for r in records] == [("a", "MKV", 1), ("huge", "", 3), ("b", "MK", 24),
+                                                         ("tail", "", 26)]
+    assert "over the 1000-byte limit" in records[1].error and records[1].error.startswith(f"{path}:3: ")
+    assert "RESIDENT_POOL_MAX_RECORD_BYTES" in records[3].error
+
+
+def test_a_record_of_gigabytes_costs_no_more_memory_than_the_limit(tmp_path):
+    path = tmp_path / "huge.fasta"
+    with open(path, "wb") as out:
+        out.write(b">huge\n")
+        block = b"ACDEFGHIKL" * 100_000 + b"\n"
+        for _ in range(60):  # 60 MB of one record
+            out.write(block)
+        out.write(b">after\nMKV\n")
+    tracemalloc.start()
+    try:
+        records = list(InputFile(path, max_record_bytes=1 << 20).records())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [r.id for r in records] == ["huge", "after"] and records[1].text == "MKV"
+    assert peak < 12 * (1 << 20)  # a few blocks and the limit, never the record
+
+
+def test_fasta_bad_records_name_their_line_and_the_rest_is_read(tmp_path):
+    path = tmp_path / "mixed.fa"
+    path.write_bytes(b"MKV junk before any header\n>ok1\nMKV\n>bad\xff\nMKV\n>star\nMK*V-\n>nul\nMK\x00V\n>empty\n>ok2\nmk\n")
+    records = _records(path)
+    assert [r.id for r in records] == ["line-1", "ok1", "line-4", "star", "nul", "empty", "ok2"]
+    assert [r.text for r in records if r.error is None] == ["MKV", "MK*V-", "MK"]
+    errors = {r.line: r.error for r in records if r.error}
+    assert "before the first '>' header" in errors[1]
+    assert "header is not UTF-8 text (byte 5)" in errors[4]
+    assert "line 9 holds b'\\x00', which is not a sequence letter" in errors[8]
+    assert "empty sequence" in errors[10]
+
+
+def test_gzip_inputs_read_like_plain_ones_and_bad_gzip_is_one_error(tmp_path):
+    with gzip.open(tmp_path / "seqs.fasta.gz", "wb") as out:
+        out.write(b">a\nMKV\n>b\nLLA\n")
+    assert [r.text for r in _records(tmp_path / "seqs.fasta.gz")] == ["MKV", "LLA"]
+    with gzip.open(tmp_path / "rows.tsv.gz", "wt") as out:
+        out.write("id\tsequence\nx\tMKV\n")
+    assert [r.id for r in _records(tmp_path / "rows.tsv.gz")] == ["x"]
+    (tmp_path / "plain.fa.gz").write_bytes(b">a\nMKV\n")
+    with pytest.raises(InputError, match="not gzip-compressed"):
+        InputFile(tmp_path / "plain.fa.gz").check()
+    data = gzip.compress(b">a\nMKV\n" * 100_000)
+    (tmp_path / "cut.fasta.gz").write_bytes(data[: len(data) // 2])
+    source = InputFile(tmp_path / "cut.fasta.gz")
+    source.check()
+    with pytest.raises(InputError, match="compressed data is damaged"):
+        list(source.records())
+
+
+def test_csv_and_tsv_columns_match_ignoring_case_and_can_be_named(tmp_path):
+    (tmp_path / "a.csv").write_text("\ufeffEntry,Organism,SEQUENCE\nP1,human,mkv\nP2,\"mouse, lab\",LLA\n\n")
+    records = _records(tmp_path / "a.csv")
+    assert [(r.id, r.text, r.line) for r in records] == [("P1", "mkv", 2), ("P2", "LLA", 3)]
+    (tmp_path / "b.tsv").write_text("name\tprotein\tnote\nq1\tMKV\tx\nq2\t\ty\n")
+    records = _records(tmp_path / "b.tsv", column="Protein", id_column="NAME")
+    assert [(r.id, r.text) for r in records] == [("q1", "MKV"), ("q2", "")]
+    assert records[1].error.endswith("3: no value in column 'protein'")
+    with pytest.raises(InputError) as raised:
+        InputFile(tmp_path / "b.tsv").check()
+    assert "no column named 'sequence' or 'text'" in str(raised.value) and "--column" in str(raised.value)
+    assert "['name', 'protein', 'note']" in str(raised.value)
+    with pytest.raises(InputError, match="--id-column"):
+        InputFile(tmp_path / "b.tsv", column="protein", id_column="accession").check()
+
+
+def test_a_csv_row_over_the_limit_or_not_utf8_fails_alone(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_bytes(b"id,sequence\na,MKV\nb," + b"M" * 5000 + b"\nc,caf\xe9\nd,\"two\nlines\"\ne,LLA\n")
+    records = _records(path, max_record_bytes=1000)
+    assert [r.id for r in records] == ["a", "line-3", "line-4", "d", "e"]
+    assert records[1].error.startswith(f"{path}:3: ") and "over the 1000-byte record limit" in records[1].error
+    assert "not UTF-8" in records[2].error and records[3].text == "two\nlines" and records[4].line == 7
+
+
+def test_jsonl_bad_lines_fail_alone(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"id": "a", "sequence": "MKV"}\n' + b"[" * 50_000 + b"]" * 50_000 + b"\n" + b"\n"
+                     + b'{"ID": "c", "Text": "LLA"}\n' + b'["not", "an", "object"]\n' + b"{broken\n"
+                     + b'{"id": "f", "sequence": 7}\n' + b'{"id": "g", "sequence": "caf\xe9"}\n')
+    records = _records(path)
+    assert [(r.id, r.line) for r in records] == [("a", 1), ("line-2", 2), ("c", 4), ("line-5", 5), ("line-6", 6),
+                                                 ("f", 7), ("line-8", 8)]
+    assert [r.text for r in records if r.error is None] == ["MKV", "LLA"]
+    assert "nested too deeply" in records[1].error and "not an object" in records[3].error
+    assert "not JSON" in records[4].error and "no non-empty string field" in records[5].error
+    assert "not UTF-8" in records[6].error
+
+
+@pytest.mark.parametrize(("name", "content", "words"), [
+    ("random.fasta", os.urandom(200_000), "not a FASTA input file"),
+    ("empty.fasta", b"", "it is empty"),
+    ("words.fasta", b"this is a letter, not a FASTA file\n" * 3000, "before the first '>' header"),
+    ("binary.jsonl", bytes(range(256)) * 300, "not a JSONL input file"),
+    ("picture.csv", b"\x89PNG\r\n\x1a\n" + os.urandom(70_000), "not a CSV input file"),
+])
+def test_a_file_with_no_valid_record_in_its_first_64_kib_is_one_clear_error(tmp_path, name, content, words):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(InputError) as raised:
+        InputFile(path).check()
+    message = str(raised.value)
+    assert message.startswith(f"{path}: ") and words in message and "\n" not in message
+    assert "expected" in message
+
+
+def test_a_first_record_longer_than_the_sniff_is_still_an_input(tmp_path):
+    (tmp_path / "long.fasta").write_bytes(b">titin\n" + b"MKV" * 40_000 + b"\n")
+    (tmp_path / "long.jsonl").write_text(json.dumps({"sequence": "M" * 100_000}) + "\n")
+    (tmp_path / "long.csv").write_text("sequence\n" + "M" * 100_000 + "\n")
+    for name in ("long.fasta", "long.jsonl", "long.csv"):
+        assert len(_records(tmp_path / name)[0].text) >= 100_000
+
+
+def test_what_is_not_an_input_file_is_refused_by_name(tmp_path):
+    with pytest.raises(InputError, match="unknown input format"):
+        InputFile(tmp_path / "notes.txt")
+    with pytest.raises(InputError, match="no such input file"):
+        InputFile(tmp_path / "missing.fasta").check()
+    os.mkfifo(tmp_path / "pipe.fasta")
+    with pytest.raises(InputError, match="not a regular file"):
+        InputFile(tmp_path / "pipe.fasta").check()

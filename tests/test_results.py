@@ -1,0 +1,149 @@
+"""resident_pool.results and the campaign's output: keyed by content, safe between campaigns and users."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import stat
+
+import pytest
+
+from resident_pool.campaign import Campaign, CampaignSettings
+from resident_pool.errors import InputError, ResidentPoolError, StateDirError
+from resident_pool.inputs import Record
+from resident_pool.results import ResultStore, default_results_dir, options_text, result_key
+
+
+def test_a_key_is_the_text_version_and_options_never_the_position_or_id():
+    key = result_key("v1", options_text({"encoding": "f32", "a": 1}), "MKV")
+    assert key == result_key("v1", options_text({"a": 1, "encoding": "f32"}), "MKV")  # option order is not content
+    assert len({key, result_key("v2", options_text({"encoding": "f32", "a": 1}), "MKV"),
+                result_key("v1", options_text({}), "MKV"), result_key("v1", options_text({"encoding": "f32", "a": 1}),
+                                                                      "MKVL")}) == 4
+
+
+def test_the_store_lives_in_the_users_data_folder_unless_set(tmp_path, monkeypatch):
+    monkeypatch.delenv("RESIDENT_POOL_RESULTS_DIR", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert CampaignSettings.from_env().results_dir == tmp_path / "data" / "resident-pool" / "results"
+    assert default_results_dir().name == "results"
+    monkeypatch.setenv("RESIDENT_POOL_RESULTS_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("RESIDENT_POOL_MAX_RECORD_BYTES", "4096")
+    settings = CampaignSettings.from_env()
+    assert settings.results_dir == tmp_path / "elsewhere" and settings.max_record_bytes == 4096
+    monkeypatch.setenv("RESIDENT_POOL_MAX_RECORD_BYTES", "1MB")
+    with pytest.raises(ResidentPoolError, match="RESIDENT_POOL_MAX_RECORD_BYTES='1MB'"):
+        CampaignSettings.from_env()
+
+
+def test_put_keeps_the_first_result_and_present_finds_what_is_stored(tmp_path):
+    with ResultStore.for_provider("minilm", tmp_path / "store") as store:
+        keys = [result_key("v", "{}", text) for text in ("a", "b", "c")]
+        store.put("v", [(keys[0], '{"x":1}'), (keys[1], '{"x":2}')])
+        store.put("v", [(keys[0], '{"x":99}')])
+        assert store.present(keys) == set(keys[:2]) and store.get(keys[0]) == {"x": 1}
+        store.put("old", [(keys[2], "{}")])
+        assert store.count() == 3 and store.prune(keep_version="v") == 1 and store.count() == 2
+    assert stat.S_IMODE((tmp_path / "store").stat().st_mode) == 0o700
+
+
+def _writer(path, start, count):
+    with ResultStore(path) as store:
+        for n in range(start, start + count, 10):
+            store.put("v", [(result_key("v", "{}", str(i)), json.dumps({"n": i})) for i in range(n, n + 10)])
+
+
+def test_two_campaigns_writing_one_store_at_once_lose_nothing(tmp_path):
+    path = tmp_path / "store" / "embedder.sqlite3"
+    ResultStore(path).close()
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_writer, args=(path, start, 2000)) for start in (0, 1000, 3000)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=120)
+    assert [writer.exitcode for writer in writers] == [0, 0, 0]
+    with ResultStore(path) as store:
+        assert store.count() == 5000  # 0..4999, the overlap stored once
+
+
+def test_a_store_that_is_a_symlink_or_in_an_open_folder_is_refused(tmp_path):
+    private = tmp_path / "store"
+    private.mkdir(mode=0o700)
+    (tmp_path / "elsewhere.sqlite3").write_bytes(b"")
+    (private / "minilm.sqlite3").symlink_to(tmp_path / "elsewhere.sqlite3")
+    with pytest.raises(ResidentPoolError, match="not a plain file"):
+        ResultStore.for_provider("minilm", private)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(StateDirError, match="RESIDENT_POOL_RESULTS_DIR"):
+        ResultStore.for_provider("minilm", shared)
+
+
+def _campaign(tmp_path, output):
+    store = ResultStore.for_provider("p", tmp_path / "store")
+    return store, Campaign(store, "v", {}, chunk_size=2, output=output)
+
+
+def test_the_output_replaces_a_symlink_instead_of_writing_through_it_and_keeps_the_umask(tmp_path):
+    target = tmp_path / "victim.txt"
+    target.write_text("someone else's file\n")
+    output = tmp_path / "out" / "result.jsonl"
+    output.parent.mkdir()
+    output.symlink_to(target)
+    old_umask = os.umask(0o027)
+    try:
+        store, campaign = _campaign(tmp_path, output)
+        assert campaign.add([Record(0, "a", "MKV", 1), Record(1, "b", "", 2, "bad")]) == []
+        (chunk,) = campaign.flush()
+        campaign.finish(chunk, [{"x": 1}], {}, {})
+        campaign.write("jsonl")
+        campaign.close()
+        store.close()
+    finally:
+        os.umask(old_umask)
+    assert target.read_text() == "someone else's file\n"
+    assert not output.is_symlink() and stat.S_IMODE(output.stat().st_mode) == 0o640
+    assert [json.loads(line)["ok"] for line in output.read_text().splitlines()] == [True, False]
+
+
+def test_a_symlink_at_the_partial_journal_is_refused(tmp_path):
+    output = tmp_path / "result.jsonl"
+    (tmp_path / "result.jsonl.partial").symlink_to(tmp_path / "victim")
+    store = ResultStore.for_provider("p", tmp_path / "store")
+    with pytest.raises(InputError, match="symlink is never followed"):
+        Campaign(store, "v", {}, chunk_size=2, output=output)
+    store.close()
+    assert not (tmp_path / "victim").exists()
+
+
+def test_duplicates_in_flight_are_computed_once_and_every_input_gets_its_record(tmp_path):
+    store, campaign = _campaign(tmp_path, tmp_path / "out.jsonl")
+    records = [Record(i, f"r{i}", text, i + 1) for i, text in enumerate(["A", "B", "A", "C", "B", "A"])]
+    chunks = campaign.add(records) + campaign.flush()
+    assert [chunk.texts for chunk in chunks] == [["A", "B"], ["C"]]
+    assert [(chunk.first, chunk.last) for chunk in chunks] == [(0, 1), (3, 3)]
+    campaign.finish(chunks[0], [{"v": "a"}, None], {1: ("request_failed", "B refused")}, {})
+    campaign.fail(chunks[1], "worker_died", "gone")
+    counts = campaign.write("jsonl")
+    campaign.close()
+    store.close()
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["ok"], r.get("v"), r.get("reason")) for r in lines] == [
+        ("r0", True, "a", None), ("r1", False, None, "request_failed"), ("r2", True, "a", None),
+        ("r3", False, None, "worker_died"), ("r4", False, None, "request_failed"), ("r5", True, "a", None)]
+    assert counts["ok"] == 3 and counts["failure_reasons"] == {"request_failed": 2, "worker_died": 1}
+    assert campaign.counts["duplicates"] == 3 and campaign.counts["computed"] == 3
+    assert not (tmp_path / "out.jsonl.partial").exists()
+
+
+def test_the_campaign_core_imports_nothing_of_prefect():
+    import subprocess
+    import sys
+
+    code = ("import sys, resident_pool.campaign, resident_pool.inputs, resident_pool.results; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'prefect'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "[]"
