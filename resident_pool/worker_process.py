@@ -20,7 +20,7 @@ from typing import Any
 from . import paths
 from .errors import ResidentPoolError, SocketPathTooLong, WorkerRequestError, WorkerStartError
 from .exits import describe_exit, exit_hint
-from .procs import child_env, terminate_group, wait_exit
+from .procs import ForkRefused, ProcessHandle, Spawner, child_env, terminate_group, wait_exit
 from .protocol import (
     CONNECT_TIMEOUT_S,
     ProtocolError,
@@ -91,7 +91,8 @@ class WorkerProcess:
         self.heartbeat_path = self.run_dir / "heartbeat"
         self.device: str | None = None  # set by the owner from admission, before the command is built
         self.transcript: Transcript | None = None
-        self.proc: subprocess.Popen | None = None
+        self.proc: ProcessHandle | None = None  # a Popen, or a ForkedProcess when a zygote forked it
+        self.started_by: str | None = None  # "spawn", or "zygote <pid>"
         self.launch: Launch | None = None
         self.returncode: int | None = None
         self.started_at: float | None = None  # wall clock, for display
@@ -130,8 +131,13 @@ class WorkerProcess:
             self.transcript.note(message)
 
     # -- start -----------------------------------------------------------------
-    def start(self, launch: Launch, extra_env: Mapping[str, str | None] | None = None) -> dict[str, Any]:
-        """Spawn the worker and wait until it answers a ping; returns that first answer."""
+    def start(self, launch: Launch, extra_env: Mapping[str, str | None] | None = None,
+              spawner: Spawner | None = None) -> dict[str, Any]:
+        """Start the worker and wait until it answers a ping; returns that first answer.
+
+        With a ``spawner`` (a zygote) the worker is forked from it; where it refuses, the
+        worker is spawned as usual and the transcript says why.
+        """
         if self.proc is not None:
             raise RuntimeError(f"{self.slug}[{self.replica}]: a WorkerProcess starts once; make a new one")
         self.launch = launch
@@ -147,6 +153,14 @@ class WorkerProcess:
                 f"{self.slug}: cannot open the transcript under {where}: {exc.strerror}; set RESIDENT_POOL_LOG_DIR "
                 "to a writable directory with free space", slug=self.slug) from exc
         env = child_env({**env_for(self), **launch.env, **(extra_env or {})})
+        if spawner is not None:
+            try:
+                self.proc = spawner.fork(launch.argv, env, self.transcript.fileno(), os.getcwd())
+            except ForkRefused as exc:
+                self.note(f"not forked from a zygote: {exc}; spawning it instead")
+            else:
+                self.started_by = f"zygote {getattr(spawner, 'pid', '?')}"
+                return self._started(launch, f"forked pid {self.proc.pid} from zygote {getattr(spawner, 'pid', '?')}")
         try:
             self.proc = subprocess.Popen(
                 launch.argv,
@@ -164,9 +178,13 @@ class WorkerProcess:
             headline = (f"{self.slug}: cannot execute {launch.argv[0]}: {exc.strerror}; check the provider's "
                         f"interpreter and worker script (transcript {self.transcript_path})")
             raise WorkerStartError(headline, slug=self.slug, transcript=self.transcript_path) from exc
+        self.started_by = "spawn"
+        return self._started(launch, f"started pid {self.proc.pid}")
+
+    def _started(self, launch: Launch, how: str) -> dict[str, Any]:
         self.started_at = time.time()
         self._started_mono = time.monotonic()
-        self.note(f"started pid {self.proc.pid}: {' '.join(launch.argv)}")
+        self.note(f"{how}: {' '.join(launch.argv)}")
         return self._wait_ready()
 
     def _wait_ready(self) -> dict[str, Any]:

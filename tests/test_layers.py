@@ -13,19 +13,20 @@ PACKAGE = Path(resident_pool.__file__).parent
 
 # Bottom to top. A module may import only from its own layer or below.
 LAYERS = [
-    {"states", "exits", "protocol", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden"},
+    {"states", "exits", "protocol", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden",
+     "zygote_server"},
     {"errors"},
     {"settings"},
     {"paths", "transcripts", "manifest", "breaker", "replica"},
     {"worker_process", "weights", "exec_env", "admission", "campaign", "expected"},
     {"supervisor", "kit", "client"},
     {"provenance"},
-    {"launch"},
+    {"launch", "zygote"},
     {"pool", "check"},
     {"cli", "prefect", "__init__", "__main__"},
 ]
 # Standard library only: loaded by path inside the model's own environment.
-STANDALONE = {"protocol", "worker_base", "kit_probe", "env_probe"}
+STANDALONE = {"protocol", "worker_base", "kit_probe", "env_probe", "zygote_server"}
 
 
 def _layer(module: str) -> int:
