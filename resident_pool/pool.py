@@ -42,6 +42,7 @@ from .settings import settings
 from .states import ReplicaState
 from .version import __version__
 from .worker_process import DEATH_WAIT_S, HEARTBEAT_INTERVAL_S, Launch, WorkerProcess
+from .zygote import Zygotes
 
 __all__ = ["CONTROL_LINE_BYTES", "PoolServer"]
 
@@ -107,6 +108,7 @@ class PoolServer:
                                    cancelled=self._client_gone, headroom_gb=config.gpu_headroom_gb)
         self.providers: dict[str, _Provider] = {}
         self.leases: dict[int, Lease] = {}
+        self.zygotes = Zygotes()  # fork servers, one per provider environment that declares a preload
         # One lock for every record; each waiting acquire has its own condition on it, so a
         # release wakes the first in line alone (waking every waiter cost 64 thread switches
         # per release under load). ``changed`` wakes whoever waits for replicas to stop.
@@ -188,6 +190,7 @@ class PoolServer:
         def stop_everything() -> None:
             try:
                 self.stop(None, now=now, why=f"the pool is stopping ({why})")
+                self.zygotes.stop_all()
             finally:
                 self.finished.set()
 
@@ -416,7 +419,7 @@ class PoolServer:
                 replica.admitter = admitter
             replica.process.device = env.get("CUDA_VISIBLE_DEVICES")
             launch = Launch.of(command_builder(manifest)(replica.process))
-            replica.process.start(launch, env)
+            replica.process.start(launch, env, self.zygotes.spawner(manifest, launch))
         except Exception as exc:
             raise self._start_failed(provider, replica, lease, exc) from exc
         if replica.admitter is self.admission:
@@ -703,9 +706,22 @@ class PoolServer:
                 self.quiet_since = now
         for action, args in checks:
             threading.Thread(target=action, args=args, daemon=True).start()
+        self._maintain_zygotes(now)
         if self.quiet_exit_s > 0 and now - self.quiet_since >= self.quiet_exit_s and not self.draining:
             log.info("no workers and no clients for %g s; exiting", self.quiet_exit_s)
             self.begin_stop("quiet")
+
+    def _maintain_zygotes(self, now: float) -> None:
+        """A zygote retires once no worker of its provider has been in use for the provider's idle timeout:
+        with the last worker retired for idleness, but not with one admission evicted."""
+        activity: dict[str, float] = {}
+        with self.lock:
+            timeouts = {slug: p.manifest.lifecycle.idle_timeout_s for slug, p in self.providers.items()}
+            for slug, provider in self.providers.items():
+                for replica in provider.replicas.values():
+                    used = replica.last_used if replica.state is ReplicaState.READY else now
+                    activity[slug] = max(activity.get(slug, 0.0), used)
+        self.zygotes.maintain(activity, timeouts, now)
 
     def _check_liveness(self, provider: _Provider, replica: Replica) -> None:
         """Alive means running AND answering: an idle worker that does not answer is stopped."""
@@ -742,7 +758,7 @@ class PoolServer:
                         "idle_s": round(replica.idle_s(), 1), "uptime_s": _round(process.uptime_s()),
                         "transcript": process.transcript_path, "socket": process.socket_path,
                         "last_error": replica.last_error,
-                        "retiring": replica.retire,
+                        "retiring": replica.retire, "started_by": process.started_by,
                         "lease": None if lease is None else {"id": lease.id, "holder": lease.holder,
                                                              "age_s": round(now - lease.since, 1)},
                     })
@@ -751,12 +767,12 @@ class PoolServer:
                     breakers[slug] = snapshot
                 providers[slug] = {"version": provider.version, "manifest": str(provider.source),
                                    "starts": provider.starts, "last_error": provider.last_error,
-                                   "breaker": snapshot}
+                                   "breaker": snapshot, "start": self.zygotes.status(slug, provider.manifest)}
         return {"pool": {"pid": os.getpid(), "version": __version__, "socket": self.socket_path,
                          "manifests": str(self.manifests), "since": self.started, "ledger": str(self.ledger.path),
                          "draining": self.draining},
                 "workers": workers, "providers": providers, "waiting": self.waiting(), "breakers": breakers,
-                "ledger": self.ledger.entries()}
+                "ledger": self.ledger.entries(), "zygotes": self.zygotes.describe()}
 
     def stop(self, slug: str | None, now: bool = False, why: str = "stopped by `resident-pool stop`") -> list[str]:
         """Stop ``slug``'s replicas (every provider's when None): leased ones drain first, up to drain_grace_s."""
@@ -776,6 +792,7 @@ class PoolServer:
                 self._stop_later(provider, replica, f"{why}: still busy after drain_grace_s = {self.drain_grace_s:g} s")
             while any(r.state is ReplicaState.STOPPING for _, r in targets):
                 self.changed.wait(_TICK_S)
+        self.zygotes.retire(slug, why)
         return [replica.name for _, replica in targets]
 
 

@@ -446,8 +446,8 @@ class Zygotes:
                 if not zygote.live_children():
                     self._retiring.remove(zygote)
                     stopping.append(zygote)
-        for zygote in stopping:
-            zygote.stop()
+        for zygote in stopping:  # it exits as soon as its channel closes; its own thread reaps it
+            threading.Thread(target=zygote.stop, daemon=True, name=f"stop-zygote-{zygote.slug}").start()
 
     def retire(self, slug: str | None, why: str) -> None:
         """Stop ``slug``'s zygote (every one when None) once its workers are gone, and forget its failure."""
