@@ -34,6 +34,7 @@ from .errors import (
     error_from_dict,
 )
 from .exits import REFUSAL_CODES, describe_exit
+from .hibernate import CheckpointError, CudaCheckpoint, Hibernator
 from .launch import command_builder
 from .manifest import SLUG, Manifest, load_manifest
 from .protocol import ProtocolError, bind_unix, recv_line, send_line
@@ -109,6 +110,7 @@ class PoolServer:
         self.providers: dict[str, _Provider] = {}
         self.leases: dict[int, Lease] = {}
         self.zygotes = Zygotes()  # fork servers, one per provider environment that declares a preload
+        self.hibernator = Hibernator(CudaCheckpoint(config.libcuda))  # for [lifecycle] evict = "hibernate"
         # One lock for every record; each waiting acquire has its own condition on it, so a
         # release wakes the first in line alone (waking every waiter cost 64 thread switches
         # per release under load). ``changed`` wakes whoever waits for replicas to stop.
@@ -395,31 +397,39 @@ class PoolServer:
             if replica.state is ReplicaState.READY:
                 replica.transition(ReplicaState.LEASED, "leased")
                 return replica, False
+        for replica in sorted(current, key=lambda r: r.index):
+            if replica.state is ReplicaState.HIBERNATED:  # a restore costs a copy back, not a start
+                replica.transition(ReplicaState.STARTING, "its lease restores it from hibernation")
+                return replica, True
         manifest = provider.manifest
         if sum(r.live for r in current) >= manifest.lifecycle.max_replicas:
             return None
         index = next(i for i in itertools.count() if i not in provider.replicas)
-        process = WorkerProcess(provider.slug, index, state_dir=self.state_dir,
-                                start_timeout_s=manifest.lifecycle.start_timeout_s)
+        process = self._new_process(provider.slug, index, manifest)
         budget = manifest.gpu.vram_budget_gb if manifest.gpu.policy != "none" else None
         replica = Replica(provider.slug, index, provider.version, process, budget, manifest)
         provider.replicas[index] = replica
         return replica, True
 
+    def _new_process(self, slug: str, index: int, manifest: Manifest) -> WorkerProcess:
+        return WorkerProcess(slug, index, state_dir=self.state_dir, start_timeout_s=manifest.lifecycle.start_timeout_s)
+
     def _start(self, provider: _Provider, replica: Replica, lease: Lease) -> None:
-        """Admit, spawn and wait for the replica this lease holds; a failure ends both."""
+        """Admit, then restore (a hibernated replica) or spawn (or fork) and wait for it; a failure ends both."""
         manifest = replica.manifest
         admitter = self._admitter(manifest)
         with self.lock:
-            provider.starts += 1
+            if replica.hibernation is None:
+                provider.starts += 1
         try:
             env: dict[str, str | None] = {}
             if replica.vram_budget_gb and admitter is not None:
-                env = dict(admitter.admit(replica))
+                env = dict(self._admit(admitter, replica))
                 replica.admitter = admitter
-            replica.process.device = env.get("CUDA_VISIBLE_DEVICES")
-            launch = Launch.of(command_builder(manifest)(replica.process))
-            replica.process.start(launch, env, self.zygotes.spawner(manifest, launch))
+            if not self._restored(provider, replica):
+                replica.process.device = env.get("CUDA_VISIBLE_DEVICES")
+                launch = Launch.of(command_builder(manifest)(replica.process))
+                replica.process.start(launch, env, self.zygotes.spawner(manifest, launch))
         except Exception as exc:
             raise self._start_failed(provider, replica, lease, exc) from exc
         if replica.admitter is self.admission:
@@ -428,6 +438,33 @@ class PoolServer:
             provider.breaker.succeeded()
             replica.last_checked = time.monotonic()
             replica.transition(ReplicaState.LEASED, "started")
+
+    def _admit(self, admitter, replica: Replica):
+        if replica.hibernation is not None:  # its memory goes back to the device it left
+            return admitter.admit(replica, device=int(replica.hibernation.device))
+        return admitter.admit(replica)
+
+    def _restored(self, provider: _Provider, replica: Replica) -> bool:
+        """Restore a hibernated replica (admitted already); False when it is to start afresh instead."""
+        if replica.hibernation is None:
+            return False
+        replica.hibernation = None
+        try:
+            self.hibernator.restore(replica.process)
+            if replica.process.ping(timeout=LIVENESS_TIMEOUT_S) is None:
+                raise CheckpointError(f"it did not answer a ping within {LIVENESS_TIMEOUT_S:g} s of its restore")
+        except CheckpointError as exc:
+            why = f"{replica.name}: its restore from hibernation failed ({exc}); stopped, and a fresh worker started"
+            replica.process.note(why)
+            self.hibernator.noted(provider.slug, why)
+            replica.process.kill(grace_s=5.0)
+            with self.lock:
+                replica.last_error = provider.last_error = why
+                provider.starts += 1
+            replica.process = self._new_process(provider.slug, replica.index, replica.manifest)
+            return False
+        self.hibernator.noted(provider.slug, f"{replica.name} restored from hibernation")
+        return True
 
     def _start_failed(self, provider: _Provider, replica: Replica, lease: Lease, exc: Exception) -> ResidentPoolError:
         if isinstance(exc, ResidentPoolError):
@@ -565,12 +602,14 @@ class PoolServer:
     def _retire(self, provider: _Provider, replica: Replica, why: str, now: bool = False) -> None:
         """Mark ``replica`` to stop (the lock is held): at once if free, after its lease if held."""
         replica.retire = replica.retire or why
-        if replica.state is ReplicaState.READY or (now and replica.state in (ReplicaState.LEASED,
-                                                                               ReplicaState.DRAINING)):
+        if replica.state is ReplicaState.HIBERNATED:  # its CUDA is locked: it can only be ended, not asked
+            self._stop_later(provider, replica, why, now=True)
+        elif replica.state is ReplicaState.READY or (now and replica.state in (ReplicaState.LEASED,
+                                                                                 ReplicaState.DRAINING)):
             self._stop_later(provider, replica, why, now=now)
         elif replica.state is ReplicaState.LEASED and replica.lease is not None and replica.lease.connection:
             replica.transition(ReplicaState.DRAINING, f"{why}; its lease finishes first")
-        # STARTING: acted on when its lease ends; DRAINING: its drain ends in a stop.
+        # STARTING: acted on when its lease ends; DRAINING: its drain ends in a stop; HIBERNATING: once it is done.
 
     def _stop_later(self, provider: _Provider, replica: Replica, why: str, now: bool = False) -> None:
         """Move to STOPPING (the lock is held) and stop the process on a thread of its own."""
@@ -622,7 +661,32 @@ class PoolServer:
             if not idle:
                 return False
             _, provider, replica = min(idle, key=lambda item: item[0])
-        self._stop(provider, replica, f"evicted (idle) to make room for a worker needing {needed_gb:g} GB")
+            why = f"evicted (idle) to make room for a worker needing {needed_gb:g} GB"
+            hibernate = provider.manifest.lifecycle.evict == "hibernate"
+            if hibernate:
+                replica.transition(ReplicaState.HIBERNATING, why)
+        if not (hibernate and self._hibernate(provider, replica, why)):
+            self._stop(provider, replica, why)
+        return True
+
+    def _hibernate(self, provider: _Provider, replica: Replica, why: str) -> bool:
+        """Checkpoint a HIBERNATING replica's device memory and give its budget back; False: stop it instead."""
+        try:
+            hibernation = self.hibernator.hibernate(replica.process)
+        except CheckpointError as exc:
+            note = f"{replica.name} could not hibernate ({exc}); stopped instead"
+            replica.process.note(note)
+            self.hibernator.noted(provider.slug, note)
+            return False
+        self._release_budget(replica)
+        with self.lock:
+            replica.hibernation = hibernation
+            replica.transition(ReplicaState.HIBERNATED, why)
+            self.hibernator.noted(provider.slug, f"{replica.name} hibernated: {why}")
+            if replica.retire:  # a stop was asked for meanwhile
+                self._stop_later(provider, replica, replica.retire, now=True)
+            else:
+                self._wake(provider)
         return True
 
     def _client_gone(self) -> bool:
@@ -686,6 +750,9 @@ class PoolServer:
                 for replica in list(provider.replicas.values()):
                     if beat:  # a worker still loading its model counts on it too
                         replica.process.beat()
+                    if replica.state is ReplicaState.HIBERNATED:
+                        self._keep_hibernated(provider, replica, checks)
+                        continue
                     if replica.state is not ReplicaState.READY:
                         continue
                     rc = replica.process.poll()
@@ -710,6 +777,19 @@ class PoolServer:
         if self.quiet_exit_s > 0 and now - self.quiet_since >= self.quiet_exit_s and not self.draining:
             log.info("no workers and no clients for %g s; exiting", self.quiet_exit_s)
             self.begin_stop("quiet")
+
+    def _keep_hibernated(self, provider: _Provider, replica: Replica, checks: list) -> None:
+        """Never pinged (its CUDA is locked: a ping that touched it would hang); still reaped, still retired
+        when idle (the lock is held)."""
+        rc = replica.process.poll()
+        timeout = provider.manifest.lifecycle.idle_timeout_s
+        if rc is not None:
+            why = f"{replica.name} exited while hibernated: {describe_exit(rc)}"
+            replica.transition(ReplicaState.STOPPING, why)
+            checks.append((self._forget, (provider, replica, why)))
+        elif 0 < timeout <= replica.idle_s():
+            self._stop_later(provider, replica, f"hibernated and idle for {replica.idle_s():.1f} s "
+                                                f"(idle_timeout_s = {timeout:g})", now=True)
 
     def _maintain_zygotes(self, now: float) -> None:
         """A zygote retires once no worker of its provider has been in use for the provider's idle timeout:
@@ -759,6 +839,7 @@ class PoolServer:
                         "transcript": process.transcript_path, "socket": process.socket_path,
                         "last_error": replica.last_error,
                         "retiring": replica.retire, "started_by": process.started_by,
+                        "hibernation": replica.hibernation.describe() if replica.hibernation else None,
                         "lease": None if lease is None else {"id": lease.id, "holder": lease.holder,
                                                              "age_s": round(now - lease.since, 1)},
                     })
@@ -767,7 +848,8 @@ class PoolServer:
                     breakers[slug] = snapshot
                 providers[slug] = {"version": provider.version, "manifest": str(provider.source),
                                    "starts": provider.starts, "last_error": provider.last_error,
-                                   "breaker": snapshot, "start": self.zygotes.status(slug, provider.manifest)}
+                                   "breaker": snapshot, "start": self.zygotes.status(slug, provider.manifest),
+                                   "eviction": self.hibernator.status(slug, provider.manifest.lifecycle.evict)}
         return {"pool": {"pid": os.getpid(), "version": __version__, "socket": self.socket_path,
                          "manifests": str(self.manifests), "since": self.started, "ledger": str(self.ledger.path),
                          "draining": self.draining},

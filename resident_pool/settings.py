@@ -58,6 +58,8 @@ class Settings(BaseSettings):
                                          "orphan_grace_s: a worker whose pool is gone exits after this long "
                                          "without a request")
     artifact_tail_lines: int = Field(20, ge=0, description="transcript lines in a Prefect failure artifact")
+    libcuda: str = Field("libcuda.so.1", description="the CUDA driver library whose checkpoint API hibernates "
+                         'workers ([lifecycle] evict = "hibernate"); tests point it at a fake')
     no_cublas_release: bool = Field(False, description="passed to workers: turns off the cuBLAS workspace release "
                                     "after each prediction")
 

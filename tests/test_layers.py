@@ -17,7 +17,7 @@ LAYERS = [
      "zygote_server"},
     {"errors"},
     {"settings"},
-    {"paths", "transcripts", "manifest", "breaker", "replica"},
+    {"paths", "transcripts", "manifest", "breaker", "replica", "hibernate"},
     {"worker_process", "weights", "exec_env", "admission", "campaign", "expected"},
     {"supervisor", "kit", "client"},
     {"provenance"},
