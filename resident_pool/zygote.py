@@ -104,6 +104,7 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     process: ForkedProcess | None = None
     error: str | None = None
+    reason: str | None = None
 
 
 class Zygote:
@@ -279,6 +280,7 @@ class Zygote:
                 self._children[pending.process.pid] = pending.process
         else:
             pending.error = str(message.get("error") or "the zygote refused")
+            pending.reason = message.get("reason")
         pending.done.set()
 
     def _lost(self) -> None:
@@ -323,6 +325,9 @@ class Zygote:
             raise ForkRefused(f"the zygote (pid {self.pid}) cannot be reached: {exc}") from exc
         if not pending.done.wait(FORK_REPLY_TIMEOUT_S):
             raise ForkRefused(f"the zygote (pid {self.pid}) did not answer a fork within {FORK_REPLY_TIMEOUT_S:g} s")
+        if pending.reason == "cuda_initialized":  # it will not get better: no more forks from this one
+            self.failure = pending.error
+            threading.Thread(target=self.stop, daemon=True, name=f"stop-zygote-{self.slug}").start()
         if pending.error is not None or pending.process is None:
             raise ForkRefused(pending.error or "the zygote refused")
         self.forks += 1
@@ -341,6 +346,18 @@ class Zygote:
         if self._reader is not None:
             self._reader.join(timeout=_STOP_GRACE_S * 3)
         self._sock.close()
+
+
+class _Refusal:
+    """A provider that asked for a zygote but cannot have one: each start says why, then spawns."""
+
+    pid = None
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def fork(self, argv: list[str], env: Mapping[str, str], stdout_fd: int, cwd: str) -> ForkedProcess:
+        raise ForkRefused(self.why)
 
 
 def fork_refusal(manifest: Manifest, launch: Launch) -> str | None:
@@ -375,7 +392,7 @@ class Zygotes:
         self._spawn_why: dict[str, str] = {}  # per provider: why its last start was spawned
         self._ended: dict[str, str] = {}  # per provider: how its last zygote ended, for status
 
-    def spawner(self, manifest: Manifest, launch: Launch) -> Zygote | None:
+    def spawner(self, manifest: Manifest, launch: Launch) -> Zygote | _Refusal | None:
         """The zygote this start forks from (created, not yet started: the start starts it), or None to spawn."""
         slug = manifest.slug
         why = fork_refusal(manifest, launch)
@@ -398,10 +415,10 @@ class Zygotes:
                 current = None
             if why is not None:
                 self._spawn_why[slug] = why
-                return None
+                # Where a preload was asked for, the start's transcript says why it was not used.
+                return None if manifest.lifecycle.preload is None else _Refusal(why)
             if current is not None and current.failure:
-                self._spawn_why[slug] = f"its zygote failed: {current.failure}"
-                return None
+                return current  # its fork refuses at once, with the failure, in this start's transcript
             if current is None:
                 weights = None
                 if manifest.lifecycle.load:
@@ -465,6 +482,8 @@ class Zygotes:
             ended = self._ended.get(slug)
         if why is None and manifest.lifecycle.preload is None:
             why = "no [lifecycle] preload"
+        if why is None and zygote is not None and zygote.failure:
+            why = f"its zygote failed: {zygote.failure}"
         if why is not None:
             return {"way": "spawn", "why": why}
         described = zygote.describe() if zygote is not None else None
