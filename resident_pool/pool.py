@@ -35,6 +35,8 @@ from .errors import (
 )
 from .exits import REFUSAL_CODES, describe_exit
 from .hibernate import CheckpointError, CudaCheckpoint, Hibernator
+from .jit_cache import JitSizes
+from .kit import jit_root
 from .launch import command_builder
 from .manifest import SLUG, Manifest, load_manifest
 from .protocol import ProtocolError, bind_unix, recv_line, send_line
@@ -111,6 +113,7 @@ class PoolServer:
         self.leases: dict[int, Lease] = {}
         self.zygotes = Zygotes()  # fork servers, one per provider environment that declares a preload
         self.hibernator = Hibernator(CudaCheckpoint(config.libcuda))  # for [lifecycle] evict = "hibernate"
+        self.jit_sizes = JitSizes()
         # One lock for every record; each waiting acquire has its own condition on it, so a
         # release wakes the first in line alone (waking every waiter cost 64 thread switches
         # per release under load). ``changed`` wakes whoever waits for replicas to stop.
@@ -826,6 +829,7 @@ class PoolServer:
         now = time.monotonic()
         workers, providers, breakers = [], {}, {}
         with self.lock:
+            kit_providers = [(slug, p.manifest) for slug, p in self.providers.items() if p.manifest.kit is not None]
             for slug, provider in sorted(self.providers.items()):
                 for index, replica in sorted(provider.replicas.items()):
                     process = replica.process
@@ -850,6 +854,8 @@ class PoolServer:
                                    "starts": provider.starts, "last_error": provider.last_error,
                                    "breaker": snapshot, "start": self.zygotes.status(slug, provider.manifest),
                                    "eviction": self.hibernator.status(slug, provider.manifest.lifecycle.evict)}
+        for slug, manifest in kit_providers:  # walked outside the lock, at most once a minute per root
+            providers[slug]["jit_cache"] = self.jit_sizes.report(jit_root(manifest, os.environ))
         return {"pool": {"pid": os.getpid(), "version": __version__, "socket": self.socket_path,
                          "manifests": str(self.manifests), "since": self.started, "ledger": str(self.ledger.path),
                          "draining": self.draining},

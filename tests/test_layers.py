@@ -17,7 +17,7 @@ LAYERS = [
      "zygote_server"},
     {"errors"},
     {"settings"},
-    {"paths", "transcripts", "manifest", "breaker", "replica", "hibernate"},
+    {"paths", "transcripts", "manifest", "breaker", "replica", "hibernate", "jit_cache"},
     {"worker_process", "weights", "exec_env", "admission", "campaign", "expected"},
     {"supervisor", "kit", "client"},
     {"provenance"},
