@@ -20,7 +20,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,8 +111,9 @@ class Zygote:
     """One fork server for one provider environment."""
 
     def __init__(self, slug: str, key: str, python: str, env: Mapping[str, str | None], script: str,
-                 preload: list[str], load: str | None = None, weights: str | None = None,
+                 preload: list[str], load: str | None = None, weights: Callable[[], str | None] | None = None,
                  start_timeout_s: float = 900.0) -> None:
+        """``weights``: gives the weights root for the load stage, asked once, when the zygote starts."""
         self.slug = slug
         self.key = key
         self.python = python
@@ -130,7 +131,8 @@ class Zygote:
         self.last_active = self.created
         self.forks = 0
         self._sock: socket.socket | None = None
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # one message at a time on the channel
+        self._state_lock = threading.Lock()  # the pending requests and the children
         self._start_lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._children: dict[int, ForkedProcess] = {}
@@ -147,7 +149,7 @@ class Zygote:
         return self.proc is not None and not self._down.is_set() and self.failure is None
 
     def live_children(self) -> list[ForkedProcess]:
-        with self._send_lock:
+        with self._state_lock:
             children = list(self._children.values())
         return [child for child in children if child.poll() is None]
 
@@ -182,6 +184,12 @@ class Zygote:
                 except ForkRefused as exc:
                     self.failure = str(exc)
                     raise
+                except (OSError, ValueError) as exc:  # no transcript, or a garbled first line
+                    self.failure = f"the zygote could not start: {type(exc).__name__}: {exc}"
+                    if self.proc is not None:
+                        terminate_group(self.proc, _STOP_GRACE_S)
+                    self._down.set()
+                    raise ForkRefused(self.failure) from exc
 
     def _start(self) -> None:
         self.transcript = Transcript.create(paths.log_dir(), f"zygote-{self.slug}", 0)
@@ -200,8 +208,9 @@ class Zygote:
         self.transcript.note(f"zygote pid {self.proc.pid} for {self.slug} (environment {self.key[:12]}): "
                              f"preloading {', '.join(self.preload) or 'nothing'}"
                              + (f", then the load stage {self.load}()" if self.load else ""))
+        weights = self.weights() if self.load and self.weights is not None else None
         self._send({"op": "configure", "script": self.script, "preload": self.preload, "load": self.load,
-                    "weights_root": self.weights})
+                    "weights_root": weights})
         ours.settimeout(self.start_timeout_s)
         buf = bytearray()
         try:
@@ -264,19 +273,19 @@ class Zygote:
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         if message.get("event") == "exit":
-            with self._send_lock:
+            with self._state_lock:
                 child = self._children.pop(message["pid"], None)
             if child is not None:
                 child.exited(int(message["returncode"]))
             return
-        with self._send_lock:
+        with self._state_lock:
             pending = self._pending.pop(message.get("id"), None)
         if pending is None:
             return
         if message.get("ok"):
             # Made here, before the next message is read: its exit report can only come after.
             pending.process = ForkedProcess(int(message["pid"]), self.pid)
-            with self._send_lock:
+            with self._state_lock:
                 self._children[pending.process.pid] = pending.process
         else:
             pending.error = str(message.get("error") or "the zygote refused")
@@ -292,7 +301,7 @@ class Zygote:
                 rc = self.proc.wait(timeout=_STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 rc = terminate_group(self.proc, _STOP_GRACE_S)
-        with self._send_lock:
+        with self._state_lock:
             children, self._children = list(self._children.values()), {}
             pending, self._pending = list(self._pending.values()), {}
         for waiter in pending:
@@ -314,13 +323,13 @@ class Zygote:
             raise ForkRefused(f"the zygote preloaded for {self.script}, not {argv[1] if len(argv) > 1 else argv}")
         pending = _Pending()
         request_id = next(self._ids)
-        with self._send_lock:
+        with self._state_lock:
             self._pending[request_id] = pending
         try:
             self._send({"op": "fork", "id": request_id, "argv": list(argv[1:]), "env": dict(env), "cwd": cwd},
                        fds=[stdout_fd])
         except OSError as exc:
-            with self._send_lock:
+            with self._state_lock:
                 self._pending.pop(request_id, None)
             raise ForkRefused(f"the zygote (pid {self.pid}) cannot be reached: {exc}") from exc
         if not pending.done.wait(FORK_REPLY_TIMEOUT_S):
@@ -374,6 +383,11 @@ def fork_refusal(manifest: Manifest, launch: Launch) -> str | None:
     return None
 
 
+def _weights(manifest: Manifest) -> str | None:
+    root = weights_root(manifest, interpreter(manifest))
+    return str(root) if root is not None else None
+
+
 def _key(launch: Launch, manifest: Manifest) -> str:
     """The provider environment: interpreter, script, environment (less what changes per start), preload."""
     env = sorted((name, value) for name, value in launch.env.items() if name not in PER_START)
@@ -420,14 +434,10 @@ class Zygotes:
             if current is not None and current.failure:
                 return current  # its fork refuses at once, with the failure, in this start's transcript
             if current is None:
-                weights = None
-                if manifest.lifecycle.load:
-                    root = weights_root(manifest, interpreter(manifest))
-                    weights = str(root) if root is not None else None
                 env = {name: value for name, value in launch.env.items() if name not in PER_START}
                 current = self._current[slug] = Zygote(
                     slug, key, launch.argv[0], env, launch.argv[1], manifest.lifecycle.preload or [],
-                    manifest.lifecycle.load, weights, manifest.lifecycle.start_timeout_s)
+                    manifest.lifecycle.load, lambda: _weights(manifest), manifest.lifecycle.start_timeout_s)
             self._spawn_why.pop(slug, None)
             return current
 

@@ -178,3 +178,13 @@ def test_bad_zygote_settings_are_manifest_errors_naming_the_field(pool_dir, body
     with pytest.raises(ManifestError, match="lifecycle") as info:
         load_manifest(write_provider(pool_dir, "bad", "[lifecycle]\n" + body))
     assert named in str(info.value)
+
+
+def test_a_preload_that_fails_to_import_is_said_and_the_workers_are_spawned(pool_dir):
+    write_provider(pool_dir, "typo", '[lifecycle]\npreload = ["json", "no_such_module_here"]\n')
+    with Pool() as pool:
+        assert pool.predict("typo", {"action": "echo", "value": 1})["echo"] == 1
+        start = pool.status()["providers"]["typo"]["start"]
+    assert start["way"] == "spawn"
+    assert "importing 'no_such_module_here' failed: ModuleNotFoundError" in start["why"]
+    assert "zygote-typo-" in start["why"]  # the zygote's transcript, for its traceback
