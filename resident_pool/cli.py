@@ -173,7 +173,7 @@ def status(
                       f"({breaker['failures']} failed starts, {breaker['refused']} refused): {breaker['error']}")
     for slug, provider in state.get("providers", {}).items():
         for line in _provider_lines(slug, provider):
-            console.print(line, highlight=False, markup=False)
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
         if provider.get("last_error"):
             console.print(f"last error of {slug}: {provider['last_error']}")
 

@@ -230,9 +230,9 @@ class Zygote:
     def _end(self, why: str) -> None:
         """It failed at start: record why (with its exit and transcript) and make sure it is gone."""
         rc = terminate_group(self.proc, _STOP_GRACE_S) if self.proc is not None else None
-        tail = read_tail(self.transcript.path, 3) if self.transcript else []
+        tail = read_tail(self.transcript.path, 1) if self.transcript else []  # its last word; the rest is there
         self.failure = (f"{why} ({describe_exit(rc)}; transcript {self.transcript.path if self.transcript else '-'}"
-                        + (f": {' | '.join(tail)}" if tail else "") + ")")
+                        + (f": {tail[0]}" if tail else "") + ")")
         if self.transcript is not None:
             self.transcript.note(self.failure)
             self.transcript.close()

@@ -188,3 +188,21 @@ def test_a_preload_that_fails_to_import_is_said_and_the_workers_are_spawned(pool
     assert start["way"] == "spawn"
     assert "importing 'no_such_module_here' failed: ModuleNotFoundError" in start["why"]
     assert "zygote-typo-" in start["why"]  # the zygote's transcript, for its traceback
+
+
+def test_the_status_command_says_how_each_provider_starts(pool_dir):
+    import subprocess
+    import sys
+
+    write_provider(pool_dir, "forked", '[lifecycle]\npreload = ["json"]\n')
+    write_provider(pool_dir, "typo", '[lifecycle]\npreload = ["no_such_module_here"]\n')
+    write_provider(pool_dir, "plain", "")
+    with Pool() as pool:
+        for slug in ("forked", "typo", "plain"):
+            pool.predict(slug, {"action": "echo"})
+        zygote = pool.status()["providers"]["forked"]["start"]["zygote"]["pid"]
+        text = subprocess.run([sys.executable, "-m", "resident_pool", "status"], capture_output=True, text=True,
+                              timeout=120, check=True).stdout
+    assert f"forked: workers forked from zygote pid {zygote} (preload" in text
+    assert "typo: workers spawned: its zygote failed: the zygote could not preload: importing" in text
+    assert "plain:" not in text  # no preload asked for: nothing to say
