@@ -145,6 +145,11 @@ class Zygote:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    @property
+    def down(self) -> bool:
+        """It has exited (or failed to start): it forks no more."""
+        return self._down.is_set()
+
     def up(self) -> bool:
         return self.proc is not None and not self._down.is_set() and self.failure is None
 
@@ -420,7 +425,7 @@ class Zygotes:
                 replaced = "its provider's environment changed"
             elif current.failure:
                 pass  # not retried until its environment changes, it idles out, or the provider is stopped
-            elif current._down.is_set():
+            elif current.down:
                 replaced = "it exited"
             elif current.info:
                 replaced = current.stale()
@@ -444,7 +449,7 @@ class Zygotes:
     def _replace(self, slug: str, why: str) -> None:
         old = self._current.pop(slug)
         log.info("%s: retiring zygote %s: %s", slug, old.pid, why)
-        if old.transcript is not None and not old._down.is_set():
+        if old.transcript is not None and not old.down:
             old.transcript.note(f"retiring once its workers are gone: {why}")
         self._retiring.append(old)
 
@@ -459,7 +464,7 @@ class Zygotes:
         with self._lock:
             for slug, zygote in list(self._current.items()):
                 zygote.last_active = max(zygote.last_active, activity.get(slug, 0.0))
-                if zygote._down.is_set() and zygote.proc is not None and not zygote.failure:
+                if zygote.down and zygote.proc is not None and not zygote.failure:
                     self._ended[slug] = zygote.failure or f"zygote pid {zygote.pid} exited"
                     self._replace(slug, "it exited")
                     continue
