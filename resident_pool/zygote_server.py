@@ -32,6 +32,7 @@ import selectors
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -170,10 +171,11 @@ class Zygote:
                 return
         sys.modules[STAGED_MODULE] = sys.modules[__name__]
         threads = _threads()
+        named = [thread.name for thread in threading.enumerate() if thread is not threading.main_thread()]
         print(f"zygote {self.pid}: preloaded {', '.join(timings) or 'nothing'} in "
               f"{time.monotonic() - started:.2f} s" + (f", load stage {load_s:.2f} s" if load_s is not None else "")
-              + (f"; {threads} threads run here, and a fork copies only the calling one" if threads > 1 else ""),
-              flush=True)
+              + (f"; {threads} threads run here (Python's: {', '.join(named) or 'none'}; the rest native), and a "
+                 "fork copies only the calling one" if threads > 1 else ""), flush=True)
         self.send({"event": "ready", "pid": self.pid, "modules": timings, "load_s": load_s, "threads": threads,
                    "python": sys.executable, "paths": _path_stamps()})
 
