@@ -699,6 +699,139 @@ def case_memory(table: Table, env: Env, quick: bool) -> None:
     table.add("memory", "open fds growth (pool, worker)", growth, "", "0", fds_after == fds_before)
 
 
+# -- case 8: start cost with a zygote (a preloading fork server) --------------------------
+ZYGOTE_PRELOAD = 'preload = ["torch", "sentence_transformers"]\n'
+START_WAYS = {  # row name -> what the variant's [lifecycle] adds to minilm's
+    "plain spawn": "",
+    "zygote": ZYGOTE_PRELOAD,
+    "zygote + staged weights": ZYGOTE_PRELOAD + 'load = "load"\n',
+}
+
+
+def _minilm_variant(env: Env, slug: str, lifecycle: str, gpu: str = "") -> str:
+    """A copy of minilm under ``slug``, its [lifecycle] preload and load replaced by ``lifecycle``, two replicas."""
+    folder = env.manifests / slug
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(env.manifests / "minilm", folder)
+    lines = [line for line in (folder / "manifest.toml").read_text().splitlines(keepends=True)
+             if not line.startswith(("preload", "load", "max_replicas"))]
+    text = "".join(lines).replace('slug = "minilm"', f'slug = "{slug}"')
+    text = text.replace("[lifecycle]\n", f"[lifecycle]\nmax_replicas = 2\n{lifecycle}")
+    if gpu:
+        text = text.replace('policy = "none"', gpu)
+    (folder / "manifest.toml").write_text(text)
+    return slug
+
+
+def _kill_worker(pool, slug: str, replica: int = 0) -> None:
+    """SIGKILL one worker of ``slug`` and wait until the pool has seen it go."""
+    def workers():
+        return [w for w in pool.status()["workers"] if w["slug"] == slug and w["replica"] == replica]
+
+    (worker,) = workers()
+    os.kill(worker["pid"], 9)
+    deadline = time.monotonic() + 30
+    while workers() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _timed_once(call: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+def case_start_cost_zygote(table: Table, env: Env, quick: bool) -> None:
+    """A new minilm worker's request to first answer: plain spawn against a fork of a zygote that preloaded
+    torch and sentence-transformers, and one that also staged the weights; interleaved, same run."""
+    from resident_pool import Pool
+
+    payload = {"inputs": sequences(8, residues=200)}
+    slugs = {name: _minilm_variant(env, f"minilm-start-{n}", extra) for n, (name, extra) in
+             enumerate(START_WAYS.items())}
+    rounds = 2 if quick else 5
+    first: dict[str, float] = {}
+    restart: dict[str, list[float]] = {name: [] for name in slugs}
+    second: dict[str, list[float]] = {name: [] for name in slugs}
+    pool = Pool()
+    for name, slug in slugs.items():  # the provider's first worker; a zygote variant starts its zygote too
+        first[name] = _timed_once(lambda slug=slug: pool.predict(slug, payload))
+    for _ in range(rounds):
+        for name, slug in slugs.items():
+            _kill_worker(pool, slug)
+            restart[name].append(_timed_once(lambda slug=slug: pool.predict(slug, payload)))
+        for name, slug in slugs.items():
+            with Pool() as other, pool.session(slug):  # replica 0 held: the request needs replica 1
+                second[name].append(_timed_once(lambda other=other, slug=slug: other.predict(slug, payload)))
+            _kill_worker(pool, slug, replica=1)
+    state = pool.status()
+    zygotes = {z["slug"]: z for z in state["zygotes"]}
+    for slug in slugs.values():
+        pool.stop(slug)
+    pool.close()
+
+    case = "start cost (minilm)"
+    base_restart, base_second = statistics.median(restart["plain spawn"]), statistics.median(second["plain spawn"])
+    for name in slugs:
+        table.add(case, f"{name}: provider's first worker", first[name], "s", "", None,
+                  note="includes the zygote's own start" if name != "plain spawn" else "the baseline's first")
+    for label, samples, base in (("restart after SIGKILL", restart, base_restart),
+                                 ("second replica", second, base_second)):
+        table.add(case, f"plain spawn: {label}, request to first answer", base, "s", "", None,
+                  note=f"median of {rounds}")
+        for name in ("zygote", "zygote + staged weights"):
+            value = statistics.median(samples[name])
+            ratio = value / base
+            target, met = ("<= 0.15", ratio <= 0.15) if name == "zygote" else ("beside it (0.05 hoped)", None)
+            table.add(case, f"{name}: {label}, request to first answer", value, "s", "", None,
+                      note=f"median of {rounds}")
+            table.add(case, f"{name} / plain spawn: {label}", ratio, "x", target, met)
+    for name, slug in slugs.items():
+        zygote = zygotes.get(slug)
+        if zygote:
+            imports = sum((zygote["modules_s"] or {}).values())
+            staged = f"load stage {zygote['load_s']} s; " if zygote["load_s"] is not None else ""
+            table.add(case, f"{name}: the zygote's preload", imports, "s", "", None,
+                      note=f"{staged}{zygote['threads']} thread(s) when ready")
+
+
+def case_admission_start_zygote(table: Table, env: Env, quick: bool) -> None:
+    """Contended admission with a start cost: minilm evicted to make room for another worker, then asked
+    for again (evicting that one), with and without its zygote; request to first answer of its return."""
+    from resident_pool import Pool
+
+    os.environ["RESIDENT_POOL_GPU_CAPACITY_GB"] = "10"
+    os.environ["RESIDENT_POOL_GPU_HEADROOM_GB"] = "0"
+    restart_pool()  # the pool reads the declared capacity at start
+    gpu = 'policy = "required"\nvram_budget_gb = 6'
+    slugs = {name: _minilm_variant(env, f"minilm-evict-{n}", extra, gpu=gpu)
+             for n, (name, extra) in enumerate(START_WAYS.items())}
+    _echo_providers(env, {"rival-6": 6}, declare_budgets=True)
+    payload = {"inputs": sequences(8, residues=200)}
+    rounds = 2 if quick else 4
+    back: dict[str, list[float]] = {name: [] for name in slugs}
+    with Pool() as pool:
+        for name, slug in slugs.items():
+            pool.predict(slug, payload)
+            for _ in range(rounds):
+                pool.predict("rival-6", {})  # the rival needs the room: minilm is evicted
+                back[name].append(_timed_once(lambda slug=slug: pool.predict(slug, payload)))  # evicts the rival
+            pool.stop(slug)
+        pool.stop("rival-6")
+    os.environ.pop("RESIDENT_POOL_GPU_CAPACITY_GB", None)
+    restart_pool()
+    case = "admission with start cost"
+    base = statistics.median(back["plain spawn"])
+    table.add(case, "minilm evicted, then asked again: plain spawn", base, "s", "", None,
+              note=f"median of {rounds}; includes stopping the rival")
+    for name in ("zygote", "zygote + staged weights"):
+        value = statistics.median(back[name])
+        table.add(case, f"minilm evicted, then asked again: {name}", value, "s", "", None,
+                  note=f"median of {rounds}; its zygote stayed warm through the eviction")
+        target, met = ("<= 0.15", value / base <= 0.15) if name == "zygote" else ("beside it", None)
+        table.add(case, f"{name} / plain spawn after an eviction", value / base, "x", target, met)
+
+
 CASES = {
     "call_path": case_call_path,
     "real_model": case_real_model,
@@ -706,6 +839,8 @@ CASES = {
     "admission": case_admission,
     "campaign": case_campaign,
     "campaign_scale": case_campaign_scale,
+    "start_cost_zygote": case_start_cost_zygote,
+    "admission_start_zygote": case_admission_start_zygote,
 }
 FULL_ONLY = {"campaign_scale"}  # `make bench-full`; `make bench` stays near 10 minutes without them
 

@@ -149,6 +149,7 @@ class _Ticket:
     slug: str
     replica: int
     budget_gb: float
+    device: int | None = None  # placed on this device only
     arrived: float = field(default_factory=time.monotonic)
     wall: float = field(default_factory=time.time)
 
@@ -179,8 +180,11 @@ class Admission:
         self._queue: list[_Ticket] = []
 
     # -- what the supervisor calls ------------------------------------------
-    def admit(self, worker, timeout_s: float | None = None) -> Mapping[str, str]:
-        """Block until ``worker``'s budget fits on a device; return its CUDA_VISIBLE_DEVICES."""
+    def admit(self, worker, timeout_s: float | None = None, device: int | None = None) -> Mapping[str, str]:
+        """Block until ``worker``'s budget fits on a device; return its CUDA_VISIBLE_DEVICES.
+
+        ``device``: only that one (a hibernated worker's memory goes back where it was).
+        """
         budget = float(worker.vram_budget_gb)
         timeout_s = timeout_s if timeout_s is not None else _admission_timeout(worker)
         devices, source = self.devices()
@@ -198,7 +202,7 @@ class Admission:
                 "vram_budget_gb or run it on a larger GPU",
                 slug=worker.slug, details={"budget_gb": budget, "largest_gb": largest},
             )
-        ticket = _Ticket(worker.slug, worker.replica, budget)
+        ticket = _Ticket(worker.slug, worker.replica, budget, device)
         deadline = ticket.arrived + timeout_s
         last_report = 0.0
         with self._cv:
@@ -258,6 +262,8 @@ class Admission:
             held = _held(entries)
             fits = []
             for device in devices:
+                if ticket.device is not None and device.index != ticket.device:
+                    continue
                 room = device.total_gb - self.headroom_gb - held.get(device.index, 0.0)
                 if device.free_gb is not None:
                     room = min(room, device.free_gb - self.headroom_gb)

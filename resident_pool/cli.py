@@ -182,8 +182,35 @@ def status(
         console.print(f"[red]breaker[/] {slug}: {'open' if breaker['open'] else 'closed'} "
                       f"({breaker['failures']} failed starts, {breaker['refused']} refused): {safe(breaker['error'])}")
     for slug, provider in state.get("providers", {}).items():
+        for line in _provider_lines(slug, provider):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
         if provider.get("last_error"):
             console.print(f"last error of {slug}: {safe(provider['last_error'])}")
+
+
+def _provider_lines(slug: str, provider: dict) -> list[str]:
+    """How the provider's workers start, what eviction does to them, and its JIT cache, one line each."""
+    lines = []
+    start = provider.get("start") or {}
+    zygote = start.get("zygote")
+    if start.get("way") == "zygote" and zygote and zygote.get("pid"):
+        preload = sum((zygote.get("modules_s") or {}).values())
+        load = f", load stage {zygote['load_s']:g} s" if zygote.get("load_s") is not None else ""
+        lines.append(f"{slug}: workers forked from zygote pid {zygote['pid']} (preload {preload:.1f} s{load}; "
+                     f"{zygote['forks']} fork(s), {zygote['workers']} alive)")
+    elif start.get("way") == "zygote":
+        lines.append(f"{slug}: workers forked from a zygote (none running now; the next start starts one)")
+    elif start.get("way") == "spawn" and start.get("why") != "no [lifecycle] preload":
+        lines.append(f"{slug}: workers spawned: {start['why']}")
+    eviction = provider.get("eviction") or {}
+    if eviction.get("evict") == "hibernate":
+        said = eviction.get("unavailable") or eviction.get("last")
+        lines.append(f"{slug}: evicted workers hibernate" + (f" ({said})" if said else ""))
+    cache = provider.get("jit_cache")
+    if cache:
+        lines.append(f"{slug}: JIT cache {cache['bytes'] / 2**20:.1f} MiB in {cache['root']} "
+                     f"({len(cache['keys'])} stack key(s))")
+    return lines
 
 
 @app.command()
@@ -246,6 +273,44 @@ def logs(
     typer.echo(f"==> {newest} <==")
     for line in read_tail(newest, tail):
         typer.echo(_CONTROL.sub("", line))
+
+
+cache_app = typer.Typer(help="The kits' JIT caches: one folder per provider and stack key.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("prune")
+def cache_prune(
+    older_than: Annotated[float, typer.Option(
+        "--older-than", help="Days a superseded stack key is kept after its last use (0: remove them all now).",
+    )] = 7.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would go; remove nothing.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print what was removed and kept as JSON.")] = False,
+) -> None:
+    """Remove JIT cache folders no start uses: each provider's newest stack key is always kept.
+
+    Only the pool's own root (under $XDG_CACHE_HOME/resident-pool/jit) is pruned; a root you named
+    ([kit] jit_root, $MODEL_OPT_JIT_ROOT) is yours.
+    """
+    from . import jit_cache
+
+    if older_than < 0:
+        raise typer.BadParameter("--older-than takes a number of days, 0 or more")
+    base = jit_cache.default_base(os.environ)
+    removed, kept = jit_cache.prune(base, older_than * 86400, dry_run=dry_run)
+    if as_json:
+        typer.echo(json.dumps({"base": str(base), "dry_run": dry_run, "removed": removed, "kept": kept}, indent=2))
+        return
+    verb = "would remove" if dry_run else "removed"
+    for folder in removed:
+        console.print(f"{verb} {folder['path']} ({folder['bytes'] / 2**20:.1f} MiB)", highlight=False, markup=False)
+    if not removed:
+        console.print(f"nothing to remove under {base}", highlight=False, markup=False)
+    for folder in kept:
+        console.print(f"kept {folder['provider']}/{folder['key']} ({folder['bytes'] / 2**20:.1f} MiB)",
+                      highlight=False, markup=False)
+    freed = sum(folder["bytes"] for folder in removed) / 2**20
+    console.print(f"{len(removed)} folder(s), {freed:.1f} MiB {verb}", highlight=False, markup=False)
 
 
 def main() -> None:

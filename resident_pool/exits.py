@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 
-__all__ = ["EXIT_HINTS", "REFUSAL_CODES", "describe_exit", "exit_hint"]
+__all__ = ["EXIT_HINTS", "LOST_EXIT", "REFUSAL_CODES", "describe_exit", "exit_hint"]
 
 EXIT_HINTS: dict[int, str] = {
     0: "clean exit",
@@ -20,6 +20,11 @@ EXIT_HINTS: dict[int, str] = {
         "required is not the route that loaded; its KERNELS line names it"
     ),
 }
+
+# Not an exit status (those are 0-255, or a negative signal): a forked worker ended after its
+# zygote, the only process that could reap it and read its status, had died.
+LOST_EXIT = 256
+EXIT_HINTS[LOST_EXIT] = "exit status lost: the zygote that forked this worker died before it, and only it could read it"
 
 # Codes that mean "do not try again until something changes": a refusal and
 # an absent accelerator are properties of the install, not of the request.
@@ -56,6 +61,8 @@ def describe_exit(rc: int | None) -> str:
     """``exit code 3 (refusal: ...)``, ``killed by SIGKILL: ...``, or the bare code."""
     if rc is None:
         return "exit code unknown"
+    if rc == LOST_EXIT:
+        return EXIT_HINTS[LOST_EXIT]
     hint = exit_hint(rc)
     if rc < 0:
         return hint or f"killed by signal {-rc}"

@@ -9,12 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import jit_cache
 from .errors import KitUnavailable
 from .exits import exit_hint
 from .manifest import Kit, Manifest
 from .procs import child_env
 
-__all__ = ["PROBE_PATH", "KitRow", "apply_row", "jit_root", "kit_env", "run_probe", "stray_variables"]
+__all__ = ["PROBE_PATH", "KitRow", "apply_row", "jit_root", "jit_root_is_default", "kit_env", "run_probe",
+           "stray_variables"]
 
 PROBE_PATH = str(Path(__file__).with_name("kit_probe.py"))
 PROBE_TIMEOUT_S = 300.0
@@ -60,8 +62,12 @@ def jit_root(manifest: Manifest, environ: Mapping[str, str]) -> Path:
         return Path(manifest.kit.jit_root).expanduser()
     if environ.get("MODEL_OPT_JIT_ROOT"):
         return Path(environ["MODEL_OPT_JIT_ROOT"])
-    base = environ.get("XDG_CACHE_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".cache")
-    return Path(base) / "resident-pool" / "jit" / manifest.slug
+    return jit_cache.default_root(manifest.slug, environ)
+
+
+def jit_root_is_default(manifest: Manifest, environ: Mapping[str, str]) -> bool:
+    """Whether the JIT root is the pool's own (one folder per stack key inside), not one the user named."""
+    return manifest.kit is not None and not manifest.kit.jit_root and not environ.get("MODEL_OPT_JIT_ROOT")
 
 
 def _declared(kit: Kit) -> set[str]:

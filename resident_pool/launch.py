@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from . import jit_cache, paths
 from . import kit as kits
-from . import paths
 from .errors import ManifestError
 from .exec_env import Bind, container_name, engine_controls, interpreter, passthrough_env, wrap
-from .kit import KitRow, apply_row, jit_root, kit_env, run_probe
+from .kit import KitRow, apply_row, jit_root, jit_root_is_default, kit_env, run_probe
 from .manifest import Manifest, VenvEnv
 from .settings import settings
 from .supervisor import Admitter, BuildCommand, ResidentWorker
@@ -250,6 +250,9 @@ class LaunchPlan:
     def with_kit(self, row: KitRow) -> LaunchPlan:
         """The plan with the kit's row applied under the start rules (KitUnavailable names the rule broken)."""
         argv, env = apply_row(self.manifest, row, self.python, self._script_argv(row.model_opt or ""), self.env)
+        if self.jit_root is not None and row.jit_cache_key and jit_root_is_default(self.manifest, self.environ):
+            # Kept per provider and stack key: a kit upgrade starts a fresh cache beside the old one.
+            env["MODEL_OPT_JIT_ROOT"] = str(jit_cache.stack_folder(self.jit_root, row.jit_cache_key))
         return replace(self, row=row, argv=tuple(argv), env=env)
 
     def command(self) -> tuple[list[str], dict[str, str | None]]:

@@ -131,6 +131,39 @@ class Lifecycle(_Strict):
         "before its worker is stopped and the GPU given back.")
     ping_interval_s: float = Field(
         30.0, gt=0, description="How often the pool pings an idle worker; one that does not answer is stopped.")
+    preload: list[str] | None = Field(
+        None, description="Modules a zygote (a fork server started as the worker would be) imports once; each "
+        "new worker is forked from it, so its imports are paid once per host. Absent: every worker is spawned. "
+        "Nothing here may initialize CUDA.")
+    load: str | None = Field(
+        None, description="A function of the worker script that the zygote calls with the weights root after "
+        "its preload (weights into host memory, shared copy-on-write by every fork; CPU only, no torch operation "
+        "that starts a thread pool); the worker finds its result with worker_base.staged().")
+    evict: Literal["stop", "hibernate"] = Field(
+        "stop", description='What admission does to this idle worker to make room: "stop" it, or "hibernate" it '
+        "(device memory checkpointed to host memory through the CUDA checkpoint API, driver 570+, the process "
+        "kept; its next lease restores it). Where the API is absent or fails, it is stopped.")
+
+    @field_validator("preload")
+    @classmethod
+    def _modules(cls, values: list[str] | None) -> list[str] | None:
+        for value in values or ():
+            if not all(part.isidentifier() for part in value.split(".")):
+                raise ValueError(f"{value!r} is not a module name (dotted identifiers)")
+        return values
+
+    @field_validator("load")
+    @classmethod
+    def _function(cls, value: str | None) -> str | None:
+        if value is not None and not value.isidentifier():
+            raise ValueError(f"{value!r} is not a function name of the worker script")
+        return value
+
+    @model_validator(mode="after")
+    def _load_needs_a_zygote(self) -> Lifecycle:
+        if self.load is not None and self.preload is None:
+            raise ValueError("load runs in the zygote, which preload turns on; add preload = [...] (it may be empty)")
+        return self
 
 
 class WeightFile(_Strict):

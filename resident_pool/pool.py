@@ -36,7 +36,9 @@ from .errors import (
     error_from_dict,
 )
 from .exits import REFUSAL_CODES, describe_exit
-from .kit import stray_variables
+from .hibernate import CheckpointError, CudaCheckpoint, Hibernator
+from .jit_cache import JitSizes
+from .kit import jit_root, stray_variables
 from .launch import command_builder
 from .manifest import SLUG, Manifest, load_manifest
 from .protocol import ProtocolError, bind_unix, recv_line, send_line
@@ -45,6 +47,7 @@ from .settings import settings
 from .states import ReplicaState
 from .version import __version__
 from .worker_process import DEATH_WAIT_S, HEARTBEAT_INTERVAL_S, Launch, WorkerProcess
+from .zygote import Zygotes
 
 __all__ = ["CONTROL_LINE_BYTES", "PoolServer"]
 
@@ -143,6 +146,9 @@ class PoolServer:
                                    holder_of=self._holder_of)
         self.providers: dict[str, _Provider] = {}
         self.leases: dict[int, Lease] = {}
+        self.zygotes = Zygotes()  # fork servers, one per provider environment that declares a preload
+        self.hibernator = Hibernator(CudaCheckpoint(config.libcuda))  # for [lifecycle] evict = "hibernate"
+        self.jit_sizes = JitSizes()
         # One lock for every record; each waiting acquire has its own condition on it, so a
         # release wakes the first in line alone (waking every waiter cost 64 thread switches
         # per release under load). ``changed`` wakes whoever waits for replicas to stop.
@@ -239,6 +245,7 @@ class PoolServer:
         def stop_everything() -> None:
             try:
                 self.stop(None, now=now, why=f"the pool is stopping ({why})")
+                self.zygotes.stop_all()
             finally:
                 self.finished.set()
 
@@ -462,42 +469,54 @@ class PoolServer:
             if replica.state is ReplicaState.READY:
                 replica.transition(ReplicaState.LEASED, "leased")
                 return replica, False
+        for replica in sorted(current, key=lambda r: r.index):
+            if replica.state is ReplicaState.HIBERNATED:  # a restore costs a copy back, not a start
+                replica.transition(ReplicaState.STARTING, "its lease restores it from hibernation")
+                return replica, True
         manifest = provider.manifest
         if sum(r.live for r in current) >= manifest.lifecycle.max_replicas:
             return None
         index = next(i for i in itertools.count() if i not in provider.replicas)
-        process = WorkerProcess(provider.slug, index, state_dir=self.state_dir,
-                                start_timeout_s=manifest.lifecycle.start_timeout_s)
+        process = self._new_process(provider.slug, index, manifest)
         budget = manifest.gpu.vram_budget_gb if manifest.gpu.policy != "none" else None
         replica = Replica(provider.slug, index, provider.version, process, budget, manifest)
         provider.replicas[index] = replica
         return replica, True
 
+    def _new_process(self, slug: str, index: int, manifest: Manifest) -> WorkerProcess:
+        return WorkerProcess(slug, index, state_dir=self.state_dir, start_timeout_s=manifest.lifecycle.start_timeout_s)
+
     def _start(self, provider: _Provider, replica: Replica, lease: Lease) -> None:
-        """Admit, spawn and wait for the replica this lease holds; a failure ends both."""
+        """Admit, then restore (a hibernated replica) or spawn (or fork) and wait for it; a failure ends both."""
         manifest = replica.manifest
         admitter = self._admitter(manifest)
         with self.lock:
-            provider.starts += 1
+            if replica.hibernation is None:
+                provider.starts += 1
         self._current.starting = replica  # admission's wait ends too when this start is called off
         try:
             env: dict[str, str | None] = {}
             if replica.vram_budget_gb and admitter is not None:
-                env = dict(admitter.admit(replica))
+                env = dict(self._admit(admitter, replica))
                 replica.admitter = admitter
             if replica.abort:
                 raise WorkerStartError(f"{provider.slug}: the start was called off: {replica.abort}",
                                        slug=provider.slug, reason="start_cancelled")
-            replica.process.device = env.get("CUDA_VISIBLE_DEVICES")
-            launch = Launch.of(command_builder(manifest)(replica.process))
-            if provider.strip_kit:  # stock without the kit: none of its variables, even under passthrough "*"
-                launch = replace(launch, env={**launch.env, **stray_variables(provider.strip_kit, os.environ, set())})
 
             def spawned(pid: int) -> None:
                 if replica.admitter is self.admission:
                     self.admission.started(replica)  # the ledger names the loading worker from now on
 
-            replica.process.start(launch, env, on_spawn=spawned, cancelled=lambda: replica.abort)
+            if self._restored(provider, replica):
+                spawned(replica.process.pid)
+            else:
+                replica.process.device = env.get("CUDA_VISIBLE_DEVICES")
+                launch = Launch.of(command_builder(manifest)(replica.process))
+                if provider.strip_kit:  # stock without the kit: none of its variables, even under passthrough "*"
+                    launch = replace(launch, env={**launch.env,
+                                                  **stray_variables(provider.strip_kit, os.environ, set())})
+                replica.process.start(launch, env, spawner=self.zygotes.spawner(manifest, launch), on_spawn=spawned,
+                                      cancelled=lambda: replica.abort)
         except Exception as exc:
             raise self._start_failed(provider, replica, lease, exc) from exc
         finally:
@@ -506,6 +525,33 @@ class PoolServer:
             provider.breaker.succeeded()
             replica.last_checked = time.monotonic()
             replica.transition(ReplicaState.LEASED, "started")
+
+    def _admit(self, admitter, replica: Replica):
+        if replica.hibernation is not None:  # its memory goes back to the device it left
+            return admitter.admit(replica, device=int(replica.hibernation.device))
+        return admitter.admit(replica)
+
+    def _restored(self, provider: _Provider, replica: Replica) -> bool:
+        """Restore a hibernated replica (admitted already); False when it is to start afresh instead."""
+        if replica.hibernation is None:
+            return False
+        replica.hibernation = None
+        try:
+            self.hibernator.restore(replica.process)
+            if replica.process.ping(timeout=LIVENESS_TIMEOUT_S) is None:
+                raise CheckpointError(f"it did not answer a ping within {LIVENESS_TIMEOUT_S:g} s of its restore")
+        except CheckpointError as exc:
+            why = f"{replica.name}: its restore from hibernation failed ({exc}); stopped, and a fresh worker started"
+            replica.process.note(why)
+            self.hibernator.noted(provider.slug, why)
+            replica.process.kill(grace_s=5.0)
+            with self.lock:
+                replica.last_error = provider.last_error = why
+                provider.starts += 1
+            replica.process = self._new_process(provider.slug, replica.index, replica.manifest)
+            return False
+        self.hibernator.noted(provider.slug, f"{replica.name} restored from hibernation")
+        return True
 
     def _start_failed(self, provider: _Provider, replica: Replica, lease: Lease, exc: Exception) -> ResidentPoolError:
         if replica.abort and self.draining:
@@ -668,14 +714,17 @@ class PoolServer:
     def _retire(self, provider: _Provider, replica: Replica, why: str, now: bool = False) -> None:
         """Mark ``replica`` to stop (the lock is held): at once if free, after its lease if held."""
         replica.retire = replica.retire or why
-        if replica.state is ReplicaState.READY or (now and replica.state in (ReplicaState.LEASED,
-                                                                               ReplicaState.DRAINING)):
+        if replica.state is ReplicaState.HIBERNATED:  # its CUDA is locked: it can only be ended, not asked
+            self._stop_later(provider, replica, why, now=True)
+        elif replica.state is ReplicaState.READY or (now and replica.state in (ReplicaState.LEASED,
+                                                                                 ReplicaState.DRAINING)):
             self._stop_later(provider, replica, why, now=now)
         elif replica.state is ReplicaState.LEASED and replica.lease is not None and replica.lease.connection:
             replica.transition(ReplicaState.DRAINING, f"{why}; its lease finishes first")
         elif replica.state is ReplicaState.STARTING and now:
             replica.abort = why  # its start thread stops the worker and fails the start
-        # STARTING: otherwise acted on when its lease ends; DRAINING: its drain ends in a stop.
+        # STARTING: otherwise acted on when its lease ends; DRAINING: its drain ends in a stop;
+        # HIBERNATING: once it is done.
 
     def _stop_later(self, provider: _Provider, replica: Replica, why: str, now: bool = False) -> None:
         """Move to STOPPING (the lock is held) and stop the process on a thread of its own."""
@@ -728,8 +777,35 @@ class PoolServer:
                 return False
             _, provider, replica = min(idle, key=lambda item: item[0])
             why = f"evicted (idle) to make room for a worker needing {needed_gb:g} GB"
-            replica.transition(ReplicaState.STOPPING, why)  # in the same hold: no client can lease it in between
+            hibernate = provider.manifest.lifecycle.evict == "hibernate"
+            # In the same hold it was chosen: no client can lease it in between.
+            replica.transition(ReplicaState.HIBERNATING if hibernate else ReplicaState.STOPPING, why)
+        if hibernate and self._hibernate(provider, replica, why):
+            return True
+        if hibernate:
+            with self.lock:
+                replica.transition(ReplicaState.STOPPING, why)
         self._stop_process(provider, replica, why)
+        return True
+
+    def _hibernate(self, provider: _Provider, replica: Replica, why: str) -> bool:
+        """Checkpoint a HIBERNATING replica's device memory and give its budget back; False: stop it instead."""
+        try:
+            hibernation = self.hibernator.hibernate(replica.process)
+        except CheckpointError as exc:
+            note = f"{replica.name} could not hibernate ({exc}); stopped instead"
+            replica.process.note(note)
+            self.hibernator.noted(provider.slug, note)
+            return False
+        self._release_budget(replica)
+        with self.lock:
+            replica.hibernation = hibernation
+            replica.transition(ReplicaState.HIBERNATED, why)
+            self.hibernator.noted(provider.slug, f"{replica.name} hibernated: {why}")
+            if replica.retire:  # a stop was asked for meanwhile
+                self._stop_later(provider, replica, replica.retire, now=True)
+            else:
+                self._wake(provider)
         return True
 
     def _client_gone(self) -> bool:
@@ -810,6 +886,8 @@ class PoolServer:
                 for replica in list(provider.replicas.values()):
                     if beat:  # a worker still loading its model counts on it too
                         replica.process.beat()
+                    if replica.state is ReplicaState.HIBERNATED:
+                        self._keep_hibernated(provider, replica, checks)
                     if replica.state in (ReplicaState.LEASED, ReplicaState.DRAINING):
                         rc = replica.process.poll()
                         if rc is not None:  # the OOM killer, between two requests of a session
@@ -837,9 +915,35 @@ class PoolServer:
                 self.quiet_since = now
         for action, args in checks:
             threading.Thread(target=action, args=args, daemon=True).start()
+        self._maintain_zygotes(now)
         if self.quiet_exit_s > 0 and now - self.quiet_since >= self.quiet_exit_s and not self.draining:
             log.info("no workers and no clients for %g s; exiting", self.quiet_exit_s)
             self.begin_stop("quiet")
+
+    def _keep_hibernated(self, provider: _Provider, replica: Replica, checks: list) -> None:
+        """Never pinged (its CUDA is locked: a ping that touched it would hang); still reaped, still retired
+        when idle (the lock is held)."""
+        rc = replica.process.poll()
+        timeout = provider.manifest.lifecycle.idle_timeout_s
+        if rc is not None:
+            why = f"{replica.name} exited while hibernated: {describe_exit(rc)}"
+            replica.transition(ReplicaState.STOPPING, why)
+            checks.append((self._forget, (provider, replica, why)))
+        elif 0 < timeout <= replica.idle_s():
+            self._stop_later(provider, replica, f"hibernated and idle for {replica.idle_s():.1f} s "
+                                                f"(idle_timeout_s = {timeout:g})", now=True)
+
+    def _maintain_zygotes(self, now: float) -> None:
+        """A zygote retires once no worker of its provider has been in use for the provider's idle timeout:
+        with the last worker retired for idleness, but not with one admission evicted."""
+        activity: dict[str, float] = {}
+        with self.lock:
+            timeouts = {slug: p.manifest.lifecycle.idle_timeout_s for slug, p in self.providers.items()}
+            for slug, provider in self.providers.items():
+                for replica in provider.replicas.values():
+                    used = replica.last_used if replica.state is ReplicaState.READY else now
+                    activity[slug] = max(activity.get(slug, 0.0), used)
+        self.zygotes.maintain(activity, timeouts, now)
 
     def _check_liveness(self, provider: _Provider, replica: Replica) -> None:
         """Alive means running AND answering: an idle worker that does not answer is stopped."""
@@ -864,6 +968,7 @@ class PoolServer:
         now = time.monotonic()
         workers, providers, breakers = [], {}, {}
         with self.lock:
+            kit_providers = [(slug, p.manifest) for slug, p in self.providers.items() if p.manifest.kit is not None]
             for slug, provider in sorted(self.providers.items()):
                 for index, replica in sorted(provider.replicas.items()):
                     process = replica.process
@@ -876,7 +981,8 @@ class PoolServer:
                         "idle_s": round(replica.idle_s(), 1), "uptime_s": _round(process.uptime_s()),
                         "transcript": process.transcript_path, "socket": process.socket_path,
                         "last_error": replica.last_error,
-                        "retiring": replica.retire,
+                        "retiring": replica.retire, "started_by": process.started_by,
+                        "hibernation": replica.hibernation.describe() if replica.hibernation else None,
                         "lease": None if lease is None else {"id": lease.id, "holder": lease.holder,
                                                              "age_s": round(now - lease.since, 1)},
                     })
@@ -885,12 +991,15 @@ class PoolServer:
                     breakers[slug] = snapshot
                 providers[slug] = {"version": provider.version, "manifest": str(provider.source),
                                    "starts": provider.starts, "last_error": provider.last_error,
-                                   "breaker": snapshot}
+                                   "breaker": snapshot, "start": self.zygotes.status(slug, provider.manifest),
+                                   "eviction": self.hibernator.status(slug, provider.manifest.lifecycle.evict)}
+        for slug, manifest in kit_providers:  # walked outside the lock, at most once a minute per root
+            providers[slug]["jit_cache"] = self.jit_sizes.report(jit_root(manifest, os.environ))
         return {"pool": {"pid": os.getpid(), "version": __version__, "socket": self.socket_path,
                          "manifests": str(self.manifests), "since": self.started, "ledger": str(self.ledger.path),
                          "draining": self.draining},
                 "workers": workers, "providers": providers, "waiting": self.waiting(), "breakers": breakers,
-                "ledger": self.ledger.entries()}
+                "ledger": self.ledger.entries(), "zygotes": self.zygotes.describe()}
 
     def stop(self, slug: str | None, now: bool = False, why: str = "stopped by `resident-pool stop`") -> list[str]:
         """Stop ``slug``'s replicas (every provider's when None): leased ones drain first, up to drain_grace_s."""
@@ -913,6 +1022,7 @@ class PoolServer:
                     replica.abort = replica.abort or late  # its start thread stops it and fails the start
             while any(r.state in (ReplicaState.STOPPING, ReplicaState.STARTING) for _, r in targets):
                 self.changed.wait(_TICK_S)
+        self.zygotes.retire(slug, why)
         return [replica.name for _, replica in targets]
 
 

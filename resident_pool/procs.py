@@ -8,12 +8,49 @@ import signal
 import subprocess
 import time
 from collections.abc import Mapping
+from typing import Protocol
 
-__all__ = ["child_env", "group_members", "pid_alive", "signal_group", "terminate_group", "wait_exit"]
+__all__ = [
+    "ForkRefused",
+    "ProcessHandle",
+    "Spawner",
+    "child_env",
+    "group_members",
+    "pid_alive",
+    "signal_group",
+    "terminate_group",
+    "wait_exit",
+]
 
 # After SIGKILL a process in uninterruptible sleep (stuck in a driver call) may never be
 # reapable; a stop must not hang the pool on it.
 KILL_WAIT_S = 10.0
+
+
+class ProcessHandle(Protocol):
+    """What a worker's owner uses of its process: ``subprocess.Popen``'s subset, so a spawned
+    worker (a Popen) and a forked one (``zygote.ForkedProcess``) are handled alike."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None:
+        """The return code once it ended (negative: killed by that signal), else None."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its return code; raises ``subprocess.TimeoutExpired`` when it runs past ``timeout``."""
+
+
+class ForkRefused(Exception):
+    """A fork server would not (or could not) fork this worker; the owner spawns it instead."""
+
+
+class Spawner(Protocol):
+    """Starts a worker by forking it from a process that already imported its stack."""
+
+    def fork(self, argv: list[str], env: Mapping[str, str], stdout_fd: int, cwd: str) -> ProcessHandle:
+        """The forked worker (a session of its own, ``env`` as its whole environment, its output on
+        ``stdout_fd``); raises ForkRefused when it cannot."""
 
 
 def child_env(extra_env: Mapping[str, str | None], environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -56,7 +93,7 @@ def signal_group(pgid: int, signum: int) -> bool:
     return True
 
 
-def wait_exit(proc: subprocess.Popen, timeout: float) -> int | None:
+def wait_exit(proc: ProcessHandle, timeout: float) -> int | None:
     """Reap ``proc`` within ``timeout`` seconds; its return code, or None if still running."""
     try:
         return proc.wait(timeout=max(0.0, timeout))
@@ -93,7 +130,7 @@ def _group_alive(pgid: int) -> bool:
     return bool(group_members(pgid))
 
 
-def terminate_group(proc: subprocess.Popen, grace_s: float = 5.0, kill_wait_s: float = KILL_WAIT_S) -> int | None:
+def terminate_group(proc: ProcessHandle, grace_s: float = 5.0, kill_wait_s: float = KILL_WAIT_S) -> int | None:
     """SIGTERM the worker's process group, wait, then SIGKILL what is left; its return code.
 
     The worker runs in a session of its own (``start_new_session``), so its

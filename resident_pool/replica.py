@@ -53,6 +53,7 @@ class Replica:
         self.last_error: str | None = None
         self.admitter: Any = None  # what admitted its budget, told when it is gone
         self.abort: str | None = None  # why a start in progress is called off (a stop --now, the pool stopping)
+        self.hibernation: Any = None  # a hibernate.Hibernation while its memory is checkpointed
 
     # Admission and the ledger know a worker by slug and replica number.
     @property
@@ -80,7 +81,8 @@ class Replica:
     def live(self) -> bool:
         """Started or starting, and not on its way out."""
         return self.state in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.LEASED,
-                              ReplicaState.DRAINING)
+                              ReplicaState.DRAINING, ReplicaState.HIBERNATING, ReplicaState.HIBERNATED)
 
     def idle_s(self) -> float:
-        return self.clock() - self.last_used if self.state is ReplicaState.READY else 0.0
+        idle = self.state in (ReplicaState.READY, ReplicaState.HIBERNATED)
+        return self.clock() - self.last_used if idle else 0.0

@@ -67,6 +67,8 @@ class Settings(BaseSettings):
                                      "(default $XDG_DATA_HOME/resident-pool/results)")
     max_record_bytes: int = Field(1024 * 1024, ge=1, description="a campaign input record longer than this fails "
                                   "alone as bad_input")
+    libcuda: str = Field("libcuda.so.1", description="the CUDA driver library whose checkpoint API hibernates "
+                         'workers ([lifecycle] evict = "hibernate"); tests point it at a fake')
     no_cublas_release: bool = Field(False, description="passed to workers: turns off the cuBLAS workspace release "
                                     "after each prediction")
     attach_min_bytes: int = Field(64 * 1024, ge=0, description="arrays and bytes of at least this size travel "

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .errors import RequestTimeout, WorkerRequestError
-from .procs import child_env
+from .procs import Spawner, child_env
 from .protocol import CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, ProtocolError, connect, recv_line, send_line
 from .states import WorkerState
 from .transcripts import read_tail, render_tail
@@ -61,7 +61,9 @@ class ResidentWorker:
         admitter: Admitter | None = None,
         state_dir: str | os.PathLike[str] | None = None,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        spawner: Spawner | None = None,
     ) -> None:
+        """``spawner``: a zygote to fork each start from (``zygote.Zygote``); None spawns every start."""
         self.slug = slug
         self.build_command = build_command
         self.start_timeout_s = start_timeout_s
@@ -74,6 +76,7 @@ class ResidentWorker:
         self.replica = replica
         self.admitter = admitter
         self.connect_timeout_s = connect_timeout_s
+        self.spawner = spawner
         self._state_dir = Path(state_dir) if state_dir else None
 
         self.state = WorkerState.STOPPED
@@ -171,7 +174,7 @@ class ResidentWorker:
             self._process.device = admission_env.get("CUDA_VISIBLE_DEVICES")
             self.starts += 1
             self._start_keeper()  # the heartbeat must stay fresh while the model loads, however long
-            self._process.start(Launch.of(self.build_command(self)), admission_env)
+            self._process.start(Launch.of(self.build_command(self)), admission_env, spawner=self.spawner)
         except BaseException as exc:
             self._keeper_stop.set()
             self._transition(WorkerState.FAILED, str(exc))

@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["load_arrays", "load_protocol", "release_cublas_workspaces", "serve"]
+__all__ = ["load_arrays", "load_protocol", "release_cublas_workspaces", "serve", "staged"]
 
 DEFAULT_ORPHAN_GRACE_S = 120.0
 DEFAULT_HEARTBEAT_STALE_S = 30.0
@@ -99,6 +99,16 @@ def load_arrays():
         sys.modules["resident_pool_arrays"] = module
         spec.loader.exec_module(module)
     return module
+
+
+def staged() -> Any:
+    """What the provider's load stage returned in the zygote this worker was forked from, else None.
+
+    None in a spawned worker, and in one forked from a zygote without a load stage: the
+    script then loads its weights itself. ``[lifecycle] load`` names the stage.
+    """
+    zygote = sys.modules.get("resident_pool_zygote")
+    return getattr(zygote, "staged", None)
 
 
 def release_cublas_workspaces() -> int:

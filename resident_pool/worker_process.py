@@ -20,7 +20,7 @@ from typing import Any
 from . import paths
 from .errors import ResidentPoolError, SocketPathTooLong, WorkerRequestError, WorkerStartError
 from .exits import describe_exit, exit_hint
-from .procs import child_env, terminate_group, wait_exit
+from .procs import ForkRefused, ProcessHandle, Spawner, child_env, terminate_group, wait_exit
 from .protocol import (
     CONNECT_TIMEOUT_S,
     ProtocolError,
@@ -96,7 +96,8 @@ class WorkerProcess:
         self.heartbeat_path = self.run_dir / "heartbeat"
         self.device: str | None = None  # set by the owner from admission, before the command is built
         self.transcript: Transcript | None = None
-        self.proc: subprocess.Popen | None = None
+        self.proc: ProcessHandle | None = None  # a Popen, or a ForkedProcess when a zygote forked it
+        self.started_by: str | None = None  # "spawn", or "zygote <pid>"
         self.launch: Launch | None = None
         self.returncode: int | None = None
         self.started_at: float | None = None  # wall clock, for display
@@ -140,15 +141,18 @@ class WorkerProcess:
         launch: Launch,
         extra_env: Mapping[str, str | None] | None = None,
         *,
+        spawner: Spawner | None = None,
         on_spawn: Callable[[int], None] | None = None,
         cancelled: Callable[[], str | None] | None = None,
     ) -> dict[str, Any]:
-        """Spawn the worker and wait until it answers a ping; returns that first answer.
+        """Start the worker and wait until it answers a ping; returns that first answer.
 
-        ``on_spawn(pid)`` runs as soon as the process exists (the ledger then names it, so a
-        pool that dies during a long model load leaves its budget held by the loading worker,
-        not by a dead pid). ``cancelled()`` returning a reason ends the wait: the worker is
-        stopped and the start fails with ``start_cancelled``.
+        With a ``spawner`` (a zygote) the worker is forked from it; where it refuses, the
+        worker is spawned as usual and the transcript says why. ``on_spawn(pid)`` runs as
+        soon as the process exists (the ledger then names it, so a pool that dies during a
+        long model load leaves its budget held by the loading worker, not by a dead pid).
+        ``cancelled()`` returning a reason ends the wait: the worker is stopped and the start
+        fails with ``start_cancelled``.
         """
         if self.proc is not None:
             raise RuntimeError(f"{self.slug}[{self.replica}]: a WorkerProcess starts once; make a new one")
@@ -165,6 +169,15 @@ class WorkerProcess:
                 f"{self.slug}: cannot open the transcript under {where}: {exc.strerror}; set RESIDENT_POOL_LOG_DIR "
                 "to a writable directory with free space", slug=self.slug) from exc
         env = child_env({**env_for(self), **launch.env, **(extra_env or {})})
+        if spawner is not None:
+            try:
+                self.proc = spawner.fork(launch.argv, env, self.transcript.fileno(), os.getcwd())
+            except ForkRefused as exc:
+                self.note(f"not forked from a zygote: {exc}; spawning it instead")
+            else:
+                self.started_by = f"zygote {getattr(spawner, 'pid', '?')}"
+                return self._started(launch, f"forked pid {self.proc.pid} from zygote {getattr(spawner, 'pid', '?')}",
+                                     on_spawn, cancelled)
         try:
             self.proc = subprocess.Popen(
                 launch.argv,
@@ -182,9 +195,14 @@ class WorkerProcess:
             headline = (f"{self.slug}: cannot execute {launch.argv[0]}: {exc.strerror}; check the provider's "
                         f"interpreter and worker script (transcript {self.transcript_path})")
             raise WorkerStartError(headline, slug=self.slug, transcript=self.transcript_path) from exc
+        self.started_by = "spawn"
+        return self._started(launch, f"started pid {self.proc.pid}", on_spawn, cancelled)
+
+    def _started(self, launch: Launch, how: str, on_spawn: Callable[[int], None] | None,
+                 cancelled: Callable[[], str | None] | None) -> dict[str, Any]:
         self.started_at = time.time()
         self._started_mono = time.monotonic()
-        self.note(f"started pid {self.proc.pid}: {' '.join(launch.argv)}")
+        self.note(f"{how}: {' '.join(launch.argv)}")
         if on_spawn is not None:
             on_spawn(self.proc.pid)
         return self._wait_ready(cancelled)

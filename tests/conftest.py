@@ -2,11 +2,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import tempfile
 import uuid
 
 import pytest
-from helpers import LONG_LIVED, TAG_VARIABLE, describe_pids, stop_pool_in, tagged_processes, wait_until
+from helpers import LONG_LIVED, TAG_VARIABLE, TEST_WORKER, describe_pids, stop_pool_in, tagged_processes, wait_until
 
 # Every process the suite starts inherits this tag, so the leak check can
 # find them even after they were reparented.
@@ -63,20 +64,33 @@ def no_leaked_processes():
 
 
 @pytest.fixture
-def workers():
-    """Make ResidentWorkers that are closed when the test ends."""
+def way(request):
+    """How workers start: "spawn" (the default), or "zygote" (forked) in a test marked ``@both_ways``."""
+    return getattr(request, "param", "spawn")
+
+
+@pytest.fixture
+def workers(way):
+    """Make ResidentWorkers that are closed when the test ends; forked from a zygote when ``way`` says so."""
     from resident_pool import ResidentWorker
+    from resident_pool.zygote import Zygote
 
     made = []
+    zygote = Zygote("testworker", "tests", sys.executable, {}, str(TEST_WORKER), ["json", "ctypes"]) \
+        if way == "zygote" else None
 
     def make(slug="testworker", build_command=None, **kwargs):
-        worker = ResidentWorker(slug, build_command, **kwargs)
+        worker = ResidentWorker(slug, build_command, spawner=zygote, **kwargs)
         made.append(worker)
         return worker
 
     yield make
     for worker in made:
         worker.close()
+    if zygote is not None:
+        zygote.stop()
+        # Forked, every one: a silent fall back to spawning would make the zygote run prove nothing.
+        assert zygote.forks == sum(worker.starts for worker in made), zygote.failure
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from resident_pool.procs import pid_alive
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
@@ -21,6 +23,10 @@ TEST_WORKER = WORKERS / "testworker.py"
 TAG_VARIABLE = "RESIDENT_POOL_TEST_TAG"
 # Processes a wider-scoped fixture keeps across tests on purpose; the per-test leak check skips them.
 LONG_LIVED: set[int] = set()
+
+
+# Runs a test twice: its workers spawned, then forked from a zygote (the conftest's `way` fixture).
+both_ways = pytest.mark.parametrize("way", ["spawn", "zygote"], indirect=True)
 
 
 def wait_until(condition, timeout=10.0, interval=0.02, message="condition"):

@@ -49,3 +49,11 @@ def make_kit_venv(target: Path, *kits: str, checkout: bool = True) -> Path:
         if autoload.exists():
             shutil.copy(autoload, purelib / autoload.name)
     return python
+
+
+def lifecycle(way: str = "spawn", **settings) -> str:
+    """A ``[lifecycle]`` table with ``settings``; with way "zygote", a preload that makes the pool fork its workers."""
+    lines = [f"{name} = {value}" for name, value in settings.items()]
+    if way == "zygote":
+        lines.append('preload = ["json", "ctypes"]')
+    return "[lifecycle]\n" + "".join(f"{line}\n" for line in lines)

@@ -300,7 +300,7 @@ def test_a_kit_worker_in_a_container_is_probed_and_started_from_one_plan(tmp_pat
     assert pong["patched"] == "toykit_opt:fast"
     env = pong["env"]
     assert env["MODEL_OPT"] == str(python.parents[1] / "toykit_opt-checkout")
-    assert env["MODEL_OPT_JIT_ROOT"] == str(tmp_path / "cache" / "resident-pool" / "jit" / "toyc")
+    assert env["MODEL_OPT_JIT_ROOT"] == str(tmp_path / "cache" / "resident-pool" / "jit" / "toyc" / "toykit-1.0-cpu-py311")
     runs = [json.loads(line)["argv"] for line in (engines / "runs.jsonl").read_text().splitlines()]
     probe, start = runs  # the probe ran inside the container too, with the worker's variables and binds
     def valued(argv, *flags):

@@ -46,3 +46,18 @@ def test_the_table_gives_each_verdict_and_a_count():
     assert lines[1].split()[:2] == ["a", "pass"] and "ms 3" in lines[1]
     assert "FAIL" in lines[2] and "(why)" in lines[2]
     assert lines[-1] == "1 passed, 1 failed"
+
+
+def test_the_hibernate_row_needs_the_same_process_its_memory_back_and_a_faster_answer():
+    gib = 2**30
+    good = gpu_check.hibernate_verdict(cold_s=8.0, restore_s=1.2, same_pid=True, kept_bytes=2 * gib, held_bytes=2 * gib)
+    assert good.ok and good.figures["restore/cold"] == 0.15
+    assert not gpu_check.hibernate_verdict(8.0, 1.2, same_pid=False, kept_bytes=2 * gib, held_bytes=2 * gib).ok
+    assert not gpu_check.hibernate_verdict(8.0, 1.2, same_pid=True, kept_bytes=0, held_bytes=2 * gib).ok
+    assert not gpu_check.hibernate_verdict(8.0, 9.0, same_pid=True, kept_bytes=2 * gib, held_bytes=2 * gib).ok
+
+
+def test_a_check_that_could_not_run_here_is_a_skip_not_a_pass():
+    text = gpu_check.render([gpu_check.Check("a", True), gpu_check.Check("hibernate", False, {}, "not checked: "
+                                                                          "driver 550", skipped=True)])
+    assert text.splitlines()[2].split()[1] == "skip" and text.splitlines()[-1] == "1 passed, 0 failed, 1 skipped"

@@ -11,7 +11,7 @@ from providers import make_kit_venv, write_provider
 
 from resident_pool import KitUnavailable
 from resident_pool import kit as kit_module
-from resident_pool.kit import stray_variables
+from resident_pool.kit import KitRow, stray_variables
 from resident_pool.launch import LaunchPlan, build_worker_command, worker_for
 from resident_pool.manifest import load_manifest
 
@@ -139,7 +139,8 @@ def test_an_autoload_worker_runs_patched_with_model_opt_the_kit_tree(provider, k
     assert "TOYKIT_OPT_UNDECLARED" not in env
     assert env["MODEL_OPT_STACK_KEY"] == "toykit-1.0-cpu-py311"
     assert env["MODEL_OPT_LEVERS_OFF"] == "fusion,graphs"
-    assert env["MODEL_OPT_JIT_ROOT"].endswith(os.path.join("resident-pool", "jit", "toy"))
+    # One folder per provider and stack key: a kit upgrade starts a fresh cache beside the old one.
+    assert env["MODEL_OPT_JIT_ROOT"].endswith(os.path.join("resident-pool", "jit", "toy", "toykit-1.0-cpu-py311"))
     assert os.path.isdir(env["MODEL_OPT_JIT_ROOT"])
     assert env["TOY_FUSED_KERNELS"] == "1" and env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
@@ -254,3 +255,34 @@ def test_a_policing_refusal_in_the_probe_is_quoted_not_taken_for_a_missing_kit(p
 def test_stray_variables():
     environ = {"BOLTZ_OPT_MODE": "x", "BOLTZ_OPT_OLD": "y", "BOLTZ_OPTIONS": "z", "OTHER": "1"}
     assert stray_variables("boltz_opt", environ, {"BOLTZ_OPT_MODE"}) == {"BOLTZ_OPT_OLD": None}
+
+
+def test_each_stack_key_gets_its_own_jit_folder_under_the_default_root_and_the_old_one_stays(provider, tmp_path):
+    manifest = provider("upgraded", "toykit_opt", AUTOLOAD)
+    plan = LaunchPlan.resolve(manifest, "/tmp/unused.sock")
+    row = plan.probe()
+    before = plan.with_kit(row).env["MODEL_OPT_JIT_ROOT"]
+    upgraded = KitRow({**row.data, "jit_cache_key": "toykit-2.0-cpu-py311"})
+    after = plan.with_kit(upgraded).env["MODEL_OPT_JIT_ROOT"]
+    root = tmp_path / "cache" / "resident-pool" / "jit" / "upgraded"
+    assert (before, after) == (str(root / "toykit-1.0-cpu-py311"), str(root / "toykit-2.0-cpu-py311"))
+    assert os.path.isdir(before) and os.path.isdir(after)
+    odd = plan.with_kit(KitRow({**row.data, "jit_cache_key": "../../escape me"})).env["MODEL_OPT_JIT_ROOT"]
+    assert Path(odd).parent == root and Path(odd).name.startswith("key-")  # never a path out of the root
+
+
+def test_the_pool_reports_each_kit_providers_jit_cache_and_its_size(provider, tmp_path, monkeypatch):
+    from resident_pool import Pool
+
+    manifest = provider("sized", "toykit_opt", AUTOLOAD)
+    monkeypatch.setenv("RESIDENT_POOL_QUIET_EXIT_S", "120")
+    root = tmp_path / "cache" / "resident-pool" / "jit" / "sized"
+    with Pool(manifests=manifest.directory.parent) as pool:
+        try:
+            pool.predict("sized", {"x": 1})
+            (root / "toykit-1.0-cpu-py311" / "compiled.bin").write_bytes(b"k" * 100_000)
+            cache = pool.status()["providers"]["sized"]["jit_cache"]
+        finally:
+            pool.shutdown()
+    assert cache["root"] == str(root) and [k["key"] for k in cache["keys"]] == ["toykit-1.0-cpu-py311"]
+    assert cache["bytes"] >= 100_000

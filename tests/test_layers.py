@@ -13,21 +13,22 @@ PACKAGE = Path(resident_pool.__file__).parent
 
 # Bottom to top. A module may import only from its own layer or below.
 LAYERS = [
-    {"states", "exits", "protocol", "arrays", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden"},
+    {"states", "exits", "protocol", "arrays", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden",
+     "zygote_server"},
     {"errors"},
     {"settings", "inputs"},
     {"trust"},
-    {"paths", "transcripts", "manifest", "breaker", "replica"},
+    {"paths", "transcripts", "manifest", "breaker", "replica", "hibernate", "jit_cache"},
     {"worker_process", "weights", "exec_env", "admission", "results", "expected"},
     {"campaign"},
     {"supervisor", "kit", "client"},
     {"provenance"},
-    {"launch"},
+    {"launch", "zygote"},
     {"pool", "check"},
     {"cli", "prefect", "__init__", "__main__"},
 ]
 # Standard library only: loaded by path inside the model's own environment.
-STANDALONE = {"protocol", "arrays", "worker_base", "kit_probe", "env_probe"}
+STANDALONE = {"protocol", "arrays", "worker_base", "kit_probe", "env_probe", "zygote_server"}
 
 
 def _layer(module: str) -> int:

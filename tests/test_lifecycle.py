@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
-from providers import write_provider
+from helpers import both_ways, wait_until
+from providers import lifecycle, write_provider
 
 from resident_pool import Pool, WorkerRequestError
 from resident_pool.procs import pid_alive
@@ -63,15 +63,32 @@ def test_one_request_longer_than_a_short_idle_timeout_is_not_cut_off(pool_dir, r
     reliability_row('request longer than idle_timeout_s', '5 s on idle_timeout_s = 2: answered; no retirement decided')
 
 
-def test_an_idle_worker_is_still_retired_after_its_idle_timeout_of_two_seconds(pool_dir):
-    """idle_timeout_s = 2 so the retirement is seen within the test."""
-    write_provider(pool_dir, "slow", "[lifecycle]\nidle_timeout_s = 2\n")
+@both_ways
+def test_an_idle_worker_is_still_retired_after_its_idle_timeout_of_two_seconds(pool_dir, way):
+    """idle_timeout_s = 2 so the retirement is seen within the test; a zygote retires with its last worker."""
+    write_provider(pool_dir, "slow", lifecycle(way, idle_timeout_s=2))
     with Pool() as pool:
         pid = pool.predict("slow", {"action": "echo"})["pid"]
+        zygotes = [z["pid"] for z in pool.status()["zygotes"]]
         wait_until(lambda: not pid_alive(pid), timeout=15, message="the idle worker to retire")
         wait_until(lambda: not [w for w in pool.status()["workers"] if w["slug"] == "slow"], timeout=10,
                    message="the retired replica to leave the status")
         assert _transcript_has("slow", "idle for")
+        wait_until(lambda: not any(map(pid_alive, zygotes)) and not pool.status()["zygotes"], timeout=10,
+                   message="no zygote left after the idle timeout")
+    assert len(zygotes) == (way == "zygote")
+    _started(way, "slow")
+
+
+def _started(way: str, slug: str) -> None:
+    """Every worker of ``slug`` was forked from a zygote, or every one spawned, as ``way`` says."""
+    logs = Path(os.environ["RESIDENT_POOL_LOG_DIR"])
+    transcripts = [path.read_text(errors="replace") for path in logs.glob(f"{slug}-*.log")]
+    assert transcripts and all(("from zygote" in text) == (way == "zygote") for text in transcripts)
+
+
+def _way(way: str) -> str:
+    return " (forked from a zygote)" if way == "zygote" else ""
 
 
 def test_an_edited_manifest_is_served_by_a_new_worker_and_the_old_one_drains(pool_dir, reliability_row):
@@ -110,11 +127,12 @@ def test_a_lifecycle_only_edit_keeps_the_warm_worker(pool_dir, reliability_row):
     reliability_row('lifecycle-only manifest edit', 'same warm worker, same version')
 
 
-def test_a_request_past_a_one_second_request_timeout_names_slug_timeout_and_transcript(pool_dir, reliability_row):
+@both_ways
+def test_a_request_past_a_one_second_request_timeout_names_slug_timeout_and_transcript(pool_dir, reliability_row, way):
     """request_timeout_s = 1 so the timeout is reached within the test."""
     from resident_pool.errors import RequestTimeout
 
-    write_provider(pool_dir, "hung", "[lifecycle]\nrequest_timeout_s = 1\n")
+    write_provider(pool_dir, "hung", lifecycle(way, request_timeout_s=1))
     with Pool() as pool:
         with pytest.raises(RequestTimeout) as info:
             pool.predict("hung", {"action": "sleep", "seconds": 30})
@@ -124,7 +142,8 @@ def test_a_request_past_a_one_second_request_timeout_names_slug_timeout_and_tran
         assert "request_timeout_s = 1" in str(error) and error.transcript in str(error)
         assert Path(error.transcript).is_file()
         assert pool.predict("hung", {"action": "echo"})["echo"] is None  # a fresh worker serves the next
-    reliability_row('request past request_timeout_s', 'RequestTimeout naming slug, timeout, transcript; next served by a fresh worker')
+    _started(way, "hung")
+    reliability_row('request past request_timeout_s' + _way(way), 'RequestTimeout naming slug, timeout, transcript; next served by a fresh worker')
 
 
 KILLED_MID_REQUEST = textwrap.dedent(
@@ -154,8 +173,9 @@ def _transcript_has(slug: str, text: str) -> bool:
     return any(text in path.read_text(errors="replace") for path in logs.glob(f"{slug}-*.log"))
 
 
-def test_a_client_killed_mid_request_leaves_its_worker_draining_until_the_request_ends(pool_dir, tmp_path, reliability_row):
-    write_provider(pool_dir, "solo", "")
+@both_ways
+def test_a_client_killed_mid_request_leaves_its_worker_draining_until_the_request_ends(pool_dir, tmp_path, reliability_row, way):
+    write_provider(pool_dir, "solo", lifecycle(way))
     marker = tmp_path / "abandoned-finished"
     with Pool() as pool:
         pid = _abandon("solo", 4, marker)
@@ -163,7 +183,8 @@ def test_a_client_killed_mid_request_leaves_its_worker_draining_until_the_reques
         answer = pool.predict("solo", {"action": "echo"})  # waits for the worker to be free
         assert marker.exists()  # the abandoned request finished before this one was served
         assert answer["pid"] == pid and _state(pool, pid) == "ready"
-    reliability_row('client SIGKILL mid-request', 'worker shown draining; next client served once the abandoned request ended')
+    _started(way, "solo")
+    reliability_row('client SIGKILL mid-request' + _way(way), 'worker shown draining; next client served once the abandoned request ended')
 
 
 def test_an_abandoned_request_past_a_one_second_abandon_grace_stops_the_worker(pool_dir, tmp_path, reliability_row):
@@ -178,14 +199,15 @@ def test_an_abandoned_request_past_a_one_second_abandon_grace_stops_the_worker(p
     reliability_row('abandoned request past abandon_grace_s', 'worker stopped, GPU given back; next served by a new worker')
 
 
+@both_ways
 @pytest.mark.parametrize("option", ["--load-seconds 4", "--non-daemon-thread"])
 def test_a_pool_killed_while_its_worker_loads_or_holds_a_stray_thread_leaks_no_worker(
-        pool_dir, isolated_dirs, monkeypatch, option, reliability_row):
+        pool_dir, isolated_dirs, monkeypatch, option, reliability_row, way):
     """orphan_grace_s = 1 (and a 2 s heartbeat) so the orphaned worker retires within the test."""
     monkeypatch.setenv("RESIDENT_POOL_ORPHAN_GRACE_S", "1")
     monkeypatch.setenv("RESIDENT_POOL_HEARTBEAT_STALE_S", "2")
     write_provider(pool_dir, "loader", f'worker_args = ["{{socket}}", "{option.split()[0]}"'
-                   + (f', "{option.split()[1]}"' if " " in option else "") + "]\n")
+                   + (f', "{option.split()[1]}"' if " " in option else "") + "]\n" + lifecycle(way))
     client = subprocess.Popen([sys.executable, "-c", "from resident_pool import Pool; Pool().predict('loader', {})"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -199,7 +221,9 @@ def test_a_pool_killed_while_its_worker_loads_or_holds_a_stray_thread_leaks_no_w
         client.kill()
         client.wait()
     wait_until(lambda: not pid_alive(worker_pid), timeout=30, message="the orphaned worker to exit")
-    reliability_row(f"pool SIGKILL while its worker {'loads its model' if 'load' in option else 'runs a stray thread'}",
+    _started(way, "loader")
+    reliability_row(f"pool SIGKILL while its worker {'loads its model' if 'load' in option else 'runs a stray thread'}"
+                    + _way(way),
                     "the orphaned worker saw the heartbeat stop and exited")
 
 
@@ -269,19 +293,22 @@ def test_two_starts_in_the_same_second_write_two_transcripts(pool_dir, isolated_
     assert all(path.read_text().count("testworker pid") == 1 for path in transcripts)
 
 
-def test_a_keyboard_interrupt_exit_is_named_by_its_signal(pool_dir, reliability_row):
-    write_provider(pool_dir, "interrupted", "")
+@both_ways
+def test_a_keyboard_interrupt_exit_is_named_by_its_signal(pool_dir, reliability_row, way):
+    write_provider(pool_dir, "interrupted", lifecycle(way))
     with Pool() as pool, pytest.raises(WorkerRequestError) as info:
         pool.predict("interrupted", {"action": "interrupt"})
     assert info.value.reason == "worker_exiting"
     assert info.value.exit_code == -signal.SIGINT
     assert "exit code unknown" not in str(info.value) and "SIGINT" in str(info.value)
-    reliability_row('KeyboardInterrupt in a prediction', 'worker_exiting, killed by SIGINT named')
+    _started(way, "interrupted")
+    reliability_row('KeyboardInterrupt in a prediction' + _way(way), 'worker_exiting, killed by SIGINT named')
 
 
-def test_a_worker_that_stops_answering_is_stopped_by_a_one_second_liveness_ping(pool_dir, reliability_row):
+@both_ways
+def test_a_worker_that_stops_answering_is_stopped_by_a_one_second_liveness_ping(pool_dir, reliability_row, way):
     """ping_interval_s = 1 so the liveness check runs within the test."""
-    write_provider(pool_dir, "frozen", "[lifecycle]\nping_interval_s = 1\n")
+    write_provider(pool_dir, "frozen", lifecycle(way, ping_interval_s=1))
     with Pool() as pool:
         pid = pool.predict("frozen", {"action": "echo"})["pid"]
         os.kill(pid, signal.SIGSTOP)  # alive, but answering nothing
@@ -292,11 +319,14 @@ def test_a_worker_that_stops_answering_is_stopped_by_a_one_second_liveness_ping(
                 os.kill(pid, signal.SIGKILL)
         wait_until(lambda: "liveness" in (pool.status()["providers"]["frozen"]["last_error"] or ""), timeout=10,
                    message="the last error to be recorded")
-    reliability_row('idle worker stops answering (SIGSTOP)', 'stopped by the liveness ping; last error recorded')
+    assert _transcript_has("frozen", "killed by SIGKILL")  # the stop's escalation, reported as for a spawned one
+    _started(way, "frozen")
+    reliability_row('idle worker stops answering (SIGSTOP)' + _way(way), 'stopped by the liveness ping; last error recorded')
 
 
-def test_sigterm_to_the_pool_lets_a_leased_request_finish_then_stops_every_worker(pool_dir, isolated_dirs, reliability_row):
-    write_provider(pool_dir, "steady", "")
+@both_ways
+def test_sigterm_to_the_pool_lets_a_leased_request_finish_then_stops_every_worker(pool_dir, isolated_dirs, reliability_row, way):
+    write_provider(pool_dir, "steady", lifecycle(way))
     results = []
     with Pool() as pool:
         pid = pool.predict("steady", {"action": "echo"})["pid"]
@@ -310,7 +340,8 @@ def test_sigterm_to_the_pool_lets_a_leased_request_finish_then_stops_every_worke
     assert results and results[0]["slept"] == 3
     wait_until(lambda: not pid_alive(pool_pid), timeout=30, message="the pool to exit")
     assert not pid_alive(pid)
-    reliability_row('SIGTERM to the pool mid-request', 'the leased request finished; then every worker stopped and the pool exited')
+    _started(way, "steady")
+    reliability_row('SIGTERM to the pool mid-request' + _way(way), 'the leased request finished; then every worker stopped and the pool exited')
 
 
 def test_a_client_of_another_version_is_told_both_versions_and_the_fix(pool_dir, monkeypatch, reliability_row):

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
+from helpers import both_ways, wait_until
 from providers import write_provider
 
 from resident_pool import AdmissionRefused, AdmissionTimeout, Pool, StateDirError, WorkerStartError
@@ -60,15 +60,22 @@ def finish(proc, timeout=60):
     return json.loads(out)
 
 
-def test_a_second_process_is_served_by_the_worker_the_first_started(pool_dir):
+@both_ways
+def test_a_second_process_is_served_by_the_worker_the_first_started(pool_dir, way):
     copy_echo(pool_dir)
+    if way == "zygote":
+        manifest = pool_dir / "echo" / "manifest.toml"
+        manifest.write_text(manifest.read_text().replace("[lifecycle]\n", '[lifecycle]\npreload = ["json"]\n'))
     first = finish(run_client("echo", {"n": 1}))
     second = finish(run_client("echo", {"n": 2}))
     assert first["result"]["pid"] == second["result"]["pid"]
     assert pid_alive(first["result"]["pid"])  # it outlived the process that started it
     with Pool() as pool:
-        (worker,) = pool.status()["workers"]
+        state = pool.status()
+    (worker,) = state["workers"]
     assert worker["starts"] == 1 and worker["served"] == 2
+    assert worker["started_by"].split()[0] == way
+    assert state["providers"]["echo"]["start"]["way"] == way
 
 
 def test_budgets_never_oversubscribe_and_waiters_go_in_arrival_order_after_eviction(pool_dir, monkeypatch, tmp_path):

@@ -33,7 +33,7 @@ REFUSED = [(a, b) for a, b in itertools.product(ReplicaState, ReplicaState) if b
 def test_the_table_names_every_state_and_leaves_stopped_and_failed_final():
     assert set(REPLICA_EDGES) == set(ReplicaState)
     assert REPLICA_EDGES[ReplicaState.STOPPED] == frozenset() == REPLICA_EDGES[ReplicaState.FAILED]
-    assert len(ALLOWED) == 11 and len(ALLOWED) + len(REFUSED) == len(ReplicaState) ** 2
+    assert len(ALLOWED) == 16 and len(ALLOWED) + len(REFUSED) == len(ReplicaState) ** 2
 
 
 @pytest.mark.parametrize(("old", "new"), ALLOWED, ids=[f"{a}->{b}" for a, b in ALLOWED])

@@ -13,13 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TEST_WORKER, wait_until, worker_command
+from helpers import TEST_WORKER, both_ways, wait_until, worker_command
 
 from resident_pool import RequestTimeout, WorkerRequestError, WorkerStartError, child_env, exit_hint
 from resident_pool.procs import pid_alive
 from resident_pool.states import WorkerState
 
 
+@both_ways
 def test_first_request_starts_the_worker_and_later_ones_reuse_it(workers):
     worker = workers(build_command=worker_command())
     assert not worker.is_running()
@@ -41,6 +42,7 @@ def test_worker_base_runs_without_this_package_on_the_path(workers):
     assert worker.request({"action": "echo", "value": "x"})["echo"] == "x"
 
 
+@both_ways
 def test_child_env_removes_names_mapped_to_none_in_the_real_child(workers, monkeypatch):
     monkeypatch.setenv("SECRET_TOKEN", "do-not-pass")
     monkeypatch.setenv("KEEP_ME", "kept")
@@ -51,6 +53,7 @@ def test_child_env_removes_names_mapped_to_none_in_the_real_child(workers, monke
     assert env["KEEP_ME"] == "kept"
     assert env["RESIDENT_POOL_PROTOCOL"].endswith("protocol.py") and os.path.isabs(env["RESIDENT_POOL_PROTOCOL"])
     assert env["RESIDENT_POOL_WORKER_BASE"].endswith("worker_base.py")
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in env  # set for a zygote alone, never for its workers
 
 
 def test_child_env_function():
@@ -59,6 +62,7 @@ def test_child_env_function():
         child_env({"PORT": 8080}, {})
 
 
+@both_ways
 @pytest.mark.parametrize("code", [3, 5])
 def test_exit_before_bind_is_a_start_error_with_code_hint_and_transcript(workers, code):
     worker = workers(build_command=worker_command("--exit-before-bind", str(code)))
@@ -73,6 +77,7 @@ def test_exit_before_bind_is_a_start_error_with_code_hint_and_transcript(workers
     assert worker.state is WorkerState.FAILED
 
 
+@both_ways
 def test_start_timeout_terminates_the_child_and_names_the_transcript(workers):
     worker = workers(build_command=worker_command("--hang-at-start"), start_timeout_s=1.0)
     with pytest.raises(WorkerStartError, match="did not answer") as info:
@@ -82,6 +87,7 @@ def test_start_timeout_terminates_the_child_and_names_the_transcript(workers):
     assert not pid_alive(worker.pid)
 
 
+@both_ways
 def test_an_exception_fails_the_request_and_the_same_process_answers_next(workers):
     worker = workers(build_command=worker_command())
     pid = worker.request({"action": "echo"})["pid"]
@@ -93,6 +99,7 @@ def test_an_exception_fails_the_request_and_the_same_process_answers_next(worker
     assert worker.request({"action": "echo"})["pid"] == pid
 
 
+@both_ways
 @pytest.mark.parametrize(
     ("payload", "readable"),
     [({"action": "exit", "code": 5}, "5"),
@@ -115,6 +122,7 @@ def test_system_exit_or_refusal_in_a_prediction_is_worker_exiting(workers, paylo
     assert not pid_alive(pid)
 
 
+@both_ways
 @pytest.mark.parametrize(
     ("action", "named"),
     [({"action": "os_exit", "code": 7}, "exit code 7"),
@@ -134,6 +142,7 @@ def test_abrupt_death_mid_request_is_worker_died_and_the_next_request_restarts(w
     assert worker.starts == 2
 
 
+@both_ways
 def test_a_request_past_a_half_second_timeout_is_a_request_timeout_naming_slug_timeout_transcript(workers):
     worker = workers(build_command=worker_command(), request_timeout_s=0.5)
     pid = worker.request({"action": "echo"})["pid"]
@@ -147,6 +156,7 @@ def test_a_request_past_a_half_second_timeout_is_a_request_timeout_naming_slug_t
     assert worker.request({"action": "echo"})["pid"] != pid
 
 
+@both_ways
 def test_idle_worker_is_retired_and_a_busy_one_is_not(workers):
     worker = workers(build_command=worker_command(), idle_timeout_s=0.5)
     busy_pid = worker.request({"action": "sleep", "seconds": 1.5})["pid"]  # busy 3x the idle timeout
@@ -157,6 +167,7 @@ def test_idle_worker_is_retired_and_a_busy_one_is_not(workers):
     assert "retiring" in worker.transcript.read_text()
 
 
+@both_ways
 def test_stop_kills_a_worker_that_ignores_sigterm(workers):
     worker = workers(build_command=worker_command("--ignore-term"))
     pid = worker.request({"action": "echo"})["pid"]
@@ -180,6 +191,7 @@ def test_stop_kills_a_worker_that_ignores_sigterm(workers):
     assert not pid_alive(pid)
 
 
+@both_ways
 def test_stop_takes_the_workers_children_with_it(workers):
     worker = workers(build_command=worker_command())
     child = worker.request({"action": "spawn_child"})["child"]
@@ -195,7 +207,9 @@ SUPERVISOR_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from helpers import worker_command
     from resident_pool import ResidentWorker
-    worker = ResidentWorker("orphan", worker_command())
+    from resident_pool.zygote import Zygote
+    zygote = Zygote("orphan", "k", sys.executable, {{}}, {worker!r}, ["json"]) if {forked!r} else None
+    worker = ResidentWorker("orphan", worker_command(), spawner=zygote)
     worker.ensure_started()
     print(json.dumps({{"pid": worker.pid}}), flush=True)
     worker.request({{"action": "sleep", "seconds": 2.0, "marker": {marker!r}}})
@@ -203,12 +217,14 @@ SUPERVISOR_SCRIPT = textwrap.dedent(
 )
 
 
-def test_orphan_watchdog_lets_an_in_flight_prediction_finish_then_exits(tmp_path, monkeypatch):
+@both_ways
+def test_orphan_watchdog_lets_an_in_flight_prediction_finish_then_exits(tmp_path, monkeypatch, way):
     """A one-second grace and a two-second heartbeat, so the orphan retires within the test."""
     monkeypatch.setenv("RESIDENT_POOL_ORPHAN_GRACE_S", "1")
     monkeypatch.setenv("RESIDENT_POOL_HEARTBEAT_STALE_S", "2")
     marker = tmp_path / "finished"
-    script = SUPERVISOR_SCRIPT.format(tests=os.path.dirname(__file__), marker=str(marker))
+    script = SUPERVISOR_SCRIPT.format(tests=os.path.dirname(__file__), marker=str(marker), worker=str(TEST_WORKER),
+                                      forked=way == "zygote")
     with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as supervisor:
         try:
             worker_pid = json.loads(supervisor.stdout.readline())["pid"]
@@ -218,6 +234,7 @@ def test_orphan_watchdog_lets_an_in_flight_prediction_finish_then_exits(tmp_path
     wait_until(marker.exists, timeout=10, message="the in-flight prediction to finish")
     wait_until(lambda: not pid_alive(worker_pid), timeout=10, message="the orphaned worker to exit")
     assert "the pool is gone (heartbeat" in _transcript_text() and "exiting" in _transcript_text()
+    assert ("from zygote" in _transcript_text()) == (way == "zygote")
 
 
 def _transcript_text() -> str:

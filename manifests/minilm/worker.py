@@ -29,20 +29,32 @@ def load_worker_base():
     return module
 
 
+def load(weights_root):
+    """The load stage: the model read into host memory, on the CPU.
+
+    With ``[lifecycle] load = "load"`` the pool's zygote runs it once, before it forks, and
+    every worker shares the weights copy-on-write; otherwise the worker runs it itself.
+    """
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(weights_root, device="cpu")
+
+
 def main():
     socket_path, weights_root = sys.argv[1], sys.argv[2]
     worker_base = load_worker_base()
     started = time.monotonic()
     import numpy
     import torch
-    from sentence_transformers import SentenceTransformer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = SentenceTransformer(weights_root, device=device)
+    staged = worker_base.staged()
+    model = (staged if staged is not None else load(weights_root)).to(device)  # the to_device stage
     max_tokens = model.max_seq_length
     model.encode(["warm up"])  # the first pass allocates; pay it before the first request
     load_s = time.monotonic() - started
-    print(f"minilm: loaded from {weights_root} on {device} in {load_s:.1f} s", flush=True)
+    how = "staged in its zygote" if staged is not None else f"loaded from {weights_root}"
+    print(f"minilm: {how}, on {device}, ready in {load_s:.1f} s", flush=True)
 
     def on_predict(payload):
         inputs = payload.get("inputs") if isinstance(payload, dict) else None

@@ -116,6 +116,9 @@ def main():
     def ready():
         if "--ready-raises" in options:
             raise RuntimeError("ready() broke after the model loaded")
+        if os.environ.get("TESTWORKER_PING_DIR"):  # one line per ping answered, for tests that count them
+            with open(os.path.join(os.environ["TESTWORKER_PING_DIR"], f"{os.getpid()}.pings"), "a") as pings:
+                pings.write("ping\n")
         return {"releases": len(releases), "max_in_flight": state["max_in_flight"], "options": options}
 
     worker_base.serve(
