@@ -90,6 +90,8 @@ def deploy_all(work_pool: str, manifests: str | None = None, tags: list[str] | N
                 parameters["provider"] = provider
         if name == "validate":
             cron = validate_schedule
+            # Nightly means what CI means: the answer against the expected one, and against stock.
+            parameters.update({"smoke": True, "against_stock": True})
         remote = flow.from_source(source=str(ROOT), entrypoint=entrypoint)
         deployment = remote.to_deployment(name=name, parameters=parameters, cron=cron,
                                           paused=paused if cron else None, tags=tags or ["resident-pool"],

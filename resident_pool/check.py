@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import secrets
 import tempfile
 import time
 import xml.etree.ElementTree as ET
@@ -20,19 +21,21 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import expected
+from .admission import read_devices
 from .client import Pool
-from .errors import GoldenMismatch, KitUnavailable, ResidentPoolError
+from .errors import AdmissionRefused, GoldenMismatch, KitUnavailable, ResidentPoolError
 from .exec_env import interpreter
 from .golden import compare, summary
 from .kit import KitRow
 from .launch import check_weights, plan_launch
 from .manifest import Manifest, VenvEnv, load_manifest
-from .provenance import environment, gpu, host, own_version
+from .provenance import environment, gpu, gpu_name, host, own_version
+from .settings import settings
 from .weights import HashCache
 
 __all__ = ["DECLARED", "SmokeRun", "StepResult", "Variant", "check_providers", "junit_xml", "run_smoke"]
 
-STEPS = ("manifest", "interpreter", "weights", "kit", "smoke", "bless", "against-stock")
+STEPS = ("manifest", "interpreter", "weights", "gpu", "kit", "smoke", "bless", "against-stock")
 
 
 @dataclass
@@ -76,11 +79,9 @@ class Variant:
     def manifest(self, manifest: Manifest) -> Manifest:
         return manifest.variant(self.kit_mode, self.without_kit)
 
-    def wire(self) -> dict[str, Any] | None:
-        """How the pool is told which build to run (None: the provider as declared)."""
-        if self.name == DECLARED_NAME:
-            return None
-        return {"name": self.name, "kit_mode": self.kit_mode, "without_kit": self.without_kit}
+    def wire(self, run: str) -> dict[str, Any]:
+        """How the pool is told which build to run, as a variant of its own named for this check run."""
+        return {"name": f"{self.name}-{run}", "kit_mode": self.kit_mode, "without_kit": self.without_kit}
 
     def describe(self, manifest: Manifest) -> str:
         if manifest.kit is None:
@@ -90,7 +91,6 @@ class Variant:
         return f"kit mode {self.kit_mode or manifest.kit.mode}"
 
 
-DECLARED_NAME = "declared"
 DECLARED = Variant()
 
 
@@ -104,22 +104,28 @@ def stock_variant(manifest: Manifest, row: KitRow) -> Variant:
 class SmokeRun(NamedTuple):
     result: Any
     transcript: Path | None
+    lease: dict[str, Any]  # what answered: its kit as it said at start, its device, version and pid
 
 
 def run_smoke(manifest: Manifest, payload: Any, variant: Variant = DECLARED) -> SmokeRun:
-    """Answer ``payload`` through this host's pool, on ``manifest``'s provider built as ``variant``.
+    """Answer ``payload`` through this host's pool, on a fresh worker of ``manifest``'s provider as ``variant``.
 
     Through the pool, so a smoke run is admitted against the same GPU ledger as everything
     else: it waits for its budget, and a budget no device holds fails with AdmissionRefused.
-    A stock variant's worker is stopped after; the declared one stays warm like any other.
+    On a worker of its own (a variant named for this run, never the warm production one), started
+    now from what is installed now, and stopped after, whatever happened.
     """
+    name = f"{manifest.slug}~{variant.name}-{secrets.token_hex(3)}"
     with Pool(manifests=manifest.directory.parent) as pool:
-        with pool.session(manifest.slug, variant=variant.wire()) as session:
-            result = session.predict(payload)
-            transcript = Path(session.transcript) if session.transcript else None
-        if variant.wire() is not None:
-            pool.stop(f"{manifest.slug}~{variant.name}", now=True)
-    return SmokeRun(result, transcript)
+        try:
+            wire = variant.wire(name.rsplit("-", 1)[1])
+            with pool.session(manifest.slug, variant=wire) as session:
+                result = session.predict(payload)
+                transcript = Path(session.transcript) if session.transcript else None
+                lease = dict(session.lease)
+        finally:
+            pool.stop(name, now=True)
+    return SmokeRun(result, transcript, lease)
 
 
 def kit_says(transcript: Path | None, package: str) -> tuple[str | None, str]:
@@ -130,9 +136,42 @@ def kit_says(transcript: Path | None, package: str) -> tuple[str | None, str]:
     verdict, said = None, ""
     with open(transcript, encoding="utf-8", errors="replace") as handle:
         while line := handle.readline(64 * 1024):
+            line = _ANSI.sub("", line)  # a coloured line is still the kit's word
             if found := pattern.search(line):
                 verdict, said = found.group(1), line.strip()[:300]
     return verdict, said
+
+
+def _answered_by(lease: dict[str, Any]) -> str:
+    return (f"pid {lease.get('pid')} ({lease.get('slug')}, version {lease.get('version')}, "
+            f"device {lease.get('device') if lease.get('device') not in (None, '') else 'cpu'})")
+
+
+def _what_answered(lease: dict[str, Any]) -> dict[str, str]:
+    """Provenance from the worker that answered, over what the check's own probe saw: they differ when
+    the pool's environment differs from this command's."""
+    device = lease.get("device")
+    out = {"gpu.device": "cpu" if device in (None, "") else f"GPU {device}"}
+    if device not in (None, ""):
+        name = gpu_name(int(str(device).split(",")[0]))
+        if name:
+            out["gpu"] = name  # the card that answered, not every card on the host
+    for key, value in (lease.get("kit") or {}).items():
+        if value is not None:
+            out[f"kit.{key}"] = str(value)
+    return out
+
+
+def _refuse_varying(manifest: Manifest, first: SmokeRun, second: SmokeRun) -> None:
+    """A field that differs between the answers of two fresh workers cannot be expected: it must be ignored."""
+    varying = compare(first.result, second.result, expected.tolerance(manifest))
+    if varying:
+        fields = ", ".join(sorted({m.path for m in varying})[:10])
+        raise GoldenMismatch(
+            f"{manifest.slug}: two fresh workers answered the smoke payload differently, in {fields}; a "
+            f"golden answer cannot hold fields that vary: add them to [smoke] ignore in {manifest.path}, or "
+            "loosen the tolerance", slug=manifest.slug, reason="answer_varies",
+            details={"mismatches": [m.to_dict() for m in varying]})
 
 
 # -- provenance ----------------------------------------------------------------
@@ -176,6 +215,7 @@ def _against_stock(manifest: Manifest, declared: SmokeRun, row: KitRow, extras: 
     extras["stock.kit.mode"] = stock_how
     stock = run_smoke(manifest, manifest.smoke.payload, variant)
     extras["stock.transcript"] = str(stock.transcript)
+    extras["stock.worker"] = _answered_by(stock.lease)
     said, said_line = kit_says(declared.transcript, kit.package_name)
     stock_said, stock_line = kit_says(stock.transcript, kit.package_name)
     extras["stock.kit.active"] = stock_line or "no ACTIVE line"
@@ -223,8 +263,9 @@ def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = No
     results = [_run(slug, "manifest", manifest_step)]
     if not results[0].ok:
         last = ["bless"] if bless else ["smoke"] if smoke or against_stock else []
+        later = ["interpreter", "weights", "gpu", "kit", *last, *(["against-stock"] if against_stock else [])]
         results += [StepResult(slug, step, False, "skipped: the manifest is not valid", skipped=True)
-                    for step in ["interpreter", "weights", "kit", *last, *(["against-stock"] if against_stock else [])]]
+                    for step in later]
         return _stamp(results, provenance, {})
     manifest = holder["manifest"]
     python_holder: dict[str, str] = {}
@@ -255,7 +296,10 @@ def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = No
             detail += f"; jit_cache_key failed: {row.jit_cache_key_error}"
         return detail
 
-    steps = [("interpreter", interpreter_step), ("weights", weights_step), ("kit", kit_step)]
+    def gpu_step():
+        return _gpu_feasible(manifest)
+
+    steps = [("interpreter", interpreter_step), ("weights", weights_step), ("gpu", gpu_step), ("kit", kit_step)]
     failed = False
     for step, action in steps:
         if failed and step in ("kit", "smoke"):
@@ -268,6 +312,26 @@ def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = No
     extras = _answer_steps(manifest, python_holder.get("python"), holder.get("row"), results, provenance,
                            smoke=smoke, against_stock=against_stock, bless=bless, force=force)
     return _stamp(results, provenance, extras)
+
+
+def _gpu_feasible(manifest: Manifest) -> str:
+    """Whether this host can ever admit the provider: a budget no device holds fails every start."""
+    gpu_spec = manifest.gpu
+    if gpu_spec.policy == "none":
+        return "no GPU asked for"
+    devices, source = read_devices()
+    if not devices:
+        if gpu_spec.policy == "recommended":
+            return f"no GPU capacity known ({source}): it runs on the CPU here"
+        raise AdmissionRefused(f"{manifest.slug}: needs {gpu_spec.vram_budget_gb:g} GB of GPU memory but no GPU "
+                               f"capacity is known ({source})", slug=manifest.slug)
+    headroom = settings().gpu_headroom_gb
+    largest = max(d.total_gb for d in devices) - headroom
+    if gpu_spec.vram_budget_gb > largest:
+        raise AdmissionRefused(
+            f"{manifest.slug}: needs {gpu_spec.vram_budget_gb:g} GB but the largest device holds {largest:g} GB "
+            f"after {headroom:g} GB headroom ({source}); it can never be admitted here", slug=manifest.slug)
+    return f"{gpu_spec.vram_budget_gb:g} GB fits the largest device ({largest:g} GB after headroom, {source})"
 
 
 def _answer_steps(manifest: Manifest, python: str | None, row: KitRow | None, results: list[StepResult],
@@ -284,10 +348,12 @@ def _answer_steps(manifest: Manifest, python: str | None, row: KitRow | None, re
 
     def answer():
         run = runs["declared"] = run_smoke(manifest, manifest.smoke.payload)
-        extras[first] = {"smoke.transcript": str(run.transcript)}
+        extras[first] = {"smoke.transcript": str(run.transcript), "smoke.worker": _answered_by(run.lease)}
+        provenance.update(_what_answered(run.lease))
         if manifest.kit is not None:
             provenance["kit.active"] = kit_says(run.transcript, manifest.kit.package_name)[1] or "no ACTIVE line"
-        if bless:
+        if bless:  # a second start answers too: what differs between them varies, and cannot be expected
+            _refuse_varying(manifest, run, run_smoke(manifest, manifest.smoke.payload))
             return expected.bless(manifest, run.result, provenance, force=force)
         return expected.verdict(manifest, run.result, run.transcript)
 
@@ -329,11 +395,21 @@ def check_providers(directory: Path, slugs: Iterable[str] = (), smoke: bool = Fa
     return results
 
 
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+
+
+def _xml_text(text: str) -> str:
+    """XML 1.0 has no place for most control characters: a coloured line or a traceback must not make the
+    whole report unreadable exactly when something failed."""
+    return _NOT_XML.sub("", _ANSI.sub("", str(text)))
+
+
 def _properties(parent: ET.Element, values: dict[str, str]) -> None:
     if values:
         holder = ET.SubElement(parent, "properties")
         for name, value in values.items():
-            ET.SubElement(holder, "property", name=name, value=value)
+            ET.SubElement(holder, "property", name=_xml_text(name), value=_xml_text(value))
 
 
 def junit_xml(results: list[StepResult]) -> str:
@@ -342,9 +418,10 @@ def junit_xml(results: list[StepResult]) -> str:
     Every JUnit consumer reads a suite's properties; GitHub's and Jenkins' reporters
     also read a test case's.
     """
+    # No "skipped" on <testsuites>: Jenkins' xUnit schema refuses it there (each suite carries its own).
     root = ET.Element("testsuites", name="resident-pool check", tests=str(len(results)),
                       failures=str(sum(not r.ok and not r.skipped for r in results)),
-                      skipped=str(sum(r.skipped for r in results)), time=f"{sum(r.seconds for r in results):.3f}")
+                      time=f"{sum(r.seconds for r in results):.3f}")
     stamp = datetime.now(UTC).isoformat(timespec="seconds")
     for slug in dict.fromkeys(r.slug for r in results):
         group = [r for r in results if r.slug == slug]
@@ -359,12 +436,13 @@ def junit_xml(results: list[StepResult]) -> str:
             case = ET.SubElement(suite, "testcase", classname=f"resident-pool.{result.slug}", name=result.step,
                                  time=f"{result.seconds:.3f}")
             _properties(case, result.provenance)
+            detail = _xml_text(result.detail)
             if result.skipped:
-                ET.SubElement(case, "skipped", message=result.detail)
+                ET.SubElement(case, "skipped", message=detail)
             elif not result.ok:
-                failure = ET.SubElement(case, "failure", message=result.detail.splitlines()[0][:500])
-                failure.text = result.detail
+                failure = ET.SubElement(case, "failure", message=detail.splitlines()[0][:500] if detail else "")
+                failure.text = detail
             else:
-                ET.SubElement(case, "system-out").text = result.detail
+                ET.SubElement(case, "system-out").text = detail
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

@@ -148,8 +148,15 @@ def wrap(
     environ = os.environ if environ is None else environ
     all_binds = [Bind(*bind) for bind in binds] + [parse_bind(text) for text in spec.binds]
     _refuse_unsafe(manifest, all_binds)
+    for text in spec.binds:  # a start would fail on it in the engine, late and less clearly
+        host = parse_bind(text).host
+        if not os.path.exists(host):
+            raise ManifestError(f"{manifest.path}: env.binds: {host} does not exist on this host; create it or "
+                                "fix the bind", slug=manifest.slug, details={"field": "env.binds"})
     inside = {key: value for key, value in env.items() if value is not None}
-    gpu = manifest.gpu.policy != "none"
+    # Placed on the CPU (a "recommended" provider on a host without a free GPU: device ""): ask the
+    # engine for no GPU, or `docker run --gpus` fails outright on a host that has none.
+    gpu = manifest.gpu.policy != "none" and device != ""
     if spec.engine == "apptainer":
         command = ["apptainer", "exec", "--cleanenv", "--contain"]
         if gpu:

@@ -137,12 +137,23 @@ def _diff(manifest: Manifest, new: Any) -> tuple[str, list[str]]:
 
 
 def _write(path: Path, document: dict[str, Any]) -> None:
+    # What check will read back: finite numbers only (NaN would match NaN forever, and is not JSON),
+    # and under the size check refuses.
+    try:
+        text = json.dumps(document, indent=1, allow_nan=False) + "\n"
+    except ValueError:
+        raise GoldenMismatch(f"{document['slug']}: the answer holds NaN or an infinity; a golden answer must be "
+                             "finite numbers: fix the model, or ignore that field in [smoke]",
+                             slug=document["slug"], reason="answer_not_finite") from None
+    if len(text.encode()) > MAX_BYTES:
+        raise GoldenMismatch(f"{document['slug']}: the answer is {len(text.encode())} bytes as JSON, over the "
+                             f"{MAX_BYTES} byte limit check reads; shrink the smoke payload", slug=document["slug"],
+                             reason="answer_too_large")
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as out:
-            json.dump(document, out, indent=1)
-            out.write("\n")
+            out.write(text)
         os.chmod(temp, 0o644)  # a file to commit, not a secret
         os.replace(temp, path)
     except BaseException:

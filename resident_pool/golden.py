@@ -45,6 +45,18 @@ class Tolerance:
     float32_base64: tuple[str, ...] = ()
 
     def allows(self, expected: float, found: float) -> bool:
+        if isinstance(expected, int) and isinstance(found, int):
+            # Integers compare as integers, at any size: 2**53 + 1 is not 2**53.
+            if expected == found or self.exact:
+                return expected == found
+            try:
+                return abs(found - expected) <= self.atol + self.rtol * abs(expected)
+            except OverflowError:  # past what a float holds: only equal ones pass
+                return False
+        try:
+            expected, found = float(expected), float(found)
+        except OverflowError:
+            return False
         if math.isnan(expected) or math.isnan(found):
             return math.isnan(expected) and math.isnan(found)
         if math.isinf(expected) or math.isinf(found):
@@ -199,7 +211,7 @@ def compare(expected: Any, found: Any, tolerance: Tolerance, path: Path = ()) ->
             out += compare(want, got, tolerance, (*path, index))
         return out
     if _is_number(expected) and _is_number(found):
-        if tolerance.allows(float(expected), float(found)):
+        if tolerance.allows(expected, found):
             return []
         return [Mismatch(where, "differs" if tolerance.exact else "beyond the tolerance", expected, found,
                          _deviation(expected, found))]
@@ -213,11 +225,15 @@ def compare(expected: Any, found: Any, tolerance: Tolerance, path: Path = ()) ->
 
 
 def _deviation(expected: float, found: float) -> float:
+    if expected == found:  # equal integers, or equal infinities
+        return 0.0
+    try:
+        expected, found = float(expected), float(found)
+    except OverflowError:
+        return math.inf
     if math.isnan(expected) or math.isnan(found):
         return math.nan
-    if expected == found:  # equal infinities
-        return 0.0
-    return abs(float(found) - float(expected))
+    return abs(found - expected)
 
 
 def _rank(deviation: float) -> tuple[bool, float]:
@@ -231,7 +247,7 @@ def _compare_vector(expected: list, found: list, tolerance: Tolerance, path: Pat
         return [Mismatch(where, f"{len(expected)} numbers expected, {len(found)} found")]
     out: list[Mismatch] = []
     beyond = [i for i, (want, got) in enumerate(zip(expected, found, strict=True))
-              if not tolerance.allows(float(want), float(got))]
+              if not tolerance.allows(want, got)]
     if beyond:
         worst = max(beyond, key=lambda i: _rank(_deviation(expected[i], found[i])))
         out.append(Mismatch(

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from . import jit_cache, paths
 from . import kit as kits
@@ -177,6 +178,9 @@ class LaunchPlan:
         env["RESIDENT_POOL_HEARTBEAT_STALE_S"] = f"{config.heartbeat_stale_s:g}"
         if config.no_cublas_release:
             env["RESIDENT_POOL_NO_CUBLAS_RELEASE"] = "1"
+        # A worker's prints reach its transcript as they happen (a kit's ACTIVE line, a traceback), not
+        # when a block buffer happens to fill.
+        env["PYTHONUNBUFFERED"] = "1"
         env["RESIDENT_POOL_ATTACH_MIN_BYTES"] = str(config.attach_min_bytes)
         env["RESIDENT_POOL_MAX_ATTACHMENT_BYTES"] = str(config.max_attachment_bytes)
         if heartbeat:
@@ -261,6 +265,14 @@ class LaunchPlan:
         return wrap(self.manifest, self.argv, self.env, self.binds, name=self.name, device=self.device,
                     environ=self.environ)
 
+    def kit_facts(self) -> dict[str, Any] | None:
+        """What the kit this start runs under said of itself: recorded with the worker (provenance)."""
+        if self.row is None or self.manifest.kit is None:
+            return None
+        return {"package": self.row.package, "version": self.row.version, "mode": self.manifest.kit.mode,
+                "activation": self.row.activation, "model_opt": self.row.model_opt,
+                "jit_cache_key": self.row.jit_cache_key}
+
     def controls(self) -> tuple[list[str], list[str]] | None:
         """How to stop and kill this start's container through its engine (None: signal the process group)."""
         return engine_controls(self.manifest, self.name)
@@ -308,7 +320,7 @@ def command_builder(manifest: Manifest, cache: HashCache | None = None) -> Build
                            device=worker.device, cache=cache, heartbeat=str(heartbeat) if heartbeat else None)
         argv, env = plan.command()
         stop, kill = plan.controls() or (None, None)
-        return Launch(argv, env, stop=stop, kill=kill)
+        return Launch(argv, env, stop=stop, kill=kill, kit=plan.kit_facts())
 
     return build
 

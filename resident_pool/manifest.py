@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import re
@@ -239,8 +240,9 @@ class Smoke(_Strict):
         None, description='The expected answer, relative to the manifest (e.g. "smoke/expected.json"); '
         "recorded with `resident-pool check --bless SLUG`. Unset: any answer passes.",
     )
-    atol: float = Field(1e-5, ge=0, description="Absolute tolerance for every number.")
-    rtol: float = Field(1e-4, ge=0, description="Relative tolerance: |found - expected| <= atol + rtol * |expected|.")
+    atol: float = Field(1e-5, ge=0, allow_inf_nan=False, description="Absolute tolerance for every number.")
+    rtol: float = Field(1e-4, ge=0, allow_inf_nan=False,
+                        description="Relative tolerance: |found - expected| <= atol + rtol * |expected|.")
     cosine_min: float | None = Field(
         None, ge=-1, le=1, description="For lists of numbers (embeddings): the cosine similarity floor, "
         "checked besides atol and rtol.",
@@ -267,8 +269,11 @@ class Smoke(_Strict):
     @field_validator("ignore", "float32_base64")
     @classmethod
     def _patterns(cls, values: list[str]) -> list[str]:
+        # A pattern that matches any name compares nothing: a golden check that passes everything.
+        probes = ("a", "zz", "items", "embedding_f32", "x1", "value", "tokens", "0")
         for value in values:
-            if not value.strip(".[]* "):
+            if not value.strip(".[]* ") or all(fnmatch.fnmatchcase(probe, part) for probe in probes
+                                                for part in value.split(".")):
                 raise ValueError(f"{value!r} matches every field; name the field")
         return values
 
@@ -341,7 +346,10 @@ class Manifest(_Strict):
         if without_kit:
             return self.model_copy(update={"kit": None})
         if kit_mode is not None:
-            return self.model_copy(update={"kit": self.kit.model_copy(update={"mode": kit_mode})})
+            # A kit's "off" mode rightly exports nothing: the empty-row rule is for the mode a provider runs in.
+            kit = self.kit.model_copy(update={"mode": kit_mode, "env_row": "none",
+                                              "env_row_reason": f"a comparison run in mode {kit_mode!r}"})
+            return self.model_copy(update={"kit": kit})
         return self
 
     def fingerprint(self) -> str:

@@ -128,6 +128,7 @@ class _Provider:
     starts: int = 0
     last_error: str | None = None
     strip_kit: str | None = None  # a stock variant without its kit: that kit's package, whose variables go
+    variant: dict[str, Any] | None = None  # how a variant (slug~name) is built; None for the provider as declared
 
 
 class PoolServer:
@@ -379,7 +380,8 @@ class PoolServer:
                 raise ManifestError(
                     f"{slug}: this pool already serves {slug} from {provider.source}, not {path}; stop it first "
                     f"(`resident-pool stop {slug}`)", slug=slug)
-            if provider is not None and provider.source == path and provider.stamp[:3] == stamp:
+            if provider is not None and provider.source == path and provider.stamp[:3] == stamp \
+                    and provider.variant == variant:
                 script = _stamp(provider.manifest.worker_path)
                 if provider.stamp[3:] == script:
                     return provider
@@ -389,13 +391,14 @@ class PoolServer:
         stamp += _stamp(manifest.worker_path)
         with self.lock:
             provider = self.providers.get(key)
+            strip = declared.kit.package_name if variant and variant["without_kit"] and declared.kit else None
             if provider is None:
                 provider = self.providers[key] = _Provider(
-                    key, manifest, stamp, version, manifest.fingerprint(), path, Breaker(self.breaker_cooldown_s))
-                if variant and variant["without_kit"] and declared.kit is not None:
-                    provider.strip_kit = declared.kit.package_name
+                    key, manifest, stamp, version, manifest.fingerprint(), path, Breaker(self.breaker_cooldown_s),
+                    variant=variant, strip_kit=strip)
                 return provider
-            provider.manifest, provider.stamp, provider.source = manifest, stamp, path
+            provider.manifest, provider.stamp, provider.source, provider.variant = manifest, stamp, path, variant
+            provider.strip_kit = strip
             provider.fingerprint = manifest.fingerprint()
             if version != provider.version:
                 log.info("%s: manifest version %s -> %s; draining the old replicas", slug, provider.version, version)
@@ -458,6 +461,7 @@ class PoolServer:
             "socket": replica.process.socket_path, "cold": cold, "transcript": replica.process.transcript_path,
             "request_timeout_s": provider.manifest.lifecycle.request_timeout_s, "device": replica.process.device,
             "version": replica.version,
+            "kit": replica.process.launch.kit if replica.process.launch is not None else None,
         }
 
     def _claim(self, provider: _Provider, ticket: int) -> tuple[Replica, bool] | None:
@@ -1022,6 +1026,8 @@ class PoolServer:
                     replica.abort = replica.abort or late  # its start thread stops it and fails the start
             while any(r.state in (ReplicaState.STOPPING, ReplicaState.STARTING) for _, r in targets):
                 self.changed.wait(_TICK_S)
+            for key in [k for k, p in self.providers.items() if p.variant and slug in (None, k) and not p.replicas]:
+                del self.providers[key]  # a variant (a check's run) is gone with its last replica
         self.zygotes.retire(slug, why)
         return [replica.name for _, replica in targets]
 

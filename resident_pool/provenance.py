@@ -9,9 +9,9 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
-from .exec_env import Bind, container_name, wrap
+from .exec_env import Bind, container_name, engine_controls, passthrough_env, wrap
 from .kit import stray_variables
-from .manifest import Manifest
+from .manifest import Manifest, VenvEnv
 from .procs import child_env
 from .settings import settings
 
@@ -38,16 +38,25 @@ def own_version() -> str:
 def environment(manifest: Manifest, python: str) -> dict[str, str]:
     """Interpreter and key package versions, asked in the provider's own interpreter."""
     packages = [*KEY_PACKAGES, *([manifest.weights.package] if manifest.weights.package else [])]
+    # The worker's environment, not this command's: the fixed base and the manifest's passthrough
+    # (a PYTHONPATH here must not make the probe see packages the worker never sees).
     env: dict[str, str | None] = {}
+    if isinstance(manifest.env, VenvEnv):
+        env.update(passthrough_env(manifest.env.passthrough, os.environ))
     if manifest.kit is not None:  # a kit that polices its namespace would refuse the probe beside a stray name
         env.update(stray_variables(manifest.kit.package_name, os.environ, set(manifest.kit.env)))
+    name = container_name(manifest.slug, "env")
     argv, env = wrap(manifest, [python, ENV_PROBE_PATH, *packages], env,
-                     [Bind(ENV_PROBE_PATH, ENV_PROBE_PATH, True, "resident_pool's env_probe.py")],
-                     name=container_name(manifest.slug, "env"))
+                     [Bind(ENV_PROBE_PATH, ENV_PROBE_PATH, True, "resident_pool's env_probe.py")], name=name)
     try:
         done = subprocess.run(argv, env=child_env(env), stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               timeout=PROBE_TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except subprocess.TimeoutExpired as exc:
+        controls = engine_controls(manifest, name)
+        if controls:  # the engine's client died alone; its container would run on
+            subprocess.run(controls[1], capture_output=True, timeout=60, check=False)
+        return {"env.error": f"the environment probe did not finish in {python}: {exc}"}
+    except OSError as exc:
         return {"env.error": f"the environment probe could not run in {python}: {exc}"}
     row = next((json.loads(line[len("ENVROW "):]) for line in done.stdout.splitlines() if line.startswith("ENVROW ")),
                None)
@@ -77,18 +86,34 @@ def environment(manifest: Manifest, python: str) -> dict[str, str]:
     }
 
 
+def _names() -> tuple[list[str], str]:
+    """Each GPU's name by index, and the driver: from NVML, or the fake readings tests and drills use."""
+    fake = settings().fake_nvml
+    if not fake:
+        return _nvml()
+    try:
+        data = json.loads(Path(fake).read_text())
+        return ([str(d.get("name", f"fake GPU ({d['total_gb']} GB)")) for d in data["devices"]],
+                str(data.get("driver", "fake")))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"fake NVML readings {fake} unreadable ({exc})") from None
+
+
+def gpu_name(index: int) -> str | None:
+    """The name of GPU ``index`` (as admission numbers them), or None where it cannot be read."""
+    try:
+        names, _ = _names()
+    except ValueError:
+        return None
+    return names[index] if 0 <= index < len(names) else None
+
+
 def gpu() -> dict[str, str]:
     """The host's GPUs and driver, from NVML (or fake readings); ``cpu`` where there is none."""
-    fake = settings().fake_nvml
-    if fake:
-        try:
-            data = json.loads(Path(fake).read_text())
-            names = [str(d.get("name", f"fake GPU ({d['total_gb']} GB)")) for d in data["devices"]]
-            driver = str(data.get("driver", "fake"))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            return {"gpu": f"unknown: fake NVML readings {fake} unreadable ({exc})", "gpu.driver": "unknown"}
-    else:
-        names, driver = _nvml()
+    try:
+        names, driver = _names()
+    except ValueError as exc:
+        return {"gpu": f"unknown: {exc}", "gpu.driver": "unknown"}
     if not names:
         return {"gpu": "cpu", "gpu.driver": driver or "none: NVML is not readable here"}
     counts = Counter(names)
@@ -119,20 +144,23 @@ def _nvml() -> tuple[list[str], str]:
 def columns(values: dict[str, str]) -> dict[str, str]:
     """Provenance in a few short columns for tables: manifest, weights, kit, environment, gpu, host."""
     if "kit.package" in values:
-        kit = (f"{values['kit.package']} {values.get('kit.version', '?')} mode {values['kit.mode']}, "
-               f"jit key {values.get('kit.jit_cache_key', '?')}")
+        kit = (f"{values['kit.package']} {values.get('kit.version', '?')} mode {values['kit.mode']} "
+               f"({values.get('kit.activation', '?')}), jit key {values.get('kit.jit_cache_key', '?')}; "
+               f"said: {values.get('kit.active', 'nothing yet')}")
         if "stock.kit.mode" in values:
-            kit += f"; stock: {values['stock.kit.mode']}"
+            kit += f"; stock: {values['stock.kit.mode']}, said: {values.get('stock.kit.active', 'nothing')}"
     else:
         kit = values.get("kit", "unknown")
     environment = values.get("env.error") or (
-        f"{values['env.python']}, torch {values.get('env.torch', '?')} ({values.get('env.cuda_runtime', '?')})"
-        if "env.python" in values else "unknown")
+        f"{values['env.python']}, torch {values.get('env.torch', '?')} ({values.get('env.cuda_runtime', '?')}); "
+        f"{values.get('env.packages', '')}" if "env.python" in values else "unknown")
     return {
         "manifest": values.get("manifest.fingerprint", "unknown"),
         "weights": values.get("weights.pins", "unknown"),
         "kit": kit,
         "environment": environment,
-        "gpu": f"{values['gpu']} (driver {values.get('gpu.driver', '?')})" if "gpu" in values else "unknown",
+        "gpu": (f"{values['gpu']} (driver {values.get('gpu.driver', '?')}); answered on "
+                f"{values.get('gpu.device', '?')}") if "gpu" in values else "unknown",
+        "expected": values.get("smoke.expected", ""),
         "host": values.get("host", "unknown"),
     }

@@ -60,6 +60,7 @@ class Launch:
     env: Mapping[str, str | None] = field(default_factory=dict)
     stop: list[str] | None = None  # asks a container engine to stop it (`docker stop NAME`)
     kill: list[str] | None = None  # makes the engine kill it (`docker kill NAME`)
+    kit: dict[str, Any] | None = None  # what the kit it runs under said of itself, for provenance
 
     @classmethod
     def of(cls, built: Launch | tuple[list[str], Mapping[str, str | None]]) -> Launch:

@@ -122,6 +122,7 @@ def test_the_nightly_screen_is_scheduled_and_each_run_computes_only_what_the_inb
     assert screen["schedules"] == [{"cron": "0 2 * * *", "active": True}] and screen["paused"] is False
     assert validate["schedules"] == [{"cron": "0 3 * * *", "active": True}] and validate["paused"] is False
     assert predict["schedules"] == []
+    assert validate["parameters"] == {"smoke": True, "against_stock": True}  # nightly compares answers, as CI does
     assert screen["parameters"] == {"input": str(inbox), "provider": "embedder"}
     assert predict["provider"]["enum"] == ["echo", "embedder"] and "manifests" not in predict["schema"]
     assert predict["env"] == {"RESIDENT_POOL_MANIFESTS": str(pool_dir)}
