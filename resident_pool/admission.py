@@ -273,6 +273,19 @@ class Admission:
         self.ledger.change(edit)
         return chosen[0] if chosen else None
 
+    def fits_if_freed(self, needed_gb: float, freed_gb: Mapping[int, float]) -> bool:
+        """Whether ``needed_gb`` would fit on some device once ``freed_gb`` (budgets per device) is given back."""
+        devices, _ = self.devices()
+        held = _held(self.ledger.entries())
+        for device in devices:
+            freed = freed_gb.get(device.index, 0.0)
+            room = device.total_gb - self.headroom_gb - held.get(device.index, 0.0) + freed
+            if device.free_gb is not None:
+                room = min(room, device.free_gb - self.headroom_gb + freed)
+            if room >= needed_gb:
+                return True
+        return False
+
     def _describe_wait(self, ticket: _Ticket, now: float) -> dict[str, Any]:
         devices, source = self.devices()
         entries = self.ledger.entries()

@@ -36,6 +36,7 @@ from .errors import (
 from .exits import REFUSAL_CODES, describe_exit
 from .launch import command_builder
 from .manifest import SLUG, Manifest, load_manifest
+from .observing import PoolObserving
 from .protocol import ProtocolError, bind_unix, recv_line, send_line
 from .replica import Lease, Replica
 from .settings import settings
@@ -55,6 +56,8 @@ ABANDON_PROBE_S = 1.0
 LIVENESS_TIMEOUT_S = 10.0
 RELEASE_OUTCOMES = ("ok", "broken", "exiting", "timeout")
 _HOLDER_KEYS, _HOLDER_CHARS = 8, 300
+# How often the pool tops every provider up to its min_replicas.
+KEEP_WARM_S = 5.0
 
 
 class _Connection:
@@ -93,7 +96,7 @@ class _Provider:
     last_error: str | None = None
 
 
-class PoolServer:
+class PoolServer(PoolObserving):
     def __init__(self, manifests: Path, quiet_exit_s: float | None = None) -> None:
         config = settings()
         self.manifests = manifests.resolve()
@@ -121,6 +124,10 @@ class PoolServer:
         self._tickets = itertools.count(1)
         self._last_beat = 0.0
         self._current = threading.local()  # the connection an op's thread serves: admission reports to it
+        self._observe_init(config)
+        self._warming: set[str] = set()  # providers being topped up to min_replicas
+        self._last_keep_warm = 0.0
+        self._kept_warm_loaded = False
 
     # -- serving -------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -133,9 +140,11 @@ class PoolServer:
         log.info("pool %d (resident-pool %s) serving %s (manifests %s)", os.getpid(), __version__,
                  self.socket_path, self.manifests)
         threading.Thread(target=self._maintain_loop, name="maintain", daemon=True).start()
+        self._observe_start()
         backoff = 0.0
         try:
             while not self.finished.is_set():
+                self._accept_tick = time.monotonic()  # the watchdog's sign that this loop turns
                 if self._signal is not None:
                     self.begin_stop(f"signal {signal.Signals(self._signal).name}")
                 try:
@@ -152,6 +161,7 @@ class PoolServer:
                 backoff = 0.0
                 self._spawn_client_thread(conn)
         finally:
+            self._observe_stop()
             listener.close()
             if self._socket_is_ours():
                 try:
@@ -235,6 +245,7 @@ class PoolServer:
             "status": lambda m, c: {"ok": True, **self.status()},
             "waiting": lambda m, c: {"ok": True, "waiting": self.waiting()},
             "stop": self._op_stop, "shutdown": self._op_shutdown,
+            "warm": self._op_warm, "metrics": lambda m, c: {"ok": True, "text": self.metrics.render()},
         }.get(op) if isinstance(op, str) else None
         if handler is None:
             error = ResidentPoolError(f"unknown pool op {op!r}", reason="unknown_op")
@@ -392,16 +403,20 @@ class PoolServer:
             if replica.state is ReplicaState.READY:
                 replica.transition(ReplicaState.LEASED, "leased")
                 return replica, False
-        manifest = provider.manifest
-        if sum(r.live for r in current) >= manifest.lifecycle.max_replicas:
+        if sum(r.live for r in current) >= provider.manifest.lifecycle.max_replicas:
             return None
+        return self._new_replica(provider), True
+
+    def _new_replica(self, provider: _Provider) -> Replica:
+        """A STARTING replica of the provider's current version under the lowest free number (the lock is held)."""
+        manifest = provider.manifest
         index = next(i for i in itertools.count() if i not in provider.replicas)
         process = WorkerProcess(provider.slug, index, state_dir=self.state_dir,
                                 start_timeout_s=manifest.lifecycle.start_timeout_s)
         budget = manifest.gpu.vram_budget_gb if manifest.gpu.policy != "none" else None
         replica = Replica(provider.slug, index, provider.version, process, budget, manifest)
         provider.replicas[index] = replica
-        return replica, True
+        return replica
 
     def _start(self, provider: _Provider, replica: Replica, lease: Lease) -> None:
         """Admit, spawn and wait for the replica this lease holds; a failure ends both."""
@@ -412,8 +427,13 @@ class PoolServer:
         try:
             env: dict[str, str | None] = {}
             if replica.vram_budget_gb and admitter is not None:
-                env = dict(admitter.admit(replica))
+                asked = time.monotonic()
+                try:
+                    env = dict(admitter.admit(replica))
+                finally:
+                    self._on_admission(provider, admitter, time.monotonic() - asked)
                 replica.admitter = admitter
+            spawned = time.monotonic()
             replica.process.device = env.get("CUDA_VISIBLE_DEVICES")
             launch = Launch.of(command_builder(manifest)(replica.process))
             replica.process.start(launch, env)
@@ -425,6 +445,7 @@ class PoolServer:
             provider.breaker.succeeded()
             replica.last_checked = time.monotonic()
             replica.transition(ReplicaState.LEASED, "started")
+        self._on_started(provider, replica, time.monotonic() - spawned)
 
     def _start_failed(self, provider: _Provider, replica: Replica, lease: Lease, exc: Exception) -> ResidentPoolError:
         if isinstance(exc, ResidentPoolError):
@@ -442,12 +463,15 @@ class PoolServer:
             replica.last_error = provider.last_error = error.headline
             if provider.replicas.get(replica.index) is replica:
                 del provider.replicas[replica.index]
-            if error.reason != "client_gone" and provider.breaker.failed(
-                    provider.fingerprint, error.to_dict(), refusal=error.exit_code in REFUSAL_CODES):
+            opened = error.reason != "client_gone" and provider.breaker.failed(
+                provider.fingerprint, error.to_dict(), refusal=error.exit_code in REFUSAL_CODES)
+            if opened:
                 log.warning("%s: breaker open for %g s after: %s", provider.slug, self.breaker_cooldown_s,
                             error.headline)
+                error.details["breaker_opened"] = True  # the Prefect helpers say so in an event
             self._wake(provider)
             self.changed.notify_all()
+        self._on_start_failed(provider, replica, error, opened)
         return error
 
     def _wake(self, provider: _Provider) -> None:
@@ -489,16 +513,19 @@ class PoolServer:
                 self._free(provider, replica, "released")
                 return None
         if outcome == "timeout":
+            self.metrics.book.failed(replica.slug, replica.index, "timeout")
             timeout = provider.manifest.lifecycle.request_timeout_s
             self._stop(provider, replica, f"a request outran request_timeout_s = {timeout:g} s", now=True)
             return {"ok": True}
         if outcome == "exiting":
+            self.metrics.book.failed(replica.slug, replica.index, "worker_exiting")
             error = replica.process.exiting_error(reply)
             self._forget(provider, replica, error.headline)
             return {"ok": True, "error": error.to_dict()}
         rc = replica.process.wait_dead(DEATH_WAIT_S)  # broken: died, or a live worker closed on it
         if rc is not None:
             error = replica.process.died_error(rc, stopping=replica.state is ReplicaState.STOPPING)
+            self.metrics.book.failed(replica.slug, replica.index, error.reason)
             self._forget(provider, replica, error.headline)
             return {"ok": True, "error": error.to_dict()}
         self._abandoned(provider, replica, "its client's connection to it broke")
@@ -584,6 +611,8 @@ class PoolServer:
         self._stop_process(provider, replica, why, now)
 
     def _stop_process(self, provider: _Provider, replica: Replica, why: str, now: bool = False) -> None:
+        if not now:
+            self._collect_stats(replica, timeout=1.0)  # its counts since the last collection, before they go
         rc = replica.process.kill(grace_s=5.0) if now else replica.process.stop()
         gone = "" if rc is not None else "; it did not end after SIGKILL"
         self._forget(provider, replica, f"{why}{gone}" if now or gone else None)
@@ -603,6 +632,7 @@ class PoolServer:
                 del provider.replicas[replica.index]
             self._wake(provider)
             self.changed.notify_all()
+        self._on_stopped(provider, replica)
 
     def _release_budget(self, replica: Replica) -> None:
         admitter, replica.admitter = replica.admitter, None
@@ -611,15 +641,29 @@ class PoolServer:
 
     # -- eviction and waiting -------------------------------------------------
     def _evict_idle(self, needed_gb: float) -> bool:
-        """Stop the least recently used idle GPU worker; True if one was stopped."""
+        """Stop the least recently used idle GPU worker; True if one was stopped.
+
+        Workers kept warm (min_replicas) go after every other idle one, and only when giving back
+        every idle kept-warm budget would let the request fit: never for nothing.
+        """
         with self.lock:
-            idle = [(replica.last_used, provider, replica)
+            idle = [(self._kept_warm(provider, replica), replica.last_used, provider, replica)
                     for provider in self.providers.values() for replica in provider.replicas.values()
                     if replica.state is ReplicaState.READY and replica.admitter is self.admission]
             if not idle:
                 return False
-            _, provider, replica = min(idle, key=lambda item: item[0])
-        self._stop(provider, replica, f"evicted (idle) to make room for a worker needing {needed_gb:g} GB")
+            kept, _, provider, replica = min(idle, key=lambda item: item[:2])
+            freed = _budgets_by_device(item[3] for item in idle if item[0])
+        if kept and not self.admission.fits_if_freed(needed_gb, freed):
+            return False
+        why = f"evicted (idle) to make room for a worker needing {needed_gb:g} GB"
+        with self.lock:
+            if replica.state is not ReplicaState.READY:
+                return True  # leased or stopped meanwhile: admission looks again
+            # STOPPING under the same lock that saw it READY: a client cannot lease it in between.
+            replica.transition(ReplicaState.STOPPING, why)
+        self.metrics.evictions.labels(provider.slug).inc()
+        self._stop_process(provider, replica, why)
         return True
 
     def _client_gone(self) -> bool:
@@ -690,8 +734,8 @@ class PoolServer:
                         why = f"{replica.name} exited while idle: {describe_exit(rc)}"
                         replica.transition(ReplicaState.STOPPING, why)
                         checks.append((self._forget, (provider, replica, why)))
-                    elif provider.manifest.mode == "subprocess" or (
-                            0 < lifecycle.idle_timeout_s <= replica.idle_s()):
+                    elif (provider.manifest.mode == "subprocess" or (0 < lifecycle.idle_timeout_s <= replica.idle_s())
+                          ) and not self._kept_warm(provider, replica):
                         self._stop_later(provider, replica, f"idle for {replica.idle_s():.1f} s (idle_timeout_s = "
                                                             f"{lifecycle.idle_timeout_s:g})")
                     elif now - replica.last_checked >= lifecycle.ping_interval_s:
@@ -706,10 +750,16 @@ class PoolServer:
         if self.quiet_exit_s > 0 and now - self.quiet_since >= self.quiet_exit_s and not self.draining:
             log.info("no workers and no clients for %g s; exiting", self.quiet_exit_s)
             self.begin_stop("quiet")
+        self._observe_tick(now)
+        if now - self._last_keep_warm >= KEEP_WARM_S and not self.draining:
+            self._last_keep_warm = now
+            self._keep_warm()
 
     def _check_liveness(self, provider: _Provider, replica: Replica) -> None:
         """Alive means running AND answering: an idle worker that does not answer is stopped."""
         answer = replica.process.ping(timeout=LIVENESS_TIMEOUT_S)
+        if answer is not None:
+            self._collect_stats(replica)  # still under the pool's own lease: the worker is idle
         with self.lock:
             replica.last_checked = time.monotonic()
             replica.lease = None
@@ -752,11 +802,12 @@ class PoolServer:
                 providers[slug] = {"version": provider.version, "manifest": str(provider.source),
                                    "starts": provider.starts, "last_error": provider.last_error,
                                    "breaker": snapshot}
-        return {"pool": {"pid": os.getpid(), "version": __version__, "socket": self.socket_path,
-                         "manifests": str(self.manifests), "since": self.started, "ledger": str(self.ledger.path),
-                         "draining": self.draining},
-                "workers": workers, "providers": providers, "waiting": self.waiting(), "breakers": breakers,
-                "ledger": self.ledger.entries()}
+        return self._observe_status({
+            "pool": {"pid": os.getpid(), "version": __version__, "socket": self.socket_path,
+                     "manifests": str(self.manifests), "since": self.started, "ledger": str(self.ledger.path),
+                     "draining": self.draining},
+            "workers": workers, "providers": providers, "waiting": self.waiting(), "breakers": breakers,
+            "ledger": self.ledger.entries()})
 
     def stop(self, slug: str | None, now: bool = False, why: str = "stopped by `resident-pool stop`") -> list[str]:
         """Stop ``slug``'s replicas (every provider's when None): leased ones drain first, up to drain_grace_s."""
@@ -777,6 +828,105 @@ class PoolServer:
             while any(r.state is ReplicaState.STOPPING for _, r in targets):
                 self.changed.wait(_TICK_S)
         return [replica.name for _, replica in targets]
+
+    # -- warm-up on demand ------------------------------------------------------------
+    def _op_warm(self, message: dict[str, Any], connection: _Connection) -> dict[str, Any]:
+        slug, replicas, manifests = message.get("slug"), message.get("replicas", 1), message.get("manifests")
+        if not isinstance(slug, str) or not SLUG.match(slug):
+            raise ResidentPoolError(f"provider name {slug!r} is not a slug", reason="bad_request")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= 64:
+            raise ResidentPoolError(f"warm takes a replica count from 1 to 64, not {replicas!r}", reason="bad_request")
+        if manifests is not None and not isinstance(manifests, str):
+            raise ResidentPoolError("manifests must be a folder path", reason="bad_request")
+        return {"ok": True, **self.warm(slug, manifests, replicas)}
+
+    def warm(self, slug: str, manifests: str | None, replicas: int, why: str = "warm-up") -> dict[str, Any]:
+        """Start workers of ``slug`` until ``replicas`` of its current version are live; wait for them to answer."""
+        if self.draining:
+            raise self._stopping_error()
+        provider = self._provider(slug, manifests)
+        cap = provider.manifest.lifecycle.max_replicas
+        if replicas > cap:
+            raise ResidentPoolError(f"{slug}: cannot keep {replicas} replicas warm: max_replicas = {cap} in "
+                                    f"{provider.source}; raise it or ask for fewer", slug=slug, reason="bad_request")
+        with self.lock:
+            if provider.breaker.is_open(provider.fingerprint):
+                raise self._breaker_error(provider)
+            live = [r for r in provider.replicas.values()
+                    if r.live and r.version == provider.version and r.retire is None]
+            starting = []
+            for _ in range(replicas - len(live)):
+                replica = self._new_replica(provider)
+                replica.lease = Lease(None, replica, {"pool": why})  # the pool's own: no client holds it
+                starting.append(replica)
+        errors: list[ResidentPoolError] = []
+
+        def start(replica: Replica) -> None:
+            try:
+                self._start(provider, replica, replica.lease)
+            except ResidentPoolError as exc:
+                errors.append(exc)
+                return
+            with self.lock:
+                replica.lease = None
+                replica.last_used = time.monotonic()
+                self._free(provider, replica, f"started by {why}")
+
+        threads = [threading.Thread(target=start, args=(r,), name=f"warm-{r.name}", daemon=True) for r in starting]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors and len(errors) == len(starting):
+            raise errors[0]
+        return {"slug": slug, "already_warm": len(live), "started": len(starting) - len(errors),
+                "replicas": replicas, "errors": [e.headline for e in errors]}
+
+    def _kept_warm(self, provider: _Provider, replica: Replica) -> bool:
+        """Whether ``replica`` is one of the provider's ``min_replicas`` (the lowest-numbered live ones)."""
+        keep = provider.manifest.lifecycle.min_replicas
+        if not keep or replica.version != provider.version or replica.retire is not None:
+            return False
+        warm = sorted(r.index for r in provider.replicas.values()
+                      if r.live and r.version == provider.version and r.retire is None)
+        return replica.index in warm[:keep]
+
+    def _keep_warm(self) -> None:
+        """Top every provider up to its min_replicas (at start, after a death, an eviction, a manifest change)."""
+        if not self._kept_warm_loaded:
+            self._kept_warm_loaded = True
+            self._load_kept_warm()
+        wanted = []
+        with self.lock:
+            for slug, provider in self.providers.items():
+                keep = provider.manifest.lifecycle.min_replicas
+                if not keep or slug in self._warming or provider.breaker.remaining_s() > 0:
+                    continue
+                live = sum(r.live and r.version == provider.version and r.retire is None
+                           for r in provider.replicas.values())
+                if live < keep:
+                    self._warming.add(slug)
+                    wanted.append((slug, str(provider.source.parent.parent), keep))
+        for args in wanted:
+            threading.Thread(target=self._warm_kept, args=args, name=f"keep-warm-{args[0]}", daemon=True).start()
+
+    def _warm_kept(self, slug: str, manifests: str, keep: int) -> None:
+        try:
+            self.warm(slug, manifests, keep, why="min_replicas")
+        except ResidentPoolError as exc:
+            log.warning("%s: could not keep %d worker(s) warm (min_replicas): %s", slug, keep, exc.headline)
+        finally:
+            with self.lock:
+                self._warming.discard(slug)
+
+    def _load_kept_warm(self) -> None:
+        """The providers of the pool's own manifests folder that ask for warm workers from the start."""
+        for path in sorted(self.manifests.glob("*/manifest.toml")):
+            try:
+                if load_manifest(path).lifecycle.min_replicas:
+                    self._provider(path.parent.name, None)
+            except ResidentPoolError as exc:
+                log.warning("%s: not kept warm: %s", path, exc)
 
 
 def _stamp(path: Path) -> tuple[int, ...]:
@@ -800,3 +950,13 @@ def _holder(raw: Any) -> dict[str, str]:
 
 def _round(value: float | None) -> float | None:
     return round(value, 1) if value is not None else None
+
+
+def _budgets_by_device(replicas) -> dict[int, float]:
+    freed: dict[int, float] = {}
+    for replica in replicas:
+        device = replica.process.device
+        if device is not None and device.isdigit() and replica.vram_budget_gb:
+            freed[int(device)] = freed.get(int(device), 0.0) + replica.vram_budget_gb
+    return freed
+

@@ -13,14 +13,15 @@ PACKAGE = Path(resident_pool.__file__).parent
 
 # Bottom to top. A module may import only from its own layer or below.
 LAYERS = [
-    {"states", "exits", "protocol", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden"},
+    {"states", "exits", "protocol", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden",
+     "events", "gpu_memory", "retention", "systemd"},
     {"errors"},
     {"settings"},
     {"paths", "transcripts", "manifest", "breaker", "replica"},
-    {"worker_process", "weights", "exec_env", "admission", "campaign", "expected"},
+    {"worker_process", "weights", "exec_env", "admission", "campaign", "expected", "metrics"},
     {"supervisor", "kit", "client"},
-    {"provenance"},
-    {"launch"},
+    {"provenance", "ops"},
+    {"launch", "observing"},
     {"pool", "check"},
     {"cli", "prefect", "__init__", "__main__"},
 ]
