@@ -176,8 +176,12 @@ class Admission:
         self._queue: list[_Ticket] = []
 
     # -- what the supervisor calls ------------------------------------------
-    def admit(self, worker, timeout_s: float | None = None) -> Mapping[str, str]:
-        """Block until ``worker``'s budget fits on a device; return its CUDA_VISIBLE_DEVICES."""
+    def admit(self, worker, timeout_s: float | None = None, wait: bool = True) -> Mapping[str, str]:
+        """Block until ``worker``'s budget fits on a device; return its CUDA_VISIBLE_DEVICES.
+
+        ``wait=False`` (a warm-up of the pool's own): place it only if it fits now, behind nobody and
+        evicting nobody; otherwise ``AdmissionTimeout`` with reason ``no_room`` at once.
+        """
         budget = float(worker.vram_budget_gb)
         timeout_s = timeout_s if timeout_s is not None else _admission_timeout(worker)
         devices, source = self.devices()
@@ -208,8 +212,14 @@ class Admission:
                     device = self._try_place(ticket, worker)
                     if device is not None:
                         return {"CUDA_VISIBLE_DEVICES": str(device)}
-                    if self.evict is not None and self.evict(budget):
+                    if wait and self.evict is not None and self.evict(budget):
                         continue  # an idle worker is being stopped; its release wakes us
+                if not wait:
+                    raise AdmissionTimeout(
+                        f"{worker.slug}: no room now for {budget:g} GB of GPU memory"
+                        + (" (requests wait ahead)" if not first else "")
+                        + "; a warm-up does not wait, queue or evict: it tries again later",
+                        slug=worker.slug, reason="no_room")
                 now = time.monotonic()
                 if now >= deadline:
                     raise self._timeout(ticket, now)

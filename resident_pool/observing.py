@@ -38,11 +38,12 @@ log = logging.getLogger("resident_pool.pool")
 
 # A worker's counts are collected at most this often after releases, never on the release path
 # (a held session's round trip must stay within 3x a raw socket echo); GPU memory is sampled
-# this often; transcripts are pruned this often.
+# this often; a provider's transcripts are pruned at most this often after its workers start
+# (a subprocess-mode provider starts one per request, and pruning reads /proc).
 STATS_INTERVAL_S = 1.0
 STATS_TIMEOUT_S = 2.0
 GPU_SAMPLE_S = 2.0
-PRUNE_INTERVAL_S = 30.0
+PRUNE_INTERVAL_S = 5.0
 
 
 class PoolObserving:
@@ -105,12 +106,12 @@ class PoolObserving:
 
     def _observe_loop(self) -> None:
         """Its own thread: an NVML call that hangs in the driver must not stop heartbeats or retirement."""
-        next_prune = 0.0
+        last_prune = -PRUNE_INTERVAL_S
         while not self.finished.is_set():
             try:
                 self._sample_gpu()
-                if time.monotonic() >= next_prune:
-                    next_prune = time.monotonic() + PRUNE_INTERVAL_S
+                if self._prune_due and time.monotonic() - last_prune >= PRUNE_INTERVAL_S:
+                    last_prune = time.monotonic()
                     self._prune()
             except Exception:  # one bad pass must not end measuring for good; logged with its traceback
                 log.exception("observing pass failed")
@@ -268,8 +269,14 @@ class PoolObserving:
                 state["providers"][slug] = {"manifest": str(path), "running": 0, "last_error": exc.headline,
                                             "breaker": None}
                 continue
+            try:
+                peak = self.peaks.get(slug, manifest.version())
+            except ResidentPoolError:
+                peak = None
+            facts = _provider_facts(manifest, manifest.fingerprint())
             state["providers"][slug] = {"manifest": str(path), "running": 0, "last_error": None, "breaker": None,
-                                        **_provider_facts(manifest, manifest.fingerprint())}
+                                        "measured_peak_gb": peak,
+                                        "budget_advice": budget_advice(facts["budget_gb"], peak), **facts}
         state["pool"]["metrics"] = f"http://127.0.0.1:{self.metrics_port}/metrics" if self._http else None
         state["pool"]["events"] = str(self.events.path)
         return state

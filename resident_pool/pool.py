@@ -55,6 +55,9 @@ _TICK_S = 0.25
 ABANDON_PROBE_S = 1.0
 LIVENESS_TIMEOUT_S = 10.0
 RELEASE_OUTCOMES = ("ok", "broken", "exiting", "timeout")
+# Start failures that say nothing about the provider (its client left, the card was full): they never
+# count toward its breaker, or a busy card would fail every task of a campaign for the cooldown.
+_NOT_THE_PROVIDERS_FAULT = frozenset({"client_gone", "no_room", "admission_timeout"})
 _HOLDER_KEYS, _HOLDER_CHARS = 8, 300
 # How often the pool tops every provider up to its min_replicas.
 KEEP_WARM_S = 5.0
@@ -73,7 +76,7 @@ class _Connection:
 class _CpuOnly:
     """Admission for a "recommended" GPU provider on a host with no GPU: run it on the CPU."""
 
-    def admit(self, worker) -> dict[str, str]:
+    def admit(self, worker, wait: bool = True) -> dict[str, str]:
         return {"CUDA_VISIBLE_DEVICES": ""}
 
     def release(self, worker) -> None:
@@ -418,8 +421,11 @@ class PoolServer(PoolObserving):
         provider.replicas[index] = replica
         return replica
 
-    def _start(self, provider: _Provider, replica: Replica, lease: Lease) -> None:
-        """Admit, spawn and wait for the replica this lease holds; a failure ends both."""
+    def _start(self, provider: _Provider, replica: Replica, lease: Lease, wait: bool = True) -> None:
+        """Admit, spawn and wait for the replica this lease holds; a failure ends both.
+
+        ``wait=False``: admitted only if its budget fits now (a warm-up of the pool's own).
+        """
         manifest = replica.manifest
         admitter = self._admitter(manifest)
         with self.lock:
@@ -429,7 +435,7 @@ class PoolServer(PoolObserving):
             if replica.vram_budget_gb and admitter is not None:
                 asked = time.monotonic()
                 try:
-                    env = dict(admitter.admit(replica))
+                    env = dict(admitter.admit(replica, wait=wait))
                 finally:
                     self._on_admission(provider, admitter, time.monotonic() - asked)
                 replica.admitter = admitter
@@ -463,7 +469,7 @@ class PoolServer(PoolObserving):
             replica.last_error = provider.last_error = error.headline
             if provider.replicas.get(replica.index) is replica:
                 del provider.replicas[replica.index]
-            opened = error.reason != "client_gone" and provider.breaker.failed(
+            opened = error.reason not in _NOT_THE_PROVIDERS_FAULT and provider.breaker.failed(
                 provider.fingerprint, error.to_dict(), refusal=error.exit_code in REFUSAL_CODES)
             if opened:
                 log.warning("%s: breaker open for %g s after: %s", provider.slug, self.breaker_cooldown_s,
@@ -840,8 +846,12 @@ class PoolServer(PoolObserving):
             raise ResidentPoolError("manifests must be a folder path", reason="bad_request")
         return {"ok": True, **self.warm(slug, manifests, replicas)}
 
-    def warm(self, slug: str, manifests: str | None, replicas: int, why: str = "warm-up") -> dict[str, Any]:
-        """Start workers of ``slug`` until ``replicas`` of its current version are live; wait for them to answer."""
+    def warm(self, slug: str, manifests: str | None, replicas: int, why: str = "warm-up",
+             wait: bool = True) -> dict[str, Any]:
+        """Start workers of ``slug`` until ``replicas`` of its current version are live; wait for them to answer.
+
+        ``wait=False``: only where the budget fits now, never queueing before or evicting for requests.
+        """
         if self.draining:
             raise self._stopping_error()
         provider = self._provider(slug, manifests)
@@ -863,7 +873,7 @@ class PoolServer(PoolObserving):
 
         def start(replica: Replica) -> None:
             try:
-                self._start(provider, replica, replica.lease)
+                self._start(provider, replica, replica.lease, wait=wait)
             except ResidentPoolError as exc:
                 errors.append(exc)
                 return
@@ -896,6 +906,8 @@ class PoolServer(PoolObserving):
         if not self._kept_warm_loaded:
             self._kept_warm_loaded = True
             self._load_kept_warm()
+        if self.admission.waiting():
+            return  # requests wait for GPU memory: a warm-up must not take it before them
         wanted = []
         with self.lock:
             for slug, provider in self.providers.items():
@@ -912,9 +924,10 @@ class PoolServer(PoolObserving):
 
     def _warm_kept(self, slug: str, manifests: str, keep: int) -> None:
         try:
-            self.warm(slug, manifests, keep, why="min_replicas")
+            self.warm(slug, manifests, keep, why="min_replicas", wait=False)
         except ResidentPoolError as exc:
-            log.warning("%s: could not keep %d worker(s) warm (min_replicas): %s", slug, keep, exc.headline)
+            (log.info if exc.reason == "no_room" else log.warning)(
+                "%s: could not keep %d worker(s) warm (min_replicas): %s", slug, keep, exc.headline)
         finally:
             with self.lock:
                 self._warming.discard(slug)
