@@ -61,6 +61,7 @@ class PoolObserving:
         self._accept_tick = time.monotonic()
         self._watchdog_s = watchdog_interval_s()
         self._last_watchdog = 0.0
+        self._ready_sent = False  # systemd hears WATCHDOG=1 only after READY=1
         self._prune_due: set[str] = set()
         self._advised: set[str] = set()
 
@@ -76,6 +77,7 @@ class PoolObserving:
         self.events.emit("pool.started", version=__version__, manifests=str(self.manifests))
         threading.Thread(target=self._observe_loop, name="observe", daemon=True).start()
         notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {self.socket_path}")
+        self._ready_sent = True
 
     def _observe_stop(self) -> None:
         notify("STOPPING=1")
@@ -86,7 +88,7 @@ class PoolObserving:
 
     def _observe_tick(self, now: float) -> None:
         """From the maintenance loop: the watchdog, and the workers' counts due after releases."""
-        if (self._watchdog_s and now - self._last_watchdog >= self._watchdog_s
+        if (self._watchdog_s and self._ready_sent and now - self._last_watchdog >= self._watchdog_s
                 and now - self._accept_tick < max(5.0, self._watchdog_s)):
             self._last_watchdog = now
             notify("WATCHDOG=1")  # both loops turn: the accept loop ticked, and this one got the lock
@@ -188,8 +190,6 @@ class PoolObserving:
         self.metrics.start_seconds.labels(provider.slug).observe(start_s)
         self.events.emit("worker.started", provider.slug, replica.index, pid=replica.pid, device=replica.process.device,
                          budget_gb=replica.vram_budget_gb, version=replica.version, start_s=round(start_s, 3))
-        with self.lock:
-            self._prune_due.add(provider.slug)
 
     def _on_start_failed(self, provider: Any, replica: Replica, error: ResidentPoolError, opened: bool) -> None:
         reason = error.reason if SLUG.match(error.reason or "") else "other"
@@ -200,6 +200,8 @@ class PoolObserving:
                          transcript=error.transcript)
 
     def _on_stopped(self, provider: Any, replica: Replica) -> None:
+        with self.lock:
+            self._prune_due.add(provider.slug)  # its transcript is closed now, and may go
         cause = stop_cause(replica.stop_why)
         self.metrics.stops.labels(provider.slug, cause).inc()
         rc = replica.process.returncode

@@ -539,6 +539,9 @@ class PoolServer(PoolObserving):
 
     def _free(self, provider: _Provider, replica: Replica, why: str) -> None:
         """A lease ended cleanly (the lock is held): ready again, or on its way out if it drains."""
+        if replica.state is ReplicaState.LEASED and provider.manifest.mode == "subprocess" and replica.retire is None:
+            # Never READY: a waiting request would take it before the maintenance loop retires it.
+            replica.retire = 'mode = "subprocess": a worker serves one lease'
         if replica.state is ReplicaState.LEASED and replica.retire is None and replica.version == provider.version:
             replica.transition(ReplicaState.READY, why)
             self._wake(provider)
@@ -856,6 +859,9 @@ class PoolServer(PoolObserving):
             raise self._stopping_error()
         provider = self._provider(slug, manifests)
         cap = provider.manifest.lifecycle.max_replicas
+        if provider.manifest.mode == "subprocess":
+            raise ResidentPoolError(f'{slug}: mode = "subprocess" starts a worker per request; it cannot be kept warm',
+                                    slug=slug, reason="bad_request")
         if replicas > cap:
             raise ResidentPoolError(f"{slug}: cannot keep {replicas} replicas warm: max_replicas = {cap} in "
                                     f"{provider.source}; raise it or ask for fewer", slug=slug, reason="bad_request")

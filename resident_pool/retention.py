@@ -83,10 +83,14 @@ def prune_transcripts(directory: Path, slug: str, keep: int, max_bytes: int, liv
     if len(files) <= keep and sum(size for _, size, _ in files) <= max_bytes:
         return []
     protected = {Path(p) for p in live} | open_files(directory)
-    kept_files = kept_bytes = 0
+    # The protected count first, however old: the rest share what they leave of the caps, newest first.
+    kept_files = sum(1 for _, _, path in files if path in protected)
+    kept_bytes = sum(size for _, size, path in files if path in protected)
     removed = []
     for _, size, path in files:
-        if path in protected or (kept_files < keep and kept_bytes + size <= max_bytes):
+        if path in protected:
+            continue
+        if kept_files < keep and kept_bytes + size <= max_bytes:
             kept_files += 1
             kept_bytes += size
             continue

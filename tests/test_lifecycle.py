@@ -323,3 +323,11 @@ def test_a_client_of_another_version_is_told_both_versions_and_the_fix(pool_dir,
             stranger.predict("busy", {"action": "echo"})
         assert "resident-pool stop --all" in str(info.value)
     reliability_row('client of another version, pool busy', 'error naming both versions and `resident-pool stop --all`')
+
+
+def test_a_subprocess_mode_worker_serves_one_lease_and_is_never_handed_out_again(pool_dir, reliability_row):
+    write_provider(pool_dir, "oneshot", 'mode = "subprocess"\nmode_reason = "cannot be held between requests"\n')
+    with Pool() as pool:
+        pids = [pool.predict("oneshot", {"action": "echo"})["pid"] for _ in range(4)]
+    assert len(set(pids)) == 4, f"a worker served {4 - len(set(pids)) + 1} back-to-back requests: {pids}"
+    reliability_row("subprocess-mode requests back to back", "a fresh worker for each one")

@@ -189,3 +189,12 @@ def test_a_real_prometheus_reads_requests_failures_evictions_starts_and_the_brea
         seen('resident_pool_breaker_open{provider="refuser"}', 0)
         labels = _query(web, '{job="resident-pool"}')
         assert labels and not [v for key in labels for _, v in key if "/" in v]
+        # The Grafana dashboard's queries parse and run on a real Prometheus, and its request panel has data.
+        from test_infra import dashboard_queries
+
+        for expr in dashboard_queries():
+            if not expr.startswith("label_values"):
+                _query(web, expr.replace("$__rate_interval", "1m").replace("$provider", ".*"))
+        (requests_panel, *_) = dashboard_queries()
+        rates = _query(web, requests_panel.replace("$__rate_interval", "1m").replace("$provider", ".*"))
+        assert (("provider", "a6"),) in rates
