@@ -163,3 +163,23 @@ def test_the_relay_forwards_a_pool_side_idle_retirement_to_prefect(pool_dir, tmp
         relay.send_signal(signal.SIGTERM)
         relay.wait(timeout=30)
     assert relay.returncode == 0, relay_log.read_text()
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_example_automations_are_accepted_by_a_prefect_server(tmp_path):
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    block = CustomWebhookNotificationBlock(name="hook", url="http://127.0.0.1:9/hook", json_data={"text": "{{body}}"})
+    block_id = block.save("resident-pool-test-hook", overwrite=True)
+    example = Path(__file__).resolve().parents[1] / "infra" / "prefect" / "automations.yaml"
+    mine = tmp_path / "automations.yaml"
+    mine.write_text(example.read_text().replace("REPLACE_WITH_YOUR_NOTIFICATION_BLOCK_ID", str(block_id)))
+    done = subprocess.run([str(Path(sys.executable).with_name("prefect")), "automation", "create", "--from-file",
+                           str(mine)], env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with get_client(sync_client=True) as client:
+        names = {a.name for a in client.read_automations()}
+    assert {"resident-pool breaker open", "resident-pool worker over budget"} <= names

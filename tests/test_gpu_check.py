@@ -46,3 +46,12 @@ def test_the_table_gives_each_verdict_and_a_count():
     assert lines[1].split()[:2] == ["a", "pass"] and "ms 3" in lines[1]
     assert "FAIL" in lines[2] and "(why)" in lines[2]
     assert lines[-1] == "1 passed, 1 failed"
+
+
+def test_the_measured_memory_row_needs_agreement_with_nvidia_smi_room_under_budget_and_the_flag():
+    assert gpu_check.measured_verdict(1.52, 1.50, 3.0, True).ok
+    assert not gpu_check.measured_verdict(1.52, 1.30, 3.0, True).ok  # 225 MiB off nvidia-smi
+    assert not gpu_check.measured_verdict(3.5, 3.5, 3.0, True).ok  # over the budget before it should be
+    assert not gpu_check.measured_verdict(1.5, 1.5, 3.0, False).ok  # never flagged once over
+    missing = gpu_check.measured_verdict(None, 1.5, 3.0, True)
+    assert not missing.ok and missing.figures["pool GiB"] is None
