@@ -287,7 +287,11 @@ def events(
         except ImportError as exc:
             raise typer.BadParameter(f"--to-prefect needs Prefect installed (pip install 'resident-pool[prefect]'): "
                                      f"{exc}") from None
-        relay_events(from_start=from_start, say=lambda line: typer.echo(line, err=True))
+        try:
+            relay_events(from_start=from_start, say=lambda line: typer.echo(line, err=True))
+        except ResidentPoolError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(1) from None
         return
     follower = Follower(log_dir() / EVENTS_FILE, from_start=from_start or not follow)
     try:

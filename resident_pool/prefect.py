@@ -239,6 +239,10 @@ def relay_events(*, from_start: bool = False, follow: bool = True, poll_s: float
     Its place is kept in a cursor beside the stream, so a restarted relay resumes without
     repeating or skipping (Prefect also drops an event id it already has).
     """
+    if not PREFECT_API_URL.value():
+        raise ResidentPoolError("resident-pool events --to-prefect: PREFECT_API_URL is not set; point it at the "
+                                "Prefect server the flow runs report to (as the worker's unit does)",
+                                reason="bad_setting")
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):

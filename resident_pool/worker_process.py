@@ -10,6 +10,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import struct
 import subprocess
 import time
@@ -215,12 +216,21 @@ class WorkerProcess:
 
     def in_flight_s(self) -> float | None:
         """How long the worker's current request has run (it writes its start time), or None when idle."""
+        # The worker owns this file: a FIFO or a link there must not hang or redirect the pool's read.
         try:
-            with open(self.run_dir / IN_FLIGHT_FILE, "rb") as board:
-                (started,) = struct.unpack("d", board.read(8))
+            fd = os.open(self.run_dir / IN_FLIGHT_FILE, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            (started,) = struct.unpack("d", os.read(fd, 8))
         except (OSError, struct.error):
             return None
-        return max(0.0, time.time() - started) if started > 0 else None
+        finally:
+            os.close(fd)
+        now = time.time()
+        return now - started if 0 < started <= now else None
 
     def beat(self) -> None:
         """Refresh the heartbeat the worker watches; a worker that sees it go stale retires itself."""

@@ -83,6 +83,10 @@ def test_the_pool_writes_started_and_stopped_with_why_to_its_stream(pool_dir, is
                if '"resident-pool.worker.started"' in line]
     assert [r["payload"]["pid"] for r in started] == [pid]
     assert oct(stream.stat().st_mode & 0o777) == "0o600"
+    printed = subprocess.run([sys.executable, "-m", "resident_pool", "events"], capture_output=True, text=True,
+                             timeout=60, check=True).stdout.splitlines()
+    assert [json.loads(line)["id"] for line in printed] == [
+        json.loads(line)["id"] for line in stream.read_text().splitlines()]
 
 
 # -- Prefect: the helpers' events and the relay --------------------------------------------------

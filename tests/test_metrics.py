@@ -154,8 +154,8 @@ def prometheus(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_real_prometheus_reads_requests_failures_evictions_starts_and_the_breaker(pool_dir, monkeypatch,
-                                                                                    prometheus):
+def test_with_the_metrics_port_on_a_real_prometheus_reads_requests_failures_evictions_starts_and_the_breaker(
+        pool_dir, monkeypatch, prometheus):
     target, web = prometheus
     monkeypatch.setenv("RESIDENT_POOL_METRICS_PORT", str(target))
     monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")

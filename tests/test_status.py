@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
+import time
 
 from helpers import wait_until
 from providers import write_provider
@@ -87,3 +90,25 @@ def test_the_daemon_tells_systemd_it_is_ready_pings_its_watchdog_and_says_when_i
             daemon.kill()
             daemon.wait()
         notify.close()
+
+
+def test_a_worker_that_puts_a_fifo_or_a_link_where_its_start_time_goes_cannot_hang_or_redirect_status(tmp_path):
+    from resident_pool.worker_base import IN_FLIGHT_FILE
+    from resident_pool.worker_process import WorkerProcess
+
+    process = WorkerProcess("hostile", 0)
+    process.run_dir.mkdir(mode=0o700)
+    board = process.run_dir / IN_FLIGHT_FILE
+    try:
+        os.mkfifo(board)
+        answered = []
+        reader = threading.Thread(target=lambda: answered.append(process.in_flight_s()), daemon=True)
+        reader.start()
+        reader.join(timeout=5)
+        assert answered == [None]
+        board.unlink()
+        (tmp_path / "elsewhere").write_bytes(struct.pack("d", time.time() - 60))  # would read as 60 s if followed
+        board.symlink_to(tmp_path / "elsewhere")
+        assert process.in_flight_s() is None
+    finally:
+        shutil.rmtree(process.run_dir)
