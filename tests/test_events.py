@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,43 @@ def test_the_example_automations_are_accepted_by_a_prefect_server(tmp_path):
     with get_client(sync_client=True) as client:
         names = {a.name for a in client.read_automations()}
     assert {"resident-pool breaker open", "resident-pool worker over budget"} <= names
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_task_that_waited_for_gpu_memory_and_paid_a_start_says_both(pool_dir, monkeypatch):
+    from prefect import flow, task
+
+    from resident_pool.prefect import predict
+
+    monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")
+    for slug in ("a6", "b6"):
+        write_provider(pool_dir, slug, '[gpu]\npolicy = "required"\nvram_budget_gb = 6\n')
+
+    @task
+    def waits_for(slug):
+        return predict(slug, {"action": "echo"})
+
+    @flow
+    def behind_a_holder():
+        return waits_for("b6")
+
+    ran = {}
+    with Pool() as pool:
+        with pool.session("a6"):
+            runner = threading.Thread(target=lambda: ran.update(state=behind_a_holder(return_state=True)))
+            runner.start()
+            wait_until(lambda: [w for w in pool.waiting() if w.get("slug") == "b6"], timeout=60,
+                       message="the flow's task to wait for GPU memory")
+        runner.join(timeout=60)  # a6 let go: the waiting task evicts it and starts b6
+    state = ran["state"]
+    assert state.is_completed()
+    run = f"prefect.flow-run.{state.state_details.flow_run_id}"
+
+    def both():
+        got = {e.event: e for e in _events("resident-pool.", related=run)}
+        return got if {"resident-pool.admission.waited", "resident-pool.worker.cold-start"} <= set(got) else None
+
+    found = wait_until(both, timeout=60, interval=0.5, message="admission.waited and worker.cold-start")
+    waited = found["resident-pool.admission.waited"].payload
+    assert waited["needs_gb"] == 6 and any("a6[0]" in h for h in waited["holders"])
+    assert found["resident-pool.worker.cold-start"].resource.id == "resident-pool.provider.b6"
