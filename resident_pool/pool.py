@@ -726,7 +726,9 @@ class PoolServer(PoolObserving):
             self.begin_stop("its socket is gone", now=True)
             return
         now = time.monotonic()
-        beat = now - self._last_beat >= HEARTBEAT_INTERVAL_S
+        # A tick early rather than a tick late: passes land on _TICK_S steps, and a beat due at 2.0 s
+        # but made at 2.2 s lets a worker told "stale after 2 s" think its pool is gone.
+        beat = now - self._last_beat >= HEARTBEAT_INTERVAL_S - _TICK_S
         if beat:
             self._last_beat = now
         checks = []
