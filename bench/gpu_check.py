@@ -82,6 +82,20 @@ def leak_verdict(leaking: list[int], released: list[int], workspace_mib: float =
                  "control leaks, release holds flat" if ok else "expected growth with release off and none with it on")
 
 
+def measured_verdict(measured_gib: float | None, smi_gib: float | None, budget_gib: float, flagged_over: bool,
+                     gap_mib: float = 64.0) -> Check:
+    """The pool's NVML reading of a worker must match nvidia-smi's, sit under its budget, and flag it once over."""
+    matches = measured_gib is not None and smi_gib is not None and abs(measured_gib - smi_gib) * 1024 <= gap_mib
+    under = measured_gib is not None and measured_gib <= budget_gib
+    ok = matches and under and flagged_over
+    return Check("measured GPU memory vs budget (NVML per process)", ok,
+                 {"pool GiB": None if measured_gib is None else round(measured_gib, 2),
+                  "nvidia-smi GiB": None if smi_gib is None else round(smi_gib, 2), "budget GiB": budget_gib,
+                  "flagged once over": flagged_over},
+                 "" if ok else "expected the pool's reading within 64 MiB of nvidia-smi's, under the budget, "
+                               "then the over-budget flag")
+
+
 def render(checks: list[Check]) -> str:
     lines = [f"{'check':<44} {'verdict':<8} figures"]
     for check in checks:
@@ -257,6 +271,34 @@ def check_memory_freed_on_kill(h: Harness) -> Check:
                   "freed after pool SIGKILL s": round(time.monotonic() - orphaned, 2), "orphan grace s": 3})
 
 
+def _smi_used_gib(pid: int) -> float | None:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = [[int(x) for x in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+    used = [mib for p, mib in rows if p == pid]
+    return sum(used) / 1024 if used else None
+
+
+def check_measured_memory(h: Harness) -> Check:
+    """What `status` and the metrics say a worker holds, against nvidia-smi and the declared budget."""
+    from resident_pool import Pool
+
+    budget = 3.0
+    h.provider("gpu-measure", budget)
+    with Pool() as pool:
+        pid = pool.predict("gpu-measure", {"action": "hold", "gib": 1})["pid"]
+
+        def row():
+            return next((w for w in pool.status()["workers"] if w["slug"] == "gpu-measure"), {})
+
+        _poll(lambda: (row().get("gpu_used_gb") or 0) >= 1, 30)  # the pool samples every 2 s
+        measured, smi = row().get("gpu_used_gb"), _smi_used_gib(pid)
+        pool.predict("gpu-measure", {"action": "hold", "gib": 3})  # now over its 3 GB budget
+        flagged = bool(_poll(lambda: row().get("over_budget"), 30))
+        pool.stop("gpu-measure")
+    return measured_verdict(measured, smi, budget, flagged)
+
+
 def check_minilm_on_gpu(h: Harness) -> Check:
     from resident_pool import Pool
     from resident_pool.launch import worker_for
@@ -329,8 +371,8 @@ def main() -> int:
     h = Harness()
     checks: list[Check] = []
     steps = [check_nvml_matches_smi, lambda: check_waits_for_outside_memory(h), lambda: check_placement(h),
-             lambda: check_cublas_leak(h), lambda: check_memory_freed_on_kill(h), lambda: check_minilm_on_gpu(h),
-             lambda: check_hibernate(h)]
+             lambda: check_cublas_leak(h), lambda: check_memory_freed_on_kill(h), lambda: check_measured_memory(h),
+             lambda: check_minilm_on_gpu(h), lambda: check_hibernate(h)]
     try:
         for step in steps:
             try:

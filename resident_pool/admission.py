@@ -180,10 +180,13 @@ class Admission:
         self._queue: list[_Ticket] = []
 
     # -- what the supervisor calls ------------------------------------------
-    def admit(self, worker, timeout_s: float | None = None, device: int | None = None) -> Mapping[str, str]:
+    def admit(self, worker, timeout_s: float | None = None, device: int | None = None,
+              wait: bool = True) -> Mapping[str, str]:
         """Block until ``worker``'s budget fits on a device; return its CUDA_VISIBLE_DEVICES.
 
         ``device``: only that one (a hibernated worker's memory goes back where it was).
+        ``wait=False`` (a warm-up of the pool's own): place it only if it fits now, behind nobody and
+        evicting nobody; otherwise ``AdmissionTimeout`` with reason ``no_room`` at once.
         """
         budget = float(worker.vram_budget_gb)
         timeout_s = timeout_s if timeout_s is not None else _admission_timeout(worker)
@@ -215,8 +218,14 @@ class Admission:
                     device = self._try_place(ticket, worker)
                     if device is not None:
                         return {"CUDA_VISIBLE_DEVICES": str(device)}
-                    if self.evict is not None and self.evict(budget):
+                    if wait and self.evict is not None and self.evict(budget):
                         continue  # an idle worker is being stopped; its release wakes us
+                if not wait:
+                    raise AdmissionTimeout(
+                        f"{worker.slug}: no room now for {budget:g} GB of GPU memory"
+                        + (" (requests wait ahead)" if not first else "")
+                        + "; a warm-up does not wait, queue or evict: it tries again later",
+                        slug=worker.slug, reason="no_room")
                 now = time.monotonic()
                 if now >= deadline:
                     raise self._timeout(ticket, now)
@@ -281,6 +290,19 @@ class Admission:
         chosen: list[int] = []
         self.ledger.change(edit)
         return chosen[0] if chosen else None
+
+    def fits_if_freed(self, needed_gb: float, freed_gb: Mapping[int, float]) -> bool:
+        """Whether ``needed_gb`` would fit on some device once ``freed_gb`` (budgets per device) is given back."""
+        devices, _ = self.devices()
+        held = _held(self.ledger.entries())
+        for device in devices:
+            freed = freed_gb.get(device.index, 0.0)
+            room = device.total_gb - self.headroom_gb - held.get(device.index, 0.0) + freed
+            if device.free_gb is not None:
+                room = min(room, device.free_gb - self.headroom_gb + freed)
+            if room >= needed_gb:
+                return True
+        return False
 
     def _describe_wait(self, ticket: _Ticket, now: float) -> dict[str, Any]:
         devices, source = self.devices()

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -91,7 +92,7 @@ def check(
             table.add_column(column, overflow="fold")
         for r in results:
             verdict = "[yellow]skipped[/]" if r.skipped else ("[green]ok[/]" if r.ok else "[red]FAILED[/]")
-            table.add_row(r.slug, r.step, verdict, escape(r.detail))  # paths like items[0] are not markup
+            table.add_row(r.slug, r.step, verdict, safe(r.detail))  # paths like items[0] are not markup
         console.print(table)
         _print_provenance(results)
         for r in results:
@@ -127,9 +128,20 @@ def daemon(
 
     if background and os.fork() > 0:
         os._exit(0)  # the client that started us waits for this exit, then for the socket
+    log_format = "%(asctime)s %(name)s %(levelname)s %(message)s"
     if background:
         os.setsid()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        # Detached, it writes pool.log in the log folder (its stdout and stderr too), rotated by size;
+        # under systemd it logs to stderr and the journal rotates.
+        from .paths import log_dir
+        from .retention import PoolLogHandler
+        from .settings import settings
+
+        handler = PoolLogHandler(log_dir() / "pool.log", int(settings().pool_log_max_mb * 2**20))
+        handler.setFormatter(logging.Formatter(log_format))
+        logging.basicConfig(level=logging.INFO, handlers=[handler])
+    else:
+        logging.basicConfig(level=logging.INFO, format=log_format)
     PoolServer(manifests_dir(manifests), quiet_exit_s=quiet_exit_s).serve_forever()
 
 
@@ -142,26 +154,28 @@ def _pool(manifests: Path | None, start: bool = True):
 @app.command()
 def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print the pool's state as JSON.")] = False,
+    require: Annotated[bool, typer.Option(
+        "--require", help="Exit 1 when no pool runs (for health checks); without it that is not an error.")] = False,
     manifests: ManifestsOption = None,
 ) -> None:
-    """The pool's workers, its admission queue and any open breaker."""
+    """The pool's workers, the providers it knows, its admission queue and any open breaker."""
     try:
         with _pool(manifests, start=False) as pool:
             state = pool.status()
-    except ResidentPoolError as exc:
+    except (ResidentPoolError, OSError) as exc:
         if as_json:
             typer.echo(json.dumps({"pool": None, "workers": [], "error": str(exc)}))
         else:
-            console.print(safe(exc))
-        raise typer.Exit(0) from None
+            console.print(safe(exc), highlight=False)
+        raise typer.Exit(1 if require else 0) from None
     if as_json:
         typer.echo(json.dumps(state, indent=2))
         return
     pool = state["pool"]
-    table = Table(title=f"resident-pool {pool['version']} (pid {pool['pid']}, manifests {pool['manifests']})"
+    table = Table(title=f"resident-pool {pool['version']} (pid {pool['pid']}, manifests {safe(pool['manifests'])})"
                         + (" [yellow]draining to stop[/]" if pool.get("draining") else ""))
-    columns = ("slug", "replica", "pid", "state", "version", "device", "budget_gb", "served", "idle_s",
-               "uptime_s", "lease", "transcript")
+    columns = ("slug", "replica", "pid", "state", "version", "fingerprint", "device", "gpu_gb", "served",
+               "idle_s", "in_flight", "uptime_s", "lease", "transcript")
     for column in columns:
         table.add_column(column, overflow="fold")
     for worker in state["workers"]:
@@ -171,6 +185,11 @@ def status(
             f"{lease['age_s']:g} s" + (f" ({', '.join(lease['holder'].values())})" if lease["holder"] else ""))
         if not worker.get("current", True):
             row["version"] = f"{worker['version']} (old)"
+        row["fingerprint"] = (worker.get("fingerprint") or "")[:8]
+        row["gpu_gb"] = _gpu_cell(worker)
+        row["in_flight"] = "" if worker.get("in_flight_s") is None else f"{worker['in_flight_s']:g} s"
+        if worker.get("kept_warm"):
+            row["state"] = f"{worker['state']} (kept warm)"
         table.add_row(*("" if row[c] is None else safe(row[c]) for c in columns))
     if state["workers"]:
         console.print(table)
@@ -181,11 +200,13 @@ def status(
     for slug, breaker in state["breakers"].items():
         console.print(f"[red]breaker[/] {slug}: {'open' if breaker['open'] else 'closed'} "
                       f"({breaker['failures']} failed starts, {breaker['refused']} refused): {safe(breaker['error'])}")
+    for worker in state["workers"]:
+        if worker.get("over_budget"):
+            console.print(f"[red]over budget[/] {safe(worker['over_budget'])}")
+    _print_providers(state.get("providers", {}))
     for slug, provider in state.get("providers", {}).items():
         for line in _provider_lines(slug, provider):
             console.print(line, highlight=False, markup=False, soft_wrap=True)
-        if provider.get("last_error"):
-            console.print(f"last error of {slug}: {safe(provider['last_error'])}")
 
 
 def _provider_lines(slug: str, provider: dict) -> list[str]:
@@ -211,6 +232,114 @@ def _provider_lines(slug: str, provider: dict) -> list[str]:
         lines.append(f"{slug}: JIT cache {cache['bytes'] / 2**20:.1f} MiB in {cache['root']} "
                      f"({len(cache['keys'])} stack key(s))")
     return lines
+
+
+def _gpu_cell(worker: dict) -> str:
+    """``used / budget GB (peak P)``: what the card says beside what the manifest declared."""
+    budget, used, peak = worker.get("budget_gb"), worker.get("gpu_used_gb"), worker.get("gpu_peak_gb")
+    if used is None:
+        return "" if budget is None else f"? / {budget:g}"
+    text = f"{used:.2f} / {budget:g}" if budget is not None else f"{used:.2f}"
+    return text + (f" (peak {peak:.2f})" if peak is not None and peak != used else "")
+
+
+def _print_providers(providers: dict) -> None:
+    """Every provider the pool knows, running or not, with what an operator acts on."""
+    if not providers:
+        return
+    table = Table(title="providers")
+    columns = ("provider", "running", "min/max", "budget_gb", "measured_peak_gb", "fingerprint", "breaker",
+               "last error / advice")
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for slug, provider in sorted(providers.items()):
+        breaker = provider.get("breaker")
+        notes = "; ".join(x for x in (provider.get("last_error"), provider.get("budget_advice")) if x)
+        table.add_row(
+            slug, str(provider.get("running", 0)),
+            f"{provider.get('min_replicas', '')}/{provider.get('max_replicas', '')}",
+            "" if provider.get("budget_gb") is None else f"{provider['budget_gb']:g}",
+            "" if provider.get("measured_peak_gb") is None else f"{provider['measured_peak_gb']:.2f}",
+            (provider.get("fingerprint") or "")[:8],
+            "" if not breaker else ("open" if breaker["open"] else "closed") + f" ({breaker['failures']} failed)",
+            safe(notes))
+    console.print(table)
+
+
+@app.command()
+def warm(
+    slug: str,
+    replicas: Annotated[int, typer.Option("--replicas", min=1, max=64,
+                                          help="How many workers of SLUG to have running.")] = 1,
+    manifests: ManifestsOption = None,
+) -> None:
+    """Start SLUG's workers now (starting the pool if none runs), so the next request finds them warm."""
+    try:
+        with _pool(manifests) as pool:
+            result = pool.warm(slug, replicas)
+    except ResidentPoolError as exc:
+        console.print(f"[red]{type(exc).__name__}[/]: {safe(exc)}")
+        raise typer.Exit(1) from None
+    console.print(f"{slug}: {result['already_warm'] + result['started']} of {replicas} worker(s) warm "
+                  f"({result['started']} started now)", highlight=False)
+    for error in result["errors"]:
+        console.print(f"[red]failed[/]: {safe(error)}")
+    if result["errors"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def metrics(manifests: ManifestsOption = None) -> None:
+    """The pool's metrics in Prometheus's text format (for a node-exporter textfile collector)."""
+    from .metrics import no_pool_text
+
+    try:
+        with _pool(manifests, start=False) as pool:
+            text = pool.metrics_text()
+    except (ResidentPoolError, OSError) as exc:
+        typer.echo(f"resident-pool metrics: {exc}", err=True)
+        text = no_pool_text()
+    typer.echo(text, nl=False)
+
+
+@app.command()
+def events(
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing events as they come.")] = False,
+    from_start: Annotated[bool, typer.Option(
+        "--from-start", help="Begin at the oldest kept event (the relay otherwise resumes where it stopped, "
+        "or begins with new events).")] = False,
+    to_prefect: Annotated[bool, typer.Option(
+        "--to-prefect", help="Relay each event to the Prefect API ($PREFECT_API_URL) instead of printing it; "
+        "runs until stopped.")] = False,
+) -> None:
+    """The pool's lifecycle events (workers started, stopped and why, over budget), one JSON object a line."""
+    from .events import EVENTS_FILE, Follower
+    from .paths import log_dir
+
+    if to_prefect:
+        try:
+            from .prefect import relay_events
+        except ImportError as exc:
+            raise typer.BadParameter(f"--to-prefect needs Prefect installed (pip install 'resident-pool[prefect]'): "
+                                     f"{exc}") from None
+        try:
+            relay_events(from_start=from_start, say=lambda line: typer.echo(line, err=True))
+        except ResidentPoolError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(1) from None
+        return
+    follower = Follower(log_dir() / EVENTS_FILE, from_start=from_start or not follow)
+    try:
+        while True:
+            for record in follower.poll():
+                typer.echo(json.dumps(record))
+            if not follow:
+                return
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return
+    finally:
+        follower.close()
 
 
 @app.command()

@@ -266,15 +266,15 @@ class Pool:
         for attempt in range(attempts):
             try:
                 return self._call(message)
-            except (OSError, ProtocolError):
-                # The pool went away (killed, restarted): reconnect, or start a new one.
-                if attempt == attempts - 1:
-                    raise
-            except ResidentPoolError as error:
+            except ResidentPoolError as error:  # first: AdmissionTimeout is an OSError too, and final
                 if error.reason != "pool_stopping" or attempt == attempts - 1:
                     raise
                 self._drop_link()  # it drains to exit; the next pool serves this request
                 self._wait_for_socket_to_go()
+            except (OSError, ProtocolError):
+                # The pool went away (killed, restarted): reconnect, or start a new one.
+                if attempt == attempts - 1:
+                    raise
         raise AssertionError("unreachable")
 
     def status(self) -> dict[str, Any]:
@@ -288,6 +288,16 @@ class Pool:
     def stop(self, slug: str | None = None, now: bool = False) -> list[str]:
         """Stop ``slug``'s workers (every provider's when None); leased ones finish first unless ``now``."""
         return self._call({"op": "stop", "slug": slug, "now": now})["stopped"]
+
+    def warm(self, slug: str, replicas: int = 1) -> dict[str, Any]:
+        """Start ``slug``'s workers until ``replicas`` of them run (and answer); returns what was started."""
+        reply = self._call({"op": "warm", "slug": slug, "replicas": replicas, "manifests": str(self.manifests)})
+        reply.pop("ok", None)
+        return reply
+
+    def metrics_text(self) -> str:
+        """The pool's metrics in Prometheus's text format."""
+        return self._call({"op": "metrics"})["text"]
 
     def shutdown(self, wait_s: float = 60.0) -> int:
         """Stop every worker and the pool process itself; returns its pid.

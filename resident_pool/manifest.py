@@ -109,6 +109,9 @@ class ContainerEnv(_Strict):
 class Gpu(_Strict):
     policy: Literal["none", "recommended", "required"] = "none"
     vram_budget_gb: float | None = Field(None, gt=0)
+    over_budget: Literal["warn", "stop"] = Field(
+        "warn", description="A worker measured (NVML) above vram_budget_gb is flagged and logged; with \"stop\" "
+        "it is also stopped once its current lease ends (never under a running request).")
 
     @model_validator(mode="after")
     def _budget_when_gpu(self) -> Gpu:
@@ -144,6 +147,9 @@ class Lifecycle(_Strict):
         "stop", description='What admission does to this idle worker to make room: "stop" it, or "hibernate" it '
         "(device memory checkpointed to host memory through the CUDA checkpoint API, driver 570+, the process "
         "kept; its next lease restores it). Where the API is absent or fails, it is stopped.")
+    min_replicas: int = Field(
+        0, ge=0, le=64, description="Workers the pool keeps warm: started when the pool starts (and after one "
+        "ends), exempt from idle retirement, evicted last and only for a request that cannot fit otherwise.")
 
     @field_validator("preload")
     @classmethod
@@ -164,6 +170,12 @@ class Lifecycle(_Strict):
     def _load_needs_a_zygote(self) -> Lifecycle:
         if self.load is not None and self.preload is None:
             raise ValueError("load runs in the zygote, which preload turns on; add preload = [...] (it may be empty)")
+        return self
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> Lifecycle:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas = {self.min_replicas} is above max_replicas = {self.max_replicas}")
         return self
 
 
@@ -329,6 +341,9 @@ class Manifest(_Strict):
     def _mode(self) -> Manifest:
         if self.mode == "subprocess" and not self.mode_reason:
             raise ValueError('mode = "subprocess" needs mode_reason saying why the model cannot be held')
+        if self.mode == "subprocess" and self.lifecycle.min_replicas:
+            raise ValueError('lifecycle.min_replicas: a mode = "subprocess" worker is started per request and '
+                             "cannot be kept warm; set min_replicas = 0")
         return self
 
     @property

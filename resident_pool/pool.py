@@ -41,6 +41,7 @@ from .jit_cache import JitSizes
 from .kit import jit_root, stray_variables
 from .launch import command_builder
 from .manifest import SLUG, Manifest, load_manifest
+from .observing import PoolObserving
 from .protocol import ProtocolError, bind_unix, recv_line, send_line
 from .replica import Lease, Replica
 from .settings import settings
@@ -60,10 +61,17 @@ _TICK_S = 0.25
 ABANDON_PROBE_S = 1.0
 LIVENESS_TIMEOUT_S = 10.0
 RELEASE_OUTCOMES = ("ok", "broken", "exiting", "timeout", "abandoned")
+# Start failures that say nothing about the provider (its client left, the card was full, the start was
+# called off): they never count toward its breaker, or a busy card would fail every task of a campaign
+# for the cooldown.
+_NOT_THE_PROVIDERS_FAULT = frozenset({"client_gone", "no_room", "admission_timeout", "start_cancelled",
+                                      "pool_stopping"})
 _HOLDER_KEYS, _HOLDER_CHARS = 8, 300
 # How often a client waiting on a long op hears from the pool; it gives up after a minute of silence.
 KEEPALIVE_S = 10.0
 _LONG_OPS = ("acquire", "stop")
+# How often the pool tops every provider up to its min_replicas.
+KEEP_WARM_S = 5.0
 
 
 class _Connection:
@@ -105,7 +113,7 @@ class _Connection:
 class _CpuOnly:
     """Admission for a "recommended" GPU provider on a host with no GPU: run it on the CPU."""
 
-    def admit(self, worker) -> dict[str, str]:
+    def admit(self, worker, wait: bool = True) -> dict[str, str]:
         return {"CUDA_VISIBLE_DEVICES": ""}
 
     def release(self, worker) -> None:
@@ -131,7 +139,7 @@ class _Provider:
     variant: dict[str, Any] | None = None  # how a variant (slug~name) is built; None for the provider as declared
 
 
-class PoolServer:
+class PoolServer(PoolObserving):
     def __init__(self, manifests: Path, quiet_exit_s: float | None = None) -> None:
         config = settings()
         self.manifests = manifests.resolve()
@@ -164,6 +172,10 @@ class PoolServer:
         self._tickets = itertools.count(1)
         self._last_beat = 0.0
         self._current = threading.local()  # the connection an op's thread serves: admission reports to it
+        self._observe_init(config)
+        self._warming: set[str] = set()  # providers being topped up to min_replicas
+        self._last_keep_warm = 0.0
+        self._kept_warm_loaded = False
 
     # -- serving -------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -176,9 +188,11 @@ class PoolServer:
         log.info("pool %d (resident-pool %s) serving %s (manifests %s)", os.getpid(), __version__,
                  self.socket_path, self.manifests)
         threading.Thread(target=self._maintain_loop, name="maintain", daemon=True).start()
+        self._observe_start()
         backoff = 0.0
         try:
             while not self.finished.is_set():
+                self._accept_tick = time.monotonic()  # the watchdog's sign that this loop turns
                 if self._signal is not None:
                     self.begin_stop(f"signal {signal.Signals(self._signal).name}")
                 try:
@@ -195,6 +209,7 @@ class PoolServer:
                 backoff = 0.0
                 self._spawn_client_thread(conn)
         finally:
+            self._observe_stop()
             listener.close()
             if self._socket_is_ours():
                 try:
@@ -298,6 +313,7 @@ class PoolServer:
             "status": lambda m, c: {"ok": True, **self.status()},
             "waiting": lambda m, c: {"ok": True, "waiting": self.waiting()},
             "stop": self._op_stop, "shutdown": self._op_shutdown,
+            "warm": self._op_warm, "metrics": lambda m, c: {"ok": True, "text": self.metrics.render()},
         }.get(op) if isinstance(op, str) else None
         if handler is None:
             error = ResidentPoolError(f"unknown pool op {op!r}", reason="unknown_op")
@@ -477,21 +493,28 @@ class PoolServer:
             if replica.state is ReplicaState.HIBERNATED:  # a restore costs a copy back, not a start
                 replica.transition(ReplicaState.STARTING, "its lease restores it from hibernation")
                 return replica, True
-        manifest = provider.manifest
-        if sum(r.live for r in current) >= manifest.lifecycle.max_replicas:
+        if sum(r.live for r in current) >= provider.manifest.lifecycle.max_replicas:
             return None
+        return self._new_replica(provider), True
+
+    def _new_replica(self, provider: _Provider) -> Replica:
+        """A STARTING replica of the provider's current version under the lowest free number (the lock is held)."""
+        manifest = provider.manifest
         index = next(i for i in itertools.count() if i not in provider.replicas)
         process = self._new_process(provider.slug, index, manifest)
         budget = manifest.gpu.vram_budget_gb if manifest.gpu.policy != "none" else None
         replica = Replica(provider.slug, index, provider.version, process, budget, manifest)
         provider.replicas[index] = replica
-        return replica, True
+        return replica
 
     def _new_process(self, slug: str, index: int, manifest: Manifest) -> WorkerProcess:
         return WorkerProcess(slug, index, state_dir=self.state_dir, start_timeout_s=manifest.lifecycle.start_timeout_s)
 
-    def _start(self, provider: _Provider, replica: Replica, lease: Lease) -> None:
-        """Admit, then restore (a hibernated replica) or spawn (or fork) and wait for it; a failure ends both."""
+    def _start(self, provider: _Provider, replica: Replica, lease: Lease, wait: bool = True) -> None:
+        """Admit, then restore (a hibernated replica) or spawn (or fork) and wait for it; a failure ends both.
+
+        ``wait=False``: admitted only if its budget fits now (a warm-up of the pool's own).
+        """
         manifest = replica.manifest
         admitter = self._admitter(manifest)
         with self.lock:
@@ -501,7 +524,11 @@ class PoolServer:
         try:
             env: dict[str, str | None] = {}
             if replica.vram_budget_gb and admitter is not None:
-                env = dict(self._admit(admitter, replica))
+                asked = time.monotonic()
+                try:
+                    env = dict(self._admit(admitter, replica, wait))
+                finally:
+                    self._on_admission(provider, admitter, time.monotonic() - asked)
                 replica.admitter = admitter
             if replica.abort:
                 raise WorkerStartError(f"{provider.slug}: the start was called off: {replica.abort}",
@@ -511,6 +538,7 @@ class PoolServer:
                 if replica.admitter is self.admission:
                     self.admission.started(replica)  # the ledger names the loading worker from now on
 
+            began = time.monotonic()
             if self._restored(provider, replica):
                 spawned(replica.process.pid)
             else:
@@ -529,11 +557,12 @@ class PoolServer:
             provider.breaker.succeeded()
             replica.last_checked = time.monotonic()
             replica.transition(ReplicaState.LEASED, "started")
+        self._on_started(provider, replica, time.monotonic() - began)
 
-    def _admit(self, admitter, replica: Replica):
+    def _admit(self, admitter, replica: Replica, wait: bool):
         if replica.hibernation is not None:  # its memory goes back to the device it left
-            return admitter.admit(replica, device=int(replica.hibernation.device))
-        return admitter.admit(replica)
+            return admitter.admit(replica, device=int(replica.hibernation.device), wait=wait)
+        return admitter.admit(replica, wait=wait)
 
     def _restored(self, provider: _Provider, replica: Replica) -> bool:
         """Restore a hibernated replica (admitted already); False when it is to start afresh instead."""
@@ -579,12 +608,15 @@ class PoolServer:
             replica.last_error = provider.last_error = error.headline
             if provider.replicas.get(replica.index) is replica:
                 del provider.replicas[replica.index]
-            if error.reason not in ("client_gone", "start_cancelled", "pool_stopping") and provider.breaker.failed(
-                    provider.fingerprint, error.to_dict(), refusal=error.exit_code in REFUSAL_CODES):
+            opened = error.reason not in _NOT_THE_PROVIDERS_FAULT and provider.breaker.failed(
+                provider.fingerprint, error.to_dict(), refusal=error.exit_code in REFUSAL_CODES)
+            if opened:
                 log.warning("%s: breaker open for %g s after: %s", provider.slug, self.breaker_cooldown_s,
                             error.headline)
+                error.details["breaker_opened"] = True  # the Prefect helpers say so in an event
             self._wake(provider)
             self.changed.notify_all()
+        self._on_start_failed(provider, replica, error, opened)
         return error
 
     def _wake(self, provider: _Provider) -> None:
@@ -639,10 +671,12 @@ class PoolServer:
             self._abandoned(provider, replica, "its client gave up on a request in flight")
             return None
         if outcome == "timeout":
+            self.metrics.book.failed(replica.slug, replica.index, "timeout")
             timeout = provider.manifest.lifecycle.request_timeout_s
             self._stop(provider, replica, f"a request outran request_timeout_s = {timeout:g} s", now=True)
             return {"ok": True}
         if outcome == "exiting":
+            self.metrics.book.failed(replica.slug, replica.index, "worker_exiting")
             error = replica.process.exiting_error(reply)
             self._forget(provider, replica, error.headline)
             return {"ok": True, "error": error.to_dict()}
@@ -650,6 +684,7 @@ class PoolServer:
         if rc is not None:
             stopped = replica.retire is not None  # the pool stopped it on purpose (stop --now), else it died
             error = replica.process.died_error(rc, stopping=stopped)
+            self.metrics.book.failed(replica.slug, replica.index, error.reason)
             self._forget(provider, replica, error.headline)
             return {"ok": True, "error": error.to_dict()}
         self._abandoned(provider, replica, "its client's connection to it broke")
@@ -657,6 +692,9 @@ class PoolServer:
 
     def _free(self, provider: _Provider, replica: Replica, why: str) -> None:
         """A lease ended cleanly (the lock is held): ready again, or on its way out if it drains."""
+        if replica.state is ReplicaState.LEASED and provider.manifest.mode == "subprocess" and replica.retire is None:
+            # Never READY: a waiting request would take it before the maintenance loop retires it.
+            replica.retire = 'mode = "subprocess": a worker serves one lease'
         if replica.state is ReplicaState.LEASED and replica.retire is None and replica.version == provider.version:
             replica.transition(ReplicaState.READY, why)
             self._wake(provider)
@@ -745,6 +783,8 @@ class PoolServer:
         self._stop_process(provider, replica, why, now)
 
     def _stop_process(self, provider: _Provider, replica: Replica, why: str, now: bool = False) -> None:
+        if not now:
+            self._collect_stats(replica, timeout=1.0)  # its counts since the last collection, before they go
         rc = replica.process.kill(grace_s=5.0) if now else replica.process.stop()
         gone = "" if rc is not None else "; it did not end after SIGKILL"
         self._forget(provider, replica, f"{why}{gone}" if now or gone else None)
@@ -764,6 +804,7 @@ class PoolServer:
                 del provider.replicas[replica.index]
             self._wake(provider)
             self.changed.notify_all()
+        self._on_stopped(provider, replica)
 
     def _release_budget(self, replica: Replica) -> None:
         admitter, replica.admitter = replica.admitter, None
@@ -772,18 +813,29 @@ class PoolServer:
 
     # -- eviction and waiting -------------------------------------------------
     def _evict_idle(self, needed_gb: float) -> bool:
-        """Stop the least recently used idle GPU worker; True if one was stopped."""
+        """Stop the least recently used idle GPU worker; True if one was stopped.
+
+        Workers kept warm (min_replicas) go after every other idle one, and only when giving back
+        every idle kept-warm budget would let the request fit: never for nothing.
+        """
         with self.lock:
-            idle = [(replica.last_used, provider, replica)
+            idle = [(self._kept_warm(provider, replica), replica.last_used, provider, replica)
                     for provider in self.providers.values() for replica in provider.replicas.values()
                     if replica.state is ReplicaState.READY and replica.admitter is self.admission]
             if not idle:
                 return False
-            _, provider, replica = min(idle, key=lambda item: item[0])
-            why = f"evicted (idle) to make room for a worker needing {needed_gb:g} GB"
-            hibernate = provider.manifest.lifecycle.evict == "hibernate"
-            # In the same hold it was chosen: no client can lease it in between.
+            kept, _, provider, replica = min(idle, key=lambda item: item[:2])
+            freed = _budgets_by_device(item[3] for item in idle if item[0])
+        if kept and not self.admission.fits_if_freed(needed_gb, freed):
+            return False
+        why = f"evicted (idle) to make room for a worker needing {needed_gb:g} GB"
+        hibernate = provider.manifest.lifecycle.evict == "hibernate"
+        with self.lock:
+            if replica.state is not ReplicaState.READY:
+                return True  # leased or stopped meanwhile: admission looks again
+            # Moved on under the same lock that saw it READY: a client cannot lease it in between.
             replica.transition(ReplicaState.HIBERNATING if hibernate else ReplicaState.STOPPING, why)
+        self.metrics.evictions.labels(provider.slug).inc()
         if hibernate and self._hibernate(provider, replica, why):
             return True
         if hibernate:
@@ -880,7 +932,9 @@ class PoolServer:
             self.begin_stop("its socket is gone", now=True)
             return
         now = time.monotonic()
-        beat = now - self._last_beat >= HEARTBEAT_INTERVAL_S
+        # A tick early rather than a tick late: passes land on _TICK_S steps, and a beat due at 2.0 s
+        # but made at 2.2 s lets a worker told "stale after 2 s" think its pool is gone.
+        beat = now - self._last_beat >= HEARTBEAT_INTERVAL_S - _TICK_S
         if beat:
             self._last_beat = now
         checks = []
@@ -906,8 +960,8 @@ class PoolServer:
                         why = f"{replica.name} exited while idle: {describe_exit(rc)}"
                         replica.transition(ReplicaState.STOPPING, why)
                         checks.append((self._forget, (provider, replica, why)))
-                    elif provider.manifest.mode == "subprocess" or (
-                            0 < lifecycle.idle_timeout_s <= replica.idle_s()):
+                    elif (provider.manifest.mode == "subprocess" or (0 < lifecycle.idle_timeout_s <= replica.idle_s())
+                          ) and not self._kept_warm(provider, replica):
                         self._stop_later(provider, replica, f"idle for {replica.idle_s():.1f} s (idle_timeout_s = "
                                                             f"{lifecycle.idle_timeout_s:g})")
                     elif now - replica.last_checked >= lifecycle.ping_interval_s:
@@ -923,6 +977,10 @@ class PoolServer:
         if self.quiet_exit_s > 0 and now - self.quiet_since >= self.quiet_exit_s and not self.draining:
             log.info("no workers and no clients for %g s; exiting", self.quiet_exit_s)
             self.begin_stop("quiet")
+        self._observe_tick(now)
+        if now - self._last_keep_warm >= KEEP_WARM_S and not self.draining:
+            self._last_keep_warm = now
+            self._keep_warm()
 
     def _keep_hibernated(self, provider: _Provider, replica: Replica, checks: list) -> None:
         """Never pinged (its CUDA is locked: a ping that touched it would hang); still reaped, still retired
@@ -952,6 +1010,8 @@ class PoolServer:
     def _check_liveness(self, provider: _Provider, replica: Replica) -> None:
         """Alive means running AND answering: an idle worker that does not answer is stopped."""
         answer = replica.process.ping(timeout=LIVENESS_TIMEOUT_S)
+        if answer is not None:
+            self._collect_stats(replica)  # still under the pool's own lease: the worker is idle
         with self.lock:
             replica.last_checked = time.monotonic()
             replica.lease = None
@@ -999,11 +1059,12 @@ class PoolServer:
                                    "eviction": self.hibernator.status(slug, provider.manifest.lifecycle.evict)}
         for slug, manifest in kit_providers:  # walked outside the lock, at most once a minute per root
             providers[slug]["jit_cache"] = self.jit_sizes.report(jit_root(manifest, os.environ))
-        return {"pool": {"pid": os.getpid(), "version": __version__, "socket": self.socket_path,
-                         "manifests": str(self.manifests), "since": self.started, "ledger": str(self.ledger.path),
-                         "draining": self.draining},
-                "workers": workers, "providers": providers, "waiting": self.waiting(), "breakers": breakers,
-                "ledger": self.ledger.entries(), "zygotes": self.zygotes.describe()}
+        return self._observe_status({
+            "pool": {"pid": os.getpid(), "version": __version__, "socket": self.socket_path,
+                     "manifests": str(self.manifests), "since": self.started, "ledger": str(self.ledger.path),
+                     "draining": self.draining},
+            "workers": workers, "providers": providers, "waiting": self.waiting(), "breakers": breakers,
+            "ledger": self.ledger.entries(), "zygotes": self.zygotes.describe()})
 
     def stop(self, slug: str | None, now: bool = False, why: str = "stopped by `resident-pool stop`") -> list[str]:
         """Stop ``slug``'s replicas (every provider's when None): leased ones drain first, up to drain_grace_s."""
@@ -1030,6 +1091,115 @@ class PoolServer:
                 del self.providers[key]  # a variant (a check's run) is gone with its last replica
         self.zygotes.retire(slug, why)
         return [replica.name for _, replica in targets]
+
+    # -- warm-up on demand ------------------------------------------------------------
+    def _op_warm(self, message: dict[str, Any], connection: _Connection) -> dict[str, Any]:
+        slug, replicas, manifests = message.get("slug"), message.get("replicas", 1), message.get("manifests")
+        if not isinstance(slug, str) or not SLUG.match(slug):
+            raise ResidentPoolError(f"provider name {slug!r} is not a slug", reason="bad_request")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= 64:
+            raise ResidentPoolError(f"warm takes a replica count from 1 to 64, not {replicas!r}", reason="bad_request")
+        if manifests is not None and not isinstance(manifests, str):
+            raise ResidentPoolError("manifests must be a folder path", reason="bad_request")
+        return {"ok": True, **self.warm(slug, manifests, replicas)}
+
+    def warm(self, slug: str, manifests: str | None, replicas: int, why: str = "warm-up",
+             wait: bool = True) -> dict[str, Any]:
+        """Start workers of ``slug`` until ``replicas`` of its current version are live; wait for them to answer.
+
+        ``wait=False``: only where the budget fits now, never queueing before or evicting for requests.
+        """
+        if self.draining:
+            raise self._stopping_error()
+        provider = self._provider(slug, manifests)
+        cap = provider.manifest.lifecycle.max_replicas
+        if provider.manifest.mode == "subprocess":
+            raise ResidentPoolError(f'{slug}: mode = "subprocess" starts a worker per request; it cannot be kept warm',
+                                    slug=slug, reason="bad_request")
+        if replicas > cap:
+            raise ResidentPoolError(f"{slug}: cannot keep {replicas} replicas warm: max_replicas = {cap} in "
+                                    f"{provider.source}; raise it or ask for fewer", slug=slug, reason="bad_request")
+        with self.lock:
+            if provider.breaker.is_open(provider.fingerprint):
+                raise self._breaker_error(provider)
+            live = [r for r in provider.replicas.values()
+                    if r.live and r.version == provider.version and r.retire is None]
+            starting = []
+            for _ in range(replicas - len(live)):
+                replica = self._new_replica(provider)
+                replica.lease = Lease(None, replica, {"pool": why})  # the pool's own: no client holds it
+                starting.append(replica)
+        errors: list[ResidentPoolError] = []
+
+        def start(replica: Replica) -> None:
+            try:
+                self._start(provider, replica, replica.lease, wait=wait)
+            except ResidentPoolError as exc:
+                errors.append(exc)
+                return
+            with self.lock:
+                replica.lease = None
+                replica.last_used = time.monotonic()
+                self._free(provider, replica, f"started by {why}")
+
+        threads = [threading.Thread(target=start, args=(r,), name=f"warm-{r.name}", daemon=True) for r in starting]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors and len(errors) == len(starting):
+            raise errors[0]
+        return {"slug": slug, "already_warm": len(live), "started": len(starting) - len(errors),
+                "replicas": replicas, "errors": [e.headline for e in errors]}
+
+    def _kept_warm(self, provider: _Provider, replica: Replica) -> bool:
+        """Whether ``replica`` is one of the provider's ``min_replicas`` (the lowest-numbered live ones)."""
+        keep = provider.manifest.lifecycle.min_replicas
+        if not keep or replica.version != provider.version or replica.retire is not None:
+            return False
+        warm = sorted(r.index for r in provider.replicas.values()
+                      if r.live and r.version == provider.version and r.retire is None)
+        return replica.index in warm[:keep]
+
+    def _keep_warm(self) -> None:
+        """Top every provider up to its min_replicas (at start, after a death, an eviction, a manifest change)."""
+        if not self._kept_warm_loaded:
+            self._kept_warm_loaded = True
+            self._load_kept_warm()
+        if self.admission.waiting():
+            return  # requests wait for GPU memory: a warm-up must not take it before them
+        wanted = []
+        with self.lock:
+            for slug, provider in self.providers.items():
+                keep = provider.manifest.lifecycle.min_replicas
+                if not keep or slug in self._warming or provider.breaker.remaining_s() > 0:
+                    continue
+                live = sum(r.live and r.version == provider.version and r.retire is None
+                           for r in provider.replicas.values())
+                if live < keep:
+                    self._warming.add(slug)
+                    wanted.append((slug, str(provider.source.parent.parent), keep))
+        for args in wanted:
+            threading.Thread(target=self._warm_kept, args=args, name=f"keep-warm-{args[0]}", daemon=True).start()
+
+    def _warm_kept(self, slug: str, manifests: str, keep: int) -> None:
+        try:
+            self.warm(slug, manifests, keep, why="min_replicas", wait=False)
+        except ResidentPoolError as exc:
+            (log.info if exc.reason == "no_room" else log.warning)(
+                "%s: could not keep %d worker(s) warm (min_replicas): %s", slug, keep, exc.headline)
+        finally:
+            with self.lock:
+                self._warming.discard(slug)
+
+    def _load_kept_warm(self) -> None:
+        """The providers of the pool's own manifests folder that ask for warm workers from the start."""
+        for path in sorted(self.manifests.glob("*/manifest.toml")):
+            try:
+                if load_manifest(path).lifecycle.min_replicas:
+                    self._provider(path.parent.name, None)
+            except ResidentPoolError as exc:
+                log.warning("%s: not kept warm: %s", path, exc)
 
 
 def _stamp(path: Path) -> tuple[int, ...]:
@@ -1078,3 +1248,13 @@ def _holder(raw: Any) -> dict[str, str]:
 
 def _round(value: float | None) -> float | None:
     return round(value, 1) if value is not None else None
+
+
+def _budgets_by_device(replicas) -> dict[int, float]:
+    freed: dict[int, float] = {}
+    for replica in replicas:
+        device = replica.process.device
+        if device is not None and device.isdigit() and replica.vram_budget_gb:
+            freed[int(device)] = freed.get(int(device), 0.0) + replica.vram_budget_gb
+    return freed
+

@@ -7,23 +7,32 @@ module keeps only a client per process (and per manifests folder).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import re
+import signal
 import socket
 import threading
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, runtime
+from prefect import get_run_logger, runtime, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.context import FlowRunContext, TaskRunContext
+from prefect.events import Event, emit_event
+from prefect.events.clients import get_events_client
+from prefect.settings import PREFECT_API_URL
 
 from . import paths
 from .client import Pool, Session, default_manifests
 from .errors import (
     AdmissionRefused,
+    AdmissionTimeout,
     KitUnavailable,
     ManifestError,
     ResidentPoolError,
@@ -31,6 +40,7 @@ from .errors import (
     WorkerRequestError,
     WorkerStartError,
 )
+from .events import EVENTS_FILE, Follower
 from .exits import REFUSAL_CODES, describe_exit
 from .settings import settings
 from .transcripts import read_tail
@@ -41,8 +51,14 @@ __all__ = [
     "pool_session",
     "predict",
     "predict_batch",
+    "relay_events",
     "retry_pool_failures",
+    "warm_provider",
 ]
+
+log = logging.getLogger("resident_pool.prefect")
+HOST = socket.gethostname()
+_waits = threading.local()  # the last admission wait this thread's request reported
 
 
 _KEY_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
@@ -62,6 +78,7 @@ def _client(manifests: str | os.PathLike[str] | None) -> Pool:
 
 
 def _log_wait(wait: dict[str, Any]) -> None:
+    _waits.last = wait
     free = ", ".join(f"GPU {device}: {gb:g} GB" for device, gb in wait["free"].items()) or "no device"
     holders = "; ".join(wait["holders"]) or "nobody in the pool (memory held outside it)"
     if wait.get("ahead"):
@@ -184,15 +201,61 @@ def _holder() -> dict[str, str]:
     return holder
 
 
+# -- events: what a lease saw, related to the flow and task run it ran in ----------------------------
+def _emit(name: str, slug: str, **payload: Any) -> None:
+    """Emit ``resident-pool.<name>`` about provider ``slug``; Prefect relates it to the current run.
+
+    An event that cannot be sent is logged, never raised: the task's own work comes first.
+    """
+    try:
+        emit_event(event=f"resident-pool.{name}", resource=_provider_resource(slug),
+                   related=[_host_resource()], payload={"host": HOST, **payload})
+    except Exception as exc:  # noqa: BLE001 - events are best effort; EventTooLarge and client errors alike
+        log.warning("could not emit resident-pool.%s for %s: %s", name, slug, exc)
+
+
+def _provider_resource(slug: str) -> dict[str, str]:
+    return {"prefect.resource.id": f"resident-pool.provider.{slug}", "prefect.resource.name": slug,
+            "resident-pool.provider": slug}
+
+
+def _host_resource() -> dict[str, str]:
+    return {"prefect.resource.id": f"resident-pool.host.{HOST}", "prefect.resource.role": "host",
+            "prefect.resource.name": HOST}
+
+
+def _emit_leased(slug: str, session: Session, wait: dict[str, Any] | None) -> None:
+    if wait is not None:
+        _emit("admission.waited", slug, needs_gb=wait.get("needs_gb"), waited_s=wait.get("waited_s"),
+              holders=wait.get("holders"))
+    if session.cold:
+        _emit("worker.cold-start", slug, replica=session.replica, pid=session.pid, transcript=session.transcript)
+
+
+def _emit_failure(error: ResidentPoolError) -> None:
+    slug = error.slug or "unknown"
+    if isinstance(error, AdmissionTimeout):
+        _emit("admission.timeout", slug, needs_gb=error.details.get("needs_gb"),
+              waited_s=error.details.get("waited_s"), holders=error.details.get("holders"))
+    if error.details.get("breaker_opened"):
+        _emit("breaker.open", slug, reason=error.reason, exit_code=error.exit_code, error=error.headline)
+    _emit("request.failed", slug, reason=error.reason, exit_code=error.exit_code,
+          exit=None if error.exit_code is None else describe_exit(error.exit_code), error_type=type(error).__name__,
+          error=error.headline, transcript=error.transcript, breaker_refused=bool(error.details.get("breaker")))
+
+
 @contextmanager
 def pool_session(slug: str, manifests: str | os.PathLike[str] | None = None) -> Iterator[Session]:
-    """Hold one worker of ``slug`` for a batch inside a task; pool failures become artifacts."""
+    """Hold one worker of ``slug`` for a batch inside a task; pool failures become artifacts and events."""
     client = _client(manifests)
     client.on_wait = _log_wait
+    _waits.last = None
     try:
         with client.session(slug, holder=_holder()) as session:
+            _emit_leased(slug, session, _waits.last)
             yield session
     except ResidentPoolError as error:
+        _emit_failure(error)
         raise _report(error) from error
 
 
@@ -206,6 +269,90 @@ def predict_batch(slug: str, payloads: list[Any], manifests: str | os.PathLike[s
     """Several predictions on one held worker (one lease, no other caller in between)."""
     with pool_session(slug, manifests) as session:
         return [session.predict(payload) for payload in payloads]
+
+
+@task(name="resident-pool-warm")
+def warm_provider(slug: str, replicas: int = 1, manifests: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Start ``slug``'s workers at the start of a flow, so its first chunk does not pay the start.
+
+    ``warm_provider.submit(slug)`` lets the flow read its inputs meanwhile; pass the future to the
+    chunk tasks (``wait_for=[...]``) so they find the workers warm.
+    """
+    client = _client(manifests)
+    client.on_wait = _log_wait
+    try:
+        result = client.warm(slug, replicas)
+    except ResidentPoolError as error:
+        _emit_failure(error)
+        raise _report(error) from error
+    get_run_logger().info("%s: %d of %d worker(s) warm (%d started now)", slug,
+                          result["already_warm"] + result["started"], replicas, result["started"])
+    return result
+
+
+# -- the relay: the pool's own lifecycle events, forwarded to Prefect --------------------------------
+def relay_events(*, from_start: bool = False, follow: bool = True, poll_s: float = 0.5,
+                 stop: threading.Event | None = None, say: Callable[[str], None] = print) -> int:
+    """Forward the pool's event stream to the Prefect API until stopped (SIGTERM, SIGINT); returns how many.
+
+    Its place is kept in a cursor beside the stream, so a restarted relay resumes without
+    repeating or skipping (Prefect also drops an event id it already has).
+    """
+    if not PREFECT_API_URL.value():
+        raise ResidentPoolError("resident-pool events --to-prefect: PREFECT_API_URL is not set; point it at the "
+                                "Prefect server the flow runs report to (as the worker's unit does)",
+                                reason="bad_setting")
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+    return asyncio.run(_relay(from_start, follow, poll_s, stop, say))
+
+
+async def _relay(from_start: bool, follow: bool, poll_s: float, stop: threading.Event,
+                 say: Callable[[str], None]) -> int:
+    stream = paths.log_dir() / EVENTS_FILE
+    follower = Follower(stream, cursor=paths.log_dir() / "events.relay-cursor", from_start=from_start)
+    say(f"relaying {stream} (from byte {follower.offset}) to Prefect at {PREFECT_API_URL.value()}")
+    sent = 0
+    try:
+        async with get_events_client(checkpoint_every=1) as client:
+            while True:
+                records = follower.poll()
+                for record in records:
+                    try:
+                        event = _prefect_event(record)
+                    except (KeyError, TypeError, ValueError) as exc:
+                        say(f"skipping an event line that is not the pool's ({exc}): {str(record)[:200]}")
+                        continue
+                    await client.emit(event)
+                    sent += 1
+                if records:
+                    follower.commit()
+                    say(f"relayed {len(records)} event(s), {sent} in all")
+                if not follow or stop.is_set():
+                    return sent
+                await asyncio.sleep(poll_s)
+    finally:
+        follower.close()
+
+
+def _prefect_event(record: dict[str, Any]) -> Event:
+    """One line of the pool's stream as a Prefect event: the worker (or the pool) as its resource."""
+    slug, replica, host = record.get("slug"), record.get("replica"), str(record.get("host") or HOST)
+    if slug is not None:
+        resource = {"prefect.resource.id": f"resident-pool.worker.{host}.{slug}.{replica}",
+                    "prefect.resource.name": f"{slug}[{replica}] on {host}", "resident-pool.provider": str(slug),
+                    "resident-pool.replica": str(replica)}
+        related = [{**_provider_resource(str(slug)), "prefect.resource.role": "provider"}]
+    else:
+        resource = {"prefect.resource.id": f"resident-pool.pool.{host}", "prefect.resource.name": f"pool on {host}"}
+        related = []
+    related.append({"prefect.resource.id": f"resident-pool.host.{host}", "prefect.resource.role": "host",
+                    "prefect.resource.name": host})
+    payload = {**(record.get("payload") or {}), "host": host, "pool_pid": record.get("pool_pid")}
+    return Event(event=record["event"], occurred=datetime.fromisoformat(record["occurred"]),
+                 id=uuid.UUID(record["id"]), resource=resource, related=related, payload=payload)
 
 
 _RETRYABLE_REASONS = frozenset({"worker_died", "worker_stopped", "worker_exiting", "request_timeout"})

@@ -58,7 +58,7 @@ DEFAULT_REQUEST_TIMEOUT_S = 6 * 3600.0
 AF_UNIX_PATH_MAX = 107
 RECV_CHUNK = 256 * 1024
 
-OPS = ("ping", "predict", "shutdown")
+OPS = ("ping", "predict", "stats", "shutdown")
 REASONS = ("request_failed", "worker_exiting", "unknown_op", "bad_request")
 
 

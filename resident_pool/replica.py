@@ -10,7 +10,7 @@ from typing import Any
 
 from .states import REPLICA_EDGES, ReplicaState
 
-__all__ = ["Lease", "Replica", "ReplicaTransitionError"]
+__all__ = ["Lease", "Measured", "Replica", "ReplicaTransitionError"]
 
 log = logging.getLogger("resident_pool.replica")
 _lease_ids = itertools.count(1)
@@ -29,6 +29,18 @@ class Lease:
     holder: dict[str, str] = field(default_factory=dict)
     id: int = field(default_factory=lambda: next(_lease_ids))
     since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Measured:
+    """What the pool measured of one worker, for status and metrics; the pool alone writes it."""
+
+    gpu_used_gb: float | None = None  # its process group's GPU memory (NVML), None where unmeasured
+    gpu_peak_gb: float | None = None
+    over_budget: str | None = None  # the sentence, from the first reading above the budget
+    stats_at: float = 0.0  # when the worker's own counts were last collected (monotonic)
+    stats_served: int = -1  # ``served`` then: a release since makes a new collection due
+    collecting: bool = False
 
 
 class Replica:
@@ -54,6 +66,8 @@ class Replica:
         self.admitter: Any = None  # what admitted its budget, told when it is gone
         self.abort: str | None = None  # why a start in progress is called off (a stop --now, the pool stopping)
         self.hibernation: Any = None  # a hibernate.Hibernation while its memory is checkpointed
+        self.stop_why: str | None = None  # why it moved to STOPPING (the lifecycle event says it)
+        self.measured = Measured()
 
     # Admission and the ledger know a worker by slug and replica number.
     @property
@@ -75,6 +89,8 @@ class Replica:
         log.debug("%s: %s -> %s %s", self.name, self.state, new, why)
         if why and new in (ReplicaState.DRAINING, ReplicaState.STOPPING, ReplicaState.FAILED):
             self.process.note(f"{self.state} -> {new}: {why}")
+        if new is ReplicaState.STOPPING:
+            self.stop_why = why
         self.state = new
 
     @property

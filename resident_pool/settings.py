@@ -76,6 +76,14 @@ class Settings(BaseSettings):
                                   "reads it too)")
     max_attachment_bytes: int = Field(4 * 1024**3, ge=0, description="the largest attachment a receiver maps; "
                                       "a sender checks the receiver's cap first (the worker reads it too)")
+    metrics_port: int | None = Field(None, ge=1, le=65535, description="serve Prometheus metrics on "
+                                     "127.0.0.1:PORT (off when unset); any local user can read them")
+    transcripts_keep: int = Field(50, ge=1, description="transcripts kept per provider; the oldest beyond it "
+                                  "are removed (never one a live worker writes)")
+    transcripts_max_mb: float = Field(500.0, gt=0, description="total size of one provider's transcripts; the "
+                                      "oldest beyond it are removed (never one a live worker writes)")
+    pool_log_max_mb: float = Field(20.0, gt=0, description="the background pool's own log (pool.log) is rotated "
+                                   "at this size; 3 old files are kept")
 
 
 def settings() -> Settings:

@@ -13,17 +13,21 @@ own environment, where this package is not installed::
 from __future__ import annotations
 
 import array
+import bisect
 import importlib.util
+import mmap
 import os
 import selectors
 import socket
+import struct
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["load_arrays", "load_protocol", "release_cublas_workspaces", "serve", "staged"]
+__all__ = ["IN_FLIGHT_FILE", "LATENCY_BUCKETS_S", "load_arrays", "load_protocol", "release_cublas_workspaces",
+           "serve", "staged"]
 
 DEFAULT_ORPHAN_GRACE_S = 120.0
 DEFAULT_HEARTBEAT_STALE_S = 30.0
@@ -33,6 +37,12 @@ _TICK_S = 0.25
 # loaded is noticed as soon as serve() runs.
 _PROCESS_STARTED = time.monotonic()
 _PARENT_AT_START = os.getppid()
+# Upper bounds (seconds) of the request latency histogram the ``stats`` op answers. Fixed, so
+# every worker's counts add up in the pool's metrics: from an echo's milliseconds to an hour.
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
+                     3600.0)
+# Beside the heartbeat, in the worker's run folder: when the request in flight started.
+IN_FLIGHT_FILE = "in-flight"
 
 
 class _Watchdog:
@@ -60,6 +70,59 @@ class _Watchdog:
         except OSError:
             return True
         return age > self.stale_s
+
+
+class _Stats:
+    """What this worker has answered: the pool collects it with the ``stats`` op (requests never pass through
+    the pool). Failures that end the process (worker_exiting, a death) are counted by the pool instead."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.failures: dict[str, int] = {}
+        self.buckets = [0] * (len(LATENCY_BUCKETS_S) + 1)  # the last one: slower than every bound
+        self.seconds = 0.0
+
+    def record(self, elapsed_s: float, failure: str | None = None) -> None:
+        self.requests += 1
+        self.seconds += elapsed_s
+        self.buckets[bisect.bisect_left(LATENCY_BUCKETS_S, elapsed_s)] += 1
+        if failure is not None:
+            self.failures[failure] = self.failures.get(failure, 0) + 1
+
+    def answer(self) -> dict[str, Any]:
+        return {"requests": self.requests, "failures": dict(self.failures),
+                "latency": {"bounds_s": list(LATENCY_BUCKETS_S), "counts": list(self.buckets),
+                            "sum_s": round(self.seconds, 6)}}
+
+
+class _InFlight:
+    """When the request in flight started, as 8 bytes in a file the pool reads without asking.
+
+    A busy worker answers nothing until its request ends (it serves one at a time), so this is how
+    `status` shows the age of a request that has run for hours. A memory write per request, no
+    system call. Only under a pool (the file sits beside ``RESIDENT_POOL_HEARTBEAT``).
+    """
+
+    def __init__(self) -> None:
+        self.board: mmap.mmap | None = None
+        heartbeat = os.environ.get("RESIDENT_POOL_HEARTBEAT")
+        if not heartbeat:
+            return
+        path = os.path.join(os.path.dirname(heartbeat), IN_FLIGHT_FILE)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.ftruncate(fd, 8)
+                self.board = mmap.mmap(fd, 8)
+            finally:
+                os.close(fd)
+        except (OSError, ValueError):
+            self.board = None  # a read-only or odd run folder: status shows the lease's age instead
+
+    def mark(self, started: float) -> None:
+        """``started`` (wall clock) when a request begins, 0.0 when it ends."""
+        if self.board is not None:
+            struct.pack_into("d", self.board, 0, started)
 
 
 def load_protocol():
@@ -188,6 +251,8 @@ class _Server:
         # Replies a client has not read yet, by connection: the rest of the bytes, the descriptors
         # still to go with the first of them, and what to release once those have gone.
         self._unsent: dict[socket.socket, tuple[memoryview, list[int], Callable[[], None]]] = {}
+        self.stats = _Stats()
+        self.in_flight = _InFlight()
 
     # -- the loop ----------------------------------------------------------
     def run(self) -> None:
@@ -401,6 +466,8 @@ class _Server:
             return reply
         if op == "predict":
             return self._predict(request, conn, message)
+        if op == "stats":
+            return {"ok": True, "id": request_id, "pid": os.getpid(), "served": self.served, **self.stats.answer()}
         if op == "shutdown":
             self.stopping = True
             return {"ok": True, "id": request_id, "stopping": True}
@@ -415,32 +482,36 @@ class _Server:
             return {"ok": False, "id": request_id, "reason": "bad_request", "error": f"bad request: {exc}"}
         started = time.monotonic()
         self.last_request = started
+        self.in_flight.mark(time.time())
         try:
             if self.on_reset is not None:
                 self.on_reset()
             result = self.on_predict(payload)
         except Exception as exc:  # noqa: BLE001 - any Exception is the request's failure, not the worker's
+            self.stats.record(time.monotonic() - started, "request_failed")
             self.log(f"request failed: {type(exc).__name__}: {exc}")
             return {"ok": False, "id": request_id, "reason": "request_failed",
                     "error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__,
                     "traceback": traceback.format_exc(limit=8)[-4000:]}
         except BaseException as exc:
             code = _exit_code(exc)
-            message = _readable(exc)
-            self.log(f"exiting ({type(exc).__name__}, code {code}): {message}")
+            why = _readable(exc)
+            self.log(f"exiting ({type(exc).__name__}, code {code}): {why}")
             self._reply(conn, {"ok": False, "id": request_id, "reason": "worker_exiting",
-                               "error": message, "type": type(exc).__name__, "exit_code": code,
+                               "error": why, "type": type(exc).__name__, "exit_code": code,
                                "traceback": traceback.format_exc(limit=8)[-4000:]})
             self._send_before_exit(conn)
             # Re-raise: kits arm timers that kill a process which swallowed
             # their refusal, and the exit code is what the operator branches on.
             raise
         finally:
+            self.in_flight.mark(0.0)
             freed = self._release()
             self.served += 1
             self.last_request = time.monotonic()
-        reply = {"ok": True, "id": request_id, "result": result,
-                 "elapsed_s": round(time.monotonic() - started, 6)}
+        elapsed = self.last_request - started
+        self.stats.record(elapsed)
+        reply = {"ok": True, "id": request_id, "result": result, "elapsed_s": round(elapsed, 6)}
         if freed:
             freed_mib = round(freed / 2**20, 3)
             if isinstance(result, dict):
@@ -504,7 +575,7 @@ def serve(
     orphan_grace_s: float | None = None,
     release_cublas: bool = True,
 ) -> None:
-    """Answer ``ping``, ``predict`` and ``shutdown`` on ``socket_path``, one request at a time.
+    """Answer ``ping``, ``predict``, ``stats`` and ``shutdown`` on ``socket_path``, one request at a time.
 
     ``on_predict`` gets the request's ``payload`` and returns the reply's
     ``result``. An Exception from it fails that request only; SystemExit or

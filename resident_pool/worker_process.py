@@ -10,6 +10,8 @@ import logging
 import os
 import secrets
 import shutil
+import stat
+import struct
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +33,7 @@ from .protocol import (
     send_line,
 )
 from .transcripts import Transcript, read_tail, render_tail
+from .worker_base import IN_FLIGHT_FILE
 
 __all__ = ["ARRAYS_PATH", "HEARTBEAT_INTERVAL_S", "PROTOCOL_PATH", "WORKER_BASE_PATH", "Launch", "WorkerProcess",
            "env_for"]
@@ -239,15 +242,40 @@ class WorkerProcess:
     # -- talking to it ---------------------------------------------------------------
     def ping(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The worker's answer to ``ping`` on a connection of its own, or None when it gives none in time."""
+        return self._ask("ping", timeout)
+
+    def stats(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The worker's own counts (requests, failures, latency histogram), or None when it gives none in time."""
+        return self._ask("stats", timeout)
+
+    def _ask(self, op: str, timeout: float | None) -> dict[str, Any] | None:
         timeout = self.connect_timeout_s if timeout is None else timeout
         try:
             with connect(self.socket_path, timeout=min(timeout, self.connect_timeout_s)) as conn:
                 conn.settimeout(timeout)
-                send_line(conn, {"op": "ping", "id": 0})
+                send_line(conn, {"op": op, "id": 0})
                 answer = recv_line(conn, bytearray())
         except (OSError, ProtocolError, ValueError):
             return None
         return answer if answer is not None and answer.get("ok") else None
+
+    def in_flight_s(self) -> float | None:
+        """How long the worker's current request has run (it writes its start time), or None when idle."""
+        # The worker owns this file: a FIFO or a link there must not hang or redirect the pool's read.
+        try:
+            fd = os.open(self.run_dir / IN_FLIGHT_FILE, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            (started,) = struct.unpack("d", os.read(fd, 8))
+        except (OSError, struct.error):
+            return None
+        finally:
+            os.close(fd)
+        now = time.time()
+        return now - started if 0 < started <= now else None
 
     def beat(self) -> None:
         """Refresh the heartbeat the worker watches; a worker that sees it go stale retires itself."""

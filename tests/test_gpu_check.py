@@ -61,3 +61,12 @@ def test_a_check_that_could_not_run_here_is_a_skip_not_a_pass():
     text = gpu_check.render([gpu_check.Check("a", True), gpu_check.Check("hibernate", False, {}, "not checked: "
                                                                           "driver 550", skipped=True)])
     assert text.splitlines()[2].split()[1] == "skip" and text.splitlines()[-1] == "1 passed, 0 failed, 1 skipped"
+
+
+def test_the_measured_memory_row_needs_agreement_with_nvidia_smi_room_under_budget_and_the_flag():
+    assert gpu_check.measured_verdict(1.52, 1.50, 3.0, True).ok
+    assert not gpu_check.measured_verdict(1.52, 1.30, 3.0, True).ok  # 225 MiB off nvidia-smi
+    assert not gpu_check.measured_verdict(3.5, 3.5, 3.0, True).ok  # over the budget before it should be
+    assert not gpu_check.measured_verdict(1.5, 1.5, 3.0, False).ok  # never flagged once over
+    missing = gpu_check.measured_verdict(None, 1.5, 3.0, True)
+    assert not missing.ok and missing.figures["pool GiB"] is None

@@ -61,3 +61,54 @@ def test_the_local_stack_script_parses():
     done = subprocess.run(["bash", "-n", str(INFRA / "local" / "stack.sh")], capture_output=True, text=True,
                           check=False)
     assert done.returncode == 0, done.stderr
+
+
+DASHBOARD = INFRA / "grafana" / "resident-pool.json"
+
+
+def dashboard_queries() -> list[str]:
+    """Every Prometheus query of the Grafana dashboard's panels and variables."""
+    import json
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    return exprs
+
+
+def exported_series() -> set[str]:
+    from resident_pool.metrics import METRIC_NAMES
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    return {name + suffix for name, kind in METRIC_NAMES.items() for suffix in suffixes[kind]}
+
+
+def test_the_grafana_dashboard_is_valid_and_queries_only_metrics_the_pool_exports():
+    import json
+    import re
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] and dashboard["title"] and dashboard["schemaVersion"] >= 36
+    panels = dashboard["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    assert all({"h", "w", "x", "y"} <= set(p["gridPos"]) and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24 for p in panels)
+    rows = [p["title"] for p in panels if p["type"] == "row"]
+    assert rows == ["Requests and latency per provider", "GPU memory against the budget", "Queue and admission waits",
+                    "Starts and evictions"]
+    graphs = [p for p in panels if p["type"] != "row"]
+    assert graphs and all(p["targets"] and p["description"] for p in graphs)
+    queries = dashboard_queries()
+    used = {name for expr in queries for name in re.findall(r"\bresident_pool_[a-z_]+", expr)}
+    assert used and used <= exported_series(), used - exported_series()
+    labels = {"provider", "replica", "reason", "cause", "state", "waiting_for", "version", "le"}
+    grouped = {label.strip() for expr in queries for group in re.findall(r"by \(([^)]*)\)", expr)
+               for label in group.split(",")}
+    selected = set(re.findall(r"[{,]\s*([a-z_]+)\s*=~?", " ".join(queries)))
+    assert grouped | selected <= labels, (grouped | selected) - labels
+    # Every family the pool exports is on the dashboard (a metric nobody sees is a metric nobody reads).
+    from resident_pool.metrics import METRIC_NAMES
+
+    shown = {name for name in METRIC_NAMES if any(series.startswith(name) for series in used)}
+    assert shown == set(METRIC_NAMES) - {"resident_pool_info", "resident_pool_idle_seconds",
+                                         "resident_pool_gpu_peak_bytes"}

@@ -14,16 +14,16 @@ PACKAGE = Path(resident_pool.__file__).parent
 # Bottom to top. A module may import only from its own layer or below.
 LAYERS = [
     {"states", "exits", "protocol", "arrays", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden",
-     "zygote_server"},
+     "zygote_server", "events", "gpu_memory", "retention", "systemd"},
     {"errors"},
     {"settings", "inputs"},
     {"trust"},
     {"paths", "transcripts", "manifest", "breaker", "replica", "hibernate", "jit_cache"},
-    {"worker_process", "weights", "exec_env", "admission", "results", "expected"},
+    {"worker_process", "weights", "exec_env", "admission", "results", "expected", "metrics"},
     {"campaign"},
     {"supervisor", "kit", "client"},
     {"provenance"},
-    {"launch", "zygote"},
+    {"launch", "zygote", "observing"},
     {"pool", "check"},
     {"cli", "prefect", "__init__", "__main__"},
 ]

@@ -620,3 +620,11 @@ def test_an_interrupted_request_leaves_its_worker_draining_not_ready(pool_dir):
         (worker,) = pool.status()["workers"]
         assert worker["state"] == "draining"
         assert pool.predict("intr", {"action": "echo", "value": "after"})["echo"] == "after"
+
+
+def test_a_subprocess_mode_worker_serves_one_lease_and_is_never_handed_out_again(pool_dir, reliability_row):
+    write_provider(pool_dir, "oneshot", 'mode = "subprocess"\nmode_reason = "cannot be held between requests"\n')
+    with Pool() as pool:
+        pids = [pool.predict("oneshot", {"action": "echo"})["pid"] for _ in range(4)]
+    assert len(set(pids)) == 4, f"a worker served {4 - len(set(pids)) + 1} back-to-back requests: {pids}"
+    reliability_row("subprocess-mode requests back to back", "a fresh worker for each one")

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from helpers import TEST_WORKER, wait_until
@@ -16,24 +17,35 @@ from resident_pool.protocol import recv_line, send_line
 from resident_pool.supervisor import PROTOCOL_PATH, WORKER_BASE_PATH
 
 
-@pytest.fixture
-def raw_worker():
-    """The test worker started by hand, so the test owns every connection to it."""
-    socket_path = str(paths.state_dir() / "raw.sock")
-    env = {**os.environ, "RESIDENT_POOL_PROTOCOL": PROTOCOL_PATH, "RESIDENT_POOL_WORKER_BASE": WORKER_BASE_PATH}
-    with subprocess.Popen([sys.executable, str(TEST_WORKER), socket_path], env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
-        # The path exists from bind(), a moment before listen(): wait for an answer, not a file.
-        wait_until(lambda: _answers(socket_path), message="the worker to answer on its socket")
-        yield socket_path, proc
+def _start_raw(socket_path, **extra_env):
+    env = {**os.environ, "RESIDENT_POOL_PROTOCOL": PROTOCOL_PATH, "RESIDENT_POOL_WORKER_BASE": WORKER_BASE_PATH,
+           **extra_env}
+    proc = subprocess.Popen([sys.executable, str(TEST_WORKER), socket_path], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # The socket file exists from bind() on, a moment before listen(): wait for an answer, not the file.
+    try:
+        wait_until(lambda: _answers(socket_path), message="the worker to answer")
+    except BaseException:
         proc.kill()
+        proc.wait()
+        raise
+    return proc
 
 
 def _answers(socket_path):
     try:
         return _ask(socket_path, {"op": "ping", "id": 0})["ok"]
-    except (FileNotFoundError, ConnectionRefusedError):
+    except OSError:
         return False
+
+
+@pytest.fixture
+def raw_worker():
+    """The test worker started by hand, so the test owns every connection to it."""
+    socket_path = str(paths.state_dir() / "raw.sock")
+    with _start_raw(socket_path) as proc:
+        yield socket_path, proc
+        proc.kill()
 
 
 def _ask(socket_path, message):
@@ -133,3 +145,44 @@ def test_connecting_where_no_worker_listens_fails_clearly(tmp_path):
     stale.close()  # a socket file nobody listens on, as a killed worker leaves it
     with pytest.raises(ConnectionRefusedError):
         protocol.connect(str(tmp_path / "stale.sock"), timeout=1)
+
+
+def test_stats_counts_requests_failures_and_latency_in_the_fixed_buckets(raw_worker):
+    socket_path, _ = raw_worker
+    for n in range(3):
+        _ask(socket_path, {"op": "predict", "id": n, "payload": {"action": "echo", "value": n}})
+    assert _ask(socket_path, {"op": "predict", "id": 3, "payload": {"action": "raise"}})["ok"] is False
+    _ask(socket_path, {"op": "predict", "id": 4, "payload": {"action": "sleep", "seconds": 0.3}})
+    stats = _ask(socket_path, {"op": "stats", "id": 5})
+    assert stats["ok"] is True and stats["requests"] == 5 and stats["failures"] == {"request_failed": 1}
+    latency = stats["latency"]
+    assert latency["bounds_s"] == list(worker_base.LATENCY_BUCKETS_S)
+    assert len(latency["counts"]) == len(latency["bounds_s"]) + 1 and sum(latency["counts"]) == 5
+    slow_bucket = latency["bounds_s"].index(0.5)  # 0.3 s lands in (0.25, 0.5]
+    assert latency["counts"][slow_bucket] == 1 and latency["sum_s"] >= 0.3
+    assert stats["pid"] != os.getpid() and stats["served"] == 5
+
+
+def test_the_request_in_flight_is_visible_while_the_worker_answers_nothing(tmp_path):
+    """A busy worker serves one request at a time; its start time is readable from the run folder."""
+    import struct
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "heartbeat").touch()
+    socket_path = str(paths.state_dir() / "busy.sock")
+    board = run / worker_base.IN_FLIGHT_FILE
+
+    def started_at():
+        return struct.unpack("d", board.read_bytes()[:8])[0] if board.exists() else None
+
+    with _start_raw(socket_path, RESIDENT_POOL_HEARTBEAT=str(run / "heartbeat")) as proc:
+        assert started_at() == 0.0  # idle
+        sleeper = threading.Thread(target=_ask, args=(socket_path, {"op": "predict", "id": 1, "payload": {
+            "action": "sleep", "seconds": 2}}))
+        sleeper.start()
+        began = wait_until(started_at, message="the worker to mark its request")
+        assert abs(began - time.time()) < 2.5
+        sleeper.join()
+        assert started_at() == 0.0  # done
+        proc.kill()
