@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from .check import check_providers, junit_xml
 from .errors import ResidentPoolError
 from .manifest import json_schema
 from .provenance import columns
+from .transcripts import without_controls
 
 app = typer.Typer(help="Keep model workers warm within a GPU memory budget.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -35,12 +35,11 @@ ManifestsOption = Annotated[
 ]
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
 def safe(value: object) -> str:
     """Text from a worker, a transcript or a payload: no rich markup, no terminal control characters."""
-    return escape(_CONTROL.sub("", str(value)))
+    return escape(without_controls(str(value)))
 
 
 def manifests_dir(option: Path | None) -> Path:
@@ -97,9 +96,9 @@ def check(
         _print_provenance(results)
         for r in results:
             if r.step == "bless" and r.data.get("diff"):
-                console.print(f"{r.slug}: against the old {r.data['expected_file']}:", highlight=False)
+                console.print(f"{r.slug}: against the old {safe(r.data['expected_file'])}:", highlight=False)
                 for line in r.data["diff"]:
-                    console.print(f"  {line}", highlight=False, markup=False)
+                    console.print(f"  {without_controls(line)}", highlight=False, markup=False)
         console.print(f"{len(failed)} failed, {sum(r.ok for r in results)} passed"
                       + (f"; JUnit report: {junit}" if junit else ""))
     if failed or not results:
@@ -112,7 +111,7 @@ def _print_provenance(results) -> None:
         values = next(r for r in results if r.slug == slug).provenance
         if "manifest.fingerprint" in values:
             line = "; ".join(f"{name} {value}" for name, value in columns(values).items())
-            console.print(f"{slug}: {line}", highlight=False, markup=False, soft_wrap=True)
+            console.print(f"{slug}: {without_controls(line)}", highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -206,7 +205,7 @@ def status(
     _print_providers(state.get("providers", {}))
     for slug, provider in state.get("providers", {}).items():
         for line in _provider_lines(slug, provider):
-            console.print(line, highlight=False, markup=False, soft_wrap=True)
+            console.print(without_controls(line), highlight=False, markup=False, soft_wrap=True)
 
 
 def _provider_lines(slug: str, provider: dict) -> list[str]:
@@ -297,7 +296,7 @@ def metrics(manifests: ManifestsOption = None) -> None:
         with _pool(manifests, start=False) as pool:
             text = pool.metrics_text()
     except (ResidentPoolError, OSError) as exc:
-        typer.echo(f"resident-pool metrics: {exc}", err=True)
+        typer.echo(f"resident-pool metrics: {without_controls(str(exc))}", err=True)
         text = no_pool_text()
     typer.echo(text, nl=False)
 
@@ -325,7 +324,7 @@ def events(
         try:
             relay_events(from_start=from_start, say=lambda line: typer.echo(line, err=True))
         except ResidentPoolError as exc:
-            typer.echo(str(exc), err=True)
+            typer.echo(without_controls(str(exc)), err=True)
             raise typer.Exit(1) from None
         return
     follower = Follower(log_dir() / EVENTS_FILE, from_start=from_start or not follow)
@@ -382,7 +381,7 @@ def stop(
     except ResidentPoolError as exc:
         console.print(safe(exc))
         raise typer.Exit(0) from None
-    console.print("stopped: " + (", ".join(stopped) or "nothing was running"))
+    console.print("stopped: " + (", ".join(stopped) or "nothing was running"), highlight=False, markup=False)
 
 
 @app.command()
@@ -391,17 +390,23 @@ def logs(
     tail: Annotated[int, typer.Option("--tail", help="How many lines of the newest transcript.")] = 40,
 ) -> None:
     """The newest transcript of SLUG's workers: its path, then its last lines."""
+    from .manifest import SLUG
     from .paths import log_dir
     from .transcripts import read_tail
 
-    transcripts = sorted(log_dir().glob(f"{slug}-*.log"), key=lambda p: p.stat().st_mtime)
+    if not SLUG.fullmatch(slug):
+        raise typer.BadParameter(f"{slug!r} is not a provider name (lowercase letters, digits, '-' and '_', "
+                                 "as its manifests folder is named)", param_hint="SLUG")
+    # Transcripts the pool wrote: plain files in the log folder, never a link planted there.
+    transcripts = sorted((p for p in log_dir().glob(f"{slug}-*.log") if p.is_file() and not p.is_symlink()),
+                         key=lambda p: p.stat().st_mtime)
     if not transcripts:
-        console.print(f"no transcript for {slug} in {log_dir()}")
+        console.print(f"no transcript for {slug} in {safe(log_dir())}")
         raise typer.Exit(1)
     newest = transcripts[-1]
-    typer.echo(f"==> {newest} <==")
+    typer.echo(f"==> {without_controls(str(newest))} <==")
     for line in read_tail(newest, tail):
-        typer.echo(_CONTROL.sub("", line))
+        typer.echo(without_controls(line))
 
 
 cache_app = typer.Typer(help="The kits' JIT caches: one folder per provider and stack key.", no_args_is_help=True)

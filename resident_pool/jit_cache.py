@@ -23,7 +23,7 @@ from typing import Any
 
 __all__ = ["SIZE_TTL_S", "JitSizes", "default_base", "default_root", "key_folders", "prune", "stack_folder", "usage"]
 
-_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")
+_SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 # Walking a large cache costs; status reports a size at most this old.
 SIZE_TTL_S = 60.0
 
@@ -40,7 +40,7 @@ def default_root(slug: str, environ: Mapping[str, str]) -> Path:
 
 def stack_folder(root: Path, key: str) -> Path:
     """``root/<key>`` (a key that is no safe folder name goes by its hash), created, and marked used now."""
-    name = key if _SAFE.match(key) else f"key-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    name = key if _SAFE.fullmatch(key) else f"key-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
     os.utime(folder)

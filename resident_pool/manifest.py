@@ -30,14 +30,14 @@ PLACEHOLDERS = frozenset({"socket", "slug", "weights_root", "python", "kit", "wo
 # fullmatch: "$" alone would let a trailing newline through.
 SLUG = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
 # A variable name: `--env A=B` would set a value the manifest never showed as one.
-VARIABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _variable_names(names):
     if names == "*":
         return names
     for name in names or ():
-        if not VARIABLE.match(name):
+        if not VARIABLE.fullmatch(name):
             raise ValueError(f"{name!r} is not an environment variable name (letters, digits, '_')")
     return names
 

@@ -33,7 +33,7 @@ START_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0
 # Admission waits: none at all, up to the default admission_timeout_s of an hour.
 WAIT_BUCKETS_S = (0.01, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 1800.0, 3600.0)
 UP_HELP = "1 when the pool answered (`resident-pool metrics` prints 0 when none runs)"
-_REASON = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+_REASON = re.compile(r"[a-z][a-z0-9_]{0,39}")
 _MAX_REASONS = 16
 GIB = 1024**3
 
@@ -96,7 +96,7 @@ class WorkerCounts:
             for reason, n in failures.items():
                 if not _count(n):
                     return None
-                kept[reason if isinstance(reason, str) and _REASON.match(reason) else "other"] = n
+                kept[reason if isinstance(reason, str) and _REASON.fullmatch(reason) else "other"] = n
         except (KeyError, TypeError):
             return None
         return cls(requests, kept, list(counts), float(total))

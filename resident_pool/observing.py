@@ -195,7 +195,7 @@ class PoolObserving:
                          budget_gb=replica.vram_budget_gb, version=replica.version, start_s=round(start_s, 3))
 
     def _on_start_failed(self, provider: Any, replica: Replica, error: ResidentPoolError, opened: bool) -> None:
-        reason = error.reason if SLUG.match(error.reason or "") else "other"
+        reason = error.reason if SLUG.fullmatch(error.reason or "") else "other"
         self.metrics.start_failures.labels(provider.slug, reason).inc()
         rc = error.exit_code
         self.events.emit("worker.start-failed", provider.slug, replica.index, reason=error.reason, exit_code=rc,

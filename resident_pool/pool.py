@@ -1095,7 +1095,7 @@ class PoolServer(PoolObserving):
     # -- warm-up on demand ------------------------------------------------------------
     def _op_warm(self, message: dict[str, Any], connection: _Connection) -> dict[str, Any]:
         slug, replicas, manifests = message.get("slug"), message.get("replicas", 1), message.get("manifests")
-        if not isinstance(slug, str) or not SLUG.match(slug):
+        if not isinstance(slug, str) or not SLUG.fullmatch(slug):
             raise ResidentPoolError(f"provider name {slug!r} is not a slug", reason="bad_request")
         if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= 64:
             raise ResidentPoolError(f"warm takes a replica count from 1 to 64, not {replicas!r}", reason="bad_request")

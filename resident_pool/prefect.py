@@ -43,7 +43,7 @@ from .errors import (
 from .events import EVENTS_FILE, Follower
 from .exits import REFUSAL_CODES, describe_exit
 from .settings import settings
-from .transcripts import read_tail
+from .transcripts import read_tail, without_controls
 
 __all__ = [
     "artifact_key",
@@ -120,12 +120,13 @@ def _one_line(error: ResidentPoolError) -> str:
 
 # Enough to stop emphasis, links, images, code, tables, headings and HTML; paths stay readable.
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*\[\]#!|>])")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+_LINE_BREAK = re.compile(r"\s*\n\s*")
 
 
 def _escape(text: str) -> str:
-    """Text from a worker (its error can quote the input) shown as text, never as markdown or HTML."""
-    text = _CONTROL.sub("", text).replace("&", "&amp;").replace("<", "&lt;")
+    """Text from a worker (its error can quote the input) shown as text on one line, never as markdown or
+    HTML: a line break would end a table row, or start a heading, outside the escaping."""
+    text = _LINE_BREAK.sub(" ", without_controls(text)).replace("&", "&amp;").replace("<", "&lt;")
     return _MARKDOWN_SPECIAL.sub(r"\\\1", text)
 
 
@@ -163,7 +164,7 @@ def _markdown(error: ResidentPoolError, tail_lines: int) -> str:
             note = "\n(the transcript named is outside the log directory, so it was not read)\n"
         else:
             tail = read_tail(readable, tail_lines)
-    tail = [_CONTROL.sub("", line) for line in tail]
+    tail = [without_controls(line) for line in tail]
     text = (f"## resident-pool: {_escape(error.slug or '?')} failed\n\n{_escape(error.headline)}\n\n"
             f"| | |\n|---|---|\n{table}\n{note}")
     if tail:
@@ -180,7 +181,7 @@ def _report(error: ResidentPoolError) -> ResidentPoolError:
             markdown=_markdown(error, config.artifact_tail_lines),
             key=failure_artifact_key(error.slug or "unknown"),
             # The description is what the task run's Artifacts tab shows without a click.
-            description=_one_line(error),
+            description=_escape(_one_line(error)),  # the UI renders it as markdown too
         )
     summary = type(error)(_one_line(error), slug=error.slug, reason=error.reason, exit_code=error.exit_code,
                           hint=error.hint, transcript=error.transcript, transcript_tail=error.transcript_tail,

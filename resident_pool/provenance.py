@@ -144,23 +144,32 @@ def _nvml() -> tuple[list[str], str]:
 def columns(values: dict[str, str]) -> dict[str, str]:
     """Provenance in a few short columns for tables: manifest, weights, kit, environment, gpu, host."""
     if "kit.package" in values:
-        kit = (f"{values['kit.package']} {values.get('kit.version', '?')} mode {values['kit.mode']} "
-               f"({values.get('kit.activation', '?')}), jit key {values.get('kit.jit_cache_key', '?')}; "
-               f"said: {values.get('kit.active', 'nothing yet')}")
+        activation = f" ({values['kit.activation']})" if "kit.activation" in values else ""
+        kit = (f"{values['kit.package']} {values.get('kit.version', '?')} mode {values['kit.mode']}{activation}, "
+               f"jit key {values.get('kit.jit_cache_key', '?')}; said: {values.get('kit.active', 'nothing yet')}")
         if "stock.kit.mode" in values:
             kit += f"; stock: {values['stock.kit.mode']}, said: {values.get('stock.kit.active', 'nothing')}"
     else:
         kit = values.get("kit", "unknown")
-    environment = values.get("env.error") or (
-        f"{values['env.python']}, torch {values.get('env.torch', '?')} ({values.get('env.cuda_runtime', '?')}); "
-        f"{values.get('env.packages', '')}" if "env.python" in values else "unknown")
+    environment = "unknown"
+    if "env.error" in values:
+        environment = values["env.error"]
+    elif "env.python" in values:
+        environment = (f"{values['env.python']}, torch {values.get('env.torch', '?')} "
+                       f"({values.get('env.cuda_runtime', '?')})")
+        if values.get("env.packages"):
+            environment += f"; {values['env.packages']}"
+    gpu = "unknown"
+    if "gpu" in values:
+        gpu = f"{values['gpu']} (driver {values.get('gpu.driver', '?')})"
+        if "gpu.device" in values:
+            gpu += f"; answered on {values['gpu.device']}"
     return {
         "manifest": values.get("manifest.fingerprint", "unknown"),
         "weights": values.get("weights.pins", "unknown"),
         "kit": kit,
         "environment": environment,
-        "gpu": (f"{values['gpu']} (driver {values.get('gpu.driver', '?')}); answered on "
-                f"{values.get('gpu.device', '?')}") if "gpu" in values else "unknown",
+        "gpu": gpu,
         "expected": values.get("smoke.expected", ""),
         "host": values.get("host", "unknown"),
     }

@@ -20,7 +20,7 @@ log = logging.getLogger("resident_pool.retention")
 POOL_LOG_BACKUPS = 3
 # Transcripts.create names: <slug>-<replica>-<YYYYmmdd-HHMMSS>-<6 hex>.log
 _TAIL = r"-\d+-\d{8}-\d{6}-[0-9a-f]{6}\.log"
-_ANY = re.compile(r"^([a-z0-9][a-z0-9_-]{0,39})" + _TAIL + "$")
+_ANY = re.compile(r"([a-z0-9][a-z0-9_-]{0,39})" + _TAIL)
 
 
 def transcript_slugs(directory: Path) -> set[str]:
@@ -29,16 +29,16 @@ def transcript_slugs(directory: Path) -> set[str]:
         names = os.listdir(directory)
     except OSError:
         return set()
-    return {match.group(1) for match in map(_ANY.match, names) if match}
+    return {match.group(1) for match in map(_ANY.fullmatch, names) if match}
 
 
 def _transcripts(directory: Path, slug: str) -> list[tuple[float, int, Path]]:
     """(mtime, size, path) of ``slug``'s transcripts, newest first; the fixed tail keeps slug "a" off "a-b"."""
-    pattern = re.compile("^" + re.escape(slug) + _TAIL + "$")
+    pattern = re.compile(re.escape(slug) + _TAIL)
     found = []
     with os.scandir(directory) as entries:
         for entry in entries:
-            if pattern.match(entry.name) and entry.is_file(follow_symlinks=False):
+            if pattern.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
                 try:
                     info = entry.stat(follow_symlinks=False)
                 except OSError:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import threading
 import time
 from pathlib import Path
 
-__all__ = ["TAIL_LINES", "Transcript", "read_tail", "render_tail"]
+__all__ = ["TAIL_LINES", "Transcript", "read_tail", "render_tail", "without_controls"]
 
 TAIL_LINES = 20
 # How many of the tail's lines an error message quotes; the whole tail stays on the error as data.
@@ -64,6 +65,17 @@ class Transcript:
 
     def tail(self, lines: int = TAIL_LINES) -> list[str]:
         return read_tail(self.path, lines)
+
+
+# What a worker's text may carry to move a terminal or hide what a line says: C0 controls but tab and
+# newline, DEL, C1 controls (an 8-bit CSI starts an escape sequence too), and the Unicode direction
+# overrides and isolates that make a line read other than it is.
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def without_controls(text: str) -> str:
+    """Text from a worker, a transcript or a payload, safe to print to a terminal or a page."""
+    return _CONTROLS.sub("", text)
 
 
 def read_tail(path: str | os.PathLike[str] | None, lines: int = TAIL_LINES) -> list[str]:

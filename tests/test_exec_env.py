@@ -20,8 +20,10 @@ BINDS = [("/w", "/w", True), ("/state", "/state", False)]
 
 
 def _container(tmp_path, engine, gpu=True):
+    for name in ("scratch", "ref"):  # a bind to a folder this host lacks is refused before the engine runs
+        (tmp_path / name).mkdir(exist_ok=True)
     body = (f'[env]\nkind = "container"\nengine = "{engine}"\nimage = "reg/boltz:2"\npython = "/opt/py/bin/python"\n'
-            'binds = ["/scratch:/scratch", "/ref:/ref:ro"]\n')
+            f'binds = ["{tmp_path}/scratch:/scratch", "{tmp_path}/ref:/ref:ro"]\n')
     if gpu:
         body += '[gpu]\npolicy = "required"\nvram_budget_gb = 10\n'
     return load_manifest(write_provider(tmp_path, engine, body))
@@ -31,7 +33,7 @@ def test_apptainer_argv_binds_and_env(tmp_path):
     manifest = _container(tmp_path, "apptainer")
     argv, env = wrap(manifest, ["/opt/py/bin/python", "w.py", "s"], {"A": "1", "GONE": None}, BINDS, name="n")
     assert argv == ["apptainer", "exec", "--cleanenv", "--contain", "--nv", "--bind", "/w:/w:ro", "--bind", "/state:/state",
-                    "--bind", "/scratch:/scratch", "--bind", "/ref:/ref:ro", "reg/boltz:2",
+                    "--bind", f"{tmp_path}/scratch:/scratch", "--bind", f"{tmp_path}/ref:/ref:ro", "reg/boltz:2",
                     "/opt/py/bin/python", "w.py", "s"]
     assert env == {"APPTAINERENV_A": "1"}
 
@@ -45,7 +47,7 @@ def test_docker_and_podman_argv_binds_and_env(tmp_path, engine, user, gpu_flags)
                      {"B": "2", "A": "1", "GONE": None, "CUDA_VISIBLE_DEVICES": "1"}, BINDS, name="rp-x", device="1")
     assert argv == [engine, "run", "--rm", "--init", "--name", "rp-x", "--network", "none", *user,
                     "--volume", "/w:/w:ro", "--volume", "/state:/state",
-                    "--volume", "/scratch:/scratch", "--volume", "/ref:/ref:ro",
+                    "--volume", f"{tmp_path}/scratch:/scratch", "--volume", f"{tmp_path}/ref:/ref:ro",
                     "--env", "A", "--env", "B", *gpu_flags, "reg/boltz:2", "/opt/py/bin/python", "w.py"]
     assert env["A"] == "1" and env["B"] == "2" and "GONE" not in env
 
@@ -79,7 +81,7 @@ def test_an_absent_engine_is_named(tmp_path, monkeypatch):
         interpreter(_container(tmp_path, "podman"))
 
 
-def test_binds_are_the_run_folder_work_weights_manifest_and_two_files(tmp_path, monkeypatch):
+def test_binds_are_the_run_folder_work_weights_manifest_and_three_files(tmp_path, monkeypatch):
     """Build a docker launch for real (a stand-in engine on PATH) and read its binds: nothing else is mounted."""
     engine = tmp_path / "bin" / "docker"
     engine.parent.mkdir()
@@ -101,6 +103,7 @@ def test_binds_are_the_run_folder_work_weights_manifest_and_two_files(tmp_path, 
     package = Path(resident_pool.__file__).parent
     assert volumes == [f"{run_dir}:{run_dir}", f"{work}:{work}", f"{manifest.directory}:{manifest.directory}:ro",
                        f"{package / 'protocol.py'}:{package / 'protocol.py'}:ro",
+                       f"{package / 'arrays.py'}:{package / 'arrays.py'}:ro",
                        f"{package / 'worker_base.py'}:{package / 'worker_base.py'}:ro",
                        f"{weights}:{weights}:ro", f"{heartbeat.parent}:{heartbeat.parent}"]
     passed = {argv[i + 1] for i, item in enumerate(argv) if item == "--env"}
@@ -144,7 +147,8 @@ def test_engine_controls_by_engine(tmp_path):
 def test_passthrough_keeps_only_what_is_allowed():
     removed = passthrough_env(["KEEP"], {"KEEP": "1", "SECRET": "x", "PATH": "/bin", "RESIDENT_POOL_X": "1"})
     assert removed == {"SECRET": None}
-    assert passthrough_env(None, {"SECRET": "x"}) == {}
+    assert passthrough_env(None, {"SECRET": "x"}) == {"SECRET": None}  # no list: the fixed base only (issue 13)
+    assert passthrough_env("*", {"SECRET": "x"}) == {}
 
 
 def test_a_passthrough_list_keeps_orchestrator_secrets_out_of_the_real_worker(tmp_path, monkeypatch):

@@ -198,7 +198,9 @@ def test_the_validation_flow_against_stock_fails_naming_each_failed_step_with_pr
     rows = {(r["provider"], r["step"]): r for r in json.loads(artifact.data)}
     failed = rows[("drifting", "against-stock")]
     assert failed["result"] == "FAILED" and "stock 42, kit 42.42" in failed["detail"]
-    assert failed["kit"] == "driftkit_opt 0.3 mode fast, jit key driftkit-0.3-cpu-py311; stock: kit mode off"
+    assert failed["kit"] == ("driftkit_opt 0.3 mode fast (autoload), jit key driftkit-0.3-cpu-py311; "
+                             "said: driftkit_opt: ACTIVE (fused predict, mode fast); stock: kit mode off, "
+                             "said: driftkit_opt: NOT ACTIVE (mode off engages no lever)")
     from resident_pool.manifest import load_manifest
 
     assert failed["manifest"] == load_manifest(pool_dir / "drifting" / "manifest.toml").fingerprint()

@@ -91,7 +91,7 @@ def test_without_nvml_the_gpu_is_cpu(monkeypatch):
     [
         ({"kit": "none"}, "none"),
         ({"kit.package": "boltz_opt", "kit.version": "1.2", "kit.mode": "fast", "kit.jit_cache_key": "k1",
-          "stock.kit.mode": "kit mode off"}, "boltz_opt 1.2 mode fast, jit key k1; stock: kit mode off"),
+          "stock.kit.mode": "kit mode off"}, "boltz_opt 1.2 mode fast, jit key k1; said: nothing yet; stock: kit mode off, said: nothing"),
     ],
 )
 def test_columns_shorten_the_provenance_for_tables(values, kit):
@@ -101,6 +101,10 @@ def test_columns_shorten_the_provenance_for_tables(values, kit):
     assert row["kit"] == kit
     assert row["environment"] == "CPython 3.11.7, torch 2.5.1 (CUDA 12.4 (torch build))"
     assert row["manifest"] == "abc" and row["host"] == "gpu-1" and row["gpu"] == "cpu (driver none)"
+    answered = columns({"gpu": "H100", "gpu.driver": "550", "gpu.device": "1", "env.python": "CPython 3.11.7",
+                        "env.packages": "boltz 2.1"})
+    assert answered["gpu"] == "H100 (driver 550); answered on 1"
+    assert answered["environment"] == "CPython 3.11.7, torch ? (?); boltz 2.1"
 
 
 def test_the_environment_probe_needs_nothing_but_the_standard_library(tmp_path):

@@ -368,6 +368,93 @@ def test_markdown_in_an_error_or_a_transcript_cannot_escape_its_artifact(tmp_pat
                  "escaped outside, verbatim inside a fence longer than any backtick run in it")
 
 
+def test_a_line_break_in_a_worker_chosen_value_stays_inside_its_table_row(tmp_path, security_row):
+    from resident_pool.errors import WorkerRequestError
+    from resident_pool.prefect import _markdown
+
+    # The client copies a failed reply's "reason" as is; a hostile worker picks it.
+    reason = "request_failed\n\nSession expired\n===\n\nSign in again at https://evil.example/login\n"
+    error = WorkerRequestError("boxed: request failed: x\n# Heading", slug="boxed", reason=reason,
+                               transcript=str(tmp_path / "t.log"))
+    text = _markdown(error, 20)
+    loose = [line for line in text.splitlines() if line and not line.startswith("|")]
+    assert not [line for line in loose if "===" in line or "evil.example" in line or "Heading" in line], text
+    row = next(line for line in text.splitlines() if line.startswith("| reason |"))
+    assert "===" in row and "https://evil.example/login" in row
+    security_row("a line break in a worker's reason or error", "kept on its table row or line; no markdown starts")
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_failure_artifacts_description_is_escaped_like_its_body(monkeypatch):
+    from prefect import flow, task
+
+    import resident_pool.prefect as helpers
+    from resident_pool.errors import WorkerRequestError
+
+    made = []
+    monkeypatch.setattr(helpers, "create_markdown_artifact", lambda **kwargs: made.append(kwargs))
+    worker_error = "ValueError: bad residue in [Sign in](https://evil.example/login) ![](https://evil.example/t.png)"
+    error = WorkerRequestError(f"loud: request failed: {worker_error}\x1b[2J", slug="loud",
+                               reason="request_failed", transcript="/x.log")
+
+    @task
+    def fails():
+        return helpers._report(error)
+
+    @flow
+    def reports():
+        return fails()
+
+    reports()
+    description = made[0]["description"]  # the task run's Artifacts tab renders it as markdown
+    assert "[Sign in](" not in description and "![](" not in description and "\x1b" not in description
+    assert "\\[Sign in\\](https://evil.example/login)" in description
+
+
+def test_logs_takes_a_provider_name_and_reads_only_the_pools_own_transcripts(isolated_dirs, security_row):
+    cli = str(Path(sys.executable).with_name("resident-pool"))
+    logs = Path(isolated_dirs["logs"])
+    secret = Path(tempfile.mkdtemp(prefix="rp-secret-", dir=logs.parent))
+    try:
+        (secret / "a-1.log").write_text("not a transcript\n")
+        (logs / "b-0-20260101-000000-abcdef.log").symlink_to(secret / "a-1.log")  # planted in the log folder
+        outside = subprocess.run([cli, "logs", f"../{secret.name}/a"], capture_output=True, text=True,
+                                 timeout=60, check=False)
+        linked = subprocess.run([cli, "logs", "b"], capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        shutil.rmtree(secret)
+    assert outside.returncode == 2 and "is not a provider name" in outside.stderr
+    assert linked.returncode == 1 and "not a transcript" not in linked.stdout + linked.stderr
+    markup = subprocess.run([cli, "logs", "[/x]"], capture_output=True, text=True, timeout=60, check=False)
+    assert markup.returncode == 2 and "MarkupError" not in markup.stderr
+    security_row("`resident-pool logs` with a path or markup for SLUG; a link planted among transcripts",
+                 "refused as not a provider name; the link is not followed")
+
+
+def test_check_prints_a_workers_error_without_its_terminal_escapes(pool_dir):
+    write_provider(pool_dir, "loud", '[smoke]\npayload = { action = "raise", message = '
+                                     '"\\u001b]0;owned-title\\u001b\\\\ \\u001b[2J \\u009b31m hidden" }\n')
+    done = subprocess.run([str(Path(sys.executable).with_name("resident-pool")), "check", "--smoke", "loud"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and "owned-title" in done.stdout  # the text is there, inert
+    assert "\x1b" not in done.stdout and "\x9b" not in done.stdout
+
+
+def test_warm_takes_only_a_whole_provider_name(pool_dir):
+    write_provider(pool_dir, "echo", "")
+    with Pool() as pool, pytest.raises(ResidentPoolError, match="not a slug") as refused:
+        pool.warm("echo/../echo")
+    assert refused.value.reason == "bad_request"
+
+
+def test_a_variable_name_with_a_trailing_newline_is_not_a_variable_name(pool_dir):
+    write_provider(pool_dir, "env", '[env]\npassthrough = ["HOME\\n"]\n')
+    with pytest.raises(ManifestError, match="is not an environment variable name"):
+        from resident_pool.manifest import load_manifest
+
+        load_manifest(pool_dir / "env" / "manifest.toml")
+
+
 def test_rich_markup_in_a_transcript_line_does_not_break_status_or_predict(pool_dir, tmp_path):
     write_provider(pool_dir, "loud", "")
     env = {**os.environ, "COLUMNS": "300"}
