@@ -435,7 +435,7 @@ def test_a_new_pool_never_double_books_the_gpu_of_a_worker_still_loading_for_a_k
         pool_dir, isolated_dirs, monkeypatch):
     """10 GB declared, 6 GB per worker: two workers may never hold the card at once."""
     monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")
-    write_provider(pool_dir, "big", 'worker_args = ["{socket}", "--load-seconds", "12"]\n'
+    write_provider(pool_dir, "big", 'worker_args = ["{socket}", "--load-seconds", "90"]\n'
                                     '[gpu]\npolicy = "required"\nvram_budget_gb = 6\n')
     first = subprocess.Popen([sys.executable, "-c", "from resident_pool import Pool; Pool().predict('big', {})"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
