@@ -111,7 +111,7 @@ class Array:
     __slots__ = ("_origin", "data", "dtype", "shape")
 
     def __init__(self, data: Any, dtype: str, shape: Any) -> None:
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         shape = tuple(int(n) for n in shape)
         view = memoryview(data).cast("B")
@@ -346,6 +346,11 @@ def decode(value: Any, attachments: list[Any]) -> Any:
     return value
 
 
+def _shown_value(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:120] + "..."
+
+
 def _is_reference(value: Any) -> bool:
     return isinstance(value, dict) and ("$buffer" in value or "$base64" in value)
 
@@ -355,12 +360,33 @@ def _int(value: Any) -> bool:
 
 
 def _build(reference: dict[str, Any], attachments: list[Any], numpy: Any) -> Any:
+    """The array a reference names; every way a reference can be wrong is an ArrayError, never numpy's own."""
+    try:
+        return _read(reference, attachments, numpy)
+    except (ValueError, TypeError, OverflowError) as exc:  # past the checks in _read: still the peer's
+        if isinstance(exc, ArrayError):
+            raise
+        raise ArrayError(f"array reference {_shown(reference)} cannot be read: {type(exc).__name__}: {exc}") from None
+
+
+def _shown(reference: dict[str, Any]) -> str:
+    text = repr({key: reference[key] for key in ("dtype", "shape", "offset", "$buffer") if key in reference})
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _read(reference: dict[str, Any], attachments: list[Any], numpy: Any) -> Any:
     dtype, shape = reference.get("dtype"), reference.get("shape")
-    if dtype != BYTES and dtype not in DTYPES:
-        raise ArrayError(f"array reference names dtype {dtype!r}; the protocol carries {', '.join(DTYPES)}, bytes")
-    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_int(n) and n >= 0 for n in shape):
-        raise ArrayError(f"array reference has shape {shape!r}; a shape is a list of at most {_MAX_DIMS} sizes")
+    if not isinstance(dtype, str) or (dtype != BYTES and dtype not in DTYPES):
+        raise ArrayError(f"array reference names dtype {_shown_value(dtype)}; the protocol carries "
+                         f"{', '.join(DTYPES)}, bytes")
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(
+            _int(n) and 0 <= n <= sys.maxsize for n in shape):
+        raise ArrayError(f"array reference has shape {_shown_value(shape)}; a shape is a list of at most "
+                         f"{_MAX_DIMS} sizes")
     itemsize = 1 if dtype == BYTES else DTYPES[dtype]
+    # numpy's own bound, zero dimensions left out: [0, 2**63] holds nothing, yet no array has that shape.
+    if math.prod(n for n in shape if n) * itemsize > sys.maxsize:
+        raise ArrayError(f"array reference has shape {_shown_value(shape)}: too large for any array")
     count = math.prod(shape)
     nbytes = count * itemsize
     attachment = None

@@ -332,6 +332,54 @@ def test_hostile_json_naming_an_unsent_buffer_gets_an_error_reply(array_worker):
     assert proc.poll() is None
 
 
+HOSTILE_REFERENCES = {
+    # Zero elements but a dimension numpy cannot hold: plain JSON, no descriptor needed.
+    "a 2**63 dimension": {"$base64": "", "dtype": "float32", "shape": [0, 2**63]},
+    "dimensions too big together": {"$base64": "", "dtype": "float32", "shape": [0, 2**62, 4]},
+    "a list as dtype": {"$base64": "", "dtype": [], "shape": [0]},
+    "a dict as dtype": {"$base64": "", "dtype": {"a": 1}, "shape": [0]},
+    "a float as offset": {"$buffer": 0, "dtype": "uint8", "shape": [0], "offset": 0.5},
+    "a list as attachment": {"$buffer": [], "dtype": "uint8", "shape": [0]},
+    "a bool in the shape": {"$base64": "", "dtype": "uint8", "shape": [True, 0]},
+    "a number as base64": {"$base64": 5, "dtype": "uint8", "shape": [0]},
+}
+
+
+@pytest.mark.parametrize("array_worker", [[], ["-S"]], indirect=True, ids=["numpy worker", "no numpy in the worker"])
+@pytest.mark.parametrize("name", list(HOSTILE_REFERENCES))
+def test_one_hostile_array_reference_gets_a_bad_request_reply_and_the_worker_stays_up(array_worker, name):
+    socket_path, proc = array_worker
+    with protocol.connect(socket_path) as conn:
+        conn.settimeout(30)
+        inbox = Inbox()
+        send_line(conn, {"op": "predict", "id": 1, "payload": {"value": HOSTILE_REFERENCES[name]}})
+        reply = recv_message(conn, inbox).obj
+        assert reply["ok"] is False and reply["reason"] == "bad_request", reply
+        assert "array reference" in reply["error"] or "inline array" in reply["error"], reply
+        assert arrays.exchange(conn, inbox, {"op": "predict", "id": 2, "payload": {"value": 5}})["result"]["value"] == 5
+    assert proc.poll() is None
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_REFERENCES))
+def test_decode_raises_only_array_error_for_a_hostile_reference(name, monkeypatch):
+    for numpy_here in (True, False):
+        if not numpy_here:
+            monkeypatch.setattr(arrays, "_numpy", lambda: None)
+        with pytest.raises(arrays.ArrayError):
+            arrays.decode({"value": json.loads(json.dumps(HOSTILE_REFERENCES[name]))}, [])
+
+
+def test_through_the_pool_one_hostile_json_payload_leaves_the_warm_worker_serving(pool_dir):
+    array_provider(pool_dir)
+    with Pool() as pool, pool.session("arrays") as session:
+        assert session.predict({"value": 5})["value"] == 5
+        with pytest.raises(WorkerRequestError) as raised:
+            session.predict({"value": HOSTILE_REFERENCES["a 2**63 dimension"]})
+        assert raised.value.reason == "bad_request", str(raised.value)
+        assert session.predict({"value": 6})["value"] == 6  # the same session, the same worker
+        assert os.path.exists(f"/proc/{session.pid}")
+
+
 def test_an_echo_passes_on_the_descriptor_it_received(array_worker):
     socket_path, _ = array_worker
     value = random_array("float32", (256, 256))
