@@ -25,7 +25,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["DTYPES", "Array", "ArrayError", "decode", "encode", "exchange", "limits", "negotiate", "plain"]
+__all__ = ["DTYPES", "Array", "ArrayError", "complete", "decode", "encode", "exchange", "limits", "negotiate", "plain"]
 
 VERSION = 1
 # Name -> itemsize. Native byte order (little-endian on every host the pool runs on).
@@ -195,7 +195,9 @@ class _Encoder:
         if numpy is not None and isinstance(value, numpy.ndarray):
             if not self.accept:
                 return value.tolist()
-            return self._reference(value, *self._numpy_parts(value))
+            native = self._native(value)
+            return self._reference(native, memoryview(native.reshape(-1).view(self.numpy.uint8)), native.dtype.name,
+                                   native.shape)
         if numpy is not None and isinstance(value, numpy.generic):
             return value.item()
         if isinstance(value, Array):
@@ -208,22 +210,22 @@ class _Encoder:
             return self._reference(value, data, BYTES, (len(data),))
         raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
-    def _numpy_parts(self, value: Any) -> tuple[memoryview, str, tuple[int, ...]]:
-        name = value.dtype.name
-        if name not in DTYPES:
+    def _native(self, value: Any) -> Any:
+        """``value`` as what goes on the wire: C order, native byte order (a copy where it is not already)."""
+        if value.dtype.name not in DTYPES:
             raise TypeError(f"a numpy array of dtype {value.dtype} cannot be sent; the protocol carries "
                             f"{', '.join(DTYPES)} (convert it, or send .tolist())")
         if not value.dtype.isnative:
             value = value.astype(value.dtype.newbyteorder("="))
         if not value.flags.c_contiguous:
             value = self.numpy.ascontiguousarray(value)
-        return memoryview(value.reshape(-1).view(self.numpy.uint8)), name, value.shape
+        return value
 
     def _reference(self, value: Any, data: memoryview, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
         nbytes = len(data)
         if nbytes < self.min_bytes:
             return {"$base64": base64.b64encode(data).decode("ascii"), "dtype": dtype, "shape": list(shape)}
-        passed = self._passed_on(value, nbytes)
+        passed = self._passed_on(value, nbytes, 1 if dtype == BYTES else DTYPES[dtype])
         if passed is not None:
             index, offset = passed
             return {"$buffer": index, "dtype": dtype, "shape": list(shape), "offset": offset}
@@ -246,8 +248,12 @@ class _Encoder:
         self.fds.append(fd)
         return len(self.sizes) - 1
 
-    def _passed_on(self, value: Any, nbytes: int) -> tuple[int, int] | None:
-        """Where ``value`` lies wholly in a received (sealed, so unchanged) attachment: pass that one on."""
+    def _passed_on(self, value: Any, nbytes: int, itemsize: int) -> tuple[int, int] | None:
+        """Where ``value`` lies wholly in a received (sealed, so unchanged) attachment: pass that one on.
+
+        Only at an offset its dtype may start at (the receiver refuses others): a view that starts
+        elsewhere, a packed format read from byte 1, goes in the fresh memfd instead.
+        """
         if not self.received:
             return None
         if isinstance(value, Array):
@@ -264,7 +270,7 @@ class _Encoder:
             offset = value.ctypes.data - attachment.address
         else:
             return None
-        if attachment.fd < 0 or not 0 <= offset <= attachment.size - nbytes or not any(
+        if attachment.fd < 0 or not 0 <= offset <= attachment.size - nbytes or offset % itemsize or not any(
                 attachment is a for a in self.received):
             return None
         index = self.passed.get(id(attachment))
@@ -450,7 +456,11 @@ def exchange(sock: Any, inbox: Any, message: dict[str, Any]) -> dict[str, Any] |
     """
     if inbox.peer is None:
         negotiate(sock, inbox)
-    raw, fds, fresh = encode(message, inbox.peer, inbox.attach_min_bytes)
+    return complete(sock, inbox, *encode(message, inbox.peer, inbox.attach_min_bytes))
+
+
+def complete(sock: Any, inbox: Any, raw: bytes, fds: list[int], fresh: int | None) -> dict[str, Any] | None:
+    """Send a request ``encode`` made (closing its fresh memfd) and return its reply, as ``exchange``."""
     try:
         protocol.send_raw(sock, raw, fds)
     finally:
