@@ -8,6 +8,7 @@ as a markdown artifact (a flow's return value is not displayed in the UI).
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from typing import Any
@@ -16,6 +17,7 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.states import Failed
 
+from resident_pool import arrays
 from resident_pool.client import default_manifests
 from resident_pool.errors import ManifestError
 from resident_pool.manifest import SLUG, load_manifest
@@ -23,6 +25,7 @@ from resident_pool.prefect import artifact_key, pool_session, retry_pool_failure
 
 SHOWN_INPUTS = 20  # answers shown in the artifact; the flow's result keeps them all
 SHOWN_CHARS = 4000  # per answer: an embedding's 384 floats fit, a structure file does not
+SHOWN_VALUES = 8  # of an array in an answer: its dtype and shape say the rest
 
 
 @task(name="predict", retries=1, retry_condition_fn=retry_pool_failures)
@@ -44,6 +47,20 @@ def _inputs_or_smoke(provider: str, inputs: list[dict[str, Any]] | None) -> list
     return [manifest.smoke.payload]
 
 
+def _shown(value: Any) -> Any:
+    """An array in an answer as a line of text (its dtype, shape and first values); bytes by their size."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return f"<{len(value)} bytes>"
+    shape = getattr(value, "shape", None)
+    if isinstance(shape, tuple) and hasattr(value, "tolist"):
+        flat = value.reshape(-1) if hasattr(value, "reshape") else None
+        first = flat[:SHOWN_VALUES].tolist() if flat is not None else []
+        more = ", ..." if math.prod(shape) > len(first) else ""
+        values = f": {', '.join(map(str, first))}{more}" if first else ""
+        return f"<{value.dtype} array, shape {list(shape)}{values}>"
+    return arrays.plain(value)  # a numpy scalar as its number; anything else is refused by name
+
+
 def _markdown(provider: str, inputs: list[Any], answer: dict[str, Any]) -> str:
     warmth = "cold start" if answer["cold"] else "warm"
     lines = [f"## {provider}: {len(inputs)} prediction(s)", "",
@@ -52,10 +69,10 @@ def _markdown(provider: str, inputs: list[Any], answer: dict[str, Any]) -> str:
         if number == SHOWN_INPUTS:
             lines.append(f"... and {len(inputs) - SHOWN_INPUTS} more in the flow run's result")
             break
-        text = json.dumps(result, indent=1)
+        text = json.dumps(result, indent=1, default=_shown)
         if len(text) > SHOWN_CHARS:
             text = text[:SHOWN_CHARS] + f"\n... ({len(text)} characters in all)"
-        lines += [f"### input {number}", "", "```json", json.dumps(payload)[:SHOWN_CHARS], "```", "",
+        lines += [f"### input {number}", "", "```json", json.dumps(payload, default=_shown)[:SHOWN_CHARS], "```", "",
                   "answer:", "", "```json", text, "```", ""]
     return "\n".join(lines)
 

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["DTYPES", "Array", "ArrayError", "decode", "encode", "exchange", "limits", "negotiate", "plain"]
+__all__ = ["DTYPES", "Array", "ArrayError", "complete", "decode", "encode", "exchange", "limits", "negotiate", "plain"]
 
 VERSION = 1
 # Name -> itemsize. Native byte order (little-endian on every host the pool runs on).
@@ -111,7 +111,7 @@ class Array:
     __slots__ = ("_origin", "data", "dtype", "shape")
 
     def __init__(self, data: Any, dtype: str, shape: Any) -> None:
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         shape = tuple(int(n) for n in shape)
         view = memoryview(data).cast("B")
@@ -195,7 +195,9 @@ class _Encoder:
         if numpy is not None and isinstance(value, numpy.ndarray):
             if not self.accept:
                 return value.tolist()
-            return self._reference(value, *self._numpy_parts(value))
+            native = self._native(value)
+            return self._reference(native, memoryview(native.reshape(-1).view(self.numpy.uint8)), native.dtype.name,
+                                   native.shape)
         if numpy is not None and isinstance(value, numpy.generic):
             return value.item()
         if isinstance(value, Array):
@@ -208,22 +210,22 @@ class _Encoder:
             return self._reference(value, data, BYTES, (len(data),))
         raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
-    def _numpy_parts(self, value: Any) -> tuple[memoryview, str, tuple[int, ...]]:
-        name = value.dtype.name
-        if name not in DTYPES:
+    def _native(self, value: Any) -> Any:
+        """``value`` as what goes on the wire: C order, native byte order (a copy where it is not already)."""
+        if value.dtype.name not in DTYPES:
             raise TypeError(f"a numpy array of dtype {value.dtype} cannot be sent; the protocol carries "
                             f"{', '.join(DTYPES)} (convert it, or send .tolist())")
         if not value.dtype.isnative:
             value = value.astype(value.dtype.newbyteorder("="))
         if not value.flags.c_contiguous:
             value = self.numpy.ascontiguousarray(value)
-        return memoryview(value.reshape(-1).view(self.numpy.uint8)), name, value.shape
+        return value
 
     def _reference(self, value: Any, data: memoryview, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
         nbytes = len(data)
         if nbytes < self.min_bytes:
             return {"$base64": base64.b64encode(data).decode("ascii"), "dtype": dtype, "shape": list(shape)}
-        passed = self._passed_on(value, nbytes)
+        passed = self._passed_on(value, nbytes, 1 if dtype == BYTES else DTYPES[dtype])
         if passed is not None:
             index, offset = passed
             return {"$buffer": index, "dtype": dtype, "shape": list(shape), "offset": offset}
@@ -246,8 +248,12 @@ class _Encoder:
         self.fds.append(fd)
         return len(self.sizes) - 1
 
-    def _passed_on(self, value: Any, nbytes: int) -> tuple[int, int] | None:
-        """Where ``value`` lies wholly in a received (sealed, so unchanged) attachment: pass that one on."""
+    def _passed_on(self, value: Any, nbytes: int, itemsize: int) -> tuple[int, int] | None:
+        """Where ``value`` lies wholly in a received (sealed, so unchanged) attachment: pass that one on.
+
+        Only at an offset its dtype may start at (the receiver refuses others): a view that starts
+        elsewhere, a packed format read from byte 1, goes in the fresh memfd instead.
+        """
         if not self.received:
             return None
         if isinstance(value, Array):
@@ -264,7 +270,7 @@ class _Encoder:
             offset = value.ctypes.data - attachment.address
         else:
             return None
-        if attachment.fd < 0 or not 0 <= offset <= attachment.size - nbytes or not any(
+        if attachment.fd < 0 or not 0 <= offset <= attachment.size - nbytes or offset % itemsize or not any(
                 attachment is a for a in self.received):
             return None
         index = self.passed.get(id(attachment))
@@ -346,6 +352,11 @@ def decode(value: Any, attachments: list[Any]) -> Any:
     return value
 
 
+def _shown_value(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:120] + "..."
+
+
 def _is_reference(value: Any) -> bool:
     return isinstance(value, dict) and ("$buffer" in value or "$base64" in value)
 
@@ -355,12 +366,33 @@ def _int(value: Any) -> bool:
 
 
 def _build(reference: dict[str, Any], attachments: list[Any], numpy: Any) -> Any:
+    """The array a reference names; every way a reference can be wrong is an ArrayError, never numpy's own."""
+    try:
+        return _read(reference, attachments, numpy)
+    except (ValueError, TypeError, OverflowError) as exc:  # past the checks in _read: still the peer's
+        if isinstance(exc, ArrayError):
+            raise
+        raise ArrayError(f"array reference {_shown(reference)} cannot be read: {type(exc).__name__}: {exc}") from None
+
+
+def _shown(reference: dict[str, Any]) -> str:
+    text = repr({key: reference[key] for key in ("dtype", "shape", "offset", "$buffer") if key in reference})
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _read(reference: dict[str, Any], attachments: list[Any], numpy: Any) -> Any:
     dtype, shape = reference.get("dtype"), reference.get("shape")
-    if dtype != BYTES and dtype not in DTYPES:
-        raise ArrayError(f"array reference names dtype {dtype!r}; the protocol carries {', '.join(DTYPES)}, bytes")
-    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_int(n) and n >= 0 for n in shape):
-        raise ArrayError(f"array reference has shape {shape!r}; a shape is a list of at most {_MAX_DIMS} sizes")
+    if not isinstance(dtype, str) or (dtype != BYTES and dtype not in DTYPES):
+        raise ArrayError(f"array reference names dtype {_shown_value(dtype)}; the protocol carries "
+                         f"{', '.join(DTYPES)}, bytes")
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(
+            _int(n) and 0 <= n <= sys.maxsize for n in shape):
+        raise ArrayError(f"array reference has shape {_shown_value(shape)}; a shape is a list of at most "
+                         f"{_MAX_DIMS} sizes")
     itemsize = 1 if dtype == BYTES else DTYPES[dtype]
+    # numpy's own bound, zero dimensions left out: [0, 2**63] holds nothing, yet no array has that shape.
+    if math.prod(n for n in shape if n) * itemsize > sys.maxsize:
+        raise ArrayError(f"array reference has shape {_shown_value(shape)}: too large for any array")
     count = math.prod(shape)
     nbytes = count * itemsize
     attachment = None
@@ -424,7 +456,11 @@ def exchange(sock: Any, inbox: Any, message: dict[str, Any]) -> dict[str, Any] |
     """
     if inbox.peer is None:
         negotiate(sock, inbox)
-    raw, fds, fresh = encode(message, inbox.peer, inbox.attach_min_bytes)
+    return complete(sock, inbox, *encode(message, inbox.peer, inbox.attach_min_bytes))
+
+
+def complete(sock: Any, inbox: Any, raw: bytes, fds: list[int], fresh: int | None) -> dict[str, Any] | None:
+    """Send a request ``encode`` made (closing its fresh memfd) and return its reply, as ``exchange``."""
     try:
         protocol.send_raw(sock, raw, fds)
     finally:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from . import arrays
 from .errors import InputError
 from .inputs import DEFAULT_MAX_RECORD_BYTES, Record
 from .results import ResultStore, default_results_dir, options_text, result_key
@@ -39,6 +40,9 @@ __all__ = [
 BLOCK = 1024  # records looked up in the store at once
 # One encoder, made once: json.dumps with arguments builds a new one per call, a second per million results.
 _COMPACT = json.JSONEncoder(separators=(",", ":")).encode
+# A result's numpy arrays (or Array objects) go into the store and the output as nested lists of numbers,
+# bytes as base64 text: records stay JSON whatever the provider answers with.
+_RESULT = json.JSONEncoder(separators=(",", ":"), default=arrays.plain).encode
 _PLAIN_ID = re.compile(r"[A-Za-z0-9_.:|/+=-]*")  # ids that are their own JSON string body
 OUTPUT_FORMATS = ("jsonl", "parquet")
 
@@ -194,7 +198,12 @@ class Campaign:
                 failures.append((key, reason, error))
                 lines.append(_failure_line(head, reason, error))
             else:
-                text = _COMPACT(result)
+                try:
+                    text = _RESULT(result)
+                except (TypeError, ValueError) as exc:  # one input's answer that cannot be written fails alone
+                    failures.append((key, "bad_answer", f"the answer cannot be written as JSON: {exc}"))
+                    lines.append(_failure_line(head, *failures[-1][1:]))
+                    continue
                 stored.append((key, text))
                 lines.append(_ok_line(head, text))
         self.store.put(self.version, stored)

@@ -356,15 +356,40 @@ class Session:
                                      reason="session_ended")
         request_id = next(_request_ids)  # unique in this process: a reply to another request is never taken
         timeout = self.lease["request_timeout_s"]
-        try:
-            sock, buf = self._worker()
+        with self._failures(timeout):
+            sock, inbox = self._worker()
             sock.settimeout(timeout)
+            if inbox.peer is None:
+                arrays.negotiate(sock, inbox)
+        # Encoded before a byte of it goes: a payload that cannot be sent (a dtype the protocol does not
+        # carry, NaN, over a cap) raises here as the caller's mistake, and the session goes on as it was.
+        encoded = arrays.encode({"op": "predict", "id": request_id, "payload": payload}, inbox.peer,
+                                inbox.attach_min_bytes)
+        with self._failures(timeout):
             # Arrays in the payload and the result travel beside the line (arrays.py).
-            reply = arrays.exchange(sock, buf, {"op": "predict", "id": request_id, "payload": payload})
+            reply = arrays.complete(sock, inbox, *encoded)
             if reply is None:
                 raise ConnectionResetError("the worker closed the connection without a reply")
             if reply.get("id") != request_id:
                 raise ProtocolError(f"the worker answered request {reply.get('id')!r}, not {request_id}")
+        self.served += 1
+        if reply.get("ok"):
+            return reply.get("result")
+        if reply.get("reason") == "worker_exiting":
+            self._forget_worker()
+            answer = self._end("exiting", {"reply": reply})
+            raise error_from_dict(answer["error"])
+        raise WorkerRequestError(
+            f"{self.slug}: request failed: {reply.get('error')} (transcript {self.transcript})",
+            slug=self.slug, reason=str(reply.get("reason") or "request_failed"), transcript=self.transcript,
+            details={"traceback": reply.get("traceback")},
+        )
+
+    @contextmanager
+    def _failures(self, timeout: float) -> Iterator[None]:
+        """What a broken, timed-out or interrupted exchange with the worker does to this session."""
+        try:
+            yield
         except PeerError as exc:
             self.release()
             raise ResidentPoolError(f"{self.slug}: {exc}", slug=self.slug, reason="peer_not_you") from None
@@ -394,18 +419,6 @@ class Session:
             except (OSError, ResidentPoolError):
                 pass  # the pool is gone: the lease went with its connection
             raise
-        self.served += 1
-        if reply.get("ok"):
-            return reply.get("result")
-        if reply.get("reason") == "worker_exiting":
-            self._forget_worker()
-            answer = self._end("exiting", {"reply": reply})
-            raise error_from_dict(answer["error"])
-        raise WorkerRequestError(
-            f"{self.slug}: request failed: {reply.get('error')} (transcript {self.transcript})",
-            slug=self.slug, reason=str(reply.get("reason") or "request_failed"), transcript=self.transcript,
-            details={"traceback": reply.get("traceback")},
-        )
 
     def _end(self, outcome: str, extra: dict[str, Any]) -> dict[str, Any]:
         self._ended = True

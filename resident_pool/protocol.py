@@ -235,6 +235,12 @@ MAX_ATTACHMENT_BYTES = 4 * 1024**3
 ATTACH_MIN_BYTES = 64 * 1024
 # Per message. A sender packs its arrays into one memfd, so a handful is the norm.
 MAX_ATTACHMENTS = 64
+# A received attachment smaller than this is read into ordinary memory, not mapped. Each mapping is one
+# of the process's vm.max_map_count memory maps (65530 by default) for as long as an array of it lives:
+# a client holding ~65k mapped results could then allocate nothing, not even a thread's stack. Up to
+# 1 MiB a copy cost 0.7-1.3x what a mapping did to receive and read, 1.8-2.4x at 16 MiB
+# (bench/map_or_copy.py, a loaded 2-core host). Past half the limit every attachment is copied.
+COPY_BELOW_BYTES = 1024 * 1024
 # The kernel passes at most this many descriptors per sendmsg (SCM_MAX_FD); the
 # receiver makes room for all of them, so none is ever dropped by a short buffer.
 _SCM_MAX_FD = 253
@@ -406,33 +412,65 @@ def _check_and_map(index: int, attachment: Attachment, cap: int) -> None:
         raise ProtocolError(f"attachment {index} holds {held} bytes, not the {size} announced", recoverable=True)
     if size == 0:
         return
-    try:
-        attachment.buffer, attachment.address = _map_readonly(fd, size)
-    except OSError:
-        # Out of mappings (vm.max_map_count) or address space: read a copy instead.
-        copy = bytearray(size)
-        view = memoryview(copy)
-        done = 0
-        while done < size:
-            read = os.preadv(fd, [view[done:]], done)
-            if read <= 0:
-                raise ProtocolError(f"attachment {index} ended after {done} of {size} bytes",
-                                    recoverable=True) from None
-            done += read
-        attachment.buffer = view.toreadonly()
+    if size >= COPY_BELOW_BYTES and _MAPPINGS.live < _MAPPINGS.budget():
+        try:
+            attachment.buffer, attachment.address = _map_readonly(fd, size)
+            return
+        except OSError:
+            pass  # out of mappings or address space: read a copy instead
+    attachment.buffer = _read_copy(index, fd, size)
+
+
+def _read_copy(index: int, fd: int, size: int) -> memoryview:
+    copy = bytearray(size)
+    view = memoryview(copy)
+    done = 0
+    while done < size:
+        read = os.preadv(fd, [view[done:]], done)
+        if read <= 0:
+            raise ProtocolError(f"attachment {index} ended after {done} of {size} bytes", recoverable=True)
+        done += read
+    return view.toreadonly()
+
+
+class _Mappings:
+    """How many attachments this process holds mapped, against half of the kernel's vm.max_map_count.
+
+    Counted without a lock (a mapping may be unmapped by the garbage collector in any thread): a
+    miscount by a few leaves the margin to the kernel's limit all but whole.
+    """
+
+    def __init__(self) -> None:
+        self.live = 0
+        self._budget: int | None = None
+
+    def budget(self) -> int:
+        if self._budget is None:
+            try:
+                with open("/proc/sys/vm/max_map_count") as limit:
+                    self._budget = int(limit.read()) // 2
+            except (OSError, ValueError):
+                self._budget = 65530 // 2  # the kernel's default
+        return self._budget
+
+
+_MAPPINGS = _Mappings()
 
 
 class _Unmap:
     """Owned by a mapping's ctypes object: unmaps it once the last view of it is gone."""
 
-    __slots__ = ("address", "munmap", "size")
+    __slots__ = ("address", "mappings", "munmap", "size")
 
     def __init__(self, address: int, size: int) -> None:
         self.address, self.size = address, size
         self.munmap = _libc().munmap  # held: module globals may be gone when the last view dies at exit
+        self.mappings = _MAPPINGS
+        self.mappings.live += 1
 
     def __del__(self) -> None:
         self.munmap(self.address, self.size)
+        self.mappings.live -= 1
 
 
 _LIBC: Any = None

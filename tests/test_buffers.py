@@ -264,6 +264,81 @@ def test_references_that_name_what_the_message_does_not_carry_are_refused(pair, 
     message.close()
 
 
+def memfd_maps() -> int:
+    """This process's memory maps of memfds (each mapped attachment is one)."""
+    with open("/proc/self/maps") as maps:
+        return sum("/memfd:" in line for line in maps)
+
+
+def test_received_attachments_under_a_mib_are_read_into_memory_not_mapped(pair):
+    """Each mapping takes one of the process's vm.max_map_count maps while its array lives: holding thousands of
+    results must not take thousands of them."""
+    left, right = pair
+    value = random_array("float32", (128, 128))  # 64 KiB: an attachment at the default threshold
+    inbox, held, before = Inbox(), [], memfd_maps()
+    for i in range(2000):
+        send(left, {"i": i, "x": value})
+        got, message = receive(right, inbox)
+        held.append(got["x"])
+        assert message.attachments  # it did travel as an attachment
+    assert memfd_maps() - before < 10
+    assert all(not x.flags.writeable for x in held) and held[-1].tobytes() == value.tobytes()
+    big = random_array("uint8", (protocol.COPY_BELOW_BYTES,))
+    send(left, {"x": big})
+    got, _ = receive(right, inbox)
+    assert memfd_maps() == before + 1 and got["x"].tobytes() == big.tobytes()  # a large one is mapped in place
+
+
+def test_past_half_the_map_limit_every_attachment_is_copied_with_a_budget_lowered_to_50(pair, monkeypatch):
+    left, right = pair
+    monkeypatch.setattr(protocol._MAPPINGS, "_budget", protocol._MAPPINGS.live + 50)
+    value = random_array("uint8", (protocol.COPY_BELOW_BYTES,))
+    inbox, held, before = Inbox(), [], memfd_maps()
+    for _ in range(80):
+        send(left, {"x": value})
+        held.append(receive(right, inbox)[0]["x"])
+    assert memfd_maps() - before == 50 and all(x.tobytes() == value.tobytes() for x in held[::10])
+    del held
+    assert memfd_maps() == before  # each unmapped with its array
+
+
+HOLDER = """
+import os, socket, threading, numpy as np
+from resident_pool import arrays, protocol
+left, right = socket.socketpair()
+peer = {"version": 1, "max_bytes": 1 << 32}
+value = np.ones(1024, dtype=np.float32)  # 4 KiB, over the lowered threshold: an attachment
+N = 70000  # past vm.max_map_count's default of 65530
+def sender():
+    for i in range(N):
+        raw, fds, fresh = arrays.encode({"i": i, "x": value}, peer, min_bytes=4096)
+        protocol.send_raw(left, raw, fds)
+        os.close(fresh)
+threading.Thread(target=sender, daemon=True).start()
+inbox, held = protocol.Inbox(), []
+try:
+    for i in range(N):
+        message = protocol.recv_message(right, inbox)
+        held.append(arrays.decode(message.obj, message.attachments)["x"])
+        message.close()
+    np.zeros(16 << 20, np.float32)  # an ordinary 64 MiB allocation after
+    threading.Thread(target=print).start()  # and a thread's stack
+    print("held", len(held), float(sum(x[0] for x in held[::1000])))
+except MemoryError:
+    print(f"MemoryError after {len(held)} results held")
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_holding_70000_received_arrays_leaves_the_process_able_to_allocate():
+    """The end-to-end case: results of 4 KiB (the attachment threshold lowered to 4 KiB) held past the kernel's
+    default count of memory maps."""
+    done = subprocess.run([sys.executable, "-c", HOLDER], capture_output=True, text=True, timeout=280, check=False)
+    assert "held 70000 70.0" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
 def test_small_payloads_stay_pure_json_lines(pair):
     left, right = pair
     plain = {"op": "predict", "id": 7, "payload": {"inputs": ["MKV", "GGA"], "n": 2.5}}
@@ -332,6 +407,54 @@ def test_hostile_json_naming_an_unsent_buffer_gets_an_error_reply(array_worker):
     assert proc.poll() is None
 
 
+HOSTILE_REFERENCES = {
+    # Zero elements but a dimension numpy cannot hold: plain JSON, no descriptor needed.
+    "a 2**63 dimension": {"$base64": "", "dtype": "float32", "shape": [0, 2**63]},
+    "dimensions too big together": {"$base64": "", "dtype": "float32", "shape": [0, 2**62, 4]},
+    "a list as dtype": {"$base64": "", "dtype": [], "shape": [0]},
+    "a dict as dtype": {"$base64": "", "dtype": {"a": 1}, "shape": [0]},
+    "a float as offset": {"$buffer": 0, "dtype": "uint8", "shape": [0], "offset": 0.5},
+    "a list as attachment": {"$buffer": [], "dtype": "uint8", "shape": [0]},
+    "a bool in the shape": {"$base64": "", "dtype": "uint8", "shape": [True, 0]},
+    "a number as base64": {"$base64": 5, "dtype": "uint8", "shape": [0]},
+}
+
+
+@pytest.mark.parametrize("array_worker", [[], ["-S"]], indirect=True, ids=["numpy worker", "no numpy in the worker"])
+@pytest.mark.parametrize("name", list(HOSTILE_REFERENCES))
+def test_one_hostile_array_reference_gets_a_bad_request_reply_and_the_worker_stays_up(array_worker, name):
+    socket_path, proc = array_worker
+    with protocol.connect(socket_path) as conn:
+        conn.settimeout(30)
+        inbox = Inbox()
+        send_line(conn, {"op": "predict", "id": 1, "payload": {"value": HOSTILE_REFERENCES[name]}})
+        reply = recv_message(conn, inbox).obj
+        assert reply["ok"] is False and reply["reason"] == "bad_request", reply
+        assert "array reference" in reply["error"] or "inline array" in reply["error"], reply
+        assert arrays.exchange(conn, inbox, {"op": "predict", "id": 2, "payload": {"value": 5}})["result"]["value"] == 5
+    assert proc.poll() is None
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_REFERENCES))
+def test_decode_raises_only_array_error_for_a_hostile_reference(name, monkeypatch):
+    for numpy_here in (True, False):
+        if not numpy_here:
+            monkeypatch.setattr(arrays, "_numpy", lambda: None)
+        with pytest.raises(arrays.ArrayError):
+            arrays.decode({"value": json.loads(json.dumps(HOSTILE_REFERENCES[name]))}, [])
+
+
+def test_through_the_pool_one_hostile_json_payload_leaves_the_warm_worker_serving(pool_dir):
+    array_provider(pool_dir)
+    with Pool() as pool, pool.session("arrays") as session:
+        assert session.predict({"value": 5})["value"] == 5
+        with pytest.raises(WorkerRequestError) as raised:
+            session.predict({"value": HOSTILE_REFERENCES["a 2**63 dimension"]})
+        assert raised.value.reason == "bad_request", str(raised.value)
+        assert session.predict({"value": 6})["value"] == 6  # the same session, the same worker
+        assert os.path.exists(f"/proc/{session.pid}")
+
+
 def test_an_echo_passes_on_the_descriptor_it_received(array_worker):
     socket_path, _ = array_worker
     value = random_array("float32", (256, 256))
@@ -347,6 +470,25 @@ def test_an_echo_passes_on_the_descriptor_it_received(array_worker):
         result = arrays.decode(reply.obj, reply.attachments)["result"]
         reply.close()
     assert result["value"].tobytes() == value.tobytes()
+
+
+@pytest.mark.parametrize("how", ["byteswapped", "big-endian copy", "misaligned"])
+def test_a_view_of_a_received_array_arrives_with_the_values_the_worker_meant(array_worker, how):
+    """A worker hands back a view of what it received: the caller gets its values (a byte-order view is
+    converted, a view at an offset its dtype cannot start at is copied), never the received bytes as they were
+    and never a refusal."""
+    socket_path, proc = array_worker
+    value = np.arange(1, 32769, dtype=np.int32)  # 128 KiB: an attachment, which the worker could pass on
+    if how == "misaligned":
+        value = (np.arange(200_001) % 251).astype(np.uint8)
+    with protocol.connect(socket_path) as conn:
+        reply = arrays.exchange(conn, Inbox(), {"op": "predict", "id": 1,
+                                                "payload": {"action": "view", "how": how, "value": value}})
+    result = reply["result"]
+    got = result["value"]
+    assert got[:4].tolist() == result["first"], (how, got[:4])
+    assert float(got.astype("float64").sum()) == result["sum"]
+    assert proc.poll() is None
 
 
 @pytest.mark.parametrize("array_worker", [["-S"]], indirect=True, ids=["no numpy in the worker"])
@@ -498,6 +640,22 @@ def test_a_worker_that_dies_holding_a_mapped_buffer_loses_nothing_of_the_callers
         assert made.tobytes() == b"\xab\xcd" * (1 << 19)
         again = pool.predict("arrays", {"value": sent})  # a fresh worker takes the same array
     assert again["value"].tobytes() == kept.tobytes()
+
+
+def test_a_payload_that_cannot_be_sent_is_the_callers_error_and_the_session_goes_on(pool_dir):
+    """Refused before a byte is sent (a dtype the protocol does not carry, an array over the worker's cap):
+    the caller gets the error, the session and its worker stay as they were."""
+    array_provider(pool_dir)
+    with Pool() as pool, pool.session("arrays") as session:
+        pid = session.pid
+        with pytest.raises(TypeError, match="dtype <U4 cannot be sent"):
+            session.predict({"value": np.array(["text"])})
+        with pytest.raises(ValueError, match=r"NaN|Out of range float"):
+            session.predict({"value": float("nan")})
+        assert session.predict({"value": 1})["value"] == 1
+        assert session.pid == pid
+        leased = {w["pid"]: w["state"] for w in pool.status()["workers"]}
+    assert leased.get(pid) == "leased", leased  # still ours: not abandoned, not drained
 
 
 @pytest.mark.slow

@@ -6,11 +6,13 @@ computed to $EMBEDDER_COUNT, so "computes only what is new" is counted at the mo
 
 from __future__ import annotations
 
+import base64
 import gzip
 import json
 import os
 import signal
 import sqlite3
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -333,3 +335,75 @@ def test_parquet_output_has_fixed_size_float32_embeddings(pool_dir, embedder, tm
     assert [r["index"] for r in rows] == list(range(11)) and rows[10]["ok"] is False
     assert rows[10]["embedding"] is None and rows[10]["reason"] == "bad_input"
     assert rows[0]["embedding"] == [float(len(_texts(10)[0])), float(sum(map(ord, _texts(10)[0])) % 997)]
+
+
+# A structure-like provider: each item carries small per-residue arrays (numpy arrays on the client's side), one
+# chunk-wide array with a row per input, and bytes.
+ARRAY_ITEMS = """
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("worker_base", os.environ["RESIDENT_POOL_WORKER_BASE"])
+worker_base = importlib.util.module_from_spec(spec); spec.loader.exec_module(worker_base)
+import numpy
+
+def on_predict(payload):
+    texts = payload["inputs"]
+    items = [{"plddt": numpy.full(len(t), 0.5, dtype=numpy.float32), "length": len(t), "tag": t[:3].encode()}
+             for t in texts]
+    lengths = numpy.array([[len(t), 2 * len(t)] for t in texts], dtype=numpy.int64)
+    return {"items": items, "lengths": lengths, "scores": numpy.zeros(7, numpy.float32)}
+
+worker_base.serve(slug="plddt", socket_path=sys.argv[1], on_predict=on_predict)
+"""
+
+
+def test_items_carrying_arrays_are_written_as_lists_of_numbers(pool_dir, tmp_path):
+    """Issue 19's arrays through issue 15's campaign: every input gets its record, arrays as JSON numbers,
+    bytes as base64, and a chunk-wide array's row (``lengths``) lands in its input's record (``length`` is
+    the item's own and stays)."""
+    (pool_dir / "plddt").mkdir()
+    (pool_dir / "plddt" / "worker.py").write_text(ARRAY_ITEMS)
+    (pool_dir / "plddt" / "manifest.toml").write_text('slug = "plddt"\nworker = "worker.py"\n')
+    texts = _texts(20)
+    output = tmp_path / "out.jsonl"
+    state = _state(pool_dir, provider="plddt", input=str(_jsonl(tmp_path / "in.jsonl", texts)), chunk_size=8,
+                   output=str(output), encoding=None)
+    assert state.is_completed(), state.message
+    records = _records(output)
+    assert [r["ok"] for r in records] == [True] * 20, records[0]
+    assert records[3]["plddt"] == [0.5] * len(texts[3]) and records[3]["length"] == len(texts[3])
+    assert records[3]["tag"] == base64.b64encode(texts[3][:3].encode()).decode()
+    assert "lengths" not in records[3] and "scores" not in records[3] and "score" not in records[3]
+
+
+def test_the_chunk_wide_rows_go_to_their_items_without_numpy(monkeypatch):
+    """A client without numpy gets arrays.Array objects: a chunk-wide array's rows still reach the items."""
+    from screen import _items
+
+    from resident_pool.arrays import Array
+
+    answer = {"items": [{"tokens": 1}, {"tokens": 2}], "embeddings": Array(bytes(16), "float32", [2, 2]),
+              "dim": 2}
+    items = _items("minilm", answer, 2)
+    assert items == [{"tokens": 1, "embedding": [0.0, 0.0]}, {"tokens": 2, "embedding": [0.0, 0.0]}]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_minilm_with_array_encoding_writes_each_embedding_into_its_record(pool_dir, tmp_path):
+    """minilm's embeddings come back as one attachment per chunk ("encoding": "array"); each record gets its row,
+    the same float32 values the default base64 encoding writes."""
+    import shutil
+
+    shutil.copytree(ROOT / "manifests" / "minilm", pool_dir / "minilm")
+    inputs = _jsonl(tmp_path / "in.jsonl", _texts(6))
+    state = _state(pool_dir, provider="minilm", input=str(inputs), output=str(tmp_path / "array.jsonl"),
+                   encoding="array", chunk_size=3)
+    assert state.is_completed(), state.message
+    _screen(pool_dir, provider="minilm", input=str(inputs), output=str(tmp_path / "b64.jsonl"), chunk_size=3)
+    arrayed, encoded = _records(tmp_path / "array.jsonl"), _records(tmp_path / "b64.jsonl")
+    assert all(r["ok"] for r in arrayed) and len(arrayed) == 6, state.message
+    for mine, theirs in zip(arrayed, encoded, strict=True):
+        expected = struct.unpack("<384f", base64.b64decode(theirs["embedding_f32"]))
+        assert len(mine["embedding"]) == 384 and max(map(abs, (a - b for a, b in zip(mine["embedding"], expected,
+                                                                                         strict=True)))) < 1e-6
+        assert mine["tokens"] == theirs["tokens"]

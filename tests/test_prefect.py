@@ -230,3 +230,22 @@ def test_the_helpers_work_under_the_process_pool_task_runner(pool_dir):
         served = sum(w["served"] for w in pool.status()["workers"])
     # Two task processes at a time hold at most two leases at once: at most two workers served all four.
     assert served == 4 and 1 <= len({r["worker_pid"] for r in results}) <= 2
+
+
+def test_the_predict_flow_shows_an_answer_that_carries_arrays(pool_dir):
+    """The UI's ad hoc flow with a provider answering with arrays (structure outputs): the run completes, its
+    artifact names each array's dtype and shape, and the flow's result keeps the arrays themselves."""
+    write_provider(pool_dir, "arrays", 'worker_args = ["{socket}"]\n', worker="arrayworker.py")
+    from predict import predict as predict_flow
+
+    payload = {"action": "make", "dtype": "float32", "shape": [256, 256], "nbytes": 256 * 256 * 4, "hex": "0000803f"}
+    state = predict_flow(provider="arrays", inputs=[payload, {"action": "make", "dtype": "bytes", "nbytes": 5,
+                                                              "hex": "ff", "shape": [5]}], return_state=True)
+    assert state.is_completed(), state.message
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    text = next(a.data for a in artifacts if a.type == "markdown")
+    assert "<float32 array, shape [256, 256]: 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, ...>" in text, text
+    assert "<5 bytes>" in text, text
+    assert state.result()["results"][0]["value"].sum() == 256 * 256

@@ -49,6 +49,19 @@ def main():
 
                 made = numpy.array(made)  # a copy the worker owns, not a view of `data`
             return {"value": made, "pid": os.getpid()}
+        if action == "view":  # hand back a view of the received array (numpy workers only)
+            import numpy
+
+            how = payload["how"]
+            if how == "byteswapped":  # the same bytes read big-endian: other values
+                out = value.view(value.dtype.newbyteorder(">"))
+            elif how == "big-endian copy":  # the same values, stored big-endian
+                out = value.astype(value.dtype.newbyteorder(">"))
+            elif how == "misaligned":  # int16 read from byte 1 of a received uint8 buffer (a packed format)
+                out = value[1:].view(numpy.int16)
+            else:
+                raise ValueError(f"unknown view {how!r}")
+            return {"value": out, "sum": float(out.astype("float64").sum()), "first": out[:4].tolist()}
         if action == "die":  # read the mapped buffer, then die holding it
             hashlib.sha256(raw(value)).hexdigest()
             os._exit(9)
