@@ -495,6 +495,9 @@ class PoolServer(PoolObserving):
                 return replica, True
         if sum(r.live for r in current) >= provider.manifest.lifecycle.max_replicas:
             return None
+        if any(r.state is ReplicaState.LEASED and r.lease is not None and r.lease.connection is None
+               for r in current):
+            return None  # the pool's own liveness ping, a moment long: its end wakes this ticket
         return self._new_replica(provider), True
 
     def _new_replica(self, provider: _Provider) -> Replica:

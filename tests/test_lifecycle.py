@@ -435,7 +435,7 @@ def test_a_new_pool_never_double_books_the_gpu_of_a_worker_still_loading_for_a_k
         pool_dir, isolated_dirs, monkeypatch):
     """10 GB declared, 6 GB per worker: two workers may never hold the card at once."""
     monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")
-    write_provider(pool_dir, "big", 'worker_args = ["{socket}", "--load-seconds", "90"]\n'
+    write_provider(pool_dir, "big", 'worker_args = ["{socket}", "--load-seconds", "12"]\n'
                                     '[gpu]\npolicy = "required"\nvram_budget_gb = 6\n')
     first = subprocess.Popen([sys.executable, "-c", "from resident_pool import Pool; Pool().predict('big', {})"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -628,3 +628,30 @@ def test_a_subprocess_mode_worker_serves_one_lease_and_is_never_handed_out_again
         pids = [pool.predict("oneshot", {"action": "echo"})["pid"] for _ in range(4)]
     assert len(set(pids)) == 4, f"a worker served {4 - len(set(pids)) + 1} back-to-back requests: {pids}"
     reliability_row("subprocess-mode requests back to back", "a fresh worker for each one")
+
+
+def test_a_request_during_a_liveness_ping_waits_for_the_pinged_worker_with_a_one_second_ping_interval(
+        pool_dir, tmp_path, monkeypatch):
+    """ping_interval_s = 1 and a ping that takes 0.3 s, so requests meet pings within the test.
+
+    A ping is the pool's own, a moment long: a request that arrives during it waits for that worker. Starting
+    another replica instead pays a cold start and a second GPU budget for a health check.
+    """
+    pings = tmp_path / "pings"
+    pings.mkdir()
+    monkeypatch.setenv("TESTWORKER_PING_DIR", str(pings))
+    write_provider(pool_dir, "pinged", 'worker_args = ["{socket}", "--ping-seconds", "0.3"]\n'
+                                       '[env]\npassthrough = ["TESTWORKER_PING_DIR"]\n'
+                   + lifecycle(max_replicas=2, ping_interval_s=1))
+
+    def answered() -> int:
+        return sum(path.read_text().count("ping") for path in pings.glob("*.pings"))
+
+    with Pool() as pool:
+        pool.predict("pinged", {"action": "echo"})
+        started = answered()  # the start's own ping
+        deadline = time.monotonic() + 60
+        while answered() < started + 3 and time.monotonic() < deadline:
+            pool.predict("pinged", {"action": "echo"})
+        assert answered() >= started + 3, "the pool never pinged its idle worker"
+        assert [w["replica"] for w in pool.status()["workers"]] == [0]

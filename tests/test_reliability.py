@@ -271,6 +271,17 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def _fd_targets(pid: int) -> list[str]:
+    """What each open descriptor is, for a message that says which one grew."""
+    targets = []
+    for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
+        try:
+            targets.append(f"{fd}={os.readlink(f'/proc/{pid}/fd/{fd}')}")
+        except OSError:
+            pass  # closed while listed
+    return targets
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("slug", "count", "payload"), [("echo", 50_000 if FULL else 10_000, {"x": "MKV" * 10}),
@@ -284,6 +295,7 @@ def test_soak(pool_dir, reliability_row, slug, count, payload):
         state = pool.status()
         pool_pid, worker_pid = state["pool"]["pid"], state["workers"][0]["pid"]
         before = (_rss_kb(pool_pid), _rss_kb(worker_pid), _fds(pool_pid), _fds(worker_pid))
+        before_targets = _fd_targets(pool_pid)
         with pool.session(slug) as session:
             for _ in range(count // 2):
                 session.predict(payload)
@@ -296,8 +308,10 @@ def test_soak(pool_dir, reliability_row, slug, count, payload):
         except AssertionError:
             pass  # the assertion below says which count grew
         after = (_rss_kb(pool_pid), _rss_kb(worker_pid), _fds(pool_pid), _fds(worker_pid))
+        after_targets = _fd_targets(pool_pid)
     pool_growth, worker_growth = (after[0] - before[0]) / 1024, (after[1] - before[1]) / 1024
-    assert after[2:] == before[2:], f"open fds grew: {before[2:]} -> {after[2:]}"
+    assert after[2:] == before[2:], (f"open fds grew: {before[2:]} -> {after[2:]}; the pool's before: "
+                                     f"{before_targets}, after: {after_targets}")
     assert pool_growth < 2 and worker_growth < 2
     reliability_row(f"soak: {count} requests on {slug}", "fds unchanged", pool_rss_growth_mb=round(pool_growth, 2),
                     worker_rss_growth_mb=round(worker_growth, 2), fds=f"{before[2]}/{before[3]}")

@@ -514,6 +514,7 @@ def test_a_socket_served_by_another_user_is_never_spoken_to(isolated_dirs, tmp_p
     finally:
         fake.kill()
         fake.wait()
+        fake.stdout.close()
     security_row("a pool socket served by another user (swapped in after the directory check)",
                  "SO_PEERCRED checked on every connect: refused before a byte was sent")
 

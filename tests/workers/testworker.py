@@ -116,6 +116,8 @@ def main():
     def ready():
         if "--ready-raises" in options:
             raise RuntimeError("ready() broke after the model loaded")
+        if "--ping-seconds" in options:  # a health check that takes a while: a model that checks its device
+            time.sleep(float(options[options.index("--ping-seconds") + 1]))
         if os.environ.get("TESTWORKER_PING_DIR"):  # one line per ping answered, for tests that count them
             with open(os.path.join(os.environ["TESTWORKER_PING_DIR"], f"{os.getpid()}.pings"), "a") as pings:
                 pings.write("ping\n")
