@@ -50,7 +50,8 @@ def ensure_work_pool(name: str) -> None:
 
 def provider_choices(manifests: str | Path) -> list[str]:
     """The providers in ``manifests`` (folders holding a manifest.toml), sorted."""
-    return sorted(path.parent.name for path in Path(manifests).glob("*/manifest.toml") if SLUG.match(path.parent.name))
+    return sorted(path.parent.name for path in Path(manifests).glob("*/manifest.toml")
+                  if SLUG.fullmatch(path.parent.name))
 
 
 def _dropdown(deployment, choices: list[str]) -> None:

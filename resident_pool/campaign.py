@@ -41,6 +41,9 @@ BLOCK = 1024  # records looked up in the store at once
 _COMPACT = json.JSONEncoder(separators=(",", ":")).encode
 _PLAIN_ID = re.compile(r"[A-Za-z0-9_.:|/+=-]*")  # ids that are their own JSON string body
 OUTPUT_FORMATS = ("jsonl", "parquet")
+# A record's own fields. A provider's item naming one of them is stored and written whole under "result"
+# instead of beside them: JSON Lines would hold the key twice (the last wins) and Parquet two columns of one name.
+RECORD_FIELDS = frozenset({"index", "id", "ok", "reason", "error"})
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,7 @@ class Campaign:
                 failures.append((key, reason, error))
                 lines.append(_failure_line(head, reason, error))
             else:
-                text = _COMPACT(result)
+                text = _COMPACT(_fields(result))
                 stored.append((key, text))
                 lines.append(_ok_line(head, text))
         self.store.put(self.version, stored)
@@ -295,6 +298,12 @@ def _head(index: int, ident: str) -> str:
 
 def _ok_line(head: str, result: str) -> str:
     return f'{head},"ok":true}}\n' if result == "{}" else f'{head},"ok":true,{result[1:]}\n'
+
+
+def _fields(result: dict[str, Any]) -> dict[str, Any]:
+    """A provider's item as the store and the output hold it: its fields beside the record's own, or, when it
+    names one of them, whole under "result". Checked once, when the item comes in, not per line written."""
+    return {"result": result} if not RECORD_FIELDS.isdisjoint(result) else result
 
 
 def _failure_line(head: str, reason: str, error: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -230,3 +231,13 @@ def test_the_helpers_work_under_the_process_pool_task_runner(pool_dir):
         served = sum(w["served"] for w in pool.status()["workers"])
     # Two task processes at a time hold at most two leases at once: at most two workers served all four.
     assert served == 4 and 1 <= len({r["worker_pid"] for r in results}) <= 2
+
+
+def test_artifact_keys_of_two_different_providers_differ():
+    """Review of issue 15, finding 11: esm_2 and esm-2 are both valid slugs; their artifacts must not mix."""
+    from resident_pool.prefect import artifact_key
+
+    keys = {artifact_key("screen-summary", slug) for slug in ("esm_2", "esm-2", "esm__2", "esm_-2")}
+    assert len(keys) == 4, keys
+    assert artifact_key("screen-summary", "esm-2") == "screen-summary-esm-2"  # a clean slug's key reads as it is
+    assert all(re.fullmatch(r"[a-z0-9-]+", key) for key in keys)
