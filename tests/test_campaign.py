@@ -474,3 +474,25 @@ def test_the_deployment_offers_only_folders_named_as_providers(pool_dir, embedde
     (pool_dir / "embedder.old").mkdir()
     (pool_dir / "embedder.old" / "manifest.toml").write_text((pool_dir / "embedder" / "manifest.toml").read_text())
     assert provider_choices(pool_dir) == ["embedder"]
+
+
+def test_two_runs_writing_one_output_at_once_the_second_is_refused_and_computes_nothing(pool_dir, embedder,
+                                                                                        tmp_path):
+    """Two runs on one inbox at once (a slow night, a hand-started run): one campaign writes an output at a time;
+    the other is refused by name, computes nothing, and a later run is served as usual."""
+    from resident_pool.campaign import Campaign
+    from resident_pool.results import ResultStore
+
+    inputs = _fasta(tmp_path / "in.fasta", _texts(5))
+    output = tmp_path / "out.jsonl"
+    with ResultStore(tmp_path / "other-store" / "embedder.sqlite3") as store:
+        holder = Campaign(store, "v", {}, 8, output)  # another run, writing the same output now
+        try:
+            refused = _state(pool_dir, input=str(inputs), output=str(output))
+        finally:
+            holder.close()
+    assert refused.is_failed() and "another campaign is writing" in refused.message, refused.message
+    assert embedder() == 0 and not output.exists()
+    served = _state(pool_dir, input=str(inputs), output=str(output))
+    assert served.is_completed() and served.message == "5 ok, 0 failed"
+    assert len(_records(output)) == 5 and not output.with_name("out.jsonl.partial").exists()
