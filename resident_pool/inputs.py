@@ -465,6 +465,8 @@ def _field(row: dict, names: tuple[str, ...]) -> tuple[str | None, object]:
 def _sequence_text(value: str) -> str:
     """A sequence field's text as FASTA's would be read: whitespace dropped, upper case. A value that is not
     sequence letters (a SMILES string, a sentence) is only stripped: never changed into another input."""
+    if value.isascii() and value.isalpha() and value.isupper():  # already as FASTA's would be: most of them
+        return value
     try:
         raw = value.encode("ascii").translate(None, _WHITESPACE)
     except UnicodeEncodeError:
@@ -497,6 +499,8 @@ def _tsv_cells(text: str, kind: str) -> tuple[list[str], None]:
     """One TSV line's cells: split on tabs, no quoting; a field wholly in quotes (as pandas writes one holding
     a tab) is unquoted."""
     cells = text.split("\t")
+    if '"' not in text:
+        return cells, None
     for at, cell in enumerate(cells):
         if len(cell) >= 2 and cell[0] == cell[-1] == '"':
             cells[at] = cell[1:-1].replace('""', '"')
