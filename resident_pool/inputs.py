@@ -141,7 +141,8 @@ class InputFile:
         except OSError as exc:
             raise InputError(f"{self.path}: cannot be opened ({exc.strerror})", details={"path": str(self.path)}) \
                 from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
             os.close(fd)
             raise InputError(f"{self.path}: not a regular file; give a FASTA, CSV, TSV or JSONL file",
                              details={"path": str(self.path)})
@@ -150,9 +151,16 @@ class InputFile:
             self._raw = raw
             if not self.compressed:
                 yield raw
-                return
-            with gzip.GzipFile(fileobj=raw, mode="rb") as unpacked:
-                yield unpacked
+            else:
+                with gzip.GzipFile(fileobj=raw, mode="rb") as unpacked:
+                    yield unpacked
+            now = os.fstat(raw.fileno())
+            if (now.st_size, now.st_mtime_ns) != (opened.st_size, opened.st_mtime_ns):
+                # Rewritten in place, or still being copied in: what was read may mix two versions.
+                raise InputError(f"{self.path}: the file changed while it was read (its size or modification "
+                                 "time moved), so no output is written for it: run again once it is complete "
+                                 "(write an inbox file under another name, then rename it in)",
+                                 details={"path": str(self.path)})
 
     def size(self) -> int:
         return self.path.stat().st_size

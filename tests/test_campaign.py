@@ -496,3 +496,38 @@ def test_two_runs_writing_one_output_at_once_the_second_is_refused_and_computes_
     served = _state(pool_dir, input=str(inputs), output=str(output))
     assert served.is_completed() and served.message == "5 ok, 0 failed"
     assert len(_records(output)) == 5 and not output.with_name("out.jsonl.partial").exists()
+
+
+_APPENDER = _WORKER_HEAD + '''
+appended = False
+def on_predict(payload):
+    global appended
+    if not appended:  # the inbox file grows while the campaign reads it (a copy still going on)
+        with open(os.environ["APPEND_TO"], "a") as out:
+            out.write(">late\\nGGGG\\n")
+        appended = True
+    return {"items": [{"length": len(t)} for t in payload["inputs"]]}
+worker_base.serve(slug="appender", socket_path=sys.argv[1], on_predict=on_predict)
+'''
+
+
+def test_an_inbox_file_that_changes_while_it_is_read_gets_no_mixed_output(pool_dir, tmp_path, monkeypatch):
+    """Review of issue 15, Risks: the run names the file and writes no output for it (none mixing two versions);
+    what was computed is stored, so the next run computes only the rest."""
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    growing = _fasta(inbox / "growing.fasta", _texts(3000))
+    os.utime(growing, (1_700_000_000, 1_700_000_000))  # written a while ago
+    monkeypatch.setenv("APPEND_TO", str(growing))
+    folder = pool_dir / "appender"
+    folder.mkdir()
+    (folder / "worker.py").write_text(_APPENDER)
+    (folder / "manifest.toml").write_text('slug = "appender"\nworker = "worker.py"\n[env]\npassthrough = '
+                                          '["APPEND_TO"]\n[lifecycle]\nmax_replicas = 1\n')
+    first = _state(pool_dir, input=str(inbox), provider="appender", chunk_size=8)
+    assert first.is_failed() and "growing.fasta: the file changed while it was read" in first.message, first.message
+    assert not (inbox / "screened" / "growing.fasta.appender.jsonl").exists()
+    second = _state(pool_dir, input=str(inbox), provider="appender", chunk_size=8)
+    assert second.is_completed() and second.message == "3001 ok, 0 failed", second.message
+    summary = second.result()  # the first run's computed chunks were kept; it stopped reading at the change
+    assert summary["from_store"] >= 1000 and summary["computed"] + summary["from_store"] == 3001, summary

@@ -270,3 +270,26 @@ def test_a_text_column_is_not_upper_cased_like_a_sequence(tmp_path):
     (tmp_path / "t.csv").write_text("id,sequence\nx,Not a protein: 42\n")
     assert next(InputFile(tmp_path / "t.jsonl").records()).text == "Hello world"
     assert next(InputFile(tmp_path / "t.csv").records()).text == "Not a protein: 42"
+
+
+@pytest.mark.parametrize("how", ["rewritten in place", "appended to"])
+def test_a_file_changed_while_it_is_read_is_refused_by_name_not_read_as_a_mix(tmp_path, how):
+    """Review of issue 15, Risks: an inbox file rewritten in place (or still being copied in) while a run reads
+    it would give an output mixing both versions; the reader says the file changed, and the next run reads it
+    whole."""
+    path = tmp_path / "week.fasta"
+    path.write_text("".join(f">old{n}\nMKVL\n" for n in range(2000)))
+    os.utime(path, (1_700_000_000, 1_700_000_000))  # written a while ago, as an inbox file is
+    source = InputFile(path)
+    records = source.records()
+    assert next(records).id == "old0"
+    if how == "appended to":
+        with open(path, "a") as out:
+            out.write(">late\nGG\n")
+    else:
+        with open(path, "r+") as out:
+            out.write(">new0\nAAAA\n")
+    with pytest.raises(InputError) as raised:
+        list(records)
+    assert str(path) in str(raised.value) and "changed while it was read" in str(raised.value)
+    assert len(list(InputFile(path).records())) >= 2000  # read again, whole, by the next run
