@@ -35,7 +35,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
 run: setup
-	$(PY) flows/screen.py
+	$(PY) flows/screen.py --output out/uniprot-500.fasta.minilm.jsonl
 	$(VENV)/bin/resident-pool status
 
 # A local Prefect stack by hand, one terminal each (`make stack-up` does all three).

@@ -50,7 +50,8 @@ def ensure_work_pool(name: str) -> None:
 
 def provider_choices(manifests: str | Path) -> list[str]:
     """The providers in ``manifests`` (folders holding a manifest.toml), sorted."""
-    return sorted(path.parent.name for path in Path(manifests).glob("*/manifest.toml") if SLUG.match(path.parent.name))
+    return sorted(path.parent.name for path in Path(manifests).glob("*/manifest.toml")
+                  if SLUG.fullmatch(path.parent.name))
 
 
 def _dropdown(deployment, choices: list[str]) -> None:
@@ -81,8 +82,12 @@ def deploy_all(work_pool: str, manifests: str | None = None, tags: list[str] | N
     for name, entrypoint in FLOWS.items():
         parameters: dict[str, Any] = {}
         cron = None
+        limit = None
         if name == "screen" and schedule:
             cron = schedule
+            # One screen at a time: a night that outlasts the next start queues behind it (and a second run on
+            # the same inbox at once would find each output locked and compute nothing).
+            limit = 1
             parameters["input"] = str(Path(inbox).expanduser().resolve())
             if outbox:
                 parameters["output"] = str(Path(outbox).expanduser().resolve())
@@ -95,7 +100,8 @@ def deploy_all(work_pool: str, manifests: str | None = None, tags: list[str] | N
         remote = flow.from_source(source=str(ROOT), entrypoint=entrypoint)
         deployment = remote.to_deployment(name=name, parameters=parameters, cron=cron,
                                           paused=paused if cron else None, tags=tags or ["resident-pool"],
-                                          job_variables=job_variables, work_pool_name=work_pool)
+                                          job_variables=job_variables, work_pool_name=work_pool,
+                                          concurrency_limit=limit)
         _dropdown(deployment, choices)
         deployments.append(deployment)
     ids = deploy(*deployments, work_pool_name=work_pool, print_next_steps_message=False, ignore_warnings=True)

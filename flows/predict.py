@@ -36,10 +36,10 @@ def predict_inputs(provider: str, inputs: list[Any], manifests: str | None) -> d
 
 
 def _inputs_or_smoke(provider: str, inputs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    if not SLUG.fullmatch(provider):  # a whole name, never a path: it names the manifest folder and the artifact
+        raise ManifestError(f"{provider!r} is not a provider name (lowercase letters, digits, '-' or '_')")
     if inputs:
         return inputs
-    if not SLUG.match(provider):
-        raise ManifestError(f"{provider!r} is not a provider name (lowercase letters, digits, '-' or '_')")
     manifest = load_manifest(default_manifests() / provider / "manifest.toml")
     if not manifest.smoke.payload:
         raise ManifestError(f"{provider}: no inputs were given and its manifest has no [smoke] payload to send; "

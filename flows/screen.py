@@ -255,7 +255,9 @@ def _input_files(input: str, output: str | None, provider: str, fmt: str, column
         candidates = [p for p in candidates if _is_input_name(p)]
         targets = [(p, outbox / output_name(p, provider, fmt)) for p in candidates]
     else:
-        default = ROOT / "out" / output_name(path, provider, fmt)
+        # Beside its input, as an inbox's go to <inbox>/screened: two inputs of one name never share an output,
+        # and where the run was started from does not matter.
+        default = path.parent / output_name(path, provider, fmt)
         targets = [(path, Path(output).expanduser() if output else default)]
     files, refused = [], []
     for candidate, target in targets:
@@ -279,7 +281,7 @@ def _is_input_name(path: Path) -> bool:
 
 
 def _load_provider(manifests: str, provider: str) -> Manifest:
-    if not SLUG.match(provider):
+    if not SLUG.fullmatch(provider):
         raise ManifestError(f"{provider!r} is not a provider name (lowercase letters, digits, '-' or '_')")
     return load_manifest(Path(manifests) / provider / "manifest.toml")
 
@@ -300,9 +302,10 @@ def screen(
 ):
     """Screen every input of a FASTA, CSV, TSV or JSONL file (or of every such file in a folder).
 
-    ``output``: the output file (for a folder: the output folder, default
-    ``<folder>/screened``). ``column``/``id_column``: the CSV/TSV/JSONL fields
-    holding the text and the id (matched ignoring case). ``max_workers``: chunk
+    ``output``: the output file (default ``<input>.<provider>.<format>`` beside
+    the input; for a folder: the output folder, default ``<folder>/screened``).
+    ``column``/``id_column``: the CSV/TSV/JSONL fields holding the text and the
+    id (matched ignoring case). ``max_workers``: chunk
     tasks at once (default: the provider's max_replicas + 1). ``encoding`` is
     passed to the provider: minilm's "float32-base64" sends each embedding as
     base64 float32, cheaper than JSON float text.
@@ -397,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", default=DEFAULT_INPUT, help="an input file, or a folder of them (an inbox)")
     parser.add_argument("--provider", default="minilm")
     parser.add_argument("--chunk-size", type=int, default=64)
-    parser.add_argument("--output", help="output file (for a folder input: output folder)")
+    parser.add_argument("--output", help="output file (default: <input>.<provider>.<format> beside the input; for a "
+                        "folder input: the output folder, default <folder>/screened)")
     parser.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
     parser.add_argument("--column", help="the CSV/TSV/JSONL field holding the text (default: sequence, text, ...)")
     parser.add_argument("--id-column", help="the field holding each input's id (default: id, name, ...)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 import base64
+import fcntl
 import json
 import os
 import re
@@ -45,6 +46,9 @@ _COMPACT = json.JSONEncoder(separators=(",", ":")).encode
 _RESULT = json.JSONEncoder(separators=(",", ":"), default=arrays.plain).encode
 _PLAIN_ID = re.compile(r"[A-Za-z0-9_.:|/+=-]*")  # ids that are their own JSON string body
 OUTPUT_FORMATS = ("jsonl", "parquet")
+# A record's own fields. A provider's item naming one of them is stored and written whole under "result"
+# instead of beside them: JSON Lines would hold the key twice (the last wins) and Parquet two columns of one name.
+RECORD_FIELDS = frozenset({"index", "id", "ok", "reason", "error"})
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,31 @@ def _open_new(path: Path, flags: int) -> int:
                          details={"path": str(path)}) from None
 
 
+def _locked_journal(path: Path, output: Path) -> int:
+    """``<output>.partial``, opened, locked and emptied: one campaign writes an output at a time.
+
+    Another run on the same inbox at once (a slow night, a hand-started run) is refused here, before it
+    computes anything; the lock goes with the process, however it ends.
+    """
+    while True:
+        fd = _open_new(path, os.O_APPEND)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise InputError(f"{output}: another campaign is writing this output now ({path.name} is locked); "
+                             "let it finish and run again, or give another --output",
+                             details={"path": str(output)}) from None
+        try:  # the campaign that held it may have removed it on its way out: lock the file that is there
+            current = os.path.samestat(os.fstat(fd), os.lstat(path))
+        except FileNotFoundError:
+            current = False
+        if current:
+            os.ftruncate(fd, 0)
+            return fd
+        os.close(fd)
+
+
 class Campaign:
     """One input file through one provider version.
 
@@ -126,7 +155,7 @@ class Campaign:
             CREATE TEMP TABLE failures (key BLOB PRIMARY KEY, reason TEXT NOT NULL, error TEXT NOT NULL);
         """)
         self.output.parent.mkdir(parents=True, exist_ok=True)
-        self.journal = os.fdopen(_open_new(self.journal_path, os.O_TRUNC | os.O_APPEND), "w", encoding="utf-8")
+        self.journal = os.fdopen(_locked_journal(self.journal_path, self.output), "w", encoding="utf-8")
 
     def close(self) -> None:
         if not self.journal.closed:
@@ -199,7 +228,7 @@ class Campaign:
                 lines.append(_failure_line(head, reason, error))
             else:
                 try:
-                    text = _RESULT(result)
+                    text = _RESULT(_fields(result))
                 except (TypeError, ValueError) as exc:  # one input's answer that cannot be written fails alone
                     failures.append((key, "bad_answer", f"the answer cannot be written as JSON: {exc}"))
                     lines.append(_failure_line(head, *failures[-1][1:]))
@@ -245,7 +274,7 @@ class Campaign:
         """Write the output in input order, one record per input, atomically; returns the counts."""
         if fmt not in OUTPUT_FORMATS:
             raise InputError(f"unknown output format {fmt!r}; use one of {', '.join(OUTPUT_FORMATS)}")
-        self.journal.close()
+        self.journal.flush()  # kept open, and locked, until the output has replaced the old one
         temp = self.output.with_name(f".{self.output.name}.{uuid.uuid4().hex[:8]}.tmp")
         fd = _open_new(temp, os.O_EXCL)
         try:
@@ -260,6 +289,7 @@ class Campaign:
             temp.unlink(missing_ok=True)
             raise
         self.journal_path.unlink(missing_ok=True)
+        self.journal.close()
         return rows.counts
 
     def _first_result(self) -> dict[str, Any] | None:
@@ -304,6 +334,12 @@ def _head(index: int, ident: str) -> str:
 
 def _ok_line(head: str, result: str) -> str:
     return f'{head},"ok":true}}\n' if result == "{}" else f'{head},"ok":true,{result[1:]}\n'
+
+
+def _fields(result: dict[str, Any]) -> dict[str, Any]:
+    """A provider's item as the store and the output hold it: its fields beside the record's own, or, when it
+    names one of them, whole under "result". Checked once, when the item comes in, not per line written."""
+    return {"result": result} if not RECORD_FIELDS.isdisjoint(result) else result
 
 
 def _failure_line(head: str, reason: str, error: str) -> str:

@@ -12,6 +12,7 @@ import codecs
 import csv
 import gzip
 import io
+import itertools
 import json
 import os
 import stat
@@ -29,6 +30,7 @@ __all__ = [
     "DEFAULT_MAX_RECORD_BYTES",
     "FORMATS",
     "ID_FIELDS",
+    "SEQUENCE_FIELDS",
     "SNIFF_BYTES",
     "TEXT_FIELDS",
     "InputFile",
@@ -39,6 +41,9 @@ __all__ = [
 SNIFF_BYTES = 64 * 1024
 DEFAULT_MAX_RECORD_BYTES = 1 << 20  # a titin-sized protein is 35 kB; a record this large is a mistake
 TEXT_FIELDS = ("sequence", "text", "input", "seq")
+# A column or field of these names holds sequences: read as FASTA's are (spaces dropped, upper case), so the
+# same protein is the same input whichever file it comes from. "text" and "input" are kept as written.
+SEQUENCE_FIELDS = ("sequence", "seq")
 ID_FIELDS = ("id", "name", "accession", "entry")
 FORMATS = {
     ".fasta": "fasta", ".fa": "fasta", ".faa": "fasta", ".fas": "fasta", ".fna": "fasta",
@@ -54,6 +59,7 @@ _EXPECTED = {
 # What a FASTA sequence line may hold: residue or base letters, gaps, stop; spaces are dropped.
 _SEQUENCE_BYTES = (string.ascii_letters + "*-.").encode()
 _WHITESPACE = b" \t\r\n\v\f"
+_BOM = b"\xef\xbb\xbf"  # Notepad and Excel save UTF-8 with one
 FASTA_BLOCK = 1 << 20
 
 
@@ -135,7 +141,8 @@ class InputFile:
         except OSError as exc:
             raise InputError(f"{self.path}: cannot be opened ({exc.strerror})", details={"path": str(self.path)}) \
                 from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
             os.close(fd)
             raise InputError(f"{self.path}: not a regular file; give a FASTA, CSV, TSV or JSONL file",
                              details={"path": str(self.path)})
@@ -144,9 +151,16 @@ class InputFile:
             self._raw = raw
             if not self.compressed:
                 yield raw
-                return
-            with gzip.GzipFile(fileobj=raw, mode="rb") as unpacked:
-                yield unpacked
+            else:
+                with gzip.GzipFile(fileobj=raw, mode="rb") as unpacked:
+                    yield unpacked
+            now = os.fstat(raw.fileno())
+            if (now.st_size, now.st_mtime_ns) != (opened.st_size, opened.st_mtime_ns):
+                # Rewritten in place, or still being copied in: what was read may mix two versions.
+                raise InputError(f"{self.path}: the file changed while it was read (its size or modification "
+                                 "time moved), so no output is written for it: run again once it is complete "
+                                 "(write an inbox file under another name, then rename it in)",
+                                 details={"path": str(self.path)})
 
     def size(self) -> int:
         return self.path.stat().st_size
@@ -235,75 +249,58 @@ class InputFile:
 
     # CSV and TSV ---------------------------------------------------------------------
     def _table(self, lines: _Lines, delimiter: str) -> Iterator[Record]:
-        flags: list[tuple[int, str]] = []
+        """One row per line, always: a quote left open (a stray '"' in a name) fails its own row, never swallows
+        the rows after it. TSV has no quoting (UniProt's is plain tab-separated text); CSV keeps its quoting
+        within a line (a quoted name may hold commas), so a multi-line quoted field is not an input row."""
         limit = self.max_record_bytes
-
-        def text_lines() -> Iterator[str]:
-            for number, line, over in lines:
-                if over:
-                    flags.append((number, f"line {number} is over the {limit}-byte record limit "
-                                          "(RESIDENT_POOL_MAX_RECORD_BYTES)"))
-                    yield "\n"
-                    continue
-                try:
-                    yield line.decode("utf-8") + "\n"
-                except UnicodeDecodeError as exc:
-                    flags.append((number, f"line {number} is not UTF-8 text (byte {exc.start + 1})"))
-                    yield "\n"
-
         # The csv module's own cap (131,072 bytes) would raise out of the reader; ours is per record.
         if csv.field_size_limit() < limit:
             csv.field_size_limit(limit)
-        reader = csv.reader(text_lines(), delimiter=delimiter)
-        header = self._header(reader, flags)
-        text_at = self._pick_column(header, self.column, TEXT_FIELDS, "--column")
-        id_at = self._pick_column(header, self.id_column, ID_FIELDS, "--id-column", required=bool(self.id_column))
-        name = header[text_at]
+        cells_of = _tsv_cells if delimiter == "\t" else _csv_cells
+        header: list[str] | None = None
+        text_at = id_at = None
+        normalize = str.strip
         index = 0
-        last = reader.line_num
-        while True:
-            try:
-                row = next(reader)
-            except StopIteration:
-                return
-            except csv.Error as exc:
-                yield self.bad(index, f"line-{last + 1}", last + 1, f"not a valid {self.format.upper()} row: {exc}")
-                index, last = index + 1, reader.line_num
+        for number, line, over in lines:
+            cells, problem = None, None
+            if over:
+                problem = f"line {number} is over the {limit}-byte record limit (RESIDENT_POOL_MAX_RECORD_BYTES)"
+            else:
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    problem = f"line {number} is not UTF-8 text (byte {exc.start + 1})"
+                else:
+                    if number == 1:
+                        text = text.removeprefix("\ufeff")
+                    cells, problem = cells_of(text, self.format.upper())
+            if header is None:
+                if problem is not None:
+                    raise InputError(f"{self.path}: not a {self.format.upper()} input file: the header row cannot "
+                                     f"be read ({problem}); expected {_EXPECTED[self.format]}",
+                                     details={"path": str(self.path)})
+                header = [cell.strip() for cell in cells]
+                text_at = self._pick_column(header, self.column, TEXT_FIELDS, "--column")
+                id_at = self._pick_column(header, self.id_column, ID_FIELDS, "--id-column",
+                                          required=bool(self.id_column))
+                normalize = _sequence_text if header[text_at].lower() in SEQUENCE_FIELDS else str.strip
                 continue
-            start, last = last + 1, reader.line_num
-            if flags:
-                problems = "; ".join(problem for _, problem in flags)
-                flags.clear()
-                yield self.bad(index, f"line-{start}", start, problems)
+            if problem is not None:
+                yield self.bad(index, f"line-{number}", number, problem)
                 index += 1
                 continue
-            if not row or not any(cell.strip() for cell in row):
+            if not any(cell.strip() for cell in cells):
                 continue
-            identifier = row[id_at].strip() if id_at is not None and id_at < len(row) else ""
-            identifier = identifier or f"line-{start}"
-            text = row[text_at].strip() if text_at < len(row) else ""
-            if not text:
-                yield self.bad(index, identifier, start, f"no value in column {name!r}")
+            identifier = cells[id_at].strip() if id_at is not None and id_at < len(cells) else ""
+            identifier = identifier or f"line-{number}"
+            value = normalize(cells[text_at]) if text_at < len(cells) else ""
+            if not value:
+                yield self.bad(index, identifier, number, f"no value in column {header[text_at]!r}")
             else:
-                yield Record(index, identifier, text, start)
+                yield Record(index, identifier, value, number)
             index += 1
-
-    def _header(self, reader, flags: list[tuple[int, str]]) -> list[str]:
-        try:
-            header = next(reader)
-        except StopIteration:
-            header = []
-        except csv.Error as exc:
-            raise InputError(f"{self.path}: not a {self.format.upper()} input file: the header row cannot be read "
-                             f"({exc}); expected {_EXPECTED[self.format]}",
-                             details={"path": str(self.path)}) from None
-        if flags:
-            raise InputError(f"{self.path}: not a {self.format.upper()} input file: the header row cannot be read: "
-                             f"{flags[0][1]}; expected "
-                             f"{_EXPECTED[self.format]}", details={"path": str(self.path)})
-        if header:
-            header[0] = header[0].removeprefix("\ufeff")
-        return [cell.strip() for cell in header]
+        if header is None:  # an empty file: name the column it lacks
+            self._pick_column([], self.column, TEXT_FIELDS, "--column")
 
     def _pick_column(self, header: list[str], wanted: str | None, defaults: tuple[str, ...], option: str,
                      required: bool = True) -> int | None:
@@ -334,7 +331,7 @@ class InputFile:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line.decode("utf-8"))
+                row = json.loads((line.removeprefix(_BOM) if number == 1 else line).decode("utf-8"))
             except UnicodeDecodeError as exc:
                 problem = f"not UTF-8 text (byte {exc.start + 1})"
             except ValueError as exc:
@@ -347,14 +344,15 @@ class InputFile:
                 yield self.bad(index, fallback, number, problem)
                 index += 1
                 continue
-            text = _field(row, text_names)
-            identifier = _field(row, id_names)
+            text_name, text = _field(row, text_names)
+            identifier = _field(row, id_names)[1]
             identifier = str(identifier) if isinstance(identifier, str | int) and identifier != "" else fallback
             if not isinstance(text, str) or not text.strip():
                 names = " or ".join(repr(name) for name in text_names)
                 yield self.bad(index, identifier, number, f"no non-empty string field {names}")
             else:
-                yield Record(index, identifier, text.strip(), number)
+                value = _sequence_text(text) if text_name.lower() in SEQUENCE_FIELDS else text.strip()
+                yield Record(index, identifier, value, number)
             index += 1
 
 
@@ -372,6 +370,7 @@ class _FastaBlocks:
         self.line = 1  # the line the buffer starts on
         self.index = 0
         self.eof = False
+        self.bom_checked = False
 
     def records(self) -> Iterator[Record]:
         started = skipping = False
@@ -382,6 +381,10 @@ class _FastaBlocks:
             if skipping and not self._skip():
                 continue
             skipping = False
+            if not self.bom_checked:  # a BOM is the file's first bytes: wait for all three of them
+                if self.buffer and _BOM.startswith(self.buffer) and not self.eof:
+                    continue
+                self.buffer, self.bom_checked = self.buffer.removeprefix(_BOM), True
             if not started:
                 started = yield from self._preamble()
                 if not started or not self.buffer:
@@ -455,12 +458,58 @@ def _text_so_far(data: bytes) -> bool:
         return False
 
 
-def _field(row: dict, names: tuple[str, ...]) -> object:
+def _field(row: dict, names: tuple[str, ...]) -> tuple[str | None, object]:
+    """The first of ``names`` the row holds (exactly, else ignoring case): its name and value."""
     for name in names:
         if name in row:
-            return row[name]
+            return name, row[name]
     lowered = {str(key).lower(): value for key, value in row.items()}
     for name in names:
         if name.lower() in lowered:
-            return lowered[name.lower()]
-    return None
+            return name, lowered[name.lower()]
+    return None, None
+
+
+def _sequence_text(value: str) -> str:
+    """A sequence field's text as FASTA's would be read: whitespace dropped, upper case. A value that is not
+    sequence letters (a SMILES string, a sentence) is only stripped: never changed into another input."""
+    if value.isascii() and value.isalpha() and value.isupper():  # already as FASTA's would be: most of them
+        return value
+    try:
+        raw = value.encode("ascii").translate(None, _WHITESPACE)
+    except UnicodeEncodeError:
+        return value.strip()
+    if raw.translate(None, _SEQUENCE_BYTES):
+        return value.strip()
+    return raw.upper().decode("ascii")
+
+
+# Fed after a CSV line: a quote the line leaves open reads on into it, and the row is refused.
+_AFTER_LINE = ("\n",)
+
+
+def _csv_cells(text: str, kind: str) -> tuple[list[str] | None, str | None]:
+    """One CSV line's cells, or why the line is not a row."""
+    if '"' not in text and "\r" not in text:  # nothing quoted: the csv module would split on commas too
+        return text.split(","), None
+    reader = csv.reader(itertools.chain((text + "\n",), _AFTER_LINE))
+    try:
+        cells = next(reader)
+    except csv.Error as exc:
+        return None, f"not a valid {kind} row: {exc}"
+    if reader.line_num > 1:
+        return None, ("a quote opened in this row is never closed on its line (a stray '\"'?); quote a whole "
+                      "field, double a quote inside one; a field may not span lines")
+    return cells, None
+
+
+def _tsv_cells(text: str, kind: str) -> tuple[list[str], None]:
+    """One TSV line's cells: split on tabs, no quoting; a field wholly in quotes (as pandas writes one holding
+    a tab) is unquoted."""
+    cells = text.split("\t")
+    if '"' not in text:
+        return cells, None
+    for at, cell in enumerate(cells):
+        if len(cell) >= 2 and cell[0] == cell[-1] == '"':
+            cells[at] = cell[1:-1].replace('""', '"')
+    return cells, None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import os
+import platform
 import re
 import string
 import sys
@@ -378,13 +380,21 @@ class Manifest(_Strict):
         idle timeout must neither drain warm workers nor invalidate a campaign's results."""
         data = self.model_dump(mode="json", include={"worker", "worker_args", "mode", "env", "kit", "weights"})
         if isinstance(self.env, VenvEnv) and self.env.python == "auto":
-            data["interpreter"] = sys.executable
+            data["interpreter"] = auto_interpreter_identity()
         try:
             data["script_sha256"] = hashlib.sha256(self.worker_path.read_bytes()).hexdigest()
         except OSError as exc:
             raise ManifestError(f"{self.path}: worker: cannot read {self.worker_path}: {exc.strerror}",
                                 slug=self.slug, details={"field": "worker"}) from None
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def auto_interpreter_identity() -> str:
+    """What python = "auto" runs a worker with, as every process reaching it computes it alike: the resolved
+    environment (a venv's folder: its packages) and the Python version. Not sys.executable as typed: a pool
+    started by .venv/bin/python3 and a flow run by .venv/bin/python (or through a symlinked folder) are the
+    same interpreter and must agree on a provider's version."""
+    return f"{os.path.realpath(sys.prefix)} {sys.implementation.name}-{platform.python_version()}"
 
 
 def _field_path(location: tuple[Any, ...]) -> str:

@@ -8,6 +8,7 @@ module keeps only a client per process (and per manifests folder).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import re
@@ -92,12 +93,16 @@ def _log_wait(wait: dict[str, Any]) -> None:
 def artifact_key(*parts: str) -> str:
     """The one way an artifact key is made: Prefect takes lowercase ASCII letters, digits and dashes only.
 
-    Any slug works (``esm_2`` -> ``esm-2``); runs of other characters become one dash.
+    Any slug works; runs of other characters become one dash, and a part that had to change gets a short
+    hash of itself, so two slugs never share a key (``esm_2`` -> ``esm-2-<hash>``, ``esm-2`` -> ``esm-2``).
     """
     words = []
     for part in parts:
-        cleaned = "".join(ch if ch in _KEY_CHARACTERS else "-" for ch in part.lower())
-        words += [word for word in cleaned.split("-") if word]
+        cleaned = [word for word in "".join(ch if ch in _KEY_CHARACTERS else "-" for ch in part.lower()).split("-")
+                   if word]
+        if cleaned and "-".join(cleaned) != part:
+            cleaned.append(hashlib.sha256(part.encode()).hexdigest()[:6])
+        words += cleaned
     return "-".join(words) or "resident-pool"
 
 

@@ -180,7 +180,10 @@ def test_a_gzipped_fasta_a_tsv_with_a_sequence_column_and_a_slug_with_an_undersc
     records = _records(tmp_path / "gz.jsonl")
     assert [r["id"] for r in records] == [f"p{n}" for n in range(30)] and all(r["ok"] for r in records)
     keys = {artifact.key for artifact in _artifacts(state)}
-    assert {"screen-progress-esm-2", "screen-summary-esm-2"} <= keys
+    from resident_pool.prefect import artifact_key
+
+    assert {artifact_key("screen-progress", "esm_2"), artifact_key("screen-summary", "esm_2")} <= keys
+    assert all(key.startswith(("screen-progress-esm-2-", "screen-summary-esm-2-")) for key in keys if key and "esm" in key)
 
     tsv = tmp_path / "uniprot.tsv"
     tsv.write_text("Entry\tProtein names\tSequence\n" + "".join(f"Q{n}\tprotein {n}\t{text}\n"
@@ -407,3 +410,198 @@ def test_minilm_with_array_encoding_writes_each_embedding_into_its_record(pool_d
         assert len(mine["embedding"]) == 384 and max(map(abs, (a - b for a, b in zip(mine["embedding"], expected,
                                                                                          strict=True)))) < 1e-6
         assert mine["tokens"] == theirs["tokens"]
+
+
+# -- outside review of issue 15 (findings 2, 3, 4, 10, 11) ------------------------------------------------------------
+_WORKER_HEAD = '''
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("worker_base", os.environ["RESIDENT_POOL_WORKER_BASE"])
+worker_base = importlib.util.module_from_spec(spec); spec.loader.exec_module(worker_base)
+'''
+# Items with fields a model may well name "id", "ok" or "index" (its own id for the input, an item-level ok).
+_CLASHING = _WORKER_HEAD + '''
+def on_predict(payload):
+    return {"items": [{"id": "model-internal-7", "ok": False, "index": -1, "length": len(t)}
+                      for t in payload["inputs"]]}
+worker_base.serve(slug="clash", socket_path=sys.argv[1], on_predict=on_predict)
+'''
+
+
+@pytest.fixture
+def clash(pool_dir):
+    folder = pool_dir / "clash"
+    folder.mkdir()
+    (folder / "worker.py").write_text(_CLASHING)
+    (folder / "manifest.toml").write_text('slug = "clash"\nworker = "worker.py"\n[lifecycle]\nmax_replicas = 1\n')
+
+
+def _fasta(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(f">s{n}\n{t}\n" for n, t in enumerate(texts)))
+    return path
+
+
+def test_records_keep_their_own_id_index_and_ok_whatever_the_model_answers(pool_dir, clash, tmp_path):
+    """An item holding id, index, ok, reason or error is kept whole under "result"; the record's own fields
+    are the campaign's (JSON Lines cannot hold a key twice: the last would win)."""
+    inputs = _fasta(tmp_path / "in.fasta", _texts(5))
+    state = _state(pool_dir, input=str(inputs), provider="clash", output=str(tmp_path / "out.jsonl"))
+    assert state.is_completed(), state.message
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [(r["index"], r["id"], r["ok"]) for r in records] == [(n, f"s{n}", True) for n in range(5)], lines[0]
+    assert all(line.count('"id"') == 2 and line.count('"ok"') == 2 for line in lines)  # one at each level
+    assert records[0]["result"] == {"id": "model-internal-7", "ok": False, "index": -1, "length": 8}
+    # Answered from the store the second time: the same records.
+    again = _state(pool_dir, input=str(inputs), provider="clash", output=str(tmp_path / "again.jsonl"))
+    assert again.result()["from_store"] == 5 and _records(tmp_path / "again.jsonl") == records
+
+
+def test_parquet_output_with_result_fields_named_id_ok_and_index(pool_dir, clash, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (pip install -e .[parquet])")
+    inputs = _fasta(tmp_path / "in.fasta", _texts(5))
+    state = _state(pool_dir, input=str(inputs), provider="clash", output=str(tmp_path / "out.parquet"),
+                   format="parquet")
+    assert state.is_completed(), state.message
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.column_names == ["id", "index", "ok", "reason", "error", "result"], table.schema
+    assert table.column("id").to_pylist() == [f"s{n}" for n in range(5)]
+    assert table.column("ok").to_pylist() == [True] * 5
+    assert json.loads(table.column("result")[0].as_py())["id"] == "model-internal-7"
+
+
+def test_a_tsv_with_a_stray_quote_loses_no_rows_in_the_campaign(pool_dir, embedder, tmp_path):
+    stray = '"Uncharacterized protein'
+    rows = ["Entry\tProtein names\tSequence"] + [
+        f"P{i:05d}\t{stray if i == 10 else f'protein {i}'}\tMKVLL{t}" for i, t in enumerate(_texts(2000))]
+    tsv = tmp_path / "uniprot.tsv"
+    tsv.write_text("\n".join(rows) + "\n")
+    state = _state(pool_dir, input=str(tsv), id_column="Entry", output=str(tmp_path / "out.jsonl"))
+    records = _records(tmp_path / "out.jsonl")
+    assert len(records) == 2000, f"2000 rows in, {len(records)} records out; run: {state.message!r}"
+    assert state.message == "2000 ok, 0 failed" and records[10]["id"] == "P00010"
+
+
+def test_two_input_files_with_the_same_name_do_not_share_a_default_output(pool_dir, embedder, tmp_path,
+                                                                        monkeypatch):
+    """The default output sits next to its input (as an inbox's go to <inbox>/screened), never in the code
+    checkout and never shared by two inputs of the same name; wherever the run starts."""
+    (tmp_path / "2024").mkdir()
+    (tmp_path / "2025").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    first = _fasta(tmp_path / "2024" / "seqs.fasta", _texts(5))
+    second = _fasta(tmp_path / "2025" / "seqs.fasta", _texts(7, salt="W"))
+    before = set((ROOT / "out").iterdir()) if (ROOT / "out").exists() else set()
+    one = _screen(pool_dir, input=str(first))
+    two = _screen(pool_dir, input=str(second))
+    assert one["output"] == str(tmp_path / "2024" / "seqs.fasta.embedder.jsonl")
+    assert two["output"] == str(tmp_path / "2025" / "seqs.fasta.embedder.jsonl")
+    assert len(_records(Path(one["output"]))) == 5 and len(_records(Path(two["output"]))) == 7
+    assert (set((ROOT / "out").iterdir()) if (ROOT / "out").exists() else set()) == before
+    assert not list((tmp_path / "elsewhere").iterdir())
+
+
+def test_a_pool_started_by_another_path_to_the_same_interpreter_serves_the_campaign(pool_dir, embedder, tmp_path,
+                                                                                  isolated_dirs):
+    """`python3 flows/screen.py` against a pool that the `resident-pool` script (#!.venv/bin/python) started:
+    the same venv, the same worker, the same provider version, the same answers."""
+    other = Path(sys.executable).with_name("python3" if Path(sys.executable).name != "python3" else "python")
+    assert other.exists() and str(other) != sys.executable
+    state_dir = Path(isolated_dirs["state"])
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(tmp_path / "pool.log", "a") as log:  # as Pool._start_pool does: a file, not a pipe
+        subprocess.run([str(other), "-P", "-m", "resident_pool", "daemon", "--background", "--manifests",
+                        str(pool_dir)], cwd=state_dir, check=True, timeout=60, stdin=subprocess.DEVNULL, stdout=log,
+                       stderr=subprocess.STDOUT)
+    from resident_pool import paths
+
+    wait_until(lambda: os.path.exists(paths.pool_socket(state_dir)), timeout=30, message="the pool")
+    inputs = _fasta(tmp_path / "in.fasta", _texts(10))
+    state = _state(pool_dir, input=str(inputs), output=str(tmp_path / "out.jsonl"))
+    records = _records(tmp_path / "out.jsonl")
+    reasons = {r.get("reason") for r in records if not r["ok"]}
+    assert all(r["ok"] for r in records), f"{state.message}; reasons {reasons}; e.g. {records[0].get('error')}"
+    assert embedder() == 10
+
+
+@pytest.mark.parametrize("name", ["embedder/../clash", "embedder\n", "embedder/", "../manifests/embedder"])
+def test_the_screen_flow_takes_a_provider_name_not_a_path(pool_dir, embedder, clash, tmp_path, name):
+    inputs = _fasta(tmp_path / "in.fasta", _texts(3))
+    state = _state(pool_dir, input=str(inputs), provider=name, output=str(tmp_path / "out.jsonl"))
+    assert state.is_failed() and "is not a provider name" in state.message, state.message
+    assert embedder() == 0 and not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("name", ["embedder/../clash", "embedder\n"])
+@pytest.mark.parametrize("inputs", [None, [{"inputs": ["MKV"]}]], ids=["smoke payload", "inputs given"])
+def test_the_predict_flow_takes_a_provider_name_not_a_path(pool_dir, embedder, clash, name, inputs):
+    from predict import predict
+
+    state = predict(provider=name, inputs=inputs, return_state=True)
+    assert state.is_failed() and "is not a provider name" in state.message, state.message
+    assert embedder() == 0
+
+
+def test_the_deployment_offers_only_folders_named_as_providers(pool_dir, embedder):
+    from deploy import provider_choices
+
+    (pool_dir / "embedder.old").mkdir()
+    (pool_dir / "embedder.old" / "manifest.toml").write_text((pool_dir / "embedder" / "manifest.toml").read_text())
+    assert provider_choices(pool_dir) == ["embedder"]
+
+
+def test_two_runs_writing_one_output_at_once_the_second_is_refused_and_computes_nothing(pool_dir, embedder,
+                                                                                        tmp_path):
+    """Two runs on one inbox at once (a slow night, a hand-started run): one campaign writes an output at a time;
+    the other is refused by name, computes nothing, and a later run is served as usual."""
+    from resident_pool.campaign import Campaign
+    from resident_pool.results import ResultStore
+
+    inputs = _fasta(tmp_path / "in.fasta", _texts(5))
+    output = tmp_path / "out.jsonl"
+    with ResultStore(tmp_path / "other-store" / "embedder.sqlite3") as store:
+        holder = Campaign(store, "v", {}, 8, output)  # another run, writing the same output now
+        try:
+            refused = _state(pool_dir, input=str(inputs), output=str(output))
+        finally:
+            holder.close()
+    assert refused.is_failed() and "another campaign is writing" in refused.message, refused.message
+    assert embedder() == 0 and not output.exists()
+    served = _state(pool_dir, input=str(inputs), output=str(output))
+    assert served.is_completed() and served.message == "5 ok, 0 failed"
+    assert len(_records(output)) == 5 and not output.with_name("out.jsonl.partial").exists()
+
+
+_APPENDER = _WORKER_HEAD + '''
+appended = False
+def on_predict(payload):
+    global appended
+    if not appended:  # the inbox file grows while the campaign reads it (a copy still going on)
+        with open(os.environ["APPEND_TO"], "a") as out:
+            out.write(">late\\nGGGG\\n")
+        appended = True
+    return {"items": [{"length": len(t)} for t in payload["inputs"]]}
+worker_base.serve(slug="appender", socket_path=sys.argv[1], on_predict=on_predict)
+'''
+
+
+def test_an_inbox_file_that_changes_while_it_is_read_gets_no_mixed_output(pool_dir, tmp_path, monkeypatch):
+    """Review of issue 15, Risks: the run names the file and writes no output for it (none mixing two versions);
+    what was computed is stored, so the next run computes only the rest."""
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    growing = _fasta(inbox / "growing.fasta", _texts(3000))
+    os.utime(growing, (1_700_000_000, 1_700_000_000))  # written a while ago
+    monkeypatch.setenv("APPEND_TO", str(growing))
+    folder = pool_dir / "appender"
+    folder.mkdir()
+    (folder / "worker.py").write_text(_APPENDER)
+    (folder / "manifest.toml").write_text('slug = "appender"\nworker = "worker.py"\n[env]\npassthrough = '
+                                          '["APPEND_TO"]\n[lifecycle]\nmax_replicas = 1\n')
+    first = _state(pool_dir, input=str(inbox), provider="appender", chunk_size=8)
+    assert first.is_failed() and "growing.fasta: the file changed while it was read" in first.message, first.message
+    assert not (inbox / "screened" / "growing.fasta.appender.jsonl").exists()
+    second = _state(pool_dir, input=str(inbox), provider="appender", chunk_size=8)
+    assert second.is_completed() and second.message == "3001 ok, 0 failed", second.message
+    summary = second.result()  # the first run's computed chunks were kept; it stopped reading at the change
+    assert summary["from_store"] >= 1000 and summary["computed"] + summary["from_store"] == 3001, summary

@@ -44,7 +44,8 @@ with get_client(sync_client=True) as client:
                        "provider": deployment.parameter_openapi_schema["properties"].get("provider"),
                        "schema": sorted(deployment.parameter_openapi_schema["properties"]),
                        "schedules": [{"cron": s.schedule.cron, "active": s.active} for s in deployment.schedules],
-                       "env": deployment.job_variables.get("env")}
+                       "env": deployment.job_variables.get("env"),
+                       "limit": deployment.global_concurrency_limit and deployment.global_concurrency_limit.limit}
 print(json.dumps(found))
 """
 
@@ -124,6 +125,7 @@ def test_the_nightly_screen_is_scheduled_and_each_run_computes_only_what_the_inb
     assert predict["schedules"] == []
     assert validate["parameters"] == {"smoke": True, "against_stock": True}  # nightly compares answers, as CI does
     assert screen["parameters"] == {"input": str(inbox), "provider": "embedder"}
+    assert screen["limit"] == 1 and predict["limit"] is None  # one scheduled screen at a time; predicts unlimited
     assert predict["provider"]["enum"] == ["echo", "embedder"] and "manifests" not in predict["schema"]
     assert predict["env"] == {"RESIDENT_POOL_MANIFESTS": str(pool_dir)}
 

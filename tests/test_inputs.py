@@ -113,7 +113,8 @@ def test_gzip_inputs_read_like_plain_ones_and_bad_gzip_is_one_error(tmp_path):
 def test_csv_and_tsv_columns_match_ignoring_case_and_can_be_named(tmp_path):
     (tmp_path / "a.csv").write_text("\ufeffEntry,Organism,SEQUENCE\nP1,human,mkv\nP2,\"mouse, lab\",LLA\n\n")
     records = _records(tmp_path / "a.csv")
-    assert [(r.id, r.text, r.line) for r in records] == [("P1", "mkv", 2), ("P2", "LLA", 3)]
+    # A sequence column is read as FASTA is: upper case (review of issue 15, finding 11).
+    assert [(r.id, r.text, r.line) for r in records] == [("P1", "MKV", 2), ("P2", "LLA", 3)]
     (tmp_path / "b.tsv").write_text("name\tprotein\tnote\nq1\tMKV\tx\nq2\t\ty\n")
     records = _records(tmp_path / "b.tsv", column="Protein", id_column="NAME")
     assert [(r.id, r.text) for r in records] == [("q1", "MKV"), ("q2", "")]
@@ -130,9 +131,11 @@ def test_a_csv_row_over_the_limit_or_not_utf8_fails_alone(tmp_path):
     path = tmp_path / "rows.csv"
     path.write_bytes(b"id,sequence\na,MKV\nb," + b"M" * 5000 + b"\nc,caf\xe9\nd,\"two\nlines\"\ne,LLA\n")
     records = _records(path, max_record_bytes=1000)
-    assert [r.id for r in records] == ["a", "line-3", "line-4", "d", "e"]
+    # A field may not span lines (a stray quote must not swallow the rows after it): each line fails alone.
+    assert [r.id for r in records] == ["a", "line-3", "line-4", "line-5", 'lines"', "e"]
     assert records[1].error.startswith(f"{path}:3: ") and "over the 1000-byte record limit" in records[1].error
-    assert "not UTF-8" in records[2].error and records[3].text == "two\nlines" and records[4].line == 7
+    assert "not UTF-8" in records[2].error and "never closed" in records[3].error and records[4].error
+    assert (records[5].text, records[5].line) == ("LLA", 7)
 
 
 def test_jsonl_bad_lines_fail_alone(tmp_path):
@@ -182,3 +185,111 @@ def test_what_is_not_an_input_file_is_refused_by_name(tmp_path):
     os.mkfifo(tmp_path / "pipe.fasta")
     with pytest.raises(InputError, match="not a regular file"):
         InputFile(tmp_path / "pipe.fasta").check()
+
+
+# -- outside review of issue 15 (findings 3 and 11) ----------------------------------------------------------------
+def test_a_tsv_field_that_opens_a_quote_does_not_swallow_the_rows_after_it(tmp_path):
+    """A UniProt-style TSV (no quoting) whose free-text column starts with a stray '"': every row is still an
+    input with its own record; none vanishes without a failure naming it."""
+    rows = ["Entry\tProtein names\tSequence"]
+    for i in range(50_000):
+        name = '"Uncharacterized protein' if i == 10 else f"protein {i}"
+        rows.append(f"P{i:05d}\t{name}\tMKVLLAGG")
+    path = tmp_path / "uniprot.tsv"
+    path.write_text("\n".join(rows) + "\n")
+    records = _records(path, id_column="Entry")
+    bad = [r for r in records if r.error]
+    assert len(records) == 50_000, f"50,000 rows, {len(records)} records, {len(bad)} bad: {bad[:1]}"
+    assert not bad and [r.id for r in records[9:12]] == ["P00009", "P00010", "P00011"]
+
+
+def test_a_short_tsv_with_a_stray_quote_does_not_merge_rows_into_one_valid_input(tmp_path):
+    path = tmp_path / "small.tsv"
+    path.write_text('id\tsequence\nx\t"MKV\ny\tGG\nz\tAA\n')
+    records = _records(path)
+    texts = [r.text for r in records if r.error is None]
+    assert all("\n" not in t for t in texts), f"one input's text holds other rows: {texts}"
+    assert [r.id for r in records] == ["x", "y", "z"]
+    assert [r.text for r in records[1:]] == ["GG", "AA"]
+
+
+def test_a_csv_row_with_an_unclosed_quote_fails_alone_and_the_rows_after_it_are_read(tmp_path):
+    """CSV keeps its quoting (a quoted name may hold commas), but a quote left open fails its own row only."""
+    path = tmp_path / "small.csv"
+    path.write_text('id,name,sequence\nx,"Uncharacterized, protein,MKV\ny,"kinase, putative",GG\nz,plain,AA\n')
+    records = _records(path)
+    assert [r.id for r in records] == ["line-2", "y", "z"], records
+    assert records[0].error and "small.csv:2" in records[0].error and "quote" in records[0].error
+    assert [r.text for r in records[1:]] == ["GG", "AA"]
+
+
+def test_every_row_of_a_table_ends_as_a_record_whatever_its_quotes(tmp_path):
+    """Random quotes, tabs and commas in every column: one record (good or bad) per non-blank data line."""
+    chooser = random.Random(15)
+    pieces = ['"', "'", ",", "\t", "a", "MKV", " ", '""']
+    for suffix, delimiter in ((".tsv", "\t"), (".csv", ",")):
+        lines = ["id" + delimiter + "note" + delimiter + "sequence"]
+        for i in range(500):
+            note = "".join(chooser.choice(pieces) for _ in range(chooser.randint(0, 6)))
+            lines.append(f"r{i}{delimiter}{note}{delimiter}MKV")
+        path = tmp_path / f"noisy{suffix}"
+        path.write_text("\n".join(lines) + "\n")
+        records = list(InputFile(path).records())
+        assert len(records) == 500, (suffix, len(records))
+        assert all("\n" not in r.text for r in records)
+
+
+def test_a_fasta_saved_with_a_utf8_bom_is_read(tmp_path):
+    path = tmp_path / "notepad.fasta"
+    path.write_bytes(b"\xef\xbb\xbf>sp|P1|X first\nMKVLA\n>second\nGG\n")
+    InputFile(path).check()
+    assert [(r.id, r.text) for r in InputFile(path).records()] == [("sp|P1|X", "MKVLA"), ("second", "GG")]
+
+
+def test_a_jsonl_saved_with_a_utf8_bom_is_read(tmp_path):
+    path = tmp_path / "notepad.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"id": "a", "sequence": "MKV"}\n')
+    assert [(r.id, r.text, r.error) for r in _records(path)] == [("a", "MKV", None)]
+
+
+def test_the_same_sequence_is_the_same_input_in_fasta_and_in_a_table(tmp_path):
+    """FASTA input is upper-cased and stripped of spaces; the same protein in a CSV, TSV or JSONL sequence
+    field is the same input (one key, computed once)."""
+    (tmp_path / "a.fasta").write_text(">x\nmkv lla\n")
+    (tmp_path / "a.csv").write_text("id,sequence\nx,mkv lla\n")
+    (tmp_path / "a.tsv").write_text("id\tSequence\nx\tmkv lla\n")
+    (tmp_path / "a.jsonl").write_text('{"id": "x", "seq": "mkv lla"}\n')
+    texts = {name: next(InputFile(tmp_path / name).records()).text for name in ("a.fasta", "a.csv", "a.tsv",
+                                                                              "a.jsonl")}
+    assert set(texts.values()) == {"MKVLLA"}, texts
+
+
+def test_a_text_column_is_not_upper_cased_like_a_sequence(tmp_path):
+    """minilm embeds sentences: a "text" field is kept as written (stripped only)."""
+    (tmp_path / "t.jsonl").write_text('{"id": "x", "text": " Hello world "}\n')
+    (tmp_path / "t.csv").write_text("id,sequence\nx,Not a protein: 42\n")
+    assert next(InputFile(tmp_path / "t.jsonl").records()).text == "Hello world"
+    assert next(InputFile(tmp_path / "t.csv").records()).text == "Not a protein: 42"
+
+
+@pytest.mark.parametrize("how", ["rewritten in place", "appended to"])
+def test_a_file_changed_while_it_is_read_is_refused_by_name_not_read_as_a_mix(tmp_path, how):
+    """Review of issue 15, Risks: an inbox file rewritten in place (or still being copied in) while a run reads
+    it would give an output mixing both versions; the reader says the file changed, and the next run reads it
+    whole."""
+    path = tmp_path / "week.fasta"
+    path.write_text("".join(f">old{n}\nMKVL\n" for n in range(2000)))
+    os.utime(path, (1_700_000_000, 1_700_000_000))  # written a while ago, as an inbox file is
+    source = InputFile(path)
+    records = source.records()
+    assert next(records).id == "old0"
+    if how == "appended to":
+        with open(path, "a") as out:
+            out.write(">late\nGG\n")
+    else:
+        with open(path, "r+") as out:
+            out.write(">new0\nAAAA\n")
+    with pytest.raises(InputError) as raised:
+        list(records)
+    assert str(path) in str(raised.value) and "changed while it was read" in str(raised.value)
+    assert len(list(InputFile(path).records())) >= 2000  # read again, whole, by the next run

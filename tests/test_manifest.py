@@ -96,3 +96,40 @@ def test_schema_is_exported_by_the_cli():
     assert schema == json.loads(json.dumps(json_schema()))
     assert {"slug", "worker", "gpu", "kit", "weights", "lifecycle"} <= set(schema["properties"])
     assert "path" not in schema["properties"]
+
+
+_VERSION = "import sys; from resident_pool.manifest import load_manifest; print(load_manifest(sys.argv[1]).version())"
+
+
+def _version_under(python: str | Path, manifest: Path, **env: str) -> str:
+    import os
+
+    done = subprocess.run([str(python), "-c", _VERSION, str(manifest)], capture_output=True, text=True, check=True,
+                          env={**os.environ, **env}, timeout=60)
+    return done.stdout.strip()
+
+
+def test_python_auto_version_is_the_same_whichever_path_reaches_the_interpreter(tmp_path):
+    """Review of issue 15, finding 2: a pool started by .venv/bin/python3 and a flow run by .venv/bin/python (or
+    through a symlinked folder) compute one version; a campaign's results are not all 'version_changed'."""
+    manifest = write_provider(tmp_path, "auto", "")
+    here = Path(sys.executable)
+    other = here.with_name("python3" if here.name != "python3" else "python")
+    assert other.exists() and other != here
+    linked = tmp_path / "linked-venv"
+    linked.symlink_to(Path(sys.prefix), target_is_directory=True)
+    through_link = linked / here.relative_to(sys.prefix)
+    versions = {_version_under(python, manifest) for python in (here, other, through_link)}
+    assert versions == {load_manifest(manifest).version()}, versions
+
+
+def test_python_auto_version_differs_in_another_environment(tmp_path):
+    """Another venv (other packages) is another interpreter for "auto": its answers may differ."""
+    manifest = write_provider(tmp_path, "auto", "")
+    import os
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, timeout=120)
+    # This process's import path (this checkout and its packages): the same code, another environment.
+    other = _version_under(tmp_path / "venv" / "bin" / "python", manifest,
+                           PYTHONPATH=os.pathsep.join(entry for entry in sys.path if entry))
+    assert other != load_manifest(manifest).version()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -249,3 +250,13 @@ def test_the_predict_flow_shows_an_answer_that_carries_arrays(pool_dir):
     assert "<float32 array, shape [256, 256]: 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, ...>" in text, text
     assert "<5 bytes>" in text, text
     assert state.result()["results"][0]["value"].sum() == 256 * 256
+
+
+def test_artifact_keys_of_two_different_providers_differ():
+    """Review of issue 15, finding 11: esm_2 and esm-2 are both valid slugs; their artifacts must not mix."""
+    from resident_pool.prefect import artifact_key
+
+    keys = {artifact_key("screen-summary", slug) for slug in ("esm_2", "esm-2", "esm__2", "esm_-2")}
+    assert len(keys) == 4, keys
+    assert artifact_key("screen-summary", "esm-2") == "screen-summary-esm-2"  # a clean slug's key reads as it is
+    assert all(re.fullmatch(r"[a-z0-9-]+", key) for key in keys)
