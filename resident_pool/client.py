@@ -69,6 +69,7 @@ class Pool:
     ) -> None:
         """``on_wait`` is called (every few seconds) while a request waits for GPU admission;
         ``holder`` says who this client's leases are for (shown in ``status``)."""
+        self.config = settings()  # read once: a Pool's settings are those of when it was made, like its folders
         self.manifests = default_manifests(manifests)
         self.start = start
         self.on_wait = on_wait
@@ -94,18 +95,21 @@ class Pool:
         for _ in range(3):
             sock = self._open()
             try:
-                sock.settimeout(settings().client_timeout_s)
+                sock.settimeout(self.config.client_timeout_s)
                 send_line(sock, {"op": "hello", "version": __version__})
                 hello = recv_line(sock, bytearray())
             except TimeoutError:
                 sock.close()
                 raise self._unresponsive("hello") from None
+            except (ConnectionResetError, BrokenPipeError):
+                sock.close()  # a pool that died or gave way between connect and hello: the next one answers
+                continue
             except (OSError, ProtocolError):
                 sock.close()
                 raise
             if hello is None:
                 sock.close()
-                raise ConnectionResetError(f"the pool at {self.socket_path} closed the connection")
+                continue
             if hello.get("version") == __version__ and not hello.get("draining"):
                 return sock
             sock.close()
@@ -163,7 +167,7 @@ class Pool:
                                 f"{POOL_START_TIMEOUT_S:g} s; see {log}")
 
     def _wait_for_socket_to_go(self, wait_s: float | None = None) -> None:
-        deadline = time.monotonic() + (settings().drain_grace_s + 30.0 if wait_s is None else wait_s)
+        deadline = time.monotonic() + (self.config.drain_grace_s + 30.0 if wait_s is None else wait_s)
         while os.path.exists(self.socket_path) and time.monotonic() < deadline:
             time.sleep(0.05)
 
@@ -177,7 +181,7 @@ class Pool:
 
     def _unresponsive(self, op: str) -> ResidentPoolError:
         return ResidentPoolError(
-            f"the pool at {self.socket_path} did not answer {op} within {settings().client_timeout_s:g} s "
+            f"the pool at {self.socket_path} did not answer {op} within {self.config.client_timeout_s:g} s "
             "(RESIDENT_POOL_CLIENT_TIMEOUT_S); it may be stopped (SIGSTOP), swapping or wedged: look at "
             f"{paths.log_dir() / 'pool.log'}, or restart it", reason="pool_unresponsive")
 
@@ -186,7 +190,7 @@ class Pool:
         try:
             # Long ops (a cold start, a drain) send a keepalive every few seconds: silence past the
             # timeout means the pool is frozen, not busy.
-            link.pool.settimeout(settings().client_timeout_s)
+            link.pool.settimeout(self.config.client_timeout_s)
             send_line(link.pool, message)
             if not expect_reply:
                 return {}
@@ -340,7 +344,7 @@ class Session:
         if cached is None:
             for old in [k for k in link.workers if k[0] == key[0]]:
                 link.workers.pop(old)[0].close()
-            config = settings()
+            config = self.pool.config
             inbox = Inbox(config.max_attachment_bytes, config.attach_min_bytes)
             cached = link.workers[key] = (connect(self.lease["socket"]), inbox)
         return cached

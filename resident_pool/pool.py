@@ -88,26 +88,57 @@ class _Connection:
         with self._send_lock:
             send_line(self.sock, message)
 
+
+class _LongOp:
+    """One long op in progress on a connection: when it began, when it last told its client so."""
+
+    def __init__(self, connection: _Connection) -> None:
+        self.connection = connection
+        self.started = self.beaten = time.monotonic()
+        self.active = True  # cleared under the connection's send lock: no keepalive follows the reply
+
+
+class _Keepalives:
+    """While long ops run (a cold start, an admission wait, a drain), tell each client every few seconds that
+    the pool lives. One thread for all of them: a thread per op cost every warm acquire a start and a join,
+    a third of a warm ``Pool.predict``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ops: set[_LongOp] = set()
+        self._thread: threading.Thread | None = None
+
     @contextmanager
-    def keepalive(self) -> Iterator[None]:
-        """While a long op runs (a cold start, a drain), tell the client every few seconds that the pool lives."""
-        done = threading.Event()
-        started = time.monotonic()
-
-        def beat() -> None:
-            while not done.wait(KEEPALIVE_S):
-                try:
-                    self.send({"progress": {"alive_s": round(time.monotonic() - started)}})
-                except OSError:
-                    return  # the client is gone; its op notices on its own
-
-        thread = threading.Thread(target=beat, name=f"keepalive-{self.id}", daemon=True)
-        thread.start()
+    def during(self, connection: _Connection) -> Iterator[None]:
+        op = _LongOp(connection)
+        with self._lock:
+            self._ops.add(op)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._beat, name="keepalive", daemon=True)
+                self._thread.start()
         try:
             yield
         finally:
-            done.set()
-            thread.join()
+            with connection._send_lock:
+                op.active = False
+            with self._lock:
+                self._ops.discard(op)
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(KEEPALIVE_S / 10)
+            now = time.monotonic()
+            with self._lock:
+                due = [op for op in self._ops if now - op.beaten >= KEEPALIVE_S]
+            for op in due:
+                op.beaten = now
+                with op.connection._send_lock:
+                    if not op.active:
+                        continue
+                    try:
+                        send_line(op.connection.sock, {"progress": {"alive_s": round(now - op.started)}})
+                    except OSError:
+                        pass  # the client is gone; its op notices on its own
 
 
 class _CpuOnly:
@@ -164,6 +195,7 @@ class PoolServer(PoolObserving):
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.connections = 0
+        self.keepalives = _Keepalives()
         self.quiet_since = time.monotonic()
         self.started = time.time()
         self.draining = False
@@ -290,7 +322,7 @@ class PoolServer(PoolObserving):
                 if message is None:
                     return
                 if message.get("op") in _LONG_OPS:
-                    with connection.keepalive():
+                    with self.keepalives.during(connection):
                         reply = self._dispatch(message, connection)
                 else:
                     reply = self._dispatch(message, connection)
