@@ -278,12 +278,45 @@ class WorkerProcess:
         return now - started if 0 < started <= now else None
 
     def beat(self) -> None:
-        """Refresh the heartbeat the worker watches; a worker that sees it go stale retires itself."""
+        """Refresh the heartbeat the worker watches; a worker that sees it go stale retires itself.
+
+        The worker can write its run folder (from inside a container too): whatever it left under the
+        heartbeat's name that is not a regular file of ours (a link to a host file, a FIFO) is removed
+        and a new file made in its place, never followed.
+        """
         try:
-            os.utime(self.heartbeat_path)
+            fd = os.open(self.heartbeat_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
-            if self.run_dir.is_dir():
-                self.heartbeat_path.touch(mode=0o600)
+            self._new_heartbeat()
+            return
+        except OSError:  # a symlink (ELOOP) or a socket (ENXIO)
+            self._new_heartbeat(replace=True)
+            return
+        try:
+            found = os.fstat(fd)
+            ours = stat.S_ISREG(found.st_mode) and found.st_uid == os.getuid() and found.st_nlink == 1
+            if ours:
+                os.utime(fd)
+        finally:
+            os.close(fd)
+        if not ours:
+            self._new_heartbeat(replace=True)
+
+    def _new_heartbeat(self, replace: bool = False) -> None:
+        if replace:
+            try:
+                os.unlink(self.heartbeat_path)
+            except IsADirectoryError:
+                shutil.rmtree(self.heartbeat_path, ignore_errors=True)  # fd-based on Linux: links inside stay put
+            except FileNotFoundError:
+                pass
+        try:
+            os.close(os.open(self.heartbeat_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o600))
+        except FileExistsError:
+            pass  # the worker planted something again in between: the next beat looks again
+        except FileNotFoundError:
+            pass  # the run folder is gone: the worker has ended
 
     # -- how it ended ----------------------------------------------------------------
     def error(self, cls: type[ResidentPoolError], what: str, rc: int | None, reason: str,

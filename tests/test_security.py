@@ -12,6 +12,7 @@ import pwd
 import selectors
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -682,3 +683,62 @@ def test_a_campaign_never_writes_through_a_planted_symlink(pool_dir, tmp_path, s
     assert not Path("/tmp/pwned").exists()
     security_row("campaign output planted as a symlink to ~/.bashrc; a FASTA id holding $(touch ...)",
                  "the link is replaced, never followed; ids are data; the output gets the user's umask")
+
+
+# -- review round 2: what a process inside a worker can still reach -------------------------------------
+
+HEARTBEAT_WORKER = textwrap.dedent(
+    """
+    import importlib.util, os, sys
+
+    spec = importlib.util.spec_from_file_location("worker_base", os.environ["RESIDENT_POOL_WORKER_BASE"])
+    wb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wb)
+    # It watches its parent instead of the heartbeat, so it outlives what it does to the file.
+    heartbeat = os.environ.pop("RESIDENT_POOL_HEARTBEAT")
+
+    def on_predict(payload):
+        os.unlink(heartbeat)
+        if payload["plant"] == "fifo":
+            os.mkfifo(heartbeat, 0o600)
+        else:
+            os.symlink(payload["target"], heartbeat)
+        return {"heartbeat": heartbeat}
+
+    wb.serve(slug="hostile", socket_path=sys.argv[1], on_predict=on_predict)
+    """
+)
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def test_a_worker_cannot_make_the_pool_touch_a_file_through_its_heartbeat(pool_dir, tmp_path, security_row):
+    folder = pool_dir / "hostile"
+    folder.mkdir()
+    (folder / "worker.py").write_text(HEARTBEAT_WORKER)
+    (folder / "manifest.toml").write_text('slug = "hostile"\nworker = "worker.py"\n')
+    outside = tmp_path / "outside-the-run-folder"
+    outside.mkdir()
+    created = outside / "created-by-the-pool"
+    existing = outside / "existing"
+    existing.write_text("x")
+    os.utime(existing, (1_000_000, 1_000_000))
+    with Pool() as pool:
+        for plant, target, touched in (("link", created, created.exists),
+                                       ("link", existing, lambda: existing.stat().st_mtime != 1_000_000),
+                                       ("fifo", None, lambda: False)):
+            heartbeat = Path(pool.predict("hostile", {"plant": plant, "target": str(target)})["heartbeat"])
+            # The pool beats every 2 s: either it put a file of its own back, or it went through the link.
+            wait_until(lambda heartbeat=heartbeat, touched=touched: _regular(heartbeat) or touched(), timeout=15,
+                       message=f"the pool's next heartbeat after a planted {plant}")
+            assert not touched(), f"the pool followed the planted {plant} to {target}"
+            assert _regular(heartbeat) and os.lstat(heartbeat).st_uid == os.getuid()
+        assert pool.predict("hostile", {"plant": "link", "target": str(created)})  # still served
+    assert not created.exists() and existing.stat().st_mtime == 1_000_000
+    security_row("a worker (or a container) replaces its heartbeat with a link to a host file, or a FIFO",
+                 "the pool never follows it: the link is removed and a file of its own made in its place")
