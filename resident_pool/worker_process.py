@@ -53,6 +53,8 @@ _ENGINE_TIMEOUT_S = 30.0
 # After a worker acknowledged `shutdown`, how long its interpreter may take to exit before SIGTERM:
 # a thread a model library left running would otherwise hold the exit for the whole grace.
 SHUTDOWN_EXIT_S = 3.0
+# After a worker answered `worker_exiting`, how long it may take to exit before it is stopped.
+EXITING_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -342,10 +344,17 @@ class WorkerProcess:
         return self.error(WorkerRequestError, what, rc, "worker_stopped" if stopping else "worker_died")
 
     def exiting_error(self, reply: dict[str, Any]) -> WorkerRequestError:
-        """The worker answered ``worker_exiting`` and is leaving: reap it, then name its code."""
-        rc = self.wait_dead(10.0)
+        """The worker answered ``worker_exiting`` and is leaving: reap it (stop it if it stays), then name its code.
+
+        The reply is the worker's word: an ``exit_code`` that is not an int counts as none, and a process
+        still running ``EXITING_GRACE_S`` after it said it was leaving is stopped, not forgotten.
+        """
+        rc = self.wait_dead(EXITING_GRACE_S)
+        if rc is None and self.proc is not None:
+            self.note(f"said it was exiting but still ran {EXITING_GRACE_S:g} s later; stopping it")
+            rc = self.kill(grace_s=5.0)
         code = reply.get("exit_code")
-        if code is None:  # a KeyboardInterrupt has no code of its own; its signal is the truth
+        if not isinstance(code, int) or isinstance(code, bool):  # None: a KeyboardInterrupt; its signal is the truth
             code = rc
         message = str(reply.get("error") or "no message")
         tail = self.tail()

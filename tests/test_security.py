@@ -742,3 +742,55 @@ def test_a_worker_cannot_make_the_pool_touch_a_file_through_its_heartbeat(pool_d
     assert not created.exists() and existing.stat().st_mtime == 1_000_000
     security_row("a worker (or a container) replaces its heartbeat with a link to a host file, or a FIFO",
                  "the pool never follows it: the link is removed and a file of its own made in its place")
+
+
+# A worker that answers every prediction "worker_exiting" and never exits: the pool must not take its word.
+LINGERING_WORKER = textwrap.dedent(
+    """
+    import json, os, socket, sys
+    path = sys.argv[1]
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    os.chmod(path, 0o600)
+    server.listen(8)
+    while True:
+        conn, _ = server.accept()
+        buf = b""
+        while True:
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+            while b"\\n" in buf:
+                line, buf = buf.split(b"\\n", 1)
+                msg = json.loads(line)
+                if msg.get("op") == "predict":
+                    reply = {"ok": False, "reason": "worker_exiting", "exit_code": EXIT_CODE, "error": "bye",
+                             "id": msg.get("id")}
+                else:
+                    reply = {"ok": True, "model": "raw", "ready": True, "uptime_s": 1, "id": msg.get("id")}
+                conn.sendall(json.dumps(reply).encode() + b"\\n")
+        conn.close()
+    """
+)
+
+
+@pytest.mark.parametrize("exit_code", ['"x"', "0"])
+def test_a_worker_that_says_it_is_exiting_but_lingers_is_stopped_whatever_code_it_names(pool_dir, exit_code,
+                                                                                        security_row):
+    folder = pool_dir / "raw"
+    folder.mkdir()
+    (folder / "worker.py").write_text(LINGERING_WORKER.replace("EXIT_CODE", exit_code))
+    (folder / "manifest.toml").write_text('slug = "raw"\nworker = "worker.py"\n[lifecycle]\n'
+                                          'admission_timeout_s = 30\n')
+    with Pool() as pool:
+        for _ in range(2):  # the provider is not wedged: the next request gets a worker of its own
+            with pool.session("raw") as session:
+                pid = session.pid
+                with pytest.raises(ResidentPoolError) as said:
+                    session.predict({})
+            assert said.value.reason == "worker_exiting", said.value
+            assert pool.status()["workers"] == []
+            wait_until(lambda pid=pid: not pid_alive(pid), timeout=15, message=f"the lingering worker {pid} to end")
+    security_row("a worker answers worker_exiting with a non-integer exit_code, or says it exits and stays",
+                 "its code is taken only when it is an int; one still running after a short grace is stopped")
