@@ -31,6 +31,8 @@ BASE_VARIABLES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "TMPDIR",
 BASE_PREFIXES = ("LC_", "XDG_", "CUDA_", "NVIDIA_", "RESIDENT_POOL_")
 # Engine variables a pool may have in its own environment; they would be injected into every container.
 _ENGINE_PREFIXES = ("APPTAINERENV_", "SINGULARITYENV_")
+# Extra host folders apptainer mounts into every container, read from its own environment.
+_ENGINE_BINDS = ("APPTAINER_BIND", "APPTAINER_BINDPATH", "SINGULARITY_BIND", "SINGULARITY_BINDPATH")
 
 
 class Bind(NamedTuple):
@@ -158,16 +160,21 @@ def wrap(
     # engine for no GPU, or `docker run --gpus` fails outright on a host that has none.
     gpu = manifest.gpu.policy != "none" and device != ""
     if spec.engine == "apptainer":
-        command = ["apptainer", "exec", "--cleanenv", "--contain"]
+        # --containall: besides a clean environment and no shared $HOME or /tmp, its own PID and IPC
+        # namespaces; in the host's, /proc/<the pool's pid>/root is the host's whole filesystem.
+        command = ["apptainer", "exec", "--containall"]
         if gpu:
             command.append("--nv")  # every GPU; CUDA_VISIBLE_DEVICES inside picks the admitted one
         for bind in all_binds:
             command += ["--bind", f"{bind.host}:{bind.inside}" + (":ro" if bind.read_only else "")]
         command += [spec.image, *argv]
-        outer: dict[str, str | None] = {name: None for name in environ if name.startswith(_ENGINE_PREFIXES)}
+        outer: dict[str, str | None] = {name: None for name in environ
+                                        if name.startswith(_ENGINE_PREFIXES) or name in _ENGINE_BINDS}
         outer.update({f"APPTAINERENV_{key}": value for key, value in inside.items()})
         return command, outer
-    command = [spec.engine, "run", "--rm", "--init", "--name", name, "--network", "none"]
+    # No capabilities and no gaining any through a setuid binary in the image: the worker needs none.
+    command = [spec.engine, "run", "--rm", "--init", "--name", name, "--network", "none", "--cap-drop", "ALL",
+               "--security-opt", "no-new-privileges"]
     # podman (rootless) maps the user's uid into the container, so files in the binds stay the user's.
     command += ["--user", f"{os.getuid()}:{os.getgid()}"] if spec.engine == "docker" else ["--userns=keep-id"]
     for bind in all_binds:

@@ -32,10 +32,19 @@ def _container(tmp_path, engine, gpu=True):
 def test_apptainer_argv_binds_and_env(tmp_path):
     manifest = _container(tmp_path, "apptainer")
     argv, env = wrap(manifest, ["/opt/py/bin/python", "w.py", "s"], {"A": "1", "GONE": None}, BINDS, name="n")
-    assert argv == ["apptainer", "exec", "--cleanenv", "--contain", "--nv", "--bind", "/w:/w:ro", "--bind", "/state:/state",
+    assert argv == ["apptainer", "exec", "--containall", "--nv", "--bind", "/w:/w:ro", "--bind", "/state:/state",
                     "--bind", f"{tmp_path}/scratch:/scratch", "--bind", f"{tmp_path}/ref:/ref:ro", "reg/boltz:2",
                     "/opt/py/bin/python", "w.py", "s"]
     assert env == {"APPTAINERENV_A": "1"}
+
+
+def test_apptainer_binds_named_in_the_pools_own_environment_are_removed_from_its_launcher(tmp_path):
+    manifest = _container(tmp_path, "apptainer")
+    environ = {"APPTAINER_BIND": "/home", "APPTAINER_BINDPATH": "/etc/ssh", "SINGULARITY_BIND": "/root",
+               "SINGULARITY_BINDPATH": "/srv", "APPTAINER_CACHEDIR": "/cache", "PATH": "/usr/bin"}
+    _, env = wrap(manifest, ["python"], {"A": "1"}, [], name="n", environ=environ)
+    assert env == {"APPTAINER_BIND": None, "APPTAINER_BINDPATH": None, "SINGULARITY_BIND": None,
+                   "SINGULARITY_BINDPATH": None, "APPTAINERENV_A": "1"}
 
 
 @pytest.mark.parametrize(("engine", "user", "gpu_flags"), [
@@ -45,7 +54,8 @@ def test_docker_and_podman_argv_binds_and_env(tmp_path, engine, user, gpu_flags)
     manifest = _container(tmp_path, engine)
     argv, env = wrap(manifest, ["/opt/py/bin/python", "w.py"],
                      {"B": "2", "A": "1", "GONE": None, "CUDA_VISIBLE_DEVICES": "1"}, BINDS, name="rp-x", device="1")
-    assert argv == [engine, "run", "--rm", "--init", "--name", "rp-x", "--network", "none", *user,
+    assert argv == [engine, "run", "--rm", "--init", "--name", "rp-x", "--network", "none", "--cap-drop", "ALL",
+                    "--security-opt", "no-new-privileges", *user,
                     "--volume", "/w:/w:ro", "--volume", "/state:/state",
                     "--volume", f"{tmp_path}/scratch:/scratch", "--volume", f"{tmp_path}/ref:/ref:ro",
                     "--env", "A", "--env", "B", *gpu_flags, "reg/boltz:2", "/opt/py/bin/python", "w.py"]

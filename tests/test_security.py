@@ -515,6 +515,7 @@ def test_a_socket_served_by_another_user_is_never_spoken_to(isolated_dirs, tmp_p
     finally:
         fake.kill()
         fake.wait()
+        fake.stdout.close()  # else its pipe is closed by the garbage collector, in whichever test runs then
     security_row("a pool socket served by another user (swapped in after the directory check)",
                  "SO_PEERCRED checked on every connect: refused before a byte was sent")
 
@@ -794,3 +795,27 @@ def test_a_worker_that_says_it_is_exiting_but_lingers_is_stopped_whatever_code_i
             wait_until(lambda pid=pid: not pid_alive(pid), timeout=15, message=f"the lingering worker {pid} to end")
     security_row("a worker answers worker_exiting with a non-integer exit_code, or says it exits and stays",
                  "its code is taken only when it is an int; one still running after a short grace is stopped")
+
+
+@pytest.mark.parametrize("variable", ["APPTAINER_BINDPATH", "SINGULARITY_BIND"])
+def test_apptainer_binds_in_the_pools_own_environment_do_not_reach_a_container(engines, pool_dir, tmp_path, monkeypatch,
+                                                                               variable, security_row):
+    from providers import WORKERS
+
+    folder = pool_dir / "boxed"
+    folder.mkdir()
+    shutil.copy(WORKERS / "inside.py", folder / "worker.py")
+    (folder / "manifest.toml").write_text(
+        'slug = "boxed"\nworker = "worker.py"\n[env]\nkind = "container"\nengine = "apptainer"\n'
+        'image = "standin/py:3"\npython = "/usr/bin/python3"\n')
+    secrets = tmp_path / "ssh"
+    secrets.mkdir()
+    (secrets / "id_ed25519").write_text("private key")
+    monkeypatch.setenv(variable, str(secrets))  # left in the environment of whoever started the pool
+    with Pool() as pool:
+        assert pool.predict("boxed", {"action": "exists", "paths": [str(secrets / "id_ed25519")]}) == {
+            str(secrets / "id_ed25519"): False}
+    runs = [json.loads(line) for line in (engines / "runs.jsonl").read_text().splitlines()]
+    assert runs and all(run["argv"][:2] == ["exec", "--containall"] for run in runs)
+    security_row(f"{variable} in the environment of whoever started the pool (extra host folders in a container)",
+                 "removed from the engine's environment; apptainer runs --containall (own PID/IPC namespaces)")
