@@ -91,6 +91,7 @@ def test_an_absent_engine_is_named(tmp_path, monkeypatch):
         interpreter(_container(tmp_path, "podman"))
 
 
+@pytest.mark.usefixtures("isolated_dirs")  # the plan reads where the pool's own folders are, to keep them out
 def test_binds_are_the_run_folder_work_weights_manifest_and_three_files(tmp_path, monkeypatch):
     """Build a docker launch for real (a stand-in engine on PATH) and read its binds: nothing else is mounted."""
     engine = tmp_path / "bin" / "docker"
@@ -103,7 +104,7 @@ def test_binds_are_the_run_folder_work_weights_manifest_and_three_files(tmp_path
     work = tmp_path / "work"
     body = (f'work_root = "{work}"\n[env]\nkind = "container"\nengine = "docker"\nimage = "img"\n'
             f'[weights]\nroot = "{weights}"\n')
-    manifest = load_manifest(write_provider(tmp_path, "bound", body))
+    manifest = load_manifest(write_provider(tmp_path / "manifests", "bound", body))  # beside work, not holding it
     run_dir = tmp_path / "w" / "bound-0-1"
     run_dir.mkdir(parents=True)
     heartbeat = tmp_path / "beats" / "heartbeat"
@@ -134,6 +135,7 @@ def test_option_like_images_and_unbindable_paths_are_refused_naming_the_field(tm
     assert info.value.details["field"] == field
 
 
+@pytest.mark.usefixtures("isolated_dirs")
 def test_a_work_root_with_a_colon_is_refused_before_the_engine_reads_it(tmp_path, monkeypatch):
     engine = tmp_path / "bin" / "podman"
     engine.parent.mkdir()
@@ -141,7 +143,7 @@ def test_a_work_root_with_a_colon_is_refused_before_the_engine_reads_it(tmp_path
     engine.chmod(0o755)
     monkeypatch.setenv("PATH", f"{engine.parent}:{os.environ['PATH']}")
     body = f'work_root = "{tmp_path}/a:b"\n[env]\nkind = "container"\nengine = "podman"\nimage = "img"\n'
-    manifest = load_manifest(write_provider(tmp_path, "colon", body))
+    manifest = load_manifest(write_provider(tmp_path / "manifests", "colon", body))
     with pytest.raises(ManifestError, match=r"work_root: the path .*a:b holds") as info:
         build_worker_command(manifest, str(tmp_path / "worker.sock"))
     assert info.value.details["field"] == "work_root"

@@ -819,3 +819,33 @@ def test_apptainer_binds_in_the_pools_own_environment_do_not_reach_a_container(e
     assert runs and all(run["argv"][:2] == ["exec", "--containall"] for run in runs)
     security_row(f"{variable} in the environment of whoever started the pool (extra host folders in a container)",
                  "removed from the engine's environment; apptainer runs --containall (own PID/IPC namespaces)")
+
+
+@pytest.mark.parametrize("exposed", ["state", "logs", "results", "manifests"])
+def test_a_bind_or_work_root_holding_a_pool_folder_is_refused_naming_both(engines, pool_dir, isolated_dirs, exposed,
+                                                                         security_row):
+    from providers import WORKERS
+
+    folder = pool_dir / "boxed"
+    folder.mkdir()
+    shutil.copy(WORKERS / "inside.py", folder / "worker.py")
+    pool_folder = {"state": Path(isolated_dirs["state"]), "logs": Path(isolated_dirs["logs"]),
+                   "results": Path(isolated_dirs["results"]), "manifests": pool_dir}[exposed]
+    pool_folder.mkdir(mode=0o700, exist_ok=True)
+    # A bind of its parent (binds = ["/tmp"] with the state directory in /tmp), of itself, or a work_root inside it.
+    line, binds, field = {"state": ("", f'binds = ["{pool_folder.parent}"]\n', "env.binds"),
+                          "logs": ("", f'binds = ["{pool_folder}:/logs:ro"]\n', "env.binds"),
+                          "results": (f'work_root = "{pool_folder}/work"\n', "", "work_root"),
+                          "manifests": ("", f'binds = ["{pool_folder.parent}"]\n', "env.binds")}[exposed]
+    (folder / "manifest.toml").write_text(
+        f'slug = "boxed"\nworker = "worker.py"\n{line}[env]\nkind = "container"\nengine = "docker"\n'
+        f'image = "standin/py:3"\npython = "/usr/bin/python3"\n{binds}')
+    with Pool() as pool, pytest.raises(ManifestError) as refused:
+        pool.predict("boxed", {"action": "exists", "paths": [str(pool_folder)]})
+    assert refused.value.details["field"] == field
+    assert str(pool_folder.resolve()) in str(refused.value) and field in str(refused.value)
+    assert not (engines / "runs.jsonl").exists()  # no container ran
+    if exposed == "state":
+        security_row("a container bind holding the state directory (binds = [\"/tmp\"]), the logs, results or "
+                     "manifests; a work_root inside one", "ManifestError naming the field and the pool's folder; "
+                     "no container starts")
