@@ -137,12 +137,14 @@ def wrap(
     name: str,
     device: str | None = None,
     environ: Mapping[str, str] | None = None,
+    workdir: str | None = None,
 ) -> tuple[list[str], dict[str, str | None]]:
     """The command that runs ``argv`` in the provider's environment, and what its launcher's environment needs.
 
     A container sees only what is passed by name (docker/podman ``--env NAME``,
     apptainer ``APPTAINERENV_NAME``, so values never appear in the process list)
-    and only the ``binds``, each at the same path inside, so nothing is rewritten.
+    and only the ``binds``, each at the same path inside, so nothing is rewritten. ``workdir`` (a
+    mounted folder: the work root) is where it runs inside, not wherever the image or engine would put it.
     """
     spec = manifest.env
     if isinstance(spec, VenvEnv):
@@ -165,6 +167,8 @@ def wrap(
         command = ["apptainer", "exec", "--containall"]
         if gpu:
             command.append("--nv")  # every GPU; CUDA_VISIBLE_DEVICES inside picks the admitted one
+        if workdir:
+            command += ["--pwd", workdir]
         for bind in all_binds:
             command += ["--bind", f"{bind.host}:{bind.inside}" + (":ro" if bind.read_only else "")]
         command += [spec.image, *argv]
@@ -184,5 +188,7 @@ def wrap(
             command += ["--env", key]  # the value comes from the engine client's environment
     if gpu:
         command += _gpu_flags(spec.engine, device)
+    if workdir:
+        command += ["--workdir", workdir]
     command += [spec.image, *argv]
     return command, inside

@@ -271,7 +271,7 @@ class LaunchPlan:
                  Bind(kits.PROBE_PATH, kits.PROBE_PATH, True, "resident_pool's kit_probe.py")]
         env = {name: value for name, value in self.env.items() if name != "RESIDENT_POOL_HEARTBEAT"}
         return wrap(self.manifest, argv, env, binds, name=f"{self.name}-probe", device=self.device,
-                    environ=self.environ)
+                    environ=self.environ, workdir=str(self.work_root))
 
     def probe(self) -> KitRow:
         """Ask the kit, in its own interpreter, how it wants to run."""
@@ -297,7 +297,7 @@ class LaunchPlan:
         """The worker's argv and environment changes, wrapped for its engine."""
         assert self.argv, "a kit provider's plan needs with_kit() before its command"
         return wrap(self.manifest, self.argv, self.env, self.binds, name=self.name, device=self.device,
-                    environ=self.environ)
+                    environ=self.environ, workdir=str(self.work_root))
 
     def kit_facts(self) -> dict[str, Any] | None:
         """What the kit this start runs under said of itself: recorded with the worker (provenance)."""
@@ -354,7 +354,7 @@ def command_builder(manifest: Manifest, cache: HashCache | None = None) -> Build
                            device=worker.device, cache=cache, heartbeat=str(heartbeat) if heartbeat else None)
         argv, env = plan.command()
         stop, kill = plan.controls() or (None, None)
-        return Launch(argv, env, stop=stop, kill=kill, kit=plan.kit_facts())
+        return Launch(argv, env, stop=stop, kill=kill, kit=plan.kit_facts(), cwd=str(plan.work_root))
 
     return build
 

@@ -66,6 +66,10 @@ class Launch:
     stop: list[str] | None = None  # asks a container engine to stop it (`docker stop NAME`)
     kill: list[str] | None = None  # makes the engine kill it (`docker kill NAME`)
     kit: dict[str, Any] | None = None  # what the kit it runs under said of itself, for provenance
+    # Where it runs (its work_root); never the folder of whoever started the pool, where a planted module
+    # would shadow the worker's imports (`python -m` puts the working folder first on sys.path).
+    # None: its own run folder.
+    cwd: str | None = None
 
     @classmethod
     def of(cls, built: Launch | tuple[list[str], Mapping[str, str | None]]) -> Launch:
@@ -175,9 +179,10 @@ class WorkerProcess:
                 f"{self.slug}: cannot open the transcript under {where}: {exc.strerror}; set RESIDENT_POOL_LOG_DIR "
                 "to a writable directory with free space", slug=self.slug) from exc
         env = child_env({**env_for(self), **launch.env, **(extra_env or {})})
+        cwd = launch.cwd or str(self.run_dir)
         if spawner is not None:
             try:
-                self.proc = spawner.fork(launch.argv, env, self.transcript.fileno(), os.getcwd())
+                self.proc = spawner.fork(launch.argv, env, self.transcript.fileno(), cwd)
             except ForkRefused as exc:
                 self.note(f"not forked from a zygote: {exc}; spawning it instead")
             else:
@@ -191,6 +196,7 @@ class WorkerProcess:
                 stdout=self.transcript.fileno(),
                 stderr=subprocess.STDOUT,
                 env=env,
+                cwd=cwd,
                 # A Ctrl-C to the orchestrator is not the model's, and the worker's
                 # children share its group so a stop reaches them.
                 start_new_session=True,

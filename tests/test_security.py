@@ -849,3 +849,47 @@ def test_a_bind_or_work_root_holding_a_pool_folder_is_refused_naming_both(engine
         security_row("a container bind holding the state directory (binds = [\"/tmp\"]), the logs, results or "
                      "manifests; a work_root inside one", "ManifestError naming the field and the pool's folder; "
                      "no container starts")
+
+
+PLANTED_TOYMODEL = """
+import os
+open({marker!r}, "w").write("planted toymodel ran as uid %d" % os.getuid())
+def predict(x):
+    return x * 2
+"""
+
+
+def test_a_daemon_started_by_hand_in_a_shared_folder_runs_nothing_from_it(pool_dir, isolated_dirs, tmp_path,
+                                                                           monkeypatch, security_row):
+    from providers import make_kit_venv
+
+    python = make_kit_venv(tmp_path / "venv", "launchkit_opt")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.delenv("MODEL_OPT", raising=False)
+    monkeypatch.delenv("MODEL_OPT_JIT_ROOT", raising=False)
+    # A worker_launch kit runs `python -m launchkit_opt.worker_launch`: its sys.path starts with the folder it runs in.
+    write_provider(pool_dir, "launched", f'[env]\npython = "{python}"\n[kit]\npackage = "launchkit_opt"\n'
+                                         'mode = "triton"\n', worker="toyworker.py")
+    project = _shared_folder(tmp_path, "project", 0o1777)  # a scratch folder the operator starts the daemon in
+    marker = tmp_path / "marker"
+    (project / "toymodel.py").write_text(PLANTED_TOYMODEL.format(marker=str(marker)))
+    daemon = subprocess.Popen([str(Path(sys.executable).with_name("resident-pool")), "daemon", "--manifests",
+                               str(pool_dir)], cwd=project, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: os.path.exists(os.path.join(isolated_dirs["state"], "pool.sock")), timeout=30,
+                   message="the daemon")
+        with Pool(start=False) as pool:
+            try:
+                assert os.readlink(f"/proc/{daemon.pid}/cwd") == os.path.realpath(isolated_dirs["state"])
+                assert pool.predict("launched", {"x": 2}) is not None
+                (worker,) = pool.status()["workers"]
+                work = tmp_path / "data" / "resident-pool" / "work" / "launched"
+                assert os.readlink(f"/proc/{worker['pid']}/cwd") == str(work)
+            finally:
+                pool.shutdown()
+    finally:
+        daemon.wait(timeout=60)
+    assert not marker.exists(), marker.read_text()
+    security_row("a module planted in the folder a daemon is started from by hand (python -m puts it on sys.path)",
+                 "the daemon runs from its state directory, each worker from its own work_root")
