@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from .errors import ManifestError, WorkerStartError
 from .manifest import ContainerEnv, Manifest, VenvEnv
+from .trust import check_trusted
 
 __all__ = [
     "BASE_PREFIXES",
@@ -55,6 +56,9 @@ def interpreter(manifest: Manifest) -> str:
                 f"fix [env] python in {manifest.path} or create that environment",
                 slug=manifest.slug, reason="interpreter_missing",
             )
+        if spec.python != "auto":  # the pool's own needs no check: it is already running
+            # The path as named and, through every link on it, the binary it reaches.
+            check_trusted(Path(python), "the interpreter", manifest.slug, "env.python")
         return python
     if shutil.which(spec.engine) is None:
         raise WorkerStartError(

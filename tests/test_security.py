@@ -893,3 +893,48 @@ def test_a_daemon_started_by_hand_in_a_shared_folder_runs_nothing_from_it(pool_d
     assert not marker.exists(), marker.read_text()
     security_row("a module planted in the folder a daemon is started from by hand (python -m puts it on sys.path)",
                  "the daemon runs from its state directory, each worker from its own work_root")
+
+
+# -- review round 2: the folders above what the pool trusts ---------------------------------------------
+
+def test_a_manifest_under_a_folder_others_can_write_is_refused_a_sticky_one_is_not(isolated_dirs, tmp_path,
+                                                                                    monkeypatch, security_row):
+    monkeypatch.setenv("RESIDENT_POOL_QUIET_EXIT_S", "120")
+    project = _shared_folder(tmp_path, "project", 0o777)  # another user can rename manifests/ and put theirs there
+    manifests = project / "manifests"
+    manifests.mkdir(mode=0o755)
+    copy_echo(manifests)
+    with Pool(manifests=manifests) as pool:
+        with pytest.raises(ManifestError) as refused:
+            pool.predict("echo", {})
+        assert str(project) in str(refused.value) and f"chmod go-w {project}" in str(refused.value)
+        os.chmod(project, 0o1777)  # sticky: only an entry's owner may rename or replace it
+        assert pool.predict("echo", {"n": 1})["echo"] == {"n": 1}
+        pool.shutdown()
+    security_row("your manifests folder inside a folder others can write (swapped between check and exec)",
+                 "ManifestError naming that folder and `chmod go-w`; a sticky scratch folder is fine")
+
+
+def test_an_interpreter_under_a_folder_others_can_write_is_refused(pool_dir, tmp_path):
+    project = _shared_folder(tmp_path, "project", 0o777)
+    venv = project / "venv" / "bin"
+    venv.mkdir(parents=True, mode=0o755)
+    os.chmod(project / "venv", 0o755)
+    (venv / "python").symlink_to(sys.executable)
+    write_provider(pool_dir, "plain", f'[env]\npython = "{venv / "python"}"\n')
+    with Pool() as pool, pytest.raises(ManifestError) as refused:
+        pool.predict("plain", {"action": "echo", "value": 1})
+    assert str(project) in str(refused.value) and refused.value.details["field"] == "env.python"
+
+
+def test_a_link_another_user_owns_on_the_way_to_a_worker_script_is_refused(pool_dir, tmp_path, other_user):
+    folder = write_provider(pool_dir, "plain", "").parent
+    real = tmp_path / "mine" / "worker.py"
+    real.parent.mkdir()
+    (folder / "worker.py").rename(real)
+    (folder / "worker.py").symlink_to(real)  # the script is ours; the link to it is theirs, and can be re-pointed
+    info = pwd.getpwnam(other_user)
+    os.lchown(folder / "worker.py", info.pw_uid, info.pw_gid)
+    with Pool() as pool, pytest.raises(ManifestError) as refused:
+        pool.predict("plain", {"action": "echo", "value": 1})
+    assert str(folder / "worker.py") in str(refused.value) and f"uid {info.pw_uid}" in str(refused.value)
