@@ -897,10 +897,20 @@ def test_a_daemon_started_by_hand_in_a_shared_folder_runs_nothing_from_it(pool_d
 
 # -- review round 2: the folders above what the pool trusts ---------------------------------------------
 
+@pytest.mark.parametrize("shared_with", ["others", "group"])
 def test_a_manifest_under_a_folder_others_can_write_is_refused_a_sticky_one_is_not(isolated_dirs, tmp_path,
-                                                                                    monkeypatch, security_row):
+                                                                                    monkeypatch, shared_with,
+                                                                                    security_row):
+    import grp
+
     monkeypatch.setenv("RESIDENT_POOL_QUIET_EXIT_S", "120")
-    project = _shared_folder(tmp_path, "project", 0o777)  # another user can rename manifests/ and put theirs there
+    # Another user can rename manifests/ and put theirs in its place: anyone, or a lab group member.
+    project = _shared_folder(tmp_path, "project", 0o777 if shared_with == "others" else 0o2775)
+    if shared_with == "group":
+        try:
+            os.chown(project, os.getuid(), grp.getgrnam("users").gr_gid)  # a group with others in it
+        except KeyError:
+            pytest.skip("no group `users` on this host to share the folder with")
     manifests = project / "manifests"
     manifests.mkdir(mode=0o755)
     copy_echo(manifests)
