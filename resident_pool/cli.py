@@ -141,7 +141,11 @@ def daemon(
         logging.basicConfig(level=logging.INFO, handlers=[handler])
     else:
         logging.basicConfig(level=logging.INFO, format=log_format)
-    PoolServer(manifests_dir(manifests), quiet_exit_s=quiet_exit_s).serve_forever()
+    server = PoolServer(manifests_dir(manifests), quiet_exit_s=quiet_exit_s)
+    # Never the folder it was started from (a shared project or scratch folder): what runs later
+    # (`python -c` probes, a tool's relative path) must find nothing planted there.
+    os.chdir(server.state_dir)
+    server.serve_forever()
 
 
 def _pool(manifests: Path | None, start: bool = True):

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from .errors import ManifestError, WorkerStartError
 from .manifest import ContainerEnv, Manifest, VenvEnv
+from .trust import check_trusted
 
 __all__ = [
     "BASE_PREFIXES",
@@ -31,6 +32,8 @@ BASE_VARIABLES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "TMPDIR",
 BASE_PREFIXES = ("LC_", "XDG_", "CUDA_", "NVIDIA_", "RESIDENT_POOL_")
 # Engine variables a pool may have in its own environment; they would be injected into every container.
 _ENGINE_PREFIXES = ("APPTAINERENV_", "SINGULARITYENV_")
+# Extra host folders apptainer mounts into every container, read from its own environment.
+_ENGINE_BINDS = ("APPTAINER_BIND", "APPTAINER_BINDPATH", "SINGULARITY_BIND", "SINGULARITY_BINDPATH")
 
 
 class Bind(NamedTuple):
@@ -53,6 +56,9 @@ def interpreter(manifest: Manifest) -> str:
                 f"fix [env] python in {manifest.path} or create that environment",
                 slug=manifest.slug, reason="interpreter_missing",
             )
+        if spec.python != "auto":  # the pool's own needs no check: it is already running
+            # The path as named and, through every link on it, the binary it reaches.
+            check_trusted(Path(python), "the interpreter", manifest.slug, "env.python")
         return python
     if shutil.which(spec.engine) is None:
         raise WorkerStartError(
@@ -135,12 +141,14 @@ def wrap(
     name: str,
     device: str | None = None,
     environ: Mapping[str, str] | None = None,
+    workdir: str | None = None,
 ) -> tuple[list[str], dict[str, str | None]]:
     """The command that runs ``argv`` in the provider's environment, and what its launcher's environment needs.
 
     A container sees only what is passed by name (docker/podman ``--env NAME``,
     apptainer ``APPTAINERENV_NAME``, so values never appear in the process list)
-    and only the ``binds``, each at the same path inside, so nothing is rewritten.
+    and only the ``binds``, each at the same path inside, so nothing is rewritten. ``workdir`` (a
+    mounted folder: the work root) is where it runs inside, not wherever the image or engine would put it.
     """
     spec = manifest.env
     if isinstance(spec, VenvEnv):
@@ -158,16 +166,23 @@ def wrap(
     # engine for no GPU, or `docker run --gpus` fails outright on a host that has none.
     gpu = manifest.gpu.policy != "none" and device != ""
     if spec.engine == "apptainer":
-        command = ["apptainer", "exec", "--cleanenv", "--contain"]
+        # --containall: besides a clean environment and no shared $HOME or /tmp, its own PID and IPC
+        # namespaces; in the host's, /proc/<the pool's pid>/root is the host's whole filesystem.
+        command = ["apptainer", "exec", "--containall"]
         if gpu:
             command.append("--nv")  # every GPU; CUDA_VISIBLE_DEVICES inside picks the admitted one
+        if workdir:
+            command += ["--pwd", workdir]
         for bind in all_binds:
             command += ["--bind", f"{bind.host}:{bind.inside}" + (":ro" if bind.read_only else "")]
         command += [spec.image, *argv]
-        outer: dict[str, str | None] = {name: None for name in environ if name.startswith(_ENGINE_PREFIXES)}
+        outer: dict[str, str | None] = {name: None for name in environ
+                                        if name.startswith(_ENGINE_PREFIXES) or name in _ENGINE_BINDS}
         outer.update({f"APPTAINERENV_{key}": value for key, value in inside.items()})
         return command, outer
-    command = [spec.engine, "run", "--rm", "--init", "--name", name, "--network", "none"]
+    # No capabilities and no gaining any through a setuid binary in the image: the worker needs none.
+    command = [spec.engine, "run", "--rm", "--init", "--name", name, "--network", "none", "--cap-drop", "ALL",
+               "--security-opt", "no-new-privileges"]
     # podman (rootless) maps the user's uid into the container, so files in the binds stay the user's.
     command += ["--user", f"{os.getuid()}:{os.getgid()}"] if spec.engine == "docker" else ["--userns=keep-id"]
     for bind in all_binds:
@@ -177,5 +192,7 @@ def wrap(
             command += ["--env", key]  # the value comes from the engine client's environment
     if gpu:
         command += _gpu_flags(spec.engine, device)
+    if workdir:
+        command += ["--workdir", workdir]
     command += [spec.image, *argv]
     return command, inside

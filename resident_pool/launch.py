@@ -19,13 +19,14 @@ from typing import Any
 from . import jit_cache, paths
 from . import kit as kits
 from .errors import ManifestError
-from .exec_env import Bind, container_name, engine_controls, interpreter, passthrough_env, wrap
+from .exec_env import Bind, container_name, engine_controls, interpreter, parse_bind, passthrough_env, wrap
 from .kit import KitRow, apply_row, jit_root, jit_root_is_default, kit_env, run_probe
 from .manifest import Manifest, VenvEnv
+from .results import default_results_dir
 from .settings import settings
 from .supervisor import Admitter, BuildCommand, ResidentWorker
 from .trust import check_trusted
-from .weights import HashCache, WeightsReport, verify_weights
+from .weights import HashCache, WeightsReport, cache_dir, verify_weights
 from .worker_process import ARRAYS_PATH, PROTOCOL_PATH, WORKER_BASE_PATH, Launch
 
 __all__ = [
@@ -123,6 +124,38 @@ def _own_folder(path: Path, what: str, manifest: Manifest) -> Path:
     return path
 
 
+def _refuse_pool_folders(manifest: Manifest, binds: list[Bind]) -> None:
+    """Refuse a container mount (the plan's or the manifest's ``binds``) that shows the pool's own folders inside.
+
+    The state directory holds the pool socket (a client of it starts any manifest on the host) and the
+    ledger; the logs hold every provider's transcripts; the results every campaign's; the hash cache
+    vouches for the weights. The manifests folder is code the pool runs: only read-only may hold it.
+    A bind inside the cache folder is fine (the default JIT cache lives there).
+    """
+    if isinstance(manifest.env, VenvEnv):
+        return
+    config = settings()
+    folders = [("state directory", paths.state_dir(), True, False), ("log directory", paths.log_dir(), True, False),
+               ("results directory", config.results_dir or default_results_dir(), True, False),
+               ("cache directory", cache_dir(), False, False),
+               ("manifests folder", manifest.directory.parent, True, True)]
+    folders = [(what, Path(os.path.realpath(folder)), inside_too, writes_only)
+               for what, folder, inside_too, writes_only in folders]
+    # The run folder (in the state directory) is the pool's own, made for this start alone.
+    chosen = [bind for bind in binds if bind.field not in (_RUN_FOLDER, _HEARTBEAT)]
+    for bind in chosen + [parse_bind(text) for text in manifest.env.binds]:
+        host = Path(os.path.realpath(bind.host))
+        for what, folder, inside_too, writes_only in folders:
+            if writes_only and bind.read_only:
+                continue
+            if folder.is_relative_to(host) or (inside_too and host.is_relative_to(folder)):
+                raise ManifestError(
+                    f"{manifest.path}: {bind.field}: {bind.host} would show the container the pool's {what} "
+                    f"{folder}, and a process inside could use it against the host; mount a folder that neither "
+                    "holds nor lies inside the pool's own folders", slug=manifest.slug,
+                    details={"field": bind.field, "folder": str(folder)})
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """Everything one start of one worker needs, resolved once from its manifest."""
@@ -209,6 +242,7 @@ class LaunchPlan:
             binds.append(Bind(str(jit), str(jit), False, "kit.jit_root (or $MODEL_OPT_JIT_ROOT)"))
         if heartbeat and str(Path(heartbeat).parent) != run_dir:
             binds.append(Bind(str(Path(heartbeat).parent), str(Path(heartbeat).parent), False, _HEARTBEAT))
+        _refuse_pool_folders(manifest, binds)
 
         plan = cls(manifest=manifest, python=python, socket_path=socket_path, weights_root=root, work_root=work,
                    jit_root=jit, env=env, binds=tuple(binds), name=name or container_name(manifest.slug, 0),
@@ -237,7 +271,7 @@ class LaunchPlan:
                  Bind(kits.PROBE_PATH, kits.PROBE_PATH, True, "resident_pool's kit_probe.py")]
         env = {name: value for name, value in self.env.items() if name != "RESIDENT_POOL_HEARTBEAT"}
         return wrap(self.manifest, argv, env, binds, name=f"{self.name}-probe", device=self.device,
-                    environ=self.environ)
+                    environ=self.environ, workdir=str(self.work_root))
 
     def probe(self) -> KitRow:
         """Ask the kit, in its own interpreter, how it wants to run."""
@@ -263,7 +297,7 @@ class LaunchPlan:
         """The worker's argv and environment changes, wrapped for its engine."""
         assert self.argv, "a kit provider's plan needs with_kit() before its command"
         return wrap(self.manifest, self.argv, self.env, self.binds, name=self.name, device=self.device,
-                    environ=self.environ)
+                    environ=self.environ, workdir=str(self.work_root))
 
     def kit_facts(self) -> dict[str, Any] | None:
         """What the kit this start runs under said of itself: recorded with the worker (provenance)."""
@@ -320,7 +354,7 @@ def command_builder(manifest: Manifest, cache: HashCache | None = None) -> Build
                            device=worker.device, cache=cache, heartbeat=str(heartbeat) if heartbeat else None)
         argv, env = plan.command()
         stop, kill = plan.controls() or (None, None)
-        return Launch(argv, env, stop=stop, kill=kill, kit=plan.kit_facts())
+        return Launch(argv, env, stop=stop, kill=kill, kit=plan.kit_facts(), cwd=str(plan.work_root))
 
     return build
 

@@ -441,7 +441,9 @@ def load_manifest(path: str | Path) -> Manifest:
             slug=manifest.slug,
             details={"field": "worker"},
         )
-    check_trusted(manifest.worker_path, "the worker script", manifest.slug, "worker")
+    # As named (a link on the way is checked, then followed), not as resolved: a link another user owns
+    # could be re-pointed after this check.
+    check_trusted(path.parent / manifest.worker, "the worker script", manifest.slug, "worker")
     if manifest.worker_path.parent != path.parent.resolve():
         check_trusted(manifest.worker_path.parent, "the worker script's folder", manifest.slug, "worker")
     if manifest.slug != path.parent.name and path.name == "manifest.toml":

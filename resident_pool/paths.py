@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .errors import StateDirError
 from .settings import settings, xdg_dir
+from .trust import check_chain
 
 __all__ = ["POOL_SOCKET", "ensure_private_dir", "log_dir", "pool_socket", "state_dir", "workers_dir"]
 
@@ -80,4 +81,5 @@ def ensure_private_dir(path: Path, what: str, variable: str) -> Path:
             f"{what} {path} has mode {stat.S_IMODE(info.st_mode):04o}, open to group or others; "
             f"run `chmod 700 {path}` or set {variable} to a private directory"
         )
+    check_chain(path, what, error=StateDirError)  # a folder above it another user can write could swap it
     return path

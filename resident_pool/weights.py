@@ -15,12 +15,13 @@ from .errors import StateDirError, WeightsMismatch
 from .settings import settings, xdg_dir
 from .trust import check_trusted
 
-__all__ = ["HashCache", "WeightsMismatch", "WeightsReport", "verify_weights"]
+__all__ = ["HashCache", "WeightsMismatch", "WeightsReport", "cache_dir", "verify_weights"]
 
 _BLOCK = 4 * 1024 * 1024
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """The pool's cache folder (the weights hash cache, GPU peaks): RESIDENT_POOL_CACHE_DIR or under XDG's."""
     return settings().cache_dir or xdg_dir("cache") / "resident-pool"
 
 
@@ -33,7 +34,7 @@ class HashCache:
     """
 
     def __init__(self, path: Path | None = None) -> None:
-        self.path = path or _cache_dir() / "sha256-cache.json"
+        self.path = path or cache_dir() / "sha256-cache.json"
         self.reads = 0  # files actually hashed, for tests and the check report
         self._entries: dict[str, dict] | None = None
 

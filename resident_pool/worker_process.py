@@ -53,6 +53,8 @@ _ENGINE_TIMEOUT_S = 30.0
 # After a worker acknowledged `shutdown`, how long its interpreter may take to exit before SIGTERM:
 # a thread a model library left running would otherwise hold the exit for the whole grace.
 SHUTDOWN_EXIT_S = 3.0
+# After a worker answered `worker_exiting`, how long it may take to exit before it is stopped.
+EXITING_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,10 @@ class Launch:
     stop: list[str] | None = None  # asks a container engine to stop it (`docker stop NAME`)
     kill: list[str] | None = None  # makes the engine kill it (`docker kill NAME`)
     kit: dict[str, Any] | None = None  # what the kit it runs under said of itself, for provenance
+    # Where it runs (its work_root); never the folder of whoever started the pool, where a planted module
+    # would shadow the worker's imports (`python -m` puts the working folder first on sys.path).
+    # None: its own run folder.
+    cwd: str | None = None
 
     @classmethod
     def of(cls, built: Launch | tuple[list[str], Mapping[str, str | None]]) -> Launch:
@@ -173,9 +179,10 @@ class WorkerProcess:
                 f"{self.slug}: cannot open the transcript under {where}: {exc.strerror}; set RESIDENT_POOL_LOG_DIR "
                 "to a writable directory with free space", slug=self.slug) from exc
         env = child_env({**env_for(self), **launch.env, **(extra_env or {})})
+        cwd = launch.cwd or str(self.run_dir)
         if spawner is not None:
             try:
-                self.proc = spawner.fork(launch.argv, env, self.transcript.fileno(), os.getcwd())
+                self.proc = spawner.fork(launch.argv, env, self.transcript.fileno(), cwd)
             except ForkRefused as exc:
                 self.note(f"not forked from a zygote: {exc}; spawning it instead")
             else:
@@ -189,6 +196,7 @@ class WorkerProcess:
                 stdout=self.transcript.fileno(),
                 stderr=subprocess.STDOUT,
                 env=env,
+                cwd=cwd,
                 # A Ctrl-C to the orchestrator is not the model's, and the worker's
                 # children share its group so a stop reaches them.
                 start_new_session=True,
@@ -278,12 +286,45 @@ class WorkerProcess:
         return now - started if 0 < started <= now else None
 
     def beat(self) -> None:
-        """Refresh the heartbeat the worker watches; a worker that sees it go stale retires itself."""
+        """Refresh the heartbeat the worker watches; a worker that sees it go stale retires itself.
+
+        The worker can write its run folder (from inside a container too): whatever it left under the
+        heartbeat's name that is not a regular file of ours (a link to a host file, a FIFO) is removed
+        and a new file made in its place, never followed.
+        """
         try:
-            os.utime(self.heartbeat_path)
+            fd = os.open(self.heartbeat_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
-            if self.run_dir.is_dir():
-                self.heartbeat_path.touch(mode=0o600)
+            self._new_heartbeat()
+            return
+        except OSError:  # a symlink (ELOOP) or a socket (ENXIO)
+            self._new_heartbeat(replace=True)
+            return
+        try:
+            found = os.fstat(fd)
+            ours = stat.S_ISREG(found.st_mode) and found.st_uid == os.getuid() and found.st_nlink == 1
+            if ours:
+                os.utime(fd)
+        finally:
+            os.close(fd)
+        if not ours:
+            self._new_heartbeat(replace=True)
+
+    def _new_heartbeat(self, replace: bool = False) -> None:
+        if replace:
+            try:
+                os.unlink(self.heartbeat_path)
+            except IsADirectoryError:
+                shutil.rmtree(self.heartbeat_path, ignore_errors=True)  # fd-based on Linux: links inside stay put
+            except FileNotFoundError:
+                pass
+        try:
+            os.close(os.open(self.heartbeat_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o600))
+        except FileExistsError:
+            pass  # the worker planted something again in between: the next beat looks again
+        except FileNotFoundError:
+            pass  # the run folder is gone: the worker has ended
 
     # -- how it ended ----------------------------------------------------------------
     def error(self, cls: type[ResidentPoolError], what: str, rc: int | None, reason: str,
@@ -309,10 +350,17 @@ class WorkerProcess:
         return self.error(WorkerRequestError, what, rc, "worker_stopped" if stopping else "worker_died")
 
     def exiting_error(self, reply: dict[str, Any]) -> WorkerRequestError:
-        """The worker answered ``worker_exiting`` and is leaving: reap it, then name its code."""
-        rc = self.wait_dead(10.0)
+        """The worker answered ``worker_exiting`` and is leaving: reap it (stop it if it stays), then name its code.
+
+        The reply is the worker's word: an ``exit_code`` that is not an int counts as none, and a process
+        still running ``EXITING_GRACE_S`` after it said it was leaving is stopped, not forgotten.
+        """
+        rc = self.wait_dead(EXITING_GRACE_S)
+        if rc is None and self.proc is not None:
+            self.note(f"said it was exiting but still ran {EXITING_GRACE_S:g} s later; stopping it")
+            rc = self.kill(grace_s=5.0)
         code = reply.get("exit_code")
-        if code is None:  # a KeyboardInterrupt has no code of its own; its signal is the truth
+        if not isinstance(code, int) or isinstance(code, bool):  # None: a KeyboardInterrupt; its signal is the truth
             code = rc
         message = str(reply.get("error") or "no message")
         tail = self.tail()

@@ -32,10 +32,19 @@ def _container(tmp_path, engine, gpu=True):
 def test_apptainer_argv_binds_and_env(tmp_path):
     manifest = _container(tmp_path, "apptainer")
     argv, env = wrap(manifest, ["/opt/py/bin/python", "w.py", "s"], {"A": "1", "GONE": None}, BINDS, name="n")
-    assert argv == ["apptainer", "exec", "--cleanenv", "--contain", "--nv", "--bind", "/w:/w:ro", "--bind", "/state:/state",
+    assert argv == ["apptainer", "exec", "--containall", "--nv", "--bind", "/w:/w:ro", "--bind", "/state:/state",
                     "--bind", f"{tmp_path}/scratch:/scratch", "--bind", f"{tmp_path}/ref:/ref:ro", "reg/boltz:2",
                     "/opt/py/bin/python", "w.py", "s"]
     assert env == {"APPTAINERENV_A": "1"}
+
+
+def test_apptainer_binds_named_in_the_pools_own_environment_are_removed_from_its_launcher(tmp_path):
+    manifest = _container(tmp_path, "apptainer")
+    environ = {"APPTAINER_BIND": "/home", "APPTAINER_BINDPATH": "/etc/ssh", "SINGULARITY_BIND": "/root",
+               "SINGULARITY_BINDPATH": "/srv", "APPTAINER_CACHEDIR": "/cache", "PATH": "/usr/bin"}
+    _, env = wrap(manifest, ["python"], {"A": "1"}, [], name="n", environ=environ)
+    assert env == {"APPTAINER_BIND": None, "APPTAINER_BINDPATH": None, "SINGULARITY_BIND": None,
+                   "SINGULARITY_BINDPATH": None, "APPTAINERENV_A": "1"}
 
 
 @pytest.mark.parametrize(("engine", "user", "gpu_flags"), [
@@ -45,7 +54,8 @@ def test_docker_and_podman_argv_binds_and_env(tmp_path, engine, user, gpu_flags)
     manifest = _container(tmp_path, engine)
     argv, env = wrap(manifest, ["/opt/py/bin/python", "w.py"],
                      {"B": "2", "A": "1", "GONE": None, "CUDA_VISIBLE_DEVICES": "1"}, BINDS, name="rp-x", device="1")
-    assert argv == [engine, "run", "--rm", "--init", "--name", "rp-x", "--network", "none", *user,
+    assert argv == [engine, "run", "--rm", "--init", "--name", "rp-x", "--network", "none", "--cap-drop", "ALL",
+                    "--security-opt", "no-new-privileges", *user,
                     "--volume", "/w:/w:ro", "--volume", "/state:/state",
                     "--volume", f"{tmp_path}/scratch:/scratch", "--volume", f"{tmp_path}/ref:/ref:ro",
                     "--env", "A", "--env", "B", *gpu_flags, "reg/boltz:2", "/opt/py/bin/python", "w.py"]
@@ -81,6 +91,7 @@ def test_an_absent_engine_is_named(tmp_path, monkeypatch):
         interpreter(_container(tmp_path, "podman"))
 
 
+@pytest.mark.usefixtures("isolated_dirs")  # the plan reads where the pool's own folders are, to keep them out
 def test_binds_are_the_run_folder_work_weights_manifest_and_three_files(tmp_path, monkeypatch):
     """Build a docker launch for real (a stand-in engine on PATH) and read its binds: nothing else is mounted."""
     engine = tmp_path / "bin" / "docker"
@@ -93,7 +104,7 @@ def test_binds_are_the_run_folder_work_weights_manifest_and_three_files(tmp_path
     work = tmp_path / "work"
     body = (f'work_root = "{work}"\n[env]\nkind = "container"\nengine = "docker"\nimage = "img"\n'
             f'[weights]\nroot = "{weights}"\n')
-    manifest = load_manifest(write_provider(tmp_path, "bound", body))
+    manifest = load_manifest(write_provider(tmp_path / "manifests", "bound", body))  # beside work, not holding it
     run_dir = tmp_path / "w" / "bound-0-1"
     run_dir.mkdir(parents=True)
     heartbeat = tmp_path / "beats" / "heartbeat"
@@ -106,6 +117,7 @@ def test_binds_are_the_run_folder_work_weights_manifest_and_three_files(tmp_path
                        f"{package / 'arrays.py'}:{package / 'arrays.py'}:ro",
                        f"{package / 'worker_base.py'}:{package / 'worker_base.py'}:ro",
                        f"{weights}:{weights}:ro", f"{heartbeat.parent}:{heartbeat.parent}"]
+    assert argv[argv.index("--workdir") + 1] == str(work)  # it runs in its work root inside, too
     passed = {argv[i + 1] for i, item in enumerate(argv) if item == "--env"}
     assert {"RESIDENT_POOL_PROTOCOL", "RESIDENT_POOL_WORKER_BASE", "RESIDENT_POOL_HEARTBEAT"} <= passed
     assert env["RESIDENT_POOL_HEARTBEAT"] == str(heartbeat)
@@ -124,6 +136,7 @@ def test_option_like_images_and_unbindable_paths_are_refused_naming_the_field(tm
     assert info.value.details["field"] == field
 
 
+@pytest.mark.usefixtures("isolated_dirs")
 def test_a_work_root_with_a_colon_is_refused_before_the_engine_reads_it(tmp_path, monkeypatch):
     engine = tmp_path / "bin" / "podman"
     engine.parent.mkdir()
@@ -131,7 +144,7 @@ def test_a_work_root_with_a_colon_is_refused_before_the_engine_reads_it(tmp_path
     engine.chmod(0o755)
     monkeypatch.setenv("PATH", f"{engine.parent}:{os.environ['PATH']}")
     body = f'work_root = "{tmp_path}/a:b"\n[env]\nkind = "container"\nengine = "podman"\nimage = "img"\n'
-    manifest = load_manifest(write_provider(tmp_path, "colon", body))
+    manifest = load_manifest(write_provider(tmp_path / "manifests", "colon", body))
     with pytest.raises(ManifestError, match=r"work_root: the path .*a:b holds") as info:
         build_worker_command(manifest, str(tmp_path / "worker.sock"))
     assert info.value.details["field"] == "work_root"

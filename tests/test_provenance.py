@@ -64,7 +64,7 @@ def test_a_container_provider_is_probed_inside_its_image(tmp_path, monkeypatch):
     monkeypatch.setattr(provenance.subprocess, "run", run)
     values = environment(manifest, "/opt/conda/bin/python")
     argv = seen["argv"]
-    assert argv[:3] == ["apptainer", "exec", "--cleanenv"] and f"{ENV_PROBE_PATH}:{ENV_PROBE_PATH}:ro" in argv
+    assert argv[:3] == ["apptainer", "exec", "--containall"] and f"{ENV_PROBE_PATH}:{ENV_PROBE_PATH}:ro" in argv
     image = argv.index("/images/m.sif")
     assert argv[image + 1:image + 3] == ["/opt/conda/bin/python", ENV_PROBE_PATH]
     assert values["env.cuda_runtime"] == "CUDA 12.4 (torch build)" and values["env.torch"] == "2.5.1+cu124"

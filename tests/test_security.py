@@ -12,6 +12,7 @@ import pwd
 import selectors
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -514,7 +515,7 @@ def test_a_socket_served_by_another_user_is_never_spoken_to(isolated_dirs, tmp_p
     finally:
         fake.kill()
         fake.wait()
-        fake.stdout.close()
+        fake.stdout.close()  # else its pipe is closed by the garbage collector, in whichever test runs then
     security_row("a pool socket served by another user (swapped in after the directory check)",
                  "SO_PEERCRED checked on every connect: refused before a byte was sent")
 
@@ -683,3 +684,267 @@ def test_a_campaign_never_writes_through_a_planted_symlink(pool_dir, tmp_path, s
     assert not Path("/tmp/pwned").exists()
     security_row("campaign output planted as a symlink to ~/.bashrc; a FASTA id holding $(touch ...)",
                  "the link is replaced, never followed; ids are data; the output gets the user's umask")
+
+
+# -- review round 2: what a process inside a worker can still reach -------------------------------------
+
+HEARTBEAT_WORKER = textwrap.dedent(
+    """
+    import importlib.util, os, sys
+
+    spec = importlib.util.spec_from_file_location("worker_base", os.environ["RESIDENT_POOL_WORKER_BASE"])
+    wb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wb)
+    # It watches its parent instead of the heartbeat, so it outlives what it does to the file.
+    heartbeat = os.environ.pop("RESIDENT_POOL_HEARTBEAT")
+
+    def on_predict(payload):
+        os.unlink(heartbeat)
+        if payload["plant"] == "fifo":
+            os.mkfifo(heartbeat, 0o600)
+        else:
+            os.symlink(payload["target"], heartbeat)
+        return {"heartbeat": heartbeat}
+
+    wb.serve(slug="hostile", socket_path=sys.argv[1], on_predict=on_predict)
+    """
+)
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def test_a_worker_cannot_make_the_pool_touch_a_file_through_its_heartbeat(pool_dir, tmp_path, security_row):
+    folder = pool_dir / "hostile"
+    folder.mkdir()
+    (folder / "worker.py").write_text(HEARTBEAT_WORKER)
+    (folder / "manifest.toml").write_text('slug = "hostile"\nworker = "worker.py"\n')
+    outside = tmp_path / "outside-the-run-folder"
+    outside.mkdir()
+    created = outside / "created-by-the-pool"
+    existing = outside / "existing"
+    existing.write_text("x")
+    os.utime(existing, (1_000_000, 1_000_000))
+    with Pool() as pool:
+        for plant, target, touched in (("link", created, created.exists),
+                                       ("link", existing, lambda: existing.stat().st_mtime != 1_000_000),
+                                       ("fifo", None, lambda: False)):
+            heartbeat = Path(pool.predict("hostile", {"plant": plant, "target": str(target)})["heartbeat"])
+            # The pool beats every 2 s: either it put a file of its own back, or it went through the link.
+            wait_until(lambda heartbeat=heartbeat, touched=touched: _regular(heartbeat) or touched(), timeout=15,
+                       message=f"the pool's next heartbeat after a planted {plant}")
+            assert not touched(), f"the pool followed the planted {plant} to {target}"
+            assert _regular(heartbeat) and os.lstat(heartbeat).st_uid == os.getuid()
+        assert pool.predict("hostile", {"plant": "link", "target": str(created)})  # still served
+    assert not created.exists() and existing.stat().st_mtime == 1_000_000
+    security_row("a worker (or a container) replaces its heartbeat with a link to a host file, or a FIFO",
+                 "the pool never follows it: the link is removed and a file of its own made in its place")
+
+
+# A worker that answers every prediction "worker_exiting" and never exits: the pool must not take its word.
+LINGERING_WORKER = textwrap.dedent(
+    """
+    import json, os, socket, sys
+    path = sys.argv[1]
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    os.chmod(path, 0o600)
+    server.listen(8)
+    while True:
+        conn, _ = server.accept()
+        buf = b""
+        while True:
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+            while b"\\n" in buf:
+                line, buf = buf.split(b"\\n", 1)
+                msg = json.loads(line)
+                if msg.get("op") == "predict":
+                    reply = {"ok": False, "reason": "worker_exiting", "exit_code": EXIT_CODE, "error": "bye",
+                             "id": msg.get("id")}
+                else:
+                    reply = {"ok": True, "model": "raw", "ready": True, "uptime_s": 1, "id": msg.get("id")}
+                conn.sendall(json.dumps(reply).encode() + b"\\n")
+        conn.close()
+    """
+)
+
+
+@pytest.mark.parametrize("exit_code", ['"x"', "0"])
+def test_a_worker_that_says_it_is_exiting_but_lingers_is_stopped_whatever_code_it_names(pool_dir, exit_code,
+                                                                                        security_row):
+    folder = pool_dir / "raw"
+    folder.mkdir()
+    (folder / "worker.py").write_text(LINGERING_WORKER.replace("EXIT_CODE", exit_code))
+    (folder / "manifest.toml").write_text('slug = "raw"\nworker = "worker.py"\n[lifecycle]\n'
+                                          'admission_timeout_s = 30\n')
+    with Pool() as pool:
+        for _ in range(2):  # the provider is not wedged: the next request gets a worker of its own
+            with pool.session("raw") as session:
+                pid = session.pid
+                with pytest.raises(ResidentPoolError) as said:
+                    session.predict({})
+            assert said.value.reason == "worker_exiting", said.value
+            assert pool.status()["workers"] == []
+            wait_until(lambda pid=pid: not pid_alive(pid), timeout=15, message=f"the lingering worker {pid} to end")
+    security_row("a worker answers worker_exiting with a non-integer exit_code, or says it exits and stays",
+                 "its code is taken only when it is an int; one still running after a short grace is stopped")
+
+
+@pytest.mark.parametrize("variable", ["APPTAINER_BINDPATH", "SINGULARITY_BIND"])
+def test_apptainer_binds_in_the_pools_own_environment_do_not_reach_a_container(engines, pool_dir, tmp_path, monkeypatch,
+                                                                               variable, security_row):
+    from providers import WORKERS
+
+    folder = pool_dir / "boxed"
+    folder.mkdir()
+    shutil.copy(WORKERS / "inside.py", folder / "worker.py")
+    (folder / "manifest.toml").write_text(
+        'slug = "boxed"\nworker = "worker.py"\n[env]\nkind = "container"\nengine = "apptainer"\n'
+        'image = "standin/py:3"\npython = "/usr/bin/python3"\n')
+    secrets = tmp_path / "ssh"
+    secrets.mkdir()
+    (secrets / "id_ed25519").write_text("private key")
+    monkeypatch.setenv(variable, str(secrets))  # left in the environment of whoever started the pool
+    with Pool() as pool:
+        assert pool.predict("boxed", {"action": "exists", "paths": [str(secrets / "id_ed25519")]}) == {
+            str(secrets / "id_ed25519"): False}
+    runs = [json.loads(line) for line in (engines / "runs.jsonl").read_text().splitlines()]
+    assert runs and all(run["argv"][:2] == ["exec", "--containall"] for run in runs)
+    security_row(f"{variable} in the environment of whoever started the pool (extra host folders in a container)",
+                 "removed from the engine's environment; apptainer runs --containall (own PID/IPC namespaces)")
+
+
+@pytest.mark.parametrize("exposed", ["state", "logs", "results", "manifests"])
+def test_a_bind_or_work_root_holding_a_pool_folder_is_refused_naming_both(engines, pool_dir, isolated_dirs, exposed,
+                                                                         security_row):
+    from providers import WORKERS
+
+    folder = pool_dir / "boxed"
+    folder.mkdir()
+    shutil.copy(WORKERS / "inside.py", folder / "worker.py")
+    pool_folder = {"state": Path(isolated_dirs["state"]), "logs": Path(isolated_dirs["logs"]),
+                   "results": Path(isolated_dirs["results"]), "manifests": pool_dir}[exposed]
+    pool_folder.mkdir(mode=0o700, exist_ok=True)
+    # A bind of its parent (binds = ["/tmp"] with the state directory in /tmp), of itself, or a work_root inside it.
+    line, binds, field = {"state": ("", f'binds = ["{pool_folder.parent}"]\n', "env.binds"),
+                          "logs": ("", f'binds = ["{pool_folder}:/logs:ro"]\n', "env.binds"),
+                          "results": (f'work_root = "{pool_folder}/work"\n', "", "work_root"),
+                          "manifests": ("", f'binds = ["{pool_folder.parent}"]\n', "env.binds")}[exposed]
+    (folder / "manifest.toml").write_text(
+        f'slug = "boxed"\nworker = "worker.py"\n{line}[env]\nkind = "container"\nengine = "docker"\n'
+        f'image = "standin/py:3"\npython = "/usr/bin/python3"\n{binds}')
+    with Pool() as pool, pytest.raises(ManifestError) as refused:
+        pool.predict("boxed", {"action": "exists", "paths": [str(pool_folder)]})
+    assert refused.value.details["field"] == field
+    assert str(pool_folder.resolve()) in str(refused.value) and field in str(refused.value)
+    assert not (engines / "runs.jsonl").exists()  # no container ran
+    if exposed == "state":
+        security_row("a container bind holding the state directory (binds = [\"/tmp\"]), the logs, results or "
+                     "manifests; a work_root inside one", "ManifestError naming the field and the pool's folder; "
+                     "no container starts")
+
+
+PLANTED_TOYMODEL = """
+import os
+open({marker!r}, "w").write("planted toymodel ran as uid %d" % os.getuid())
+def predict(x):
+    return x * 2
+"""
+
+
+def test_a_daemon_started_by_hand_in_a_shared_folder_runs_nothing_from_it(pool_dir, isolated_dirs, tmp_path,
+                                                                           monkeypatch, security_row):
+    from providers import make_kit_venv
+
+    python = make_kit_venv(tmp_path / "venv", "launchkit_opt")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.delenv("MODEL_OPT", raising=False)
+    monkeypatch.delenv("MODEL_OPT_JIT_ROOT", raising=False)
+    # A worker_launch kit runs `python -m launchkit_opt.worker_launch`: its sys.path starts with the folder it runs in.
+    write_provider(pool_dir, "launched", f'[env]\npython = "{python}"\n[kit]\npackage = "launchkit_opt"\n'
+                                         'mode = "triton"\n', worker="toyworker.py")
+    project = _shared_folder(tmp_path, "project", 0o1777)  # a scratch folder the operator starts the daemon in
+    marker = tmp_path / "marker"
+    (project / "toymodel.py").write_text(PLANTED_TOYMODEL.format(marker=str(marker)))
+    daemon = subprocess.Popen([str(Path(sys.executable).with_name("resident-pool")), "daemon", "--manifests",
+                               str(pool_dir)], cwd=project, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: os.path.exists(os.path.join(isolated_dirs["state"], "pool.sock")), timeout=30,
+                   message="the daemon")
+        with Pool(start=False) as pool:
+            try:
+                assert os.readlink(f"/proc/{daemon.pid}/cwd") == os.path.realpath(isolated_dirs["state"])
+                assert pool.predict("launched", {"x": 2}) is not None
+                (worker,) = pool.status()["workers"]
+                work = tmp_path / "data" / "resident-pool" / "work" / "launched"
+                assert os.readlink(f"/proc/{worker['pid']}/cwd") == str(work)
+            finally:
+                pool.shutdown()
+    finally:
+        daemon.wait(timeout=60)
+    assert not marker.exists(), marker.read_text()
+    security_row("a module planted in the folder a daemon is started from by hand (python -m puts it on sys.path)",
+                 "the daemon runs from its state directory, each worker from its own work_root")
+
+
+# -- review round 2: the folders above what the pool trusts ---------------------------------------------
+
+@pytest.mark.parametrize("shared_with", ["others", "group"])
+def test_a_manifest_under_a_folder_others_can_write_is_refused_a_sticky_one_is_not(isolated_dirs, tmp_path,
+                                                                                    monkeypatch, shared_with,
+                                                                                    security_row):
+    import grp
+
+    monkeypatch.setenv("RESIDENT_POOL_QUIET_EXIT_S", "120")
+    # Another user can rename manifests/ and put theirs in its place: anyone, or a lab group member.
+    project = _shared_folder(tmp_path, "project", 0o777 if shared_with == "others" else 0o2775)
+    if shared_with == "group":
+        try:
+            os.chown(project, os.getuid(), grp.getgrnam("users").gr_gid)  # a group with others in it
+        except KeyError:
+            pytest.skip("no group `users` on this host to share the folder with")
+    manifests = project / "manifests"
+    manifests.mkdir(mode=0o755)
+    copy_echo(manifests)
+    with Pool(manifests=manifests) as pool:
+        with pytest.raises(ManifestError) as refused:
+            pool.predict("echo", {})
+        assert str(project) in str(refused.value) and f"chmod go-w {project}" in str(refused.value)
+        os.chmod(project, 0o1777)  # sticky: only an entry's owner may rename or replace it
+        assert pool.predict("echo", {"n": 1})["echo"] == {"n": 1}
+        pool.shutdown()
+    security_row("your manifests folder inside a folder others can write (swapped between check and exec)",
+                 "ManifestError naming that folder and `chmod go-w`; a sticky scratch folder is fine")
+
+
+def test_an_interpreter_under_a_folder_others_can_write_is_refused(pool_dir, tmp_path):
+    project = _shared_folder(tmp_path, "project", 0o777)
+    venv = project / "venv" / "bin"
+    venv.mkdir(parents=True, mode=0o755)
+    os.chmod(project / "venv", 0o755)
+    (venv / "python").symlink_to(sys.executable)
+    write_provider(pool_dir, "plain", f'[env]\npython = "{venv / "python"}"\n')
+    with Pool() as pool, pytest.raises(ManifestError) as refused:
+        pool.predict("plain", {"action": "echo", "value": 1})
+    assert str(project) in str(refused.value) and refused.value.details["field"] == "env.python"
+
+
+def test_a_link_another_user_owns_on_the_way_to_a_worker_script_is_refused(pool_dir, tmp_path, other_user):
+    folder = write_provider(pool_dir, "plain", "").parent
+    real = tmp_path / "mine" / "worker.py"
+    real.parent.mkdir()
+    (folder / "worker.py").rename(real)
+    (folder / "worker.py").symlink_to(real)  # the script is ours; the link to it is theirs, and can be re-pointed
+    info = pwd.getpwnam(other_user)
+    os.lchown(folder / "worker.py", info.pw_uid, info.pw_gid)
+    with Pool() as pool, pytest.raises(ManifestError) as refused:
+        pool.predict("plain", {"action": "echo", "value": 1})
+    assert str(folder / "worker.py") in str(refused.value) and f"uid {info.pw_uid}" in str(refused.value)

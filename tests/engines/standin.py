@@ -13,6 +13,9 @@ What it holds the launch to:
   image's system folders read-only plus the mounts; elsewhere every absolute
   path in the command and its environment must lie inside a mount or the image;
 - a ``--name`` in use is refused; ``stop``/``kill NAME`` reach the container;
+- apptainer, as the real one, also mounts the folders its own environment names
+  in ``APPTAINER_BIND``/``APPTAINER_BINDPATH`` (and the ``SINGULARITY_`` ones);
+  it does not make the PID namespace ``--containall`` asks for;
 - ``docker run`` is a client: the container is not in the client's process
   group (a SIGKILL of the client leaves it running, as with the real engine),
   and SIGTERM/SIGINT/SIGHUP to the client are proxied to it. ``apptainer exec``
@@ -85,7 +88,7 @@ def _take(args: list[str], i: int, flag: str) -> tuple[str, int]:
 def parse_run(engine: str, args: list[str]) -> dict:
     """``run`` options of docker/podman, the image and the command; unknown flags are refused."""
     options = {"name": None, "env": [], "volumes": [], "gpus": None, "devices": [], "user": None, "rm": False,
-               "network": None, "userns": None, "workdir": None}
+               "network": None, "userns": None, "workdir": None, "cap_drop": [], "security_opt": []}
     i = 0
     while i < len(args) and args[i].startswith("-"):
         flag = args[i]
@@ -114,6 +117,12 @@ def parse_run(engine: str, args: list[str]) -> dict:
             options["userns"], i = _take(args, i, flag)
         elif key in ("--workdir", "-w"):
             options["workdir"], i = _take(args, i, flag)
+        elif key == "--cap-drop":
+            value, i = _take(args, i, flag)
+            options["cap_drop"].append(value)
+        elif key == "--security-opt":
+            value, i = _take(args, i, flag)
+            options["security_opt"].append(value)
         else:
             raise Refused(f"unknown flag: {flag}", 125)
     if i >= len(args):
@@ -447,6 +456,8 @@ def apptainer(state: Path, args: list[str]) -> int:
         raise Refused(f"the stand-in apptainer knows only exec, not {args[:1]}", 255)
     options = parse_exec(args[1:])
     mounts = [parse_volume(text, 255) for text in options["binds"]]
+    for variable in ("APPTAINER_BIND", "APPTAINER_BINDPATH", "SINGULARITY_BIND", "SINGULARITY_BINDPATH"):
+        mounts += [parse_volume(text, 255) for text in os.environ.get(variable, "").split(",") if text]
     if options["cleanenv"]:
         env = {"PATH": IMAGE_PATH, "LANG": "C"}
     else:
