@@ -96,7 +96,10 @@ class Pool:
             sock = self._open()
             try:
                 sock.settimeout(self.config.client_timeout_s)
-                send_line(sock, {"op": "hello", "version": __version__})
+                try:
+                    send_line(sock, {"op": "hello", "version": __version__})
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # closed on us: what it said first (too many connections) is still there to read
                 hello = recv_line(sock, bytearray())
             except TimeoutError:
                 sock.close()
@@ -110,6 +113,10 @@ class Pool:
             if hello is None:
                 sock.close()
                 continue
+            if hello.get("ok") is False:  # turned away (too many connections): its reason, not a version story
+                sock.close()
+                error = hello.get("error")
+                raise error_from_dict(error if isinstance(error, dict) else {"error": str(error)})
             if hello.get("version") == __version__ and not hello.get("draining"):
                 return sock
             sock.close()

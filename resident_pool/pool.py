@@ -41,7 +41,7 @@ from .jit_cache import JitSizes
 from .kit import jit_root, stray_variables
 from .launch import command_builder
 from .manifest import SLUG, Manifest, load_manifest
-from .observing import PoolObserving
+from .observing import STATS_TIMEOUT_S, PoolObserving
 from .protocol import ProtocolError, bind_unix, recv_line, send_line
 from .replica import Lease, Replica
 from .settings import settings
@@ -132,13 +132,25 @@ class _Keepalives:
                 due = [op for op in self._ops if now - op.beaten >= KEEPALIVE_S]
             for op in due:
                 op.beaten = now
-                with op.connection._send_lock:
-                    if not op.active:
-                        continue
-                    try:
-                        send_line(op.connection.sock, {"progress": {"alive_s": round(now - op.started)}})
-                    except OSError:
-                        pass  # the client is gone; its op notices on its own
+                try:
+                    self._tell(op, now)
+                except Exception:  # this thread beats for every client: one client's trouble never ends it
+                    log.exception("keepalive to connection %s failed", op.connection.id)
+
+    @staticmethod
+    def _tell(op: _LongOp, now: float) -> None:
+        with op.connection._send_lock:
+            if not op.active:
+                return
+            sock = op.connection.sock
+            # A client that does not read (stopped, at a debugger) gets no keepalive: a blocking send
+            # would hold this thread, and every other client's keepalive, until it reads again.
+            if not select.select([], [sock], [], 0)[1]:
+                return
+            try:
+                send_line(sock, {"progress": {"alive_s": round(now - op.started)}})
+            except OSError:
+                pass  # the client is gone; its op notices on its own
 
 
 class _CpuOnly:
@@ -527,8 +539,9 @@ class PoolServer(PoolObserving):
                 return replica, True
         if sum(r.live for r in current) >= provider.manifest.lifecycle.max_replicas:
             return None
+        now = time.monotonic()
         if any(r.state is ReplicaState.LEASED and r.lease is not None and r.lease.connection is None
-               for r in current):
+               and now - r.lease.since < LIVENESS_TIMEOUT_S + STATS_TIMEOUT_S + 5.0 for r in current):
             return None  # the pool's own liveness ping, a moment long: its end wakes this ticket
         return self._new_replica(provider), True
 
@@ -1007,7 +1020,12 @@ class PoolServer(PoolObserving):
             if busy:
                 self.quiet_since = now
         for action, args in checks:
-            threading.Thread(target=action, args=args, daemon=True).start()
+            try:
+                threading.Thread(target=action, args=args, daemon=True).start()
+            except RuntimeError as exc:  # no thread to be had: run it here rather than leave a replica held
+                log.warning("cannot start a thread for %s (%s); running it in the maintenance pass",
+                            action.__name__, exc)
+                action(*args)
         self._maintain_zygotes(now)
         if self.quiet_exit_s > 0 and now - self.quiet_since >= self.quiet_exit_s and not self.draining:
             log.info("no workers and no clients for %g s; exiting", self.quiet_exit_s)

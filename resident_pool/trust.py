@@ -17,13 +17,16 @@ _MAX_LINKS = 40
 
 
 def _private_group(gid: int) -> bool:
-    """A user-private group (named after you, no other members): its write bit adds nobody."""
+    """A group nobody but you is in (a user-private group, or ``users`` inside a one-user container such as
+    Jupyter's images): its write bit adds nobody. Members are those listed and those whose primary group it is."""
     try:
         group = grp.getgrgid(gid)
-        user = pwd.getpwuid(os.getuid())
+        me = pwd.getpwuid(os.getuid()).pw_name
     except KeyError:
         return False
-    return gid == user.pw_gid and group.gr_name == user.pw_name and not set(group.gr_mem) - {user.pw_name}
+    if set(group.gr_mem) - {me}:
+        return False
+    return not any(account.pw_gid == gid and account.pw_name != me for account in pwd.getpwall())
 
 
 def check_trusted(path: Path, what: str, slug: str | None = None, field: str | None = None,
@@ -73,7 +76,8 @@ def check_chain(path: Path, what: str, slug: str | None = None, field: str | Non
     walked through must be yours or root's). The leaf itself is ``check_trusted``'s.
     """
     uid = os.getuid()
-    todo = list(Path(os.path.abspath(path)).parts[1:])
+    # Not os.path.abspath: it drops "link/.." by spelling, where the kernel follows the link first.
+    todo = list((Path(os.getcwd()) / path).parts[1:])
     current = Path("/")
     links = 0
     while todo:

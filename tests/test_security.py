@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -551,6 +552,9 @@ def test_idle_connections_and_unterminated_lines_cannot_exhaust_the_pool(pool_di
                 sock.connect(pool.socket_path)
                 idle.append(sock)
             assert len(_told_the_cap(idle, at_least=60 - 32)) >= 60 - 32
+            with Pool(start=False) as turned_away, pytest.raises(ResidentPoolError) as info:
+                turned_away.status()  # the pool's own reason, not a story about versions
+            assert info.value.reason == "too_many_connections", str(info.value)
             assert _threads(pool_pid) <= 32 + 8
             for sock in idle[:4]:  # four unterminated lines of 2 MiB: over the control line cap
                 try:
@@ -900,17 +904,13 @@ def test_a_daemon_started_by_hand_in_a_shared_folder_runs_nothing_from_it(pool_d
 @pytest.mark.parametrize("shared_with", ["others", "group"])
 def test_a_manifest_under_a_folder_others_can_write_is_refused_a_sticky_one_is_not(isolated_dirs, tmp_path,
                                                                                     monkeypatch, shared_with,
-                                                                                    security_row):
-    import grp
-
+                                                                                    security_row, request):
     monkeypatch.setenv("RESIDENT_POOL_QUIET_EXIT_S", "120")
     # Another user can rename manifests/ and put theirs in its place: anyone, or a lab group member.
     project = _shared_folder(tmp_path, "project", 0o777 if shared_with == "others" else 0o2775)
-    if shared_with == "group":
-        try:
-            os.chown(project, os.getuid(), grp.getgrnam("users").gr_gid)  # a group with others in it
-        except KeyError:
-            pytest.skip("no group `users` on this host to share the folder with")
+    if shared_with == "group":  # the other user's own group: someone besides you is in it
+        other = pwd.getpwnam(request.getfixturevalue("other_user"))
+        os.chown(project, os.getuid(), other.pw_gid)
     manifests = project / "manifests"
     manifests.mkdir(mode=0o755)
     copy_echo(manifests)
@@ -948,3 +948,83 @@ def test_a_link_another_user_owns_on_the_way_to_a_worker_script_is_refused(pool_
     with Pool() as pool, pytest.raises(ManifestError) as refused:
         pool.predict("plain", {"action": "echo", "value": 1})
     assert str(folder / "worker.py") in str(refused.value) and f"uid {info.pw_uid}" in str(refused.value)
+
+
+def test_a_link_followed_by_dotdot_is_walked_as_the_kernel_walks_it(tmp_path):
+    """``home/link/../state`` is ``evil/state`` when the link points into ``evil``: the folder others can write
+    is on the way, whatever the spelling of the path says."""
+    from resident_pool.trust import check_chain
+
+    evil = tmp_path / "evil"
+    (evil / "inner").mkdir(parents=True)
+    (evil / "state").mkdir()
+    evil.chmod(0o777)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "link").symlink_to(evil / "inner")
+    with pytest.raises(ManifestError, match="writable by others"):
+        check_chain(home / "link" / ".." / "state" / "pool.sock", "a state file")
+
+
+@pytest.mark.parametrize(("members", "primaries", "private"), [
+    ([], {"jovyan": 100, "root": 0}, True),  # Jupyter's images: jovyan alone in `users`
+    (["alice"], {"jovyan": 100}, False),  # another listed member
+    ([], {"jovyan": 100, "alice": 100}, False),  # another account whose primary group it is
+])
+def test_a_group_is_private_when_nobody_but_you_is_in_it(monkeypatch, members, primaries, private):
+    """The group's member list and the password database are faked: making groups needs root and leaves traces."""
+    from types import SimpleNamespace
+
+    from resident_pool import trust
+
+    monkeypatch.setattr(trust.grp, "getgrgid", lambda gid: SimpleNamespace(gr_name="users", gr_mem=members))
+    monkeypatch.setattr(trust.pwd, "getpwuid", lambda uid: SimpleNamespace(pw_name="jovyan", pw_gid=100))
+    monkeypatch.setattr(trust.pwd, "getpwall",
+                        lambda: [SimpleNamespace(pw_name=name, pw_gid=gid) for name, gid in primaries.items()])
+    assert trust._private_group(100) is private
+
+
+def test_a_client_that_stops_reading_does_not_stop_keepalives_to_the_others(monkeypatch):
+    """KEEPALIVE_S = 0.2 instead of 10, so beats come within the test. Client A's buffer is full (it was
+    stopped at a debugger during a long admission wait); client B, also waiting, still hears the pool live."""
+    from resident_pool import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "KEEPALIVE_S", 0.2)
+    keepalives = pool_module._Keepalives()
+    a_pool, a_client = socket.socketpair()
+    b_pool, b_client = socket.socketpair()
+    a_pool.setblocking(False)
+    try:
+        while True:
+            a_pool.send(b'{"progress": {"alive_s": 0}}\n')
+    except BlockingIOError:
+        pass  # A's buffers are full: it has not read for hours
+    a_pool.setblocking(True)
+    release = threading.Event()
+
+    def long_op(sock: socket.socket) -> None:
+        with keepalives.during(pool_module._Connection(sock)):
+            release.wait(30)
+
+    ops = [threading.Thread(target=long_op, args=(sock,), daemon=True) for sock in (a_pool, b_pool)]
+    for op in ops:
+        op.start()
+    try:
+        heard = bytearray()
+        b_client.settimeout(0.5)
+
+        def b_heard_three() -> bool:
+            try:
+                heard.extend(b_client.recv(4096))
+            except TimeoutError:
+                pass
+            return heard.count(b"\n") >= 3
+
+        wait_until(b_heard_three, timeout=10, message="three keepalives to the client that reads")
+    finally:
+        release.set()
+        for op in ops:
+            op.join(timeout=10)
+        for sock in (a_pool, a_client, b_pool, b_client):
+            sock.close()
+    assert not any(op.is_alive() for op in ops)  # A's op ended too: no beat holds its send lock
