@@ -586,7 +586,7 @@ def test_an_old_worker_gets_plain_json_and_keeps_working():
 
 # -- through the pool ------------------------------------------------------------------
 def array_provider(manifests):
-    write_provider(manifests, "arrays", 'worker_args = ["{socket}"]\n[lifecycle]\nidle_timeout_s = 0\n',
+    write_provider(manifests, "arrays", 'worker_args = ["{socket}"]\n',
                    worker="arrayworker.py")
 
 

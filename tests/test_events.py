@@ -67,7 +67,8 @@ def test_each_way_a_worker_ends_has_a_word(why, cause):
     assert stop_cause(why) == cause
 
 
-def test_the_pool_writes_started_and_stopped_with_why_to_its_stream(pool_dir, isolated_dirs):
+def test_the_pool_writes_started_and_stopped_with_why_to_its_stream_with_a_half_second_idle_timeout(
+        pool_dir, isolated_dirs):
     write_provider(pool_dir, "brief", "[lifecycle]\nidle_timeout_s = 0.5\n")
     with Pool() as pool:
         pid = pool.predict("brief", {"action": "echo"})["pid"]
