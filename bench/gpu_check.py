@@ -301,8 +301,8 @@ def check_measured_memory(h: Harness) -> Check:
 
 def check_minilm_on_gpu(h: Harness) -> Check:
     from resident_pool import Pool
-    from resident_pool.launch import worker_for
-    from resident_pool.manifest import load_manifest
+    from resident_pool.providers.launch import worker_for
+    from resident_pool.providers.manifest import load_manifest
 
     path = h.manifests / "minilm" / "manifest.toml"
     path.write_text(path.read_text().replace('policy = "none"', 'policy = "recommended"\nvram_budget_gb = 1'))
@@ -334,7 +334,7 @@ def check_hibernate(h: Harness, hold_gib: float = 2.0) -> Check:
     """Hibernate-to-first-answer against a cold start of the GPU test provider, on one device."""
     from resident_pool import Pool
     from resident_pool.admission import read_devices
-    from resident_pool.hibernate import CudaCheckpoint
+    from resident_pool.providers.hibernate import CudaCheckpoint
     from resident_pool.settings import settings
 
     why = CudaCheckpoint(settings().libcuda).unavailable()

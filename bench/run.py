@@ -104,7 +104,7 @@ def restart_pool() -> None:
 
 
 def sequences(n: int, residues: int | None = None) -> list[str]:
-    from resident_pool.inputs import InputFile
+    from resident_pool.campaigns.inputs import InputFile
 
     items = InputFile(ROOT / "data" / "uniprot-500.fasta").records()
     texts = [item.text[:residues] if residues else item.text for item in items]
@@ -300,8 +300,8 @@ def _call_path_arrays(table: Table, env: Env, quick: bool, ray, actor) -> None:
 # -- cases 1, 2, 7: the real model --------------------------------------------------
 def case_real_model(table: Table, env: Env, quick: bool) -> None:
     from resident_pool import Pool
-    from resident_pool.launch import worker_for
-    from resident_pool.manifest import load_manifest
+    from resident_pool.providers.launch import worker_for
+    from resident_pool.providers.manifest import load_manifest
 
     manifest = load_manifest(env.manifests / "minilm" / "manifest.toml")
     payload = {"inputs": sequences(8, residues=200)}
@@ -346,7 +346,7 @@ def case_real_model(table: Table, env: Env, quick: bool) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     from sentence_transformers import SentenceTransformer
 
-    from resident_pool.launch import weights_root
+    from resident_pool.providers.launch import weights_root
 
     model = SentenceTransformer(str(weights_root(manifest)), device="cpu")
     texts = payload["inputs"]
@@ -405,8 +405,8 @@ def case_campaign(table: Table, env: Env, quick: bool) -> None:
     from sentence_transformers import SentenceTransformer
 
     from resident_pool import Pool
-    from resident_pool.launch import weights_root
-    from resident_pool.manifest import load_manifest
+    from resident_pool.providers.launch import weights_root
+    from resident_pool.providers.manifest import load_manifest
 
     n = 2000 if quick else 10_000
     texts = protein_like(n, 20, 60)

@@ -27,7 +27,7 @@ from prefect.client.orchestration import get_client
 from prefect.deployments.runner import deploy
 from prefect.exceptions import ObjectAlreadyExists
 
-from resident_pool.manifest import SLUG
+from resident_pool.providers.manifest import SLUG
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOWS = {

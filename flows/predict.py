@@ -20,8 +20,8 @@ from prefect.states import Failed
 from resident_pool import arrays
 from resident_pool.client import default_manifests
 from resident_pool.errors import ManifestError
-from resident_pool.manifest import SLUG, load_manifest
 from resident_pool.prefect import artifact_key, pool_session, retry_pool_failures
+from resident_pool.providers.manifest import SLUG, load_manifest
 
 SHOWN_INPUTS = 20  # answers shown in the artifact; the flow's result keeps them all
 SHOWN_CHARS = 4000  # per answer: an embedding's 384 floats fit, a structure file does not

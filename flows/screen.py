@@ -38,13 +38,13 @@ from prefect.states import Completed, Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 
-from resident_pool.campaign import BLOCK, Campaign, CampaignSettings, Chunk, output_name, summarize
+from resident_pool.campaigns.campaign import BLOCK, Campaign, CampaignSettings, Chunk, output_name, summarize
+from resident_pool.campaigns.inputs import FORMATS, InputFile
+from resident_pool.campaigns.results import ResultStore, provider_version
 from resident_pool.client import default_manifests
 from resident_pool.errors import CampaignFailed, InputError, ManifestError, ResidentPoolError, WorkerRequestError
-from resident_pool.inputs import FORMATS, InputFile
-from resident_pool.manifest import SLUG, Manifest, load_manifest
 from resident_pool.prefect import artifact_key, pool_session, retry_pool_failures
-from resident_pool.results import ResultStore, provider_version
+from resident_pool.providers.manifest import SLUG, Manifest, load_manifest
 from resident_pool.settings import settings as pool_settings
 
 ROOT = Path(__file__).resolve().parents[1]

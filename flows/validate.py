@@ -10,9 +10,9 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.artifacts import create_table_artifact
 
-from resident_pool.check import check_provider
 from resident_pool.client import default_manifests
-from resident_pool.provenance import columns
+from resident_pool.validation.check import check_provider
+from resident_pool.validation.provenance import columns
 
 
 @task(name="check-provider")

@@ -19,7 +19,7 @@ from .errors import (
     WorkerStartError,
 )
 from .exits import EXIT_HINTS, exit_hint
-from .procs import child_env
+from .host.procs import child_env
 from .version import __version__
 
 __all__ = [
@@ -47,7 +47,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # The standalone supervisor is the server side: a client that never asks for it never loads it.
     if name == "ResidentWorker":
-        from .supervisor import ResidentWorker
+        from .providers.supervisor import ResidentWorker
 
         return ResidentWorker
     raise AttributeError(f"module 'resident_pool' has no attribute {name!r}")

@@ -20,8 +20,9 @@ from typing import Any
 
 from filelock import FileLock
 
-from . import arrays, paths
+from . import arrays
 from .errors import RequestTimeout, ResidentPoolError, WorkerRequestError, error_from_dict
+from .host import paths
 from .protocol import Inbox, PeerError, ProtocolError, connect, recv_line, send_line
 from .settings import settings
 from .version import __version__

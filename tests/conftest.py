@@ -73,7 +73,7 @@ def way(request):
 def workers(way):
     """Make ResidentWorkers that are closed when the test ends; forked from a zygote when ``way`` says so."""
     from resident_pool import ResidentWorker
-    from resident_pool.zygote import Zygote
+    from resident_pool.providers.zygote import Zygote
 
     made = []
     zygote = Zygote("testworker", "tests", sys.executable, {}, str(TEST_WORKER), ["json", "ctypes"]) \
@@ -174,7 +174,7 @@ def engines(tmp_path, monkeypatch, request):
 
     from engines import standin
 
-    from resident_pool.procs import pid_alive
+    from resident_pool.host.procs import pid_alive
 
     state = tmp_path / "engine"
     isolate = getattr(request, "param", True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from resident_pool.procs import pid_alive
+from resident_pool.host.procs import pid_alive
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 
@@ -125,7 +125,7 @@ def prefect_server(tmp_path: Path):
 def stop_pool_in(state_dir: str) -> None:
     """Shut down the pool serving ``state_dir`` if one does, and wait for it to be gone."""
     from resident_pool.client import Pool
-    from resident_pool.procs import pid_alive
+    from resident_pool.host.procs import pid_alive
 
     pid_file = Path(state_dir, "pool.pid")
     if not Path(state_dir, "pool.sock").exists():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from resident_pool.breaker import Breaker
+from resident_pool.server.breaker import Breaker
 
 ERROR = {"type": "WorkerStartError", "error": "demo: the worker exited", "headline": "demo: the worker exited"}
 

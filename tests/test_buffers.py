@@ -21,10 +21,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from providers import write_provider
 
-from resident_pool import Pool, WorkerRequestError, arrays, paths, protocol
+from resident_pool import Pool, WorkerRequestError, arrays, protocol
 from resident_pool.arrays import DTYPES, Array
+from resident_pool.host import paths
 from resident_pool.protocol import Inbox, ProtocolError, recv_message, send_line, send_raw
-from resident_pool.supervisor import PROTOCOL_PATH, WORKER_BASE_PATH
+from resident_pool.providers.supervisor import PROTOCOL_PATH, WORKER_BASE_PATH
 
 ARRAY_WORKER = WORKERS / "arrayworker.py"
 PEER = {"version": arrays.VERSION, "max_bytes": protocol.MAX_ATTACHMENT_BYTES}

@@ -513,7 +513,7 @@ def test_a_pool_started_by_another_path_to_the_same_interpreter_serves_the_campa
         subprocess.run([str(other), "-P", "-m", "resident_pool", "daemon", "--background", "--manifests",
                         str(pool_dir)], cwd=state_dir, check=True, timeout=60, stdin=subprocess.DEVNULL, stdout=log,
                        stderr=subprocess.STDOUT)
-    from resident_pool import paths
+    from resident_pool.host import paths
 
     wait_until(lambda: os.path.exists(paths.pool_socket(state_dir)), timeout=30, message="the pool")
     inputs = _fasta(tmp_path / "in.fasta", _texts(10))
@@ -554,8 +554,8 @@ def test_two_runs_writing_one_output_at_once_the_second_is_refused_and_computes_
                                                                                         tmp_path):
     """Two runs on one inbox at once (a slow night, a hand-started run): one campaign writes an output at a time;
     the other is refused by name, computes nothing, and a later run is served as usual."""
-    from resident_pool.campaign import Campaign
-    from resident_pool.results import ResultStore
+    from resident_pool.campaigns.campaign import Campaign
+    from resident_pool.campaigns.results import ResultStore
 
     inputs = _fasta(tmp_path / "in.fasta", _texts(5))
     output = tmp_path / "out.jsonl"

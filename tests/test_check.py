@@ -14,8 +14,8 @@ import pytest
 from helpers import stop_pool_in
 from providers import make_kit_venv, write_provider
 
-from resident_pool.launch import weights_root
-from resident_pool.manifest import load_manifest
+from resident_pool.providers.launch import weights_root
+from resident_pool.providers.manifest import load_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 MINILM = ROOT / "manifests" / "minilm"
@@ -353,7 +353,7 @@ def test_check_applies_every_start_rule_and_names_the_one_broken(tmp_path, kit_p
 
 
 def test_the_kits_own_last_active_line_is_its_verdict(tmp_path):
-    from resident_pool.check import kit_says
+    from resident_pool.validation.check import kit_says
 
     transcript = tmp_path / "t.log"
     transcript.write_text("--- resident-pool: started\nsuperkit_opt: ACTIVE (not this kit)\n"

@@ -18,8 +18,8 @@ import pytest
 from helpers import wait_until
 from providers import make_kit_venv, write_provider
 
-from resident_pool.golden import EXACT, Tolerance, compare
-from resident_pool.manifest import load_manifest
+from resident_pool.providers.manifest import load_manifest
+from resident_pool.validation.golden import EXACT, Tolerance, compare
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,7 @@ def test_a_huge_integer_is_a_mismatch_not_a_crash():
 def test_junit_with_a_kit_line_holding_a_control_character_still_parses():
     """A kit that colours its ACTIVE line (or a worker whose traceback is coloured) puts ESC into
     kit.active / the failure text; the JUnit file must still be XML a consumer can read."""
-    from resident_pool.check import StepResult, junit_xml
+    from resident_pool.validation.check import StepResult, junit_xml
 
     provenance = {"manifest.fingerprint": "0123456789abcdef",
                   "kit.active": "toykit_opt: ACTIVE (\x1b[1mfused\x1b[0m attention)"}
@@ -97,8 +97,8 @@ def test_junit_with_a_kit_line_holding_a_control_character_still_parses():
 def test_bless_refuses_an_answer_check_could_not_read_back(tmp_path):
     """Over the 64 MiB check reads, or holding NaN (not JSON, and a NaN golden would match NaN forever):
     bless says so and writes nothing, rather than a file the next check refuses."""
-    from resident_pool import expected
     from resident_pool.errors import GoldenMismatch
+    from resident_pool.validation import expected
 
     path = write_provider(tmp_path, "big", '[smoke]\npayload = { x = 1 }\nexpected = "smoke/e.json"\n')
     manifest = load_manifest(path)
@@ -254,8 +254,8 @@ worker_base.serve(slug="tv", socket_path=sys.argv[1], on_predict=lambda payload:
 def test_environment_provenance_is_read_under_the_workers_environment(tmp_path, monkeypatch):
     """env.torch must be the torch the worker imports. The environment probe runs with the pool's whole
     environment (PYTHONPATH included); the worker gets the fixed base plus passthrough, no PYTHONPATH."""
-    from resident_pool.launch import worker_for
-    from resident_pool.provenance import environment
+    from resident_pool.providers.launch import worker_for
+    from resident_pool.validation.provenance import environment
 
     python = make_kit_venv(tmp_path / "venv")
     fake = tmp_path / "site"
@@ -290,7 +290,7 @@ def _inside(tmp_path, engine, extra=""):
 
 
 def _live_containers(state):
-    from resident_pool.procs import pid_alive
+    from resident_pool.host.procs import pid_alive
 
     found = {}
     for entry in (state / "containers").glob("*") if (state / "containers").exists() else []:
@@ -324,7 +324,7 @@ def test_the_environment_probe_in_a_container_is_ended_through_the_engine_when_i
                                                                                            monkeypatch):
     """A timed-out `docker run` client dies alone; its container keeps running (the kit probe handles this with
     `docker kill NAME`, the provenance probe does not)."""
-    from resident_pool import provenance
+    from resident_pool.validation import provenance
 
     hang = tmp_path / "img"
     hang.mkdir()
@@ -349,7 +349,7 @@ def test_a_dead_pool_leaves_no_container_holding_the_gpu(tmp_path, engines, isol
     import signal
 
     from resident_pool.client import Pool
-    from resident_pool.procs import pid_alive
+    from resident_pool.host.procs import pid_alive
 
     monkeypatch.setenv("RESIDENT_POOL_HEARTBEAT_STALE_S", "2")
     monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "4")
@@ -392,7 +392,7 @@ def test_check_fails_a_container_provider_whose_bind_does_not_exist(tmp_path, en
 
 
 def test_a_coloured_not_active_line_is_read_as_the_kits_verdict(tmp_path):
-    from resident_pool.check import kit_says
+    from resident_pool.validation.check import kit_says
 
     transcript = tmp_path / "t.log"
     transcript.write_text("\x1b[33mdriftkit_opt: NOT ACTIVE (no CUDA device)\x1b[0m\n")
@@ -458,7 +458,7 @@ def test_bless_names_the_fields_that_vary_between_fresh_workers(tmp_path, isolat
 def test_a_shared_jit_root_from_the_environment_is_used_as_is(tmp_path, monkeypatch):
     """Issue 14: MODEL_OPT_JIT_ROOT from the pool's environment "used as is (as the seed does)"; README: "(as is,
     shared)". A team's shared kernel cache is group-writable."""
-    from resident_pool.launch import LaunchPlan
+    from resident_pool.providers.launch import LaunchPlan
 
     python = make_kit_venv(tmp_path / "venv", "toykit_opt")
     shared = tmp_path / "team-jit"
@@ -598,7 +598,7 @@ def test_the_shipped_ci_workflow_smoke_tests_against_the_hosts_ledger():
 def test_the_validation_table_carries_the_provenance_check_records():
     """Issue 17: provenance "in the validation flow's table artifact"; the table's columns drop the kit's own
     ACTIVE line, its activation, the key package versions and the expected file's hash."""
-    from resident_pool.provenance import columns
+    from resident_pool.validation.provenance import columns
 
     values = {"manifest.fingerprint": "f", "weights.pins": "9 of 9", "kit.package": "driftkit_opt", "kit.version": "0.3",
               "kit.mode": "fast", "kit.jit_cache_key": "k", "kit.activation": "autoload",

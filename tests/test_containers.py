@@ -24,9 +24,9 @@ from helpers import wait_until
 from providers import make_kit_venv, write_provider
 
 from resident_pool import KitUnavailable, ResidentPoolError, ResidentWorker, WorkerStartError
-from resident_pool.launch import build_worker_command, plan_launch, worker_for
-from resident_pool.manifest import load_manifest
-from resident_pool.procs import pid_alive
+from resident_pool.host.procs import pid_alive
+from resident_pool.providers.launch import build_worker_command, plan_launch, worker_for
+from resident_pool.providers.manifest import load_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ["docker", "podman", "apptainer"]
@@ -169,7 +169,7 @@ def test_names_are_unique_per_start_and_a_name_in_use_is_refused(tmp_path, engin
 
 @pytest.mark.parametrize("engine", ["docker", "podman"])
 def test_a_sigkill_escalation_reaches_the_container_through_the_engine(tmp_path, engines, engine):
-    from resident_pool.exec_env import engine_controls
+    from resident_pool.providers.exec_env import engine_controls
 
     plain = load_manifest(inside_provider(tmp_path, engine))
     manifest = plain.model_copy(update={"worker_args": ["{socket}", "--ignore-term"]})
@@ -226,7 +226,7 @@ def _ignore_errors(call, *args):
 
 
 def test_apptainer_needs_no_engine_controls_the_process_group_reaches_it(tmp_path, engines):
-    from resident_pool.exec_env import engine_controls
+    from resident_pool.providers.exec_env import engine_controls
 
     manifest = load_manifest(inside_provider(tmp_path, "apptainer"))
     assert engine_controls(manifest, "any") is None

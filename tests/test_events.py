@@ -15,7 +15,7 @@ from helpers import wait_until
 from providers import write_provider
 
 from resident_pool import Pool
-from resident_pool.events import EVENTS_FILE, EventLog, Follower, stop_cause
+from resident_pool.ops.events import EVENTS_FILE, EventLog, Follower, stop_cause
 
 
 def test_a_follower_resumes_from_its_cursor_across_a_rotation_without_repeats_or_gaps(tmp_path):

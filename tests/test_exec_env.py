@@ -12,9 +12,9 @@ from providers import write_provider
 
 import resident_pool
 from resident_pool import ManifestError, WorkerStartError
-from resident_pool.exec_env import engine_controls, interpreter, passthrough_env, wrap
-from resident_pool.launch import build_worker_command, worker_for
-from resident_pool.manifest import load_manifest
+from resident_pool.providers.exec_env import engine_controls, interpreter, passthrough_env, wrap
+from resident_pool.providers.launch import build_worker_command, worker_for
+from resident_pool.providers.manifest import load_manifest
 
 BINDS = [("/w", "/w", True), ("/state", "/state", False)]
 

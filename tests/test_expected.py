@@ -9,8 +9,8 @@ import pytest
 from providers import write_provider
 
 from resident_pool import GoldenMismatch, ManifestError, ResidentPoolError
-from resident_pool.expected import bless, read_expected, verdict
-from resident_pool.manifest import load_manifest
+from resident_pool.providers.manifest import load_manifest
+from resident_pool.validation.expected import bless, read_expected, verdict
 
 ANSWER = {"items": [{"embedding": [0.1, 0.2, 0.3], "tokens": 4}], "pid": 123, "device": "cpu"}
 

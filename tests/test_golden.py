@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from resident_pool.golden import EXACT, Tolerance, compare, decode_f32, format_path, normalize, summary
+from resident_pool.validation.golden import EXACT, Tolerance, compare, decode_f32, format_path, normalize, summary
 
 LOOSE = Tolerance(atol=1e-4, rtol=1e-3)
 

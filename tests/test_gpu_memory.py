@@ -12,8 +12,8 @@ from helpers import wait_until
 from providers import write_provider
 
 from resident_pool import Pool
-from resident_pool.gpu_memory import GIB, Peaks, budget_advice, group_usage, process_usage
-from resident_pool.procs import pid_alive
+from resident_pool.host.procs import pid_alive
+from resident_pool.ops.gpu_memory import GIB, Peaks, budget_advice, group_usage, process_usage
 
 
 def _readings(path: Path, processes: list[dict]) -> None:

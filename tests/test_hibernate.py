@@ -11,8 +11,8 @@ from helpers import wait_until
 from providers import write_provider
 
 from resident_pool import Pool
-from resident_pool.hibernate import CheckpointError, CudaCheckpoint, Hibernator
-from resident_pool.procs import pid_alive
+from resident_pool.host.procs import pid_alive
+from resident_pool.providers.hibernate import CheckpointError, CudaCheckpoint, Hibernator
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from providers import write_provider
 
 from resident_pool import ManifestError, protocol
-from resident_pool.manifest import load_manifest
 from resident_pool.protocol import ProtocolError, pop_line, recv_line, send_line
-from resident_pool.supervisor import PROTOCOL_PATH, WORKER_BASE_PATH
+from resident_pool.providers.manifest import load_manifest
+from resident_pool.providers.supervisor import PROTOCOL_PATH, WORKER_BASE_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.reliability

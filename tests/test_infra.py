@@ -77,7 +77,7 @@ def dashboard_queries() -> list[str]:
 
 
 def exported_series() -> set[str]:
-    from resident_pool.metrics import METRIC_NAMES
+    from resident_pool.ops.metrics import METRIC_NAMES
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     return {name + suffix for name, kind in METRIC_NAMES.items() for suffix in suffixes[kind]}
@@ -107,7 +107,7 @@ def test_the_grafana_dashboard_is_valid_and_queries_only_metrics_the_pool_export
     selected = set(re.findall(r"[{,]\s*([a-z_]+)\s*=~?", " ".join(queries)))
     assert grouped | selected <= labels, (grouped | selected) - labels
     # Every family the pool exports is on the dashboard (a metric nobody sees is a metric nobody reads).
-    from resident_pool.metrics import METRIC_NAMES
+    from resident_pool.ops.metrics import METRIC_NAMES
 
     shown = {name for name in METRIC_NAMES if any(series.startswith(name) for series in used)}
     assert shown == set(METRIC_NAMES) - {"resident_pool_info", "resident_pool_idle_seconds",

@@ -1,4 +1,4 @@
-"""resident_pool.inputs: lazy readers for FASTA, CSV, TSV and JSONL (each optionally .gz), bad records alone."""
+"""resident_pool.campaigns.inputs: lazy readers for FASTA, CSV, TSV and JSONL (each optionally .gz), bad records alone."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import tracemalloc
 
 import pytest
 
-from resident_pool import inputs
+from resident_pool.campaigns import inputs
+from resident_pool.campaigns.inputs import InputFile
 from resident_pool.errors import InputError
-from resident_pool.inputs import InputFile
 
 
 def _records(path, **options):

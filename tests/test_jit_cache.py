@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from resident_pool import jit_cache
+from resident_pool.providers import jit_cache
 
 DAY = 86400.0
 

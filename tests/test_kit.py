@@ -10,10 +10,10 @@ import pytest
 from providers import make_kit_venv, write_provider
 
 from resident_pool import KitUnavailable
-from resident_pool import kit as kit_module
-from resident_pool.kit import KitRow, stray_variables
-from resident_pool.launch import LaunchPlan, build_worker_command, worker_for
-from resident_pool.manifest import load_manifest
+from resident_pool.providers import kit as kit_module
+from resident_pool.providers.kit import KitRow, stray_variables
+from resident_pool.providers.launch import LaunchPlan, build_worker_command, worker_for
+from resident_pool.providers.manifest import load_manifest
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from helpers import both_ways, wait_until
 from providers import lifecycle, write_provider
 
 from resident_pool import Pool, WorkerRequestError
-from resident_pool.procs import pid_alive
+from resident_pool.host.procs import pid_alive
 
 pytestmark = pytest.mark.reliability  # `make reliability` prints these rows too
 
@@ -506,7 +506,7 @@ def test_a_client_of_a_frozen_pool_gets_an_error_after_a_three_second_client_tim
 SLOW_EVICTION_DAEMON = textwrap.dedent(
     """
     import sys, time
-    import resident_pool.pool as pool_module
+    import resident_pool.server.pool as pool_module
     original = pool_module.PoolServer._stop_process
     def slow_stop(self, provider, replica, why, now=False):
         if why.startswith("evicted"):

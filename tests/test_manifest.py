@@ -9,7 +9,7 @@ import pytest
 from providers import write_provider
 
 from resident_pool import ManifestError
-from resident_pool.manifest import PLACEHOLDERS, json_schema, load_manifest, load_manifests
+from resident_pool.providers.manifest import PLACEHOLDERS, json_schema, load_manifest, load_manifests
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,7 @@ def test_schema_is_exported_by_the_cli():
     assert "path" not in schema["properties"]
 
 
-_VERSION = "import sys; from resident_pool.manifest import load_manifest; print(load_manifest(sys.argv[1]).version())"
+_VERSION = "import sys; from resident_pool.providers.manifest import load_manifest; print(load_manifest(sys.argv[1]).version())"
 
 
 def _version_under(python: str | Path, manifest: Path, **env: str) -> str:

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from providers import write_provider
 
 from resident_pool import Pool, WorkerRequestError, WorkerStartError
-from resident_pool.metrics import METRIC_NAMES, PoolMetrics, StatsBook, WorkerCounts
+from resident_pool.ops.metrics import METRIC_NAMES, PoolMetrics, StatsBook, WorkerCounts
 from resident_pool.worker_base import LATENCY_BUCKETS_S
 
 ROOT = Path(__file__).resolve().parents[1]

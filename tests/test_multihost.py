@@ -18,7 +18,7 @@ import pytest
 from helpers import stop_group, wait_until
 from providers import write_provider
 
-from resident_pool.procs import pid_alive
+from resident_pool.host.procs import pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 DASK = str(Path(sys.executable).with_name("dask"))

@@ -6,8 +6,9 @@ import stat
 import pytest
 from helpers import worker_command
 
-from resident_pool import StateDirError, paths
+from resident_pool import StateDirError
 from resident_pool.errors import SocketPathTooLong
+from resident_pool.host import paths
 
 
 def test_state_dir_is_created_0700(isolated_dirs):

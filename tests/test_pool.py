@@ -19,7 +19,7 @@ from helpers import both_ways, wait_until
 from providers import write_provider
 
 from resident_pool import AdmissionRefused, AdmissionTimeout, Pool, StateDirError, WorkerStartError
-from resident_pool.procs import pid_alive
+from resident_pool.host.procs import pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 

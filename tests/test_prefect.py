@@ -202,7 +202,7 @@ def test_the_validation_flow_against_stock_fails_naming_each_failed_step_with_pr
     assert failed["kit"] == ("driftkit_opt 0.3 mode fast (autoload), jit key driftkit-0.3-cpu-py311; "
                              "said: driftkit_opt: ACTIVE (fused predict, mode fast); stock: kit mode off, "
                              "said: driftkit_opt: NOT ACTIVE (mode off engages no lever)")
-    from resident_pool.manifest import load_manifest
+    from resident_pool.providers.manifest import load_manifest
 
     assert failed["manifest"] == load_manifest(pool_dir / "drifting" / "manifest.toml").fingerprint()
     assert failed["gpu"].startswith("cpu") and failed["host"] == os.uname().nodename

@@ -103,7 +103,7 @@ def test_bound_socket_is_0600_and_replaces_a_stale_one(isolated_dirs):
     import os
     import stat
 
-    from resident_pool import paths
+    from resident_pool.host import paths
 
     path = str(paths.state_dir() / "t.sock")
     first = protocol.bind_unix(path)

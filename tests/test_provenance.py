@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from providers import make_kit_venv, write_provider
 
-import resident_pool.provenance as provenance
-from resident_pool.manifest import load_manifest
-from resident_pool.provenance import ENV_PROBE_PATH, columns, environment, gpu
+import resident_pool.validation.provenance as provenance
+from resident_pool.providers.manifest import load_manifest
+from resident_pool.validation.provenance import ENV_PROBE_PATH, columns, environment, gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 

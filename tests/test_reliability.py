@@ -22,7 +22,7 @@ from providers import write_provider
 
 from resident_pool import Pool, RequestTimeout, WorkerRequestError, WorkerStartError
 from resident_pool.errors import ResidentPoolError
-from resident_pool.procs import pid_alive
+from resident_pool.host.procs import pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.reliability

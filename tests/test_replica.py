@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from resident_pool.replica import Lease, Replica, ReplicaTransitionError
-from resident_pool.states import REPLICA_EDGES, ReplicaState
+from resident_pool.server.replica import Lease, Replica, ReplicaTransitionError
+from resident_pool.server.states import REPLICA_EDGES, ReplicaState
 
 
 class FakeProcess:

@@ -1,4 +1,4 @@
-"""resident_pool.results and the campaign's output: keyed by content, safe between campaigns and users."""
+"""resident_pool.campaigns.results and the campaign's output: keyed by content, safe between campaigns and users."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import stat
 
 import pytest
 
-from resident_pool.campaign import Campaign, CampaignSettings
+from resident_pool.campaigns.campaign import Campaign, CampaignSettings
+from resident_pool.campaigns.inputs import Record
+from resident_pool.campaigns.results import ResultStore, default_results_dir, options_text, result_key
 from resident_pool.errors import InputError, ResidentPoolError, StateDirError
-from resident_pool.inputs import Record
-from resident_pool.results import ResultStore, default_results_dir, options_text, result_key
 
 
 def test_a_key_is_the_text_version_and_options_never_the_position_or_id():
@@ -143,7 +143,7 @@ def test_the_campaign_core_imports_nothing_of_prefect():
     import subprocess
     import sys
 
-    code = ("import sys, resident_pool.campaign, resident_pool.inputs, resident_pool.results; "
+    code = ("import sys, resident_pool.campaigns.campaign, resident_pool.campaigns.inputs, resident_pool.campaigns.results; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'prefect'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "[]"

@@ -13,7 +13,7 @@ from helpers import wait_until
 from providers import write_provider
 
 from resident_pool import Pool
-from resident_pool.retention import prune_transcripts, transcript_slugs
+from resident_pool.ops.retention import prune_transcripts, transcript_slugs
 
 
 def _transcript(folder: Path, slug: str, n: int, size: int = 10, age_s: float = 0) -> Path:
@@ -68,7 +68,7 @@ def test_the_pool_log_rotates_and_stderr_follows_to_the_new_file(tmp_path):
     script = textwrap.dedent(f"""
         import logging, sys
         from pathlib import Path
-        from resident_pool.retention import PoolLogHandler
+        from resident_pool.ops.retention import PoolLogHandler
         handler = PoolLogHandler(Path({str(tmp_path / "pool.log")!r}), max_bytes=2000)
         logging.basicConfig(level=logging.INFO, handlers=[handler])
         for n in range(200):

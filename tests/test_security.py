@@ -25,8 +25,9 @@ import pytest
 from helpers import wait_until
 from providers import write_provider
 
-from resident_pool import ManifestError, Pool, ResidentPoolError, paths
-from resident_pool.procs import pid_alive
+from resident_pool import ManifestError, Pool, ResidentPoolError
+from resident_pool.host import paths
+from resident_pool.host.procs import pid_alive
 from resident_pool.protocol import recv_line, send_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,8 +136,8 @@ def test_a_worker_script_another_user_can_write_is_refused_naming_the_fix(pool_d
 
 
 def test_pinned_weights_another_user_can_write_are_refused_but_a_root_owned_store_is_used(tmp_path, other_user):
-    from resident_pool.launch import check_weights
-    from resident_pool.manifest import load_manifest
+    from resident_pool.providers.launch import check_weights
+    from resident_pool.providers.manifest import load_manifest
 
     store = tmp_path / "store"
     store.mkdir()
@@ -236,9 +237,9 @@ def test_a_secret_of_the_client_that_started_the_pool_reaches_no_worker(pool_dir
 def test_a_weight_swapped_at_the_same_size_with_its_mtime_put_back_is_caught(tmp_path, monkeypatch, security_row):
     import hashlib
 
-    from resident_pool.launch import check_weights
-    from resident_pool.manifest import load_manifest
-    from resident_pool.weights import HashCache
+    from resident_pool.providers.launch import check_weights
+    from resident_pool.providers.manifest import load_manifest
+    from resident_pool.providers.weights import HashCache
 
     monkeypatch.setenv("RESIDENT_POOL_CACHE_DIR", str(tmp_path / "cache"))
     store = tmp_path / "store"
@@ -453,7 +454,7 @@ def test_warm_takes_only_a_whole_provider_name(pool_dir):
 def test_a_variable_name_with_a_trailing_newline_is_not_a_variable_name(pool_dir):
     write_provider(pool_dir, "env", '[env]\npassthrough = ["HOME\\n"]\n')
     with pytest.raises(ManifestError, match="is not an environment variable name"):
-        from resident_pool.manifest import load_manifest
+        from resident_pool.providers.manifest import load_manifest
 
         load_manifest(pool_dir / "env" / "manifest.toml")
 
@@ -617,7 +618,7 @@ def test_a_client_that_never_reads_does_not_stall_the_worker_for_others(pool_dir
 # -- 12. smaller ones -----------------------------------------------------------------------------------------------
 
 def test_a_squatted_default_state_folder_does_not_stop_the_pool(tmp_path, monkeypatch, other_user, security_row):
-    from resident_pool import paths
+    from resident_pool.host import paths
 
     monkeypatch.delenv("RESIDENT_POOL_STATE_DIR", raising=False)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
@@ -635,8 +636,8 @@ def test_a_squatted_default_state_folder_does_not_stop_the_pool(tmp_path, monkey
 
 
 def test_work_jit_and_cache_folders_are_private_and_outputs_keep_the_umask(tmp_path, monkeypatch):
-    from resident_pool.launch import LaunchPlan
-    from resident_pool.manifest import load_manifest
+    from resident_pool.providers.launch import LaunchPlan
+    from resident_pool.providers.manifest import load_manifest
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -953,7 +954,7 @@ def test_a_link_another_user_owns_on_the_way_to_a_worker_script_is_refused(pool_
 def test_a_link_followed_by_dotdot_is_walked_as_the_kernel_walks_it(tmp_path):
     """``home/link/../state`` is ``evil/state`` when the link points into ``evil``: the folder others can write
     is on the way, whatever the spelling of the path says."""
-    from resident_pool.trust import check_chain
+    from resident_pool.host.trust import check_chain
 
     evil = tmp_path / "evil"
     (evil / "inner").mkdir(parents=True)
@@ -975,7 +976,7 @@ def test_a_group_is_private_when_nobody_but_you_is_in_it(monkeypatch, members, p
     """The group's member list and the password database are faked: making groups needs root and leaves traces."""
     from types import SimpleNamespace
 
-    from resident_pool import trust
+    from resident_pool.host import trust
 
     monkeypatch.setattr(trust.grp, "getgrgid", lambda gid: SimpleNamespace(gr_name="users", gr_mem=members))
     monkeypatch.setattr(trust.pwd, "getpwuid", lambda uid: SimpleNamespace(pw_name="jovyan", pw_gid=100))
@@ -987,7 +988,7 @@ def test_a_group_is_private_when_nobody_but_you_is_in_it(monkeypatch, members, p
 def test_a_client_that_stops_reading_does_not_stop_keepalives_to_the_others(monkeypatch):
     """KEEPALIVE_S = 0.2 instead of 10, so beats come within the test. Client A's buffer is full (it was
     stopped at a debugger during a long admission wait); client B, also waiting, still hears the pool live."""
-    from resident_pool import pool as pool_module
+    from resident_pool.server import pool as pool_module
 
     monkeypatch.setattr(pool_module, "KEEPALIVE_S", 0.2)
     keepalives = pool_module._Keepalives()

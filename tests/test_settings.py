@@ -41,7 +41,7 @@ def test_a_bad_value_names_its_variable(monkeypatch):
 
 def test_modules_other_than_settings_and_the_worker_side_do_not_read_the_environment_for_these_names():
     readers = []
-    for path in sorted((ROOT / "resident_pool").glob("*.py")):
+    for path in sorted((ROOT / "resident_pool").rglob("*.py")):
         if path.stem in ("settings", "worker_base"):
             continue
         readers += [f"{path.name}: {line.strip()}" for line in path.read_text().splitlines() if READ.search(line)]

@@ -17,7 +17,7 @@ from helpers import wait_until
 from providers import write_provider
 
 from resident_pool import Pool, WorkerStartError
-from resident_pool.manifest import load_manifest
+from resident_pool.providers.manifest import load_manifest
 
 
 def _cli(*args):
@@ -93,8 +93,8 @@ def test_the_daemon_tells_systemd_it_is_ready_pings_its_watchdog_and_says_when_i
 
 
 def test_a_worker_that_puts_a_fifo_or_a_link_where_its_start_time_goes_cannot_hang_or_redirect_status(tmp_path):
+    from resident_pool.providers.worker_process import WorkerProcess
     from resident_pool.worker_base import IN_FLIGHT_FILE
-    from resident_pool.worker_process import WorkerProcess
 
     process = WorkerProcess("hostile", 0)
     process.run_dir.mkdir(mode=0o700)

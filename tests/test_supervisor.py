@@ -16,8 +16,8 @@ import pytest
 from helpers import TEST_WORKER, both_ways, wait_until, worker_command
 
 from resident_pool import RequestTimeout, WorkerRequestError, WorkerStartError, child_env, exit_hint
-from resident_pool.procs import pid_alive
-from resident_pool.states import WorkerState
+from resident_pool.host.procs import pid_alive
+from resident_pool.server.states import WorkerState
 
 
 @both_ways
@@ -207,7 +207,7 @@ SUPERVISOR_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from helpers import worker_command
     from resident_pool import ResidentWorker
-    from resident_pool.zygote import Zygote
+    from resident_pool.providers.zygote import Zygote
     zygote = Zygote("orphan", "k", sys.executable, {{}}, {worker!r}, ["json"]) if {forked!r} else None
     worker = ResidentWorker("orphan", worker_command(), spawner=zygote)
     worker.ensure_started()

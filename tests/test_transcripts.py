@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 
-from resident_pool.transcripts import Transcript, read_tail, render_tail
+from resident_pool.providers.transcripts import Transcript, read_tail, render_tail
 
 
 def test_two_starts_in_the_same_second_get_two_files(tmp_path):

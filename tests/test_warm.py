@@ -11,7 +11,7 @@ from helpers import wait_until
 from providers import write_provider
 
 from resident_pool import AdmissionTimeout, Pool
-from resident_pool.procs import pid_alive
+from resident_pool.host.procs import pid_alive
 
 
 def _cli(*args):

@@ -9,9 +9,9 @@ import pytest
 from providers import write_provider
 
 from resident_pool.errors import WeightsMismatch
-from resident_pool.launch import build_worker_command, check_weights, weights_root
-from resident_pool.manifest import load_manifest
-from resident_pool.weights import HashCache
+from resident_pool.providers.launch import build_worker_command, check_weights, weights_root
+from resident_pool.providers.manifest import load_manifest
+from resident_pool.providers.weights import HashCache
 
 ROOT = Path(__file__).resolve().parents[1]
 

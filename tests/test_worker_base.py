@@ -12,9 +12,10 @@ import time
 import pytest
 from helpers import TEST_WORKER, wait_until
 
-from resident_pool import paths, protocol, worker_base
+from resident_pool import protocol, worker_base
+from resident_pool.host import paths
 from resident_pool.protocol import recv_line, send_line
-from resident_pool.supervisor import PROTOCOL_PATH, WORKER_BASE_PATH
+from resident_pool.providers.supervisor import PROTOCOL_PATH, WORKER_BASE_PATH
 
 
 def _start_raw(socket_path, **extra_env):

@@ -13,10 +13,10 @@ from helpers import WORKERS, wait_until
 from providers import write_provider
 
 from resident_pool import ManifestError, Pool
-from resident_pool.manifest import load_manifest
-from resident_pool.procs import pid_alive
-from resident_pool.worker_process import Launch
-from resident_pool.zygote import fork_refusal
+from resident_pool.host.procs import pid_alive
+from resident_pool.providers.manifest import load_manifest
+from resident_pool.providers.worker_process import Launch
+from resident_pool.providers.zygote import fork_refusal
 
 # The fakes read these in the zygote and the worker, which see only what their manifest names.
 FAKE_CUDA_ENV = '[env]\npassthrough = ["FAKE_TORCH_CUDA_FLAG", "FAKE_LIBCUDA"]\n'

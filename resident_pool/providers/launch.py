@@ -16,16 +16,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import jit_cache, paths
+from ..campaigns.results import default_results_dir
+from ..errors import ManifestError
+from ..host import paths
+from ..host.trust import check_trusted
+from ..settings import settings
+from . import jit_cache
 from . import kit as kits
-from .errors import ManifestError
 from .exec_env import Bind, container_name, engine_controls, interpreter, parse_bind, passthrough_env, wrap
 from .kit import KitRow, apply_row, jit_root, jit_root_is_default, kit_env, run_probe
 from .manifest import Manifest, VenvEnv
-from .results import default_results_dir
-from .settings import settings
 from .supervisor import Admitter, BuildCommand, ResidentWorker
-from .trust import check_trusted
 from .weights import HashCache, WeightsReport, cache_dir, verify_weights
 from .worker_process import ARRAYS_PATH, PROTOCOL_PATH, WORKER_BASE_PATH, Launch
 

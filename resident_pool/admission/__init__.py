@@ -15,9 +15,9 @@ from typing import Any
 
 from filelock import FileLock
 
-from .errors import AdmissionRefused, AdmissionTimeout, ResidentPoolError
-from .procs import pid_alive
-from .settings import settings
+from ..errors import AdmissionRefused, AdmissionTimeout, ResidentPoolError
+from ..host.procs import pid_alive
+from ..settings import settings
 
 __all__ = ["Admission", "Device", "Ledger", "read_devices"]
 

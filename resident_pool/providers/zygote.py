@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import paths
+from ..exits import LOST_EXIT, describe_exit
+from ..host import paths
+from ..host.procs import ForkRefused, child_env, pid_alive, terminate_group
 from .exec_env import interpreter
-from .exits import LOST_EXIT, describe_exit
 from .launch import weights_root
 from .manifest import ContainerEnv, Manifest
-from .procs import ForkRefused, child_env, pid_alive, terminate_group
 from .transcripts import Transcript, read_tail
 from .worker_process import Launch
 
@@ -38,7 +38,7 @@ __all__ = ["ZYGOTE_SERVER_PATH", "ForkedProcess", "Zygote", "Zygotes", "fork_ref
 
 log = logging.getLogger("resident_pool.zygote")
 
-ZYGOTE_SERVER_PATH = str(Path(__file__).with_name("zygote_server.py"))
+ZYGOTE_SERVER_PATH = str(Path(__file__).parent.parent / "zygote_server.py")
 # Set for the zygote alone, never for a worker: torch's device count then asks NVML
 # instead of running cuInit, which would leave every fork with a broken CUDA context.
 ZYGOTE_ONLY_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}

@@ -9,15 +9,15 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
-from .exec_env import Bind, container_name, engine_controls, passthrough_env, wrap
-from .kit import stray_variables
-from .manifest import Manifest, VenvEnv
-from .procs import child_env
-from .settings import settings
+from ..host.procs import child_env
+from ..providers.exec_env import Bind, container_name, engine_controls, passthrough_env, wrap
+from ..providers.kit import stray_variables
+from ..providers.manifest import Manifest, VenvEnv
+from ..settings import settings
 
 __all__ = ["ENV_PROBE_PATH", "KEY_PACKAGES", "columns", "environment", "gpu", "host", "own_version"]
 
-ENV_PROBE_PATH = str(Path(__file__).with_name("env_probe.py"))
+ENV_PROBE_PATH = str(Path(__file__).parent.parent / "env_probe.py")
 PROBE_TIMEOUT_S = 120.0
 # Distributions whose versions decide a model's numerics; those not installed are left out.
 KEY_PACKAGES = ("torch", "numpy", "triton", "jax", "jaxlib", "transformers", "sentence-transformers",

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from .errors import InputError
+from ..errors import InputError
 
 __all__ = [
     "DEFAULT_MAX_RECORD_BYTES",

@@ -15,12 +15,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .arrays import plain
-from .check import check_providers, junit_xml
-from .errors import ResidentPoolError
-from .manifest import json_schema
-from .provenance import columns
-from .transcripts import without_controls
+from ..arrays import plain
+from ..errors import ResidentPoolError
+from ..providers.manifest import json_schema
+from ..providers.transcripts import without_controls
+from ..validation.check import check_providers, junit_xml
+from ..validation.provenance import columns
 
 app = typer.Typer(help="Keep model workers warm within a GPU memory budget.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -43,7 +43,7 @@ def safe(value: object) -> str:
 
 
 def manifests_dir(option: Path | None) -> Path:
-    from .client import default_manifests
+    from ..client import default_manifests
 
     return default_manifests(option)
 
@@ -123,7 +123,7 @@ def daemon(
     ] = None,
 ) -> None:
     """Run this host's pool: it owns the workers, the ledger writes and the admission queue."""
-    from .pool import PoolServer
+    from ..server.pool import PoolServer
 
     if background and os.fork() > 0:
         os._exit(0)  # the client that started us waits for this exit, then for the socket
@@ -132,9 +132,9 @@ def daemon(
         os.setsid()
         # Detached, it writes pool.log in the log folder (its stdout and stderr too), rotated by size;
         # under systemd it logs to stderr and the journal rotates.
-        from .paths import log_dir
-        from .retention import PoolLogHandler
-        from .settings import settings
+        from ..host.paths import log_dir
+        from ..ops.retention import PoolLogHandler
+        from ..settings import settings
 
         handler = PoolLogHandler(log_dir() / "pool.log", int(settings().pool_log_max_mb * 2**20))
         handler.setFormatter(logging.Formatter(log_format))
@@ -149,7 +149,7 @@ def daemon(
 
 
 def _pool(manifests: Path | None, start: bool = True):
-    from .client import Pool
+    from ..client import Pool
 
     return Pool(manifests_dir(manifests), start=start)
 
@@ -294,7 +294,7 @@ def warm(
 @app.command()
 def metrics(manifests: ManifestsOption = None) -> None:
     """The pool's metrics in Prometheus's text format (for a node-exporter textfile collector)."""
-    from .metrics import no_pool_text
+    from ..ops.metrics import no_pool_text
 
     try:
         with _pool(manifests, start=False) as pool:
@@ -316,12 +316,12 @@ def events(
         "runs until stopped.")] = False,
 ) -> None:
     """The pool's lifecycle events (workers started, stopped and why, over budget), one JSON object a line."""
-    from .events import EVENTS_FILE, Follower
-    from .paths import log_dir
+    from ..host.paths import log_dir
+    from ..ops.events import EVENTS_FILE, Follower
 
     if to_prefect:
         try:
-            from .prefect import relay_events
+            from ..prefect import relay_events
         except ImportError as exc:
             raise typer.BadParameter(f"--to-prefect needs Prefect installed (pip install 'resident-pool[prefect]'): "
                                      f"{exc}") from None
@@ -394,9 +394,9 @@ def logs(
     tail: Annotated[int, typer.Option("--tail", help="How many lines of the newest transcript.")] = 40,
 ) -> None:
     """The newest transcript of SLUG's workers: its path, then its last lines."""
-    from .manifest import SLUG
-    from .paths import log_dir
-    from .transcripts import read_tail
+    from ..host.paths import log_dir
+    from ..providers.manifest import SLUG
+    from ..providers.transcripts import read_tail
 
     if not SLUG.fullmatch(slug):
         raise typer.BadParameter(f"{slug!r} is not a provider name (lowercase letters, digits, '-' and '_', "
@@ -430,7 +430,7 @@ def cache_prune(
     Only the pool's own root (under $XDG_CACHE_HOME/resident-pool/jit) is pruned; a root you named
     ([kit] jit_root, $MODEL_OPT_JIT_ROOT) is yours.
     """
-    from . import jit_cache
+    from ..providers import jit_cache
 
     if older_than < 0:
         raise typer.BadParameter("--older-than takes a number of days, 0 or more")

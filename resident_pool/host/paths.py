@@ -7,8 +7,8 @@ import stat
 import sys
 from pathlib import Path
 
-from .errors import StateDirError
-from .settings import settings, xdg_dir
+from ..errors import StateDirError
+from ..settings import settings, xdg_dir
 from .trust import check_chain
 
 __all__ = ["POOL_SOCKET", "ensure_private_dir", "log_dir", "pool_socket", "state_dir", "workers_dir"]

@@ -20,18 +20,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..admission import read_devices
+from ..client import Pool
+from ..errors import AdmissionRefused, GoldenMismatch, KitUnavailable, ResidentPoolError
+from ..providers.exec_env import interpreter
+from ..providers.kit import KitRow
+from ..providers.launch import check_weights, plan_launch
+from ..providers.manifest import Manifest, VenvEnv, load_manifest
+from ..providers.weights import HashCache
+from ..settings import settings
 from . import expected
-from .admission import read_devices
-from .client import Pool
-from .errors import AdmissionRefused, GoldenMismatch, KitUnavailable, ResidentPoolError
-from .exec_env import interpreter
 from .golden import compare, summary
-from .kit import KitRow
-from .launch import check_weights, plan_launch
-from .manifest import Manifest, VenvEnv, load_manifest
 from .provenance import environment, gpu, gpu_name, host, own_version
-from .settings import settings
-from .weights import HashCache
 
 __all__ = ["DECLARED", "SmokeRun", "StepResult", "Variant", "check_providers", "junit_xml", "run_smoke"]
 

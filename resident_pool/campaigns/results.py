@@ -19,10 +19,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .errors import ResidentPoolError
-from .manifest import Manifest
-from .paths import ensure_private_dir
-from .settings import xdg_dir
+from ..errors import ResidentPoolError
+from ..host.paths import ensure_private_dir
+from ..providers.manifest import Manifest
+from ..settings import xdg_dir
 
 __all__ = ["ResultStore", "default_results_dir", "provider_version", "result_key"]
 

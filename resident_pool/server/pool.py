@@ -24,10 +24,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import paths
-from .admission import Admission, Ledger, read_devices
-from .breaker import Breaker
-from .errors import (
+from ..admission import Admission, Ledger, read_devices
+from ..errors import (
     AdmissionTimeout,
     ManifestError,
     PoolStopping,
@@ -35,20 +33,22 @@ from .errors import (
     WorkerStartError,
     error_from_dict,
 )
-from .exits import REFUSAL_CODES, describe_exit
-from .hibernate import CheckpointError, CudaCheckpoint, Hibernator
-from .jit_cache import JitSizes
-from .kit import jit_root, stray_variables
-from .launch import command_builder
-from .manifest import SLUG, Manifest, load_manifest
+from ..exits import REFUSAL_CODES, describe_exit
+from ..host import paths
+from ..protocol import ProtocolError, bind_unix, recv_line, send_line
+from ..providers.hibernate import CheckpointError, CudaCheckpoint, Hibernator
+from ..providers.jit_cache import JitSizes
+from ..providers.kit import jit_root, stray_variables
+from ..providers.launch import command_builder
+from ..providers.manifest import SLUG, Manifest, load_manifest
+from ..providers.worker_process import DEATH_WAIT_S, HEARTBEAT_INTERVAL_S, Launch, WorkerProcess
+from ..providers.zygote import Zygotes
+from ..settings import settings
+from ..version import __version__
+from .breaker import Breaker
 from .observing import STATS_TIMEOUT_S, PoolObserving
-from .protocol import ProtocolError, bind_unix, recv_line, send_line
 from .replica import Lease, Replica
-from .settings import settings
 from .states import ReplicaState
-from .version import __version__
-from .worker_process import DEATH_WAIT_S, HEARTBEAT_INTERVAL_S, Launch, WorkerProcess
-from .zygote import Zygotes
 
 __all__ = ["CONTROL_LINE_BYTES", "PoolServer"]
 

@@ -8,7 +8,7 @@ import pwd
 import stat
 from pathlib import Path
 
-from .errors import ManifestError, ResidentPoolError
+from ..errors import ManifestError, ResidentPoolError
 
 __all__ = ["check_chain", "check_trusted"]
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import paths
-from .errors import ResidentPoolError, SocketPathTooLong, WorkerRequestError, WorkerStartError
-from .exits import describe_exit, exit_hint
-from .procs import ForkRefused, ProcessHandle, Spawner, child_env, terminate_group, wait_exit
-from .protocol import (
+from ..errors import ResidentPoolError, SocketPathTooLong, WorkerRequestError, WorkerStartError
+from ..exits import describe_exit, exit_hint
+from ..host import paths
+from ..host.procs import ForkRefused, ProcessHandle, Spawner, child_env, terminate_group, wait_exit
+from ..protocol import (
     CONNECT_TIMEOUT_S,
     ProtocolError,
     SocketPathError,
@@ -32,17 +32,17 @@ from .protocol import (
     recv_line,
     send_line,
 )
+from ..worker_base import IN_FLIGHT_FILE
 from .transcripts import Transcript, read_tail, render_tail
-from .worker_base import IN_FLIGHT_FILE
 
 __all__ = ["ARRAYS_PATH", "HEARTBEAT_INTERVAL_S", "PROTOCOL_PATH", "WORKER_BASE_PATH", "Launch", "WorkerProcess",
            "env_for"]
 
 log = logging.getLogger("resident_pool.worker_process")
 
-PROTOCOL_PATH = str(Path(__file__).with_name("protocol.py"))
-WORKER_BASE_PATH = str(Path(__file__).with_name("worker_base.py"))
-ARRAYS_PATH = str(Path(__file__).with_name("arrays.py"))  # found beside protocol.py by the worker
+PROTOCOL_PATH = str(Path(__file__).parent.parent / "protocol.py")
+WORKER_BASE_PATH = str(Path(__file__).parent.parent / "worker_base.py")
+ARRAYS_PATH = str(Path(__file__).parent.parent / "arrays.py")  # found beside protocol.py by the worker
 # How often the owner refreshes a worker's heartbeat; workers judge it stale after
 # RESIDENT_POOL_HEARTBEAT_STALE_S (30 s by default), so a busy owner may miss a few.
 HEARTBEAT_INTERVAL_S = 2.0

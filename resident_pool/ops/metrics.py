@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .worker_base import LATENCY_BUCKETS_S
+from ..worker_base import LATENCY_BUCKETS_S
 
 __all__ = ["METRIC_NAMES", "PoolMetrics", "StatsBook", "WorkerCounts", "no_pool_text", "serve_http"]
 

@@ -10,9 +10,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from .errors import ManifestError, WorkerStartError
+from ..errors import ManifestError, WorkerStartError
+from ..host.trust import check_trusted
 from .manifest import ContainerEnv, Manifest, VenvEnv
-from .trust import check_trusted
 
 __all__ = [
     "BASE_PREFIXES",

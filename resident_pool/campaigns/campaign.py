@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from . import arrays
-from .errors import InputError
+from .. import arrays
+from ..errors import InputError
+from ..settings import settings
 from .inputs import DEFAULT_MAX_RECORD_BYTES, Record
 from .results import ResultStore, default_results_dir, options_text, result_key
-from .settings import settings
 
 __all__ = [
     "BLOCK",

@@ -16,9 +16,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .errors import GoldenMismatch, ManifestError, ResidentPoolError
+from ..errors import GoldenMismatch, ManifestError, ResidentPoolError
+from ..providers.manifest import Manifest
 from .golden import Tolerance, compare, normalize, summary
-from .manifest import Manifest
 
 __all__ = ["FORMAT", "bless", "expected_file", "read_expected", "tolerance", "verdict"]
 

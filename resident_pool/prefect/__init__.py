@@ -29,9 +29,8 @@ from prefect.events import Event, emit_event
 from prefect.events.clients import get_events_client
 from prefect.settings import PREFECT_API_URL
 
-from . import paths
-from .client import Pool, Session, default_manifests
-from .errors import (
+from ..client import Pool, Session, default_manifests
+from ..errors import (
     AdmissionRefused,
     AdmissionTimeout,
     KitUnavailable,
@@ -41,10 +40,11 @@ from .errors import (
     WorkerRequestError,
     WorkerStartError,
 )
-from .events import EVENTS_FILE, Follower
-from .exits import REFUSAL_CODES, describe_exit
-from .settings import settings
-from .transcripts import read_tail, without_controls
+from ..exits import REFUSAL_CODES, describe_exit
+from ..host import paths
+from ..ops.events import EVENTS_FILE, Follower
+from ..providers.transcripts import read_tail, without_controls
+from ..settings import settings
 
 __all__ = [
     "artifact_key",

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from .errors import StateDirError, WeightsMismatch
-from .settings import settings, xdg_dir
-from .trust import check_trusted
+from ..errors import StateDirError, WeightsMismatch
+from ..host.trust import check_trusted
+from ..settings import settings, xdg_dir
 
 __all__ = ["HashCache", "WeightsMismatch", "WeightsReport", "cache_dir", "verify_weights"]
 

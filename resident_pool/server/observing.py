@@ -17,20 +17,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import paths
-from .errors import ResidentPoolError
-from .events import EVENTS_FILE, EventLog, stop_cause
-from .exits import describe_exit
-from .gpu_memory import GIB, Peaks, budget_advice, group_usage, process_usage
-from .manifest import SLUG, Manifest, load_manifest
-from .metrics import PoolMetrics, serve_http
+from ..errors import ResidentPoolError
+from ..exits import describe_exit
+from ..host import paths
+from ..ops.events import EVENTS_FILE, EventLog, stop_cause
+from ..ops.gpu_memory import GIB, Peaks, budget_advice, group_usage, process_usage
+from ..ops.metrics import PoolMetrics, serve_http
+from ..ops.retention import prune_transcripts, transcript_slugs
+from ..ops.systemd import notify, watchdog_interval_s
+from ..providers.manifest import SLUG, Manifest, load_manifest
+from ..providers.worker_process import WorkerProcess
+from ..settings import Settings, xdg_dir
+from ..version import __version__
 from .replica import Replica
-from .retention import prune_transcripts, transcript_slugs
-from .settings import Settings, xdg_dir
 from .states import ReplicaState
-from .systemd import notify, watchdog_interval_s
-from .version import __version__
-from .worker_process import WorkerProcess
 
 __all__ = ["GPU_SAMPLE_S", "STATS_INTERVAL_S", "PoolObserving"]
 

@@ -1,0 +1,1 @@
+"""Screening campaigns: input readers, the result store, the campaign runner."""

@@ -1,0 +1,1 @@
+"""For the operator: metrics, lifecycle events, measured GPU memory, retention, systemd."""

@@ -1,0 +1,1 @@
+"""Providers and their launch: manifests, weights, environments, kits, worker processes."""

@@ -1,0 +1,1 @@
+"""The pool server: the decision core, the runtime that acts, the wire, and what it reports."""

@@ -1,0 +1,1 @@
+"""Validation: weights and kit checks, golden answers, provenance."""
