@@ -23,6 +23,7 @@ from filelock import FileLock
 from . import arrays
 from .errors import RequestTimeout, ResidentPoolError, WorkerRequestError, error_from_dict
 from .host import paths
+from .messages import Acquire, Release, StopWorkers, Variant, Warm
 from .protocol import Inbox, PeerError, ProtocolError, connect, recv_line, send_line
 from .settings import settings
 from .version import __version__
@@ -269,11 +270,8 @@ class Pool:
 
     def _acquire(self, slug: str, variant: dict[str, Any] | None = None,
                  holder: dict[str, str] | None = None) -> dict[str, Any]:
-        message: dict[str, Any] = {"op": "acquire", "slug": slug, "manifests": str(self.manifests)}
-        if variant:
-            message["variant"] = variant
-        if holder:
-            message["holder"] = holder
+        message = Acquire(slug, str(self.manifests), holder or None,
+                          Variant(**variant) if variant else None).to_message()
         attempts = 3
         for attempt in range(attempts):
             try:
@@ -299,11 +297,11 @@ class Pool:
 
     def stop(self, slug: str | None = None, now: bool = False) -> list[str]:
         """Stop ``slug``'s workers (every provider's when None); leased ones finish first unless ``now``."""
-        return self._call({"op": "stop", "slug": slug, "now": now})["stopped"]
+        return self._call(StopWorkers(slug, now).to_message())["stopped"]
 
     def warm(self, slug: str, replicas: int = 1) -> dict[str, Any]:
         """Start ``slug``'s workers until ``replicas`` of them run (and answer); returns what was started."""
-        reply = self._call({"op": "warm", "slug": slug, "replicas": replicas, "manifests": str(self.manifests)})
+        reply = self._call(Warm(slug, replicas, str(self.manifests)).to_message())
         reply.pop("ok", None)
         return reply
 
@@ -426,23 +424,21 @@ class Session:
             self._forget_worker()
             self._ended = True
             try:
-                self.pool._call({"op": "release", "lease": self.lease["lease"], "outcome": "abandoned",
-                                 "served": self.served}, expect_reply=False)
+                self.pool._call(Release(self.lease["lease"], "abandoned", self.served).to_message(),
+                                expect_reply=False)
             except (OSError, ResidentPoolError):
                 pass  # the pool is gone: the lease went with its connection
             raise
 
     def _end(self, outcome: str, extra: dict[str, Any]) -> dict[str, Any]:
         self._ended = True
-        return self.pool._call({"op": "release", "lease": self.lease["lease"], "outcome": outcome,
-                                "served": self.served, **extra})
+        return self.pool._call(Release(self.lease["lease"], outcome, self.served, extra.get("reply")).to_message())
 
     def release(self) -> None:
         if self._ended:
             return
         self._ended = True
         try:
-            self.pool._call({"op": "release", "lease": self.lease["lease"], "outcome": "ok", "served": self.served},
-                            expect_reply=False)
+            self.pool._call(Release(self.lease["lease"], "ok", self.served).to_message(), expect_reply=False)
         except OSError:
             pass  # the pool is gone; the lease went with its connection

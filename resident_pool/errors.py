@@ -15,6 +15,7 @@ from .exits import exit_hint
 __all__ = [
     "AdmissionRefused",
     "AdmissionTimeout",
+    "BreakerOpen",
     "CampaignFailed",
     "GoldenMismatch",
     "InputError",
@@ -78,6 +79,16 @@ class WorkerStartError(ResidentPoolError):
     """The worker exited or hung before it answered on its socket."""
 
     default_reason = "start_failed"
+
+
+class BreakerOpen(WorkerStartError):
+    """Not started: the provider's last starts failed and its breaker is open for a while.
+
+    ``details["original"]`` is the error those starts ended with, ``details["breaker"]`` how many failed and
+    when it closes (``closes_in_s``). Retrying it only repeats the refusal.
+    """
+
+    default_reason = "breaker_open"
 
 
 class WorkerRequestError(ResidentPoolError):
@@ -163,6 +174,7 @@ _TYPES = {
     for cls in (
         ResidentPoolError,
         WorkerStartError,
+        BreakerOpen,
         WorkerRequestError,
         RequestTimeout,
         PoolStopping,

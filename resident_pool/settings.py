@@ -52,6 +52,14 @@ class Settings(BaseSettings):
     drain_grace_s: float = Field(60.0, ge=0, description="on SIGTERM or `stop`, how long leased requests may "
                                  "finish before their workers are stopped; keep it below the unit's "
                                  "TimeoutStopSec")
+    liveness_timeout_s: float = Field(10.0, gt=0, description="an idle worker that does not answer the pool's "
+                                      "liveness ping within this is stopped")
+    kill_grace_s: float = Field(5.0, ge=0, description="between SIGTERM and SIGKILL when the pool stops a worker's "
+                                "process group")
+    keepalive_s: float = Field(10.0, gt=0, description="how often the pool tells a client waiting on a long op "
+                               "(a cold start, an admission wait) that it lives")
+    tick_s: float = Field(0.25, gt=0, le=5, description="the pool's clock: how often it looks at idle, liveness, "
+                          "overdue and waiting records")
     max_connections: int = Field(256, ge=4, description="connections the pool serves at once; one over it is "
                                  "told so and closed")
     client_timeout_s: float = Field(60.0, gt=0, description="a client gives up on a pool silent this long (a long "

@@ -1,4 +1,10 @@
-"""The layers: nothing imports upward, and a client never loads the server."""
+"""The layers, read from the packages: nothing imports upward, and a client never loads the server.
+
+Each sub-package of ``resident_pool`` is one part, each top-level module another; the parts'
+imports must form no cycle (so there is an order in which each imports only what lies below
+it), and neither may the modules' inside a part. No list here says which part is above which:
+the imports themselves say it, and a cycle is the error.
+"""
 
 from __future__ import annotations
 
@@ -10,84 +16,129 @@ from pathlib import Path
 import resident_pool
 
 PACKAGE = Path(resident_pool.__file__).parent
-
-# Bottom to top. A module may import only from its own layer or below.
-LAYERS = [
-    {"states", "exits", "protocol", "arrays", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden",
-     "zygote_server", "events", "gpu_memory", "retention", "systemd"},
-    {"errors"},
-    {"settings", "inputs"},
-    {"trust"},
-    {"paths", "transcripts", "manifest", "breaker", "replica", "hibernate", "jit_cache"},
-    {"worker_process", "weights", "exec_env", "admission", "results", "expected", "metrics"},
-    {"campaign"},
-    {"supervisor", "kit", "client"},
-    {"provenance"},
-    {"launch", "zygote", "observing"},
-    {"pool", "check"},
-    {"cli", "prefect", "__init__", "__main__"},
-]
 # Standard library only: loaded by path inside the model's own environment.
 STANDALONE = {"protocol", "arrays", "worker_base", "kit_probe", "env_probe", "zygote_server"}
+CLASS_LINES = 400
 
 
-def _layer(module: str) -> int:
-    for number, layer in enumerate(LAYERS):
-        if module in layer:
-            return number
-    raise AssertionError(f"resident_pool.{module} is in no layer of tests/test_layers.py; add it where it belongs")
-
-
-def _internal_imports(path: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level >= 1:
-            base = path.parent
-            for _ in range(node.level - 1):
-                base = base.parent
-            if node.module:
-                target = base.joinpath(*node.module.split("."))
-                found.add(target.name if (target / "__init__.py").exists() or target.with_suffix(".py").exists()
-                          else node.module.split(".")[-1])
-                if (target / "__init__.py").exists() and not target.with_suffix(".py").exists() \
-                        and target.name not in _MODULES:
-                    found.discard(target.name)
-                    found.update(alias.name for alias in node.names)
-            else:
-                found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("resident_pool"):
-            found.add([*node.module.split("."), ""][1] or "__init__")
+def _modules() -> dict[str, Path]:
+    """Every module by dotted name below the package (``server.core``, ``errors``, ``prefect``)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts) or "__init__"] = path
     return found
 
 
-def test_every_module_has_a_layer_and_imports_nothing_above_it():
-    upward = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        module = path.parent.name if path.stem == "__init__" and path.parent != PACKAGE else path.stem
-        if path.stem == "__init__" and path.parent.name in _GROUPS:
-            continue
-        for imported in _internal_imports(path):
-            if _layer(imported) > _layer(module):
-                upward.append(f"{module} (layer {_layer(module)}) imports {imported} (layer {_layer(imported)})")
-    assert upward == []
+MODULES = _modules()
+
+
+def _is_alias(path: Path) -> bool:
+    """A compatibility name the spec gives (``resident_pool.supervisor``): it only points at the real module."""
+    return "sys.modules[__name__]" in path.read_text()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The package's own modules ``name`` imports, anywhere in it (inside functions too)."""
+    here = name.split(".") if path.name != "__init__.py" else [*name.split("."), "__init__"]
+    found = set()
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(block.test) for n in ast.walk(block)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue  # names for type hints only: no import happens
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("resident_pool")):
+            if node.level:
+                base = here[: len(here) - node.level]
+                target = [*base, *(node.module.split(".") if node.module else [])]
+            else:
+                target = node.module.split(".")[1:]
+            for alias in node.names:  # `from . import paths` names a module; `from .x import y` a name in x
+                dotted = ".".join([*target, alias.name])
+                found.add(dotted if dotted in MODULES else ".".join(target))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("resident_pool."):
+                    found.add(alias.name.removeprefix("resident_pool."))
+    return {module for module in found if module in MODULES and module != name}
+
+
+def _part(module: str) -> str:
+    return module.split(".", maxsplit=1)[0]
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def _graphs() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    parts: dict[str, set[str]] = {}
+    modules: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        if name in ("__init__", "__main__") or _is_alias(path):
+            continue  # the package's face re-exports from below; aliases only point
+        imported = {m for m in _imports(name, path) if not _is_alias(MODULES[m]) and m not in ("__init__",)}
+        modules[name] = imported
+        parts.setdefault(_part(name), set()).update(_part(m) for m in imported if _part(m) != _part(name))
+    return parts, modules
+
+
+def test_the_parts_import_each_other_without_a_cycle_so_each_imports_only_what_lies_below_it():
+    parts, _ = _graphs()
+    assert {"server", "providers", "host", "campaigns", "validation", "ops", "admission", "prefect", "cli"} <= set(parts)
+    assert _cycle(parts) is None, f"these parts import each other in a circle: {' -> '.join(_cycle(parts))}"
+
+
+def test_no_module_imports_a_module_that_imports_it_back():
+    _, modules = _graphs()
+    assert _cycle(modules) is None, f"import cycle: {' -> '.join(_cycle(modules))}"
+
+
+def test_nothing_below_the_pool_server_imports_it():
+    _, modules = _graphs()
+    importers = {name for name, imported in modules.items() if any(_part(m) == "server" for m in imported)}
+    assert {_part(name) for name in importers} <= {"server", "cli"}
 
 
 def test_the_modules_loaded_by_path_import_only_each_other():
     for module in STANDALONE:
-        assert _internal_imports(PACKAGE / f"{module}.py") <= STANDALONE, module
+        assert _imports(module, MODULES[module]) <= STANDALONE, module
 
 
-_GROUPS = {"host", "providers", "server", "ops", "campaigns", "validation"}
-_MODULES = {name for layer in LAYERS for name in layer}
+def test_no_class_is_longer_than_about_400_lines():
+    long = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > CLASS_LINES:
+                long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long == []
 
 
 def test_importing_the_client_loads_nothing_of_the_server():
     code = ("import sys, resident_pool.client; "
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('resident_pool'))))")
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
-    server = {f"resident_pool.{name}" for name in ("server.pool", "providers.supervisor", "providers.worker_process",
-                                                    "admission", "providers.launch", "providers.kit",
-                                                    "providers.exec_env", "providers.weights", "providers.manifest",
-                                                    "server.replica", "server.breaker")}
     assert "resident_pool.client" in loaded
-    assert loaded & server == set()
+    assert {m for m in loaded if _part(m.removeprefix("resident_pool.")) in ("server", "providers", "admission")} == set()

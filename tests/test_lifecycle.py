@@ -506,13 +506,13 @@ def test_a_client_of_a_frozen_pool_gets_an_error_after_a_three_second_client_tim
 SLOW_EVICTION_DAEMON = textwrap.dedent(
     """
     import sys, time
-    import resident_pool.server.pool as pool_module
-    original = pool_module.PoolServer._stop_process
-    def slow_stop(self, provider, replica, why, now=False):
-        if why.startswith("evicted"):
+    import resident_pool.server.runtime as runtime_module
+    original = runtime_module.Runtime._stop
+    def slow_stop(self, action):
+        if action.why.startswith("evicted"):
             time.sleep(3.0)  # widen the gap between choosing the idle replica and stopping it
-        return original(self, provider, replica, why, now)
-    pool_module.PoolServer._stop_process = slow_stop
+        return original(self, action)
+    runtime_module.Runtime._stop = slow_stop
     from resident_pool.cli import app
     sys.argv = ["resident-pool", "daemon", "--manifests", sys.argv[1]]
     app()

@@ -290,9 +290,12 @@ def test_a_connection_flood_neither_kills_the_pool_nor_its_warm_workers(pool_dir
                 continue
             flood.append(sock)
         pool_log = Path(isolated_dirs["logs"]) / "pool.log"
-        wait_until(lambda: "accept failed" in pool_log.read_text(), timeout=30,
+        wait_until(lambda: "out of file descriptors" in pool_log.read_text(), timeout=30,
                    message="the pool to run out of descriptors")
         assert pid_alive(pool_pid)
+        # Past its limit, the pool's reserve descriptor lets it tell a client why it is turned away.
+        told = wait_until(lambda: _one_told(flood), timeout=30, message="a client told it was turned away")
+        assert told["reason"] == "too_many_connections" and "descriptors" in told["error"]["error"]
     finally:
         for sock in flood:
             sock.close()
@@ -300,7 +303,21 @@ def test_a_connection_flood_neither_kills_the_pool_nor_its_warm_workers(pool_dir
         answer = wait_until(lambda: _try_predict(pool), timeout=30, message="the pool to serve again")
     assert answer["pid"] == worker and pid_alive(pool_pid)
     security_row("300 connections against a pool limited to 64 descriptors",
-                 "accept errors backed off, over-cap connections told the cap; the same warm worker serves after")
+                 "clients past the limit told why (a reserve descriptor); the same warm worker serves after")
+
+
+def _one_told(flood: list[socket.socket]) -> dict | None:
+    for sock in flood:
+        sock.setblocking(False)
+        try:
+            data = sock.recv(65536)
+        except (BlockingIOError, OSError):
+            continue
+        for line in data.splitlines():
+            reply = json.loads(line)
+            if reply.get("ok") is False:
+                return reply
+    return None
 
 
 def _try_predict(pool: Pool):
@@ -985,13 +1002,12 @@ def test_a_group_is_private_when_nobody_but_you_is_in_it(monkeypatch, members, p
     assert trust._private_group(100) is private
 
 
-def test_a_client_that_stops_reading_does_not_stop_keepalives_to_the_others(monkeypatch):
-    """KEEPALIVE_S = 0.2 instead of 10, so beats come within the test. Client A's buffer is full (it was
+def test_a_client_that_stops_reading_does_not_stop_keepalives_to_the_others_with_a_keepalive_of_0_2_s():
+    """Beats every 0.2 s instead of 10, so they come within the test. Client A's buffer is full (it was
     stopped at a debugger during a long admission wait); client B, also waiting, still hears the pool live."""
-    from resident_pool.server import pool as pool_module
+    from resident_pool.server.wire import Connection, Keepalives
 
-    monkeypatch.setattr(pool_module, "KEEPALIVE_S", 0.2)
-    keepalives = pool_module._Keepalives()
+    keepalives = Keepalives(0.2)
     a_pool, a_client = socket.socketpair()
     b_pool, b_client = socket.socketpair()
     a_pool.setblocking(False)
@@ -1004,7 +1020,7 @@ def test_a_client_that_stops_reading_does_not_stop_keepalives_to_the_others(monk
     release = threading.Event()
 
     def long_op(sock: socket.socket) -> None:
-        with keepalives.during(pool_module._Connection(sock)):
+        with keepalives.during(Connection(sock)):
             release.wait(30)
 
     ops = [threading.Thread(target=long_op, args=(sock,), daemon=True) for sock in (a_pool, b_pool)]

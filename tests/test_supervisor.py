@@ -17,7 +17,7 @@ from helpers import TEST_WORKER, both_ways, wait_until, worker_command
 
 from resident_pool import RequestTimeout, WorkerRequestError, WorkerStartError, child_env, exit_hint
 from resident_pool.host.procs import pid_alive
-from resident_pool.server.states import WorkerState
+from resident_pool.providers.worker_states import WorkerState
 
 
 @both_ways

@@ -163,26 +163,26 @@ class Admission:
         evict: Callable[[float], bool] | None = None,
         devices: Callable[[], tuple[list[Device], str]] = read_devices,
         headroom_gb: float | None = None,
-        on_wait: Callable[[dict[str, Any]], None] | None = None,
-        cancelled: Callable[[], bool] | None = None,
         holder_of: Callable[[str, int], str | None] | None = None,
     ) -> None:
-        """``cancelled`` is asked while a request waits: True when whoever asked is gone;
-        ``holder_of(slug, replica)`` names who holds a worker (a flow run), for the wait's report."""
+        """``evict(needed_gb)`` makes room (True when it stopped an idle worker); ``holder_of(slug, replica)``
+        names who holds a worker (a flow run), for a wait's report."""
         self.ledger = ledger
         self.evict = evict
         self.devices = devices
         self.headroom_gb = settings().gpu_headroom_gb if headroom_gb is None else headroom_gb
-        self.on_wait = on_wait
-        self.cancelled = cancelled
         self.holder_of = holder_of
         self._cv = threading.Condition()
         self._queue: list[_Ticket] = []
 
     # -- what the supervisor calls ------------------------------------------
-    def admit(self, worker, timeout_s: float | None = None, device: int | None = None,
-              wait: bool = True) -> Mapping[str, str]:
+    def admit(self, worker, timeout_s: float | None = None, device: int | None = None, wait: bool = True,
+              on_wait: Callable[[dict[str, Any]], None] | None = None,
+              cancelled: Callable[[], bool] | None = None) -> Mapping[str, str]:
         """Block until ``worker``'s budget fits on a device; return its CUDA_VISIBLE_DEVICES.
+
+        ``on_wait(report)`` hears every few seconds what the wait is for; ``cancelled()`` is asked while
+        it waits: True when whoever asked is gone (the wait then ends with reason ``client_gone``).
 
         ``device``: only that one (a hibernated worker's memory goes back where it was).
         ``wait=False`` (a warm-up of the pool's own): place it only if it fits now, behind nobody and
@@ -229,12 +229,12 @@ class Admission:
                 now = time.monotonic()
                 if now >= deadline:
                     raise self._timeout(ticket, now)
-                if self.cancelled is not None and self.cancelled():
+                if cancelled is not None and cancelled():
                     raise ResidentPoolError(f"{worker.slug}: the client waiting for admission went away",
                                             slug=worker.slug, reason="client_gone")
-                if self.on_wait is not None and now - last_report >= 5.0:
+                if on_wait is not None and now - last_report >= 5.0:
                     last_report = now
-                    self.on_wait(self._describe_wait(ticket, now))
+                    on_wait(self._describe_wait(ticket, now))
                 with self._cv:
                     self._cv.wait(min(_POLL_S, deadline - now))
         finally:

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ResidentPoolError
-from ..host.paths import ensure_private_dir
+from ..host.paths import default_results_dir, ensure_private_dir
 from ..providers.manifest import Manifest
-from ..settings import xdg_dir
 
 __all__ = ["ResultStore", "default_results_dir", "provider_version", "result_key"]
 
@@ -55,9 +54,6 @@ def result_key(version: str, options: str, text: str) -> bytes:
     return hashlib.sha256(f"{version}\0{options}\0{text}".encode()).digest()
 
 
-def default_results_dir() -> Path:
-    """Where results live unless RESIDENT_POOL_RESULTS_DIR says: ``$XDG_DATA_HOME/resident-pool/results``."""
-    return xdg_dir("data") / "resident-pool" / "results"
 
 
 class ResultStore:

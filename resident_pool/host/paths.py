@@ -11,7 +11,8 @@ from ..errors import StateDirError
 from ..settings import settings, xdg_dir
 from .trust import check_chain
 
-__all__ = ["POOL_SOCKET", "ensure_private_dir", "log_dir", "pool_socket", "state_dir", "workers_dir"]
+__all__ = ["POOL_SOCKET", "default_results_dir", "ensure_private_dir", "log_dir", "pool_socket", "state_dir",
+           "workers_dir"]
 
 POOL_SOCKET = "pool.sock"
 
@@ -83,3 +84,8 @@ def ensure_private_dir(path: Path, what: str, variable: str) -> Path:
         )
     check_chain(path, what, error=StateDirError)  # a folder above it another user can write could swap it
     return path
+
+
+def default_results_dir() -> Path:
+    """Where results live unless RESIDENT_POOL_RESULTS_DIR says: ``$XDG_DATA_HOME/resident-pool/results``."""
+    return xdg_dir("data") / "resident-pool" / "results"

@@ -127,7 +127,10 @@ def group_members(pgid: int) -> list[int]:
 def _group_alive(pgid: int) -> bool:
     # Orphaned children are reparented to pid 1, which in some containers
     # never reaps them: a zombie must not count as a survivor.
-    return bool(group_members(pgid))
+    try:
+        return bool(group_members(pgid))
+    except OSError:  # out of descriptors: /proc cannot be listed, but a signal still says who lives
+        return signal_group(pgid, 0)
 
 
 def terminate_group(proc: ProcessHandle, grace_s: float = 5.0, kill_wait_s: float = KILL_WAIT_S) -> int | None:

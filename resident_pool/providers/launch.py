@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..campaigns.results import default_results_dir
 from ..errors import ManifestError
 from ..host import paths
+from ..host.paths import default_results_dir
 from ..host.trust import check_trusted
 from ..settings import settings
 from . import jit_cache

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..errors import ManifestError
 from ..host.trust import check_trusted
+from ..messages import SLUG
 from ..protocol import DEFAULT_REQUEST_TIMEOUT_S
 
 __all__ = [
@@ -30,7 +31,6 @@ __all__ = [
 
 PLACEHOLDERS = frozenset({"socket", "slug", "weights_root", "python", "kit", "work_root"})
 # fullmatch: "$" alone would let a trailing newline through.
-SLUG = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
 # A variable name: `--env A=B` would set a value the manifest never showed as one.
 VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

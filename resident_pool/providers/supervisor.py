@@ -20,9 +20,9 @@ from typing import Any, Protocol
 from ..errors import RequestTimeout, WorkerRequestError
 from ..host.procs import Spawner, child_env
 from ..protocol import CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, ProtocolError, connect, recv_line, send_line
-from ..server.states import WorkerState
 from .transcripts import read_tail, render_tail
 from .worker_process import HEARTBEAT_INTERVAL_S, PROTOCOL_PATH, WORKER_BASE_PATH, Launch, WorkerProcess
+from .worker_states import WorkerState
 
 __all__ = ["PROTOCOL_PATH", "WORKER_BASE_PATH", "Admitter", "ResidentWorker", "child_env", "read_tail"]
 

@@ -6,6 +6,7 @@ or the pool's replica record) decides when each of these happens, one at a time.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -53,6 +54,8 @@ _ENGINE_TIMEOUT_S = 30.0
 # After a worker acknowledged `shutdown`, how long its interpreter may take to exit before SIGTERM:
 # a thread a model library left running would otherwise hold the exit for the whole grace.
 SHUTDOWN_EXIT_S = 3.0
+# The asker's own failures (out of descriptors, of memory): never a worker that did not answer.
+OWN_FAILURES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 # After a worker answered `worker_exiting`, how long it may take to exit before it is stopped.
 EXITING_GRACE_S = 5.0
 
@@ -248,22 +251,30 @@ class WorkerProcess:
             delay = min(delay * 2, 0.1)
 
     # -- talking to it ---------------------------------------------------------------
-    def ping(self, timeout: float | None = None) -> dict[str, Any] | None:
-        """The worker's answer to ``ping`` on a connection of its own, or None when it gives none in time."""
-        return self._ask("ping", timeout)
+    def ping(self, timeout: float | None = None, raise_own: bool = False) -> dict[str, Any] | None:
+        """The worker's answer to ``ping`` on a connection of its own, or None when it gives none in time.
+
+        ``raise_own``: an ``OSError`` of the asker's own (out of descriptors or memory) is raised, not taken
+        for a worker that did not answer.
+        """
+        return self._ask("ping", timeout, raise_own)
 
     def stats(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The worker's own counts (requests, failures, latency histogram), or None when it gives none in time."""
         return self._ask("stats", timeout)
 
-    def _ask(self, op: str, timeout: float | None) -> dict[str, Any] | None:
+    def _ask(self, op: str, timeout: float | None, raise_own: bool = False) -> dict[str, Any] | None:
         timeout = self.connect_timeout_s if timeout is None else timeout
         try:
             with connect(self.socket_path, timeout=min(timeout, self.connect_timeout_s)) as conn:
                 conn.settimeout(timeout)
                 send_line(conn, {"op": op, "id": 0})
                 answer = recv_line(conn, bytearray())
-        except (OSError, ProtocolError, ValueError):
+        except OSError as exc:
+            if raise_own and exc.errno in OWN_FAILURES:
+                raise
+            return None
+        except (ProtocolError, ValueError):
             return None
         return answer if answer is not None and answer.get("ok") else None
 

@@ -1,104 +1,122 @@
-"""The pool's record of one worker: its state, its lease, its version; the pool alone changes it."""
+"""The decision core's records: a provider, a replica, a lease, a waiting request; plain data, no processes."""
 
 from __future__ import annotations
 
-import itertools
-import logging
-import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from .states import REPLICA_EDGES, ReplicaState
+from .breaker import Breaker
+from .states import REPLICA_EDGES, ReplicaState, StopCause
 
-__all__ = ["Lease", "Measured", "Replica", "ReplicaTransitionError"]
-
-log = logging.getLogger("resident_pool.replica")
-_lease_ids = itertools.count(1)
+__all__ = ["Lease", "Provider", "Replica", "ReplicaTransitionError", "Spec", "Ticket"]
 
 
 class ReplicaTransitionError(RuntimeError):
     """A move the replica's state table does not allow: a bug in the pool, never silently done."""
 
 
+@dataclass(frozen=True)
+class Spec:
+    """What the decision core needs of a provider's manifest: its lifecycle and its GPU budget."""
+
+    mode: str = "resident"  # or "subprocess": a worker serves one lease
+    max_replicas: int = 1
+    min_replicas: int = 0
+    idle_timeout_s: float = 600.0
+    ping_interval_s: float = 30.0
+    abandon_grace_s: float = 30.0
+    admission_timeout_s: float = 3600.0
+    start_timeout_s: float = 900.0
+    request_timeout_s: float = 3600.0
+    evict: str = "stop"  # or "hibernate"
+    budget_gb: float | None = None  # None: no GPU budget ([gpu] policy = "none")
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A client waiting for a replica of one provider."""
+
+    id: int
+    key: str
+    connection: int
+    holder: dict[str, str]
+    arrived: float
+    deadline: float  # it gives up waiting for a free replica then (admission_timeout_s)
+
+
 @dataclass(eq=False)
 class Lease:
     """One client's hold on a replica; bound to the connection that asked for it."""
 
-    connection: Any  # the client connection holding it; None for the pool's own liveness check
-    replica: Any  # the Replica it holds
-    holder: dict[str, str] = field(default_factory=dict)
-    id: int = field(default_factory=lambda: next(_lease_ids))
-    since: float = field(default_factory=time.monotonic)
+    id: int
+    rid: int
+    connection: int
+    holder: dict[str, str]
+    since: float
 
 
-@dataclass
-class Measured:
-    """What the pool measured of one worker, for status and metrics; the pool alone writes it."""
-
-    gpu_used_gb: float | None = None  # its process group's GPU memory (NVML), None where unmeasured
-    gpu_peak_gb: float | None = None
-    over_budget: str | None = None  # the sentence, from the first reading above the budget
-    stats_at: float = 0.0  # when the worker's own counts were last collected (monotonic)
-    stats_served: int = -1  # ``served`` then: a release since makes a new collection due
-    collecting: bool = False
-
-
+@dataclass(eq=False)
 class Replica:
-    """One worker of one provider, as the pool sees it."""
+    """One worker of one provider, as the decision core sees it."""
 
-    def __init__(self, slug: str, index: int, version: str, process: Any, vram_budget_gb: float | None,
-                 manifest: Any = None, clock=time.monotonic) -> None:
-        self.slug = slug
-        self.index = index
-        self.version = version
-        self.process = process
-        self.vram_budget_gb = vram_budget_gb
-        self.manifest = manifest  # the manifest it was started from (admission reads its timeout)
-        self.clock = clock
-        self.state = ReplicaState.STARTING
-        self.lease: Lease | None = None
-        self.retire: str | None = None  # why it stops once free (a drain); None keeps it
-        self.drain_deadline: float | None = None
-        self.last_used = clock()
-        self.last_checked = clock()
-        self.served = 0
-        self.last_error: str | None = None
-        self.admitter: Any = None  # what admitted its budget, told when it is gone
-        self.abort: str | None = None  # why a start in progress is called off (a stop --now, the pool stopping)
-        self.hibernation: Any = None  # a hibernate.Hibernation while its memory is checkpointed
-        self.stop_why: str | None = None  # why it moved to STOPPING (the lifecycle event says it)
-        self.measured = Measured()
-
-    # Admission and the ledger know a worker by slug and replica number.
-    @property
-    def replica(self) -> int:
-        return self.index
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
+    rid: int  # unique for the pool's life: a report about a replica that is gone is never applied to another
+    key: str
+    index: int
+    version: str
+    budget_gb: float | None
+    since: float
+    state: ReplicaState = ReplicaState.STARTING
+    lease: int | None = None
+    retire: tuple[StopCause, str] | None = None  # why it ends once free; None keeps it
+    abort: tuple[StopCause, str] | None = None  # why a start in progress is called off
+    deadline: float | None = None  # when the transitional state it is in is overdue
+    drain_by: float | None = None  # a stop's drain grace: past it, a leased replica is stopped anyway
+    for_ticket: int | None = None  # the waiting request its start serves (it hears the admission wait)
+    fresh: bool = False  # started (or restored) for a request: its first lease is a cold one
+    last_used: float = 0.0
+    last_checked: float = 0.0
+    served: int = 0
+    probes: int = 0  # pings of an abandoned request so far
+    stop_attempts: int = 0
+    pid: int | None = None
+    device: str | None = None
+    admitted: bool = False  # holds a GPU budget in the ledger
+    hibernated: bool = False
+    last_error: str | None = None
+    stop: tuple[StopCause, str] | None = None  # why it moved to STOPPING
 
     @property
     def name(self) -> str:
-        return f"{self.slug}[{self.index}]"
+        return f"{self.key}[{self.index}]"
 
     def transition(self, new: ReplicaState, why: str = "") -> None:
         """Move to ``new`` if the state table allows it from here; raise otherwise."""
         if new not in REPLICA_EDGES[self.state]:
             raise ReplicaTransitionError(f"{self.name}: {self.state} -> {new} is not an allowed move ({why})")
-        log.debug("%s: %s -> %s %s", self.name, self.state, new, why)
-        if why and new in (ReplicaState.DRAINING, ReplicaState.STOPPING, ReplicaState.FAILED):
-            self.process.note(f"{self.state} -> {new}: {why}")
-        if new is ReplicaState.STOPPING:
-            self.stop_why = why
         self.state = new
 
     @property
     def live(self) -> bool:
         """Started or starting, and not on its way out."""
-        return self.state in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.LEASED,
-                              ReplicaState.DRAINING, ReplicaState.HIBERNATING, ReplicaState.HIBERNATED)
+        return self.state not in (ReplicaState.STOPPING, ReplicaState.STOPPED, ReplicaState.FAILED)
 
-    def idle_s(self) -> float:
+    def idle_s(self, now: float) -> float:
+        """Idle time counts only while nobody holds it: ready, or hibernated."""
         idle = self.state in (ReplicaState.READY, ReplicaState.HIBERNATED)
-        return self.clock() - self.last_used if idle else 0.0
+        return now - self.last_used if idle else 0.0
+
+
+@dataclass(eq=False)
+class Provider:
+    """One provider as the core knows it: its version, its replicas, who waits for one."""
+
+    key: str  # its slug, or ``slug~variant`` for a build of it another way (a check's stock run)
+    slug: str
+    version: str
+    fingerprint: str
+    spec: Spec
+    breaker: Breaker
+    variant: bool = False
+    replicas: dict[int, Replica] = field(default_factory=dict)  # by replica number
+    queue: list[Ticket] = field(default_factory=list)  # in the order they are served
+    starts: int = 0
+    last_error: str | None = None
