@@ -1,22 +1,10 @@
-"""Worker and replica states, and the replica's allowed transitions; no internal imports."""
+"""Replica states and the replica's allowed transitions; no internal imports."""
 
 from __future__ import annotations
 
 import enum
 
-__all__ = ["REPLICA_EDGES", "ReplicaState", "WorkerState"]
-
-
-class WorkerState(enum.StrEnum):
-    """A standalone ``ResidentWorker``'s state."""
-
-    STOPPED = "stopped"  # never started, or stopped on purpose
-    STARTING = "starting"
-    READY = "ready"
-    BUSY = "busy"
-    STOPPING = "stopping"
-    EXITED = "exited"  # the process ended on its own
-    FAILED = "failed"  # the last start failed
+__all__ = ["REPLICA_EDGES", "ReplicaState"]
 
 
 class ReplicaState(enum.StrEnum):
