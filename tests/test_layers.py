@@ -13,7 +13,7 @@ PACKAGE = Path(resident_pool.__file__).parent
 
 # Bottom to top. A module may import only from its own layer or below.
 LAYERS = [
-    {"states", "exits", "protocol", "arrays", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden",
+    {"states", "worker_states", "exits", "protocol", "arrays", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden",
      "zygote_server", "events", "gpu_memory", "retention", "systemd"},
     {"errors"},
     {"settings", "inputs"},
@@ -21,10 +21,10 @@ LAYERS = [
     {"paths", "transcripts", "manifest", "breaker", "replica", "hibernate", "jit_cache"},
     {"worker_process", "weights", "exec_env", "admission", "results", "expected", "metrics"},
     {"campaign"},
-    {"supervisor", "kit", "client"},
+    {"supervisor", "kit_rules", "client"},
     {"provenance"},
     {"launch", "zygote", "observing"},
-    {"pool", "check"},
+    {"pool", "check", "kit"},
     {"cli", "prefect", "__init__", "__main__"},
 ]
 # Standard library only: loaded by path inside the model's own environment.
