@@ -127,8 +127,7 @@ def probe(package, mode):
                 f"{package}.worker_launch exists but {package}.stack has no launch_opts(mode, replicas, profile): "
                 "the kit's launcher cannot be given its options"
             )
-    out["errors"].extend(parts.failure(name) for name in ("modes", "_autoload", "alloc", "worker_launch")
-                         if parts.failure(name))
+    out["errors"].extend(parts.failure(name) for name in parts.failures)
     return out
 
 

@@ -107,6 +107,9 @@ def test_only_named_variables_and_mounted_folders_reach_the_container(tmp_path, 
     finally:
         worker.close()
     assert os.path.isfile(env["RESIDENT_POOL_WORKER_BASE"]) and os.path.isfile(env["RESIDENT_POOL_PROTOCOL"])
+    # The original design's names for the same two files reach inside too.
+    assert env["TOOLUNIVERSE_REMOTE_WORKER_BASE"] == env["RESIDENT_POOL_WORKER_BASE"]
+    assert env["TOOLUNIVERSE_REMOTE_PROTOCOL"] == env["RESIDENT_POOL_PROTOCOL"]
     assert env["INSIDE_WEIGHTS"] == str(weights)
     assert "AWS_SECRET_ACCESS_KEY" not in env and "LEFTOVER" not in env
     assert env["PATH"] == standin.IMAGE_PATH  # the image's, not the pool's

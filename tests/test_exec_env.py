@@ -119,7 +119,8 @@ def test_binds_are_the_run_folder_work_weights_manifest_and_three_files(tmp_path
                        f"{weights}:{weights}:ro", f"{heartbeat.parent}:{heartbeat.parent}"]
     assert argv[argv.index("--workdir") + 1] == str(work)  # it runs in its work root inside, too
     passed = {argv[i + 1] for i, item in enumerate(argv) if item == "--env"}
-    assert {"RESIDENT_POOL_PROTOCOL", "RESIDENT_POOL_WORKER_BASE", "RESIDENT_POOL_HEARTBEAT"} <= passed
+    assert {"RESIDENT_POOL_PROTOCOL", "RESIDENT_POOL_WORKER_BASE", "RESIDENT_POOL_HEARTBEAT",
+            "TOOLUNIVERSE_REMOTE_PROTOCOL", "TOOLUNIVERSE_REMOTE_WORKER_BASE"} <= passed
     assert env["RESIDENT_POOL_HEARTBEAT"] == str(heartbeat)
 
 

@@ -22,7 +22,7 @@ __all__ = ["KIT_PROBE_TIMEOUT_S", "PROBE_PATH", "KitRow", "apply_row", "jit_root
            "run_probe", "stray_variables"]
 
 PROBE_PATH = str(Path(__file__).parent.parent / "kit_probe.py")
-# The probe imports the kit's stack in a cold interpreter, sometimes over a network filesystem.
+# As the original design had it: a probe imports the kit's stack in a cold interpreter.
 KIT_PROBE_TIMEOUT_S = 180.0
 REFUSAL_EXIT = 3
 # docker/podman: 125 the engine failed, 126 not executable, 127 not found; apptainer: 255.

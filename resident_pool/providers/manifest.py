@@ -254,8 +254,8 @@ class Kit(_Strict):
     @model_validator(mode="after")
     def _named(self) -> Kit:
         if not (self.name or self.subdir or self.package):
-            raise ValueError("give the kit's name (package <name>_opt) or its package: the default, <slug>_opt, "
-                             "is no package name here")
+            raise ValueError("give the kit's name (its package is <name>_opt) or its package: the default, "
+                             "<slug>_opt, is no Python package name for this slug")
         if self.name and self.subdir and self.name != self.subdir:
             raise ValueError(f"name = {self.name!r} and subdir = {self.subdir!r} are the same key (subdir is the "
                              "original design's word for it); give one")

@@ -68,23 +68,23 @@ class Admitter(Protocol):
         """``worker``'s process is gone; give its budget back."""
 
 
-_host_admissions: dict[Path, Admission] = {}
+_host_admissions: dict[tuple[Path, float, Path | None], Admission] = {}
 _host_admissions_lock = threading.Lock()
 
 
 def host_admission() -> Admission:
     """The host's admission over the pool's own ledger: what a worker with a budget and no admitter goes through.
 
-    One per ledger file in this process, so its standalone workers queue in order; the
-    ledger is the file the host pool keeps, so each sees what the other holds.
+    One per ledger file (and settings) in this process, so its standalone workers queue in
+    order; the ledger is the file the host pool keeps, so each sees what the other holds.
     """
-    path = paths.ledger_path()
+    config = settings()
+    key = (paths.ledger_path(), config.gpu_headroom_gb, config.ledger_audit)
     with _host_admissions_lock:
-        admission = _host_admissions.get(path)
+        admission = _host_admissions.get(key)
         if admission is None:
-            config = settings()
-            admission = Admission(Ledger(path, audit=config.ledger_audit), headroom_gb=config.gpu_headroom_gb)
-            _host_admissions[path] = admission
+            admission = Admission(Ledger(key[0], audit=config.ledger_audit), headroom_gb=config.gpu_headroom_gb)
+            _host_admissions[key] = admission
         return admission
 
 
