@@ -1,8 +1,8 @@
 """Code written for the original resident-worker design runs here unchanged.
 
-One test per way it did not (issue 23), each named after it. The workers, kits and
-callers under tests/original/ were written from the original's three reference files
-alone; the model side runs in a bare venv that holds none of this project.
+Each test is named after one thing such code relies on. The workers, kits and callers
+under tests/original/ were written from the original's three reference files alone;
+the model side runs in a bare venv that holds none of this project.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from helpers import wait_until
 from providers import make_kit_venv, write_provider
 
 from resident_pool.host import paths
+from resident_pool.host.procs import pid_alive
 from resident_pool.protocol import connect, recv_line, send_line
 from resident_pool.providers.worker_process import PROTOCOL_PATH, WORKER_BASE_PATH
 
@@ -121,12 +122,6 @@ def answers(socket_path: str) -> bool:
         return False
 
 
-def alive(pid: int) -> bool:
-    from resident_pool.host.procs import pid_alive
-
-    return pid_alive(pid)
-
-
 @pytest.fixture
 def socket_path():
     return str(paths.state_dir() / "original.sock")
@@ -156,7 +151,7 @@ def test_a_hand_run_worker_takes_its_orphan_grace_from_TOOLUNIVERSE_RESIDENT_ORP
         shell.kill()  # its parent dies: the worker is an orphan
         shell.wait()
     # One second of grace, not the default 120 s.
-    wait_until(lambda: not alive(pid), timeout=15, message="the orphaned worker to exit after its 1 s grace")
+    wait_until(lambda: not pid_alive(pid), timeout=15, message="the orphaned worker to exit after its 1 s grace")
 
 
 def test_a_hand_run_worker_turns_the_cublas_release_off_with_TOOLUNIVERSE_RESIDENT_NO_CUBLAS_RELEASE(venvs, socket_path):
@@ -169,7 +164,7 @@ def test_a_hand_run_worker_turns_the_cublas_release_off_with_TOOLUNIVERSE_RESIDE
     finally:
         ask(socket_path, {"op": "shutdown"})
         shell.wait(timeout=30)
-    wait_until(lambda: not alive(pid), message="the worker to exit")
+    wait_until(lambda: not pid_alive(pid), message="the worker to exit")
 
 
 def test_a_hand_run_worker_whose_parent_died_before_the_base_was_imported_exits_once_idle(venvs, socket_path):
@@ -177,7 +172,7 @@ def test_a_hand_run_worker_whose_parent_died_before_the_base_was_imported_exits_
     shell, pid = hand_run(venvs(), socket_path, "--await-orphan", RESIDENT_POOL_ORPHAN_GRACE_S="2")
     shell.wait(timeout=10)
     wait_until(lambda: answers(socket_path), message="the orphaned worker to serve")
-    wait_until(lambda: not alive(pid), timeout=15, message="the worker orphaned early to notice and exit")
+    wait_until(lambda: not pid_alive(pid), timeout=15, message="the worker orphaned early to notice and exit")
 
 
 def test_a_worker_with_a_heartbeat_is_not_judged_by_its_parent_pid_of_1(venvs, socket_path, tmp_path):
@@ -202,10 +197,10 @@ def test_a_worker_with_a_heartbeat_is_not_judged_by_its_parent_pid_of_1(venvs, s
         wait_until(lambda: answers(socket_path), message="the worker to answer")
         # Idle for three times its grace with a parent pid of 1, and still serving: its heartbeat is fresh.
         wait_until(lambda: ask(socket_path, {"op": "ping"})["uptime_s"] >= 3, message="three seconds of uptime")
-        assert alive(pid) and ask(socket_path, {"op": "predict", "payload": {"sequence": "MKV"}})["ok"]
+        assert pid_alive(pid) and ask(socket_path, {"op": "predict", "payload": {"sequence": "MKV"}})["ok"]
     finally:
         beating.clear()
-    wait_until(lambda: not alive(pid), timeout=15, message="the worker to exit once its heartbeat is stale")
+    wait_until(lambda: not pid_alive(pid), timeout=15, message="the worker to exit once its heartbeat is stale")
 
 
 def test_a_predict_without_payload_hands_the_whole_request_to_on_predict(venvs, socket_path):
@@ -248,16 +243,21 @@ def test_a_caller_queues_on_the_public_lock(venvs):
         assert {sequence: result["length"] for sequence, result in results.items()} == \
             {"MKV": 3, "GATTACA": 7, "AAAA": 4, "W": 1}
         # Held across two requests: a third caller waits until it is let go.
-        finished = []
+        asking, finished = threading.Event(), []
+
+        def third():
+            asking.set()
+            finished.append(worker.request({"op": "predict", "sequence": "X"})["result"]["length"])
+
         with worker.lock:
-            other = threading.Thread(target=lambda: finished.append((worker.request(
-                {"op": "predict", "sequence": "X"})["result"]["length"], time.monotonic())))
+            other = threading.Thread(target=third)
             other.start()
+            assert asking.wait(timeout=10)
             first = worker.request({"op": "predict", "sequence": "AB"})["result"]["pid"]
             second = worker.request({"op": "predict", "sequence": "ABC"})["result"]["pid"]
-            released = time.monotonic()
+            assert finished == []  # still queued behind the holder
         other.join(timeout=30)
-        assert first == second and finished and finished[0][0] == 1 and finished[0][1] >= released
+        assert first == second and finished == [1]
     finally:
         worker.stop()
 
