@@ -14,9 +14,12 @@ from pathlib import Path
 
 import pytest
 from helpers import TEST_WORKER, both_ways, wait_until, worker_command
+from providers import write_provider
 
-from resident_pool import RequestTimeout, WorkerRequestError, WorkerStartError, child_env, exit_hint
+from resident_pool import AdmissionRefused, RequestTimeout, WorkerRequestError, WorkerStartError, child_env, exit_hint
 from resident_pool.host.procs import pid_alive
+from resident_pool.providers.launch import worker_for
+from resident_pool.providers.manifest import load_manifest
 from resident_pool.providers.worker_states import WorkerState
 
 
@@ -289,3 +292,24 @@ def test_unwritable_log_dir_is_a_clear_start_error(workers, tmp_path, monkeypatc
         worker.ensure_started()
     assert "RESIDENT_POOL_LOG_DIR" in str(info.value)
     assert worker.pid is None
+
+
+@pytest.mark.parametrize("policy", ["recommended", "required"])
+def test_a_standalone_gpu_provider_where_no_gpu_is_known_runs_on_the_cpu_only_if_recommended(
+        tmp_path, monkeypatch, policy):
+    """Fake NVML readings with no device: the host admission's answer, as the pool gives it."""
+    readings = tmp_path / "nvml.json"
+    readings.write_text(json.dumps({"devices": []}))
+    monkeypatch.setenv("RESIDENT_POOL_FAKE_NVML", str(readings))
+    manifest = load_manifest(write_provider(tmp_path / "manifests", "gpuish",
+                                            f'[gpu]\npolicy = "{policy}"\nvram_budget_gb = 2\n'))
+    worker = worker_for(manifest)
+    try:
+        if policy == "recommended":
+            assert worker.predict({"action": "env"})["env"]["CUDA_VISIBLE_DEVICES"] == ""
+        else:
+            with pytest.raises(AdmissionRefused, match="no GPU capacity is known"):
+                worker.ensure_started()
+            assert worker.pid is None
+    finally:
+        worker.close()

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .. import exits
-from ..admission import Admission, Ledger
+from ..admission import Admission, Ledger, read_devices
 from ..errors import RequestTimeout, WorkerRequestError, WorkerStartError
 from ..exits import EXIT_HINTS
 from ..host import paths
@@ -33,7 +33,7 @@ from .transcripts import read_tail, render_tail
 from .worker_process import HEARTBEAT_INTERVAL_S, PROTOCOL_PATH, WORKER_BASE_PATH, Launch, WorkerProcess
 from .worker_states import WORKER_EDGES, WorkerState
 
-__all__ = ["EXIT_HINTS", "PROTOCOL_PATH", "WORKER_BASE_PATH", "Admitter", "BuildCommand", "CommandBuilder",
+__all__ = ["EXIT_HINTS", "PROTOCOL_PATH", "WORKER_BASE_PATH", "Admitter", "BuildCommand", "CommandBuilder", "CpuOnly",
            "ResidentWorker", "WorkerRequestError", "WorkerStartError", "WorkerState", "WorkerTransitionError",
            "child_env", "exit_hint", "read_tail"]
 
@@ -66,6 +66,16 @@ class Admitter(Protocol):
 
     def release(self, worker: Any) -> None:
         """``worker``'s process is gone; give its budget back."""
+
+
+class CpuOnly:
+    """Admission for a "recommended" GPU provider on a host with no GPU: it runs on the CPU."""
+
+    def admit(self, worker: Any, **_: Any) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": ""}
+
+    def release(self, worker: Any) -> None:
+        pass
 
 
 _host_admissions: dict[tuple[Path, float, Path | None], Admission] = {}
@@ -109,7 +119,8 @@ class ResidentWorker:
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         spawner: Spawner | None = None,
     ) -> None:
-        """``admit`` with a ``vram_budget_gb`` and no ``admitter``: the host's admission (``host_admission``).
+        """``admit`` with a ``vram_budget_gb`` and no ``admitter``: the host's admission (``host_admission``), or
+        the CPU for a manifest whose GPU is only recommended, on a host with none (as under the pool).
         ``spawner``: a zygote to fork each start from (``zygote.Zygote``); None spawns every start."""
         self.slug = slug
         self.build_command = build_command
@@ -231,7 +242,7 @@ class ResidentWorker:
             self._handle = self._new_process()
         admitter = self.admitter
         if admitter is None and self.admit and self.vram_budget_gb:
-            admitter = host_admission()
+            admitter = self._host_admitter()
         admission_env: Mapping[str, str | None] = {}
         try:
             if self.admit and self.vram_budget_gb and admitter is not None:
@@ -254,6 +265,13 @@ class ResidentWorker:
             raise
         self.transition(WorkerState.READY, "answered its first ping", only_from=(WorkerState.STARTING,))
         self.last_used = time.monotonic()
+
+    def _host_admitter(self) -> Admitter:
+        """The host's admission; the CPU for a manifest whose GPU is only recommended, on a host with none."""
+        gpu = getattr(self.manifest, "gpu", None)
+        if getattr(gpu, "policy", None) == "recommended" and not read_devices()[0]:
+            return CpuOnly()
+        return host_admission()
 
     # -- requests ----------------------------------------------------------
     def request(self, message: Any, timeout: float | None = None) -> dict[str, Any]:
