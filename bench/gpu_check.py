@@ -320,7 +320,7 @@ def check_minilm_on_gpu(h: Harness) -> Check:
         worker = worker_for(load_manifest(path), replica=7)
         started = time.perf_counter()
         try:
-            worker.request(payload)
+            worker.predict(payload)
         finally:
             worker.close()
         fresh.append(time.perf_counter() - started)

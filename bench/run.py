@@ -332,7 +332,7 @@ def case_real_model(table: Table, env: Env, quick: bool) -> None:
     def fresh():
         worker = worker_for(manifest, replica=50)
         try:
-            worker.request(payload)
+            worker.predict(payload)
         finally:
             worker.close()
 

@@ -43,9 +43,9 @@ class ResidentPoolError(Exception):
     def __init__(
         self,
         message: str,
+        reason: str | None = None,
         *,
         slug: str | None = None,
-        reason: str | None = None,
         exit_code: int | None = None,
         hint: str | None = None,
         transcript: str | None = None,
@@ -53,7 +53,8 @@ class ResidentPoolError(Exception):
         details: dict[str, Any] | None = None,
         headline: str | None = None,
     ) -> None:
-        """``headline`` is the message without the transcript lines it may quote."""
+        """``reason`` may come by position, as in the original design's ``WorkerRequestError(message, reason)``;
+        ``headline`` is the message without the transcript lines it may quote."""
         super().__init__(message)
         self.message = message
         self.headline = headline or message.split("\n", 1)[0]
@@ -75,7 +76,7 @@ class ResidentPoolError(Exception):
         return data
 
 
-class WorkerStartError(ResidentPoolError):
+class WorkerStartError(ResidentPoolError, RuntimeError):
     """The worker exited or hung before it answered on its socket."""
 
     default_reason = "start_failed"
@@ -91,7 +92,7 @@ class BreakerOpen(WorkerStartError):
     default_reason = "breaker_open"
 
 
-class WorkerRequestError(ResidentPoolError):
+class WorkerRequestError(ResidentPoolError, RuntimeError):
     """A request failed: the model raised, the worker exited, or it died."""
 
     default_reason = "request_failed"
@@ -121,7 +122,7 @@ class AdmissionRefused(ResidentPoolError):
     default_reason = "admission_refused"
 
 
-class KitUnavailable(ResidentPoolError):
+class KitUnavailable(ResidentPoolError, RuntimeError):
     """The provider's optimization kit could not be probed or applied."""
 
     default_reason = "kit_unavailable"

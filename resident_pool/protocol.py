@@ -27,6 +27,11 @@ __all__ = [
     "MAX_ATTACHMENTS",
     "MAX_ATTACHMENT_BYTES",
     "MAX_LINE_BYTES",
+    "OPS",
+    "OP_PING",
+    "OP_PREDICT",
+    "OP_SHUTDOWN",
+    "OP_STATS",
     "Attachment",
     "Inbox",
     "Message",
@@ -58,7 +63,9 @@ DEFAULT_REQUEST_TIMEOUT_S = 6 * 3600.0
 AF_UNIX_PATH_MAX = 107
 RECV_CHUNK = 256 * 1024
 
-OPS = ("ping", "predict", "stats", "shutdown")
+# The ops by the names the original design's workers and callers use.
+OP_PING, OP_PREDICT, OP_STATS, OP_SHUTDOWN = "ping", "predict", "stats", "shutdown"
+OPS = (OP_PING, OP_PREDICT, OP_STATS, OP_SHUTDOWN)
 REASONS = ("request_failed", "worker_exiting", "unknown_op", "bad_request")
 
 

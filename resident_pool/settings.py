@@ -39,7 +39,8 @@ class Settings(BaseSettings):
     log_dir: Path | None = Field(
         None, description="one transcript per worker start; outlives the pool "
         "(default $XDG_STATE_HOME/resident-pool/logs)")
-    cache_dir: Path | None = Field(None, description="hash cache (default $XDG_CACHE_HOME/resident-pool)")
+    cache_dir: Path | None = Field(None, description="hash cache, GPU peaks, the kits' default JIT caches "
+                                   "(default $XDG_CACHE_HOME/resident-pool)")
     gpu_capacity_gb: str | None = Field(
         None, description="declared capacity where NVML cannot read: `80`, or `0:80,1:80`")
     gpu_headroom_gb: float = Field(0.5, ge=0, description="kept free on every device")

@@ -8,6 +8,10 @@ own environment, where this package is not installed::
     spec = importlib.util.spec_from_file_location("worker_base", os.environ["RESIDENT_POOL_WORKER_BASE"])
     worker_base = importlib.util.module_from_spec(spec); spec.loader.exec_module(worker_base)
     worker_base.serve(slug="minilm", socket_path=sys.argv[1], on_predict=embed)
+
+A worker written for the original design runs unchanged: the pool also exports
+``TOOLUNIVERSE_REMOTE_WORKER_BASE`` and ``TOOLUNIVERSE_REMOTE_PROTOCOL``, and
+``protocol()``, ``bootstrap()`` and the ``*_ENV`` names are here.
 """
 
 from __future__ import annotations
@@ -26,10 +30,17 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["IN_FLIGHT_FILE", "LATENCY_BUCKETS_S", "load_arrays", "load_protocol", "release_cublas_workspaces",
-           "serve", "staged"]
+__all__ = ["DEFAULT_ORPHAN_GRACE_S", "IN_FLIGHT_FILE", "LATENCY_BUCKETS_S", "NO_CUBLAS_RELEASE_ENV", "ORPHAN_GRACE_ENV",
+           "PROTOCOL_ENV", "WORKER_BASE_ENV", "bootstrap", "load_arrays", "load_protocol", "protocol",
+           "release_cublas_workspaces", "serve", "staged"]
 
 DEFAULT_ORPHAN_GRACE_S = 120.0
+# The original design's names. The pool exports both names of each path; a hand-run worker may
+# set the original's names for the two knobs. Where both are set, the project's own name wins.
+PROTOCOL_ENV = "TOOLUNIVERSE_REMOTE_PROTOCOL"
+WORKER_BASE_ENV = "TOOLUNIVERSE_REMOTE_WORKER_BASE"
+ORPHAN_GRACE_ENV = "TOOLUNIVERSE_RESIDENT_ORPHAN_GRACE_S"
+NO_CUBLAS_RELEASE_ENV = "TOOLUNIVERSE_RESIDENT_NO_CUBLAS_RELEASE"
 DEFAULT_HEARTBEAT_STALE_S = 30.0
 # How often the idle loop wakes to check whether its pool is gone.
 _TICK_S = 0.25
@@ -45,14 +56,21 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 IN_FLIGHT_FILE = "in-flight"
 
 
+def _variable(own: str, original: str) -> str | None:
+    """The project's variable, else the original design's name for it; empty counts as unset."""
+    return os.environ.get(own) or os.environ.get(original) or None
+
+
 class _Watchdog:
     """Is the pool (or supervisor) that started this worker still there?
 
     It keeps a heartbeat file fresh (``RESIDENT_POOL_HEARTBEAT``); a file that is gone or
     older than ``RESIDENT_POOL_HEARTBEAT_STALE_S`` means it is gone. A file works where a
-    parent pid cannot: inside a container (the pool's pid is not visible) and in a worker
-    forked from a preloading process (its parent is not the pool). A worker started by hand,
-    with no heartbeat, falls back to watching its parent pid.
+    parent pid cannot: inside a container (the pool's pid is not visible; under ``--init``
+    the parent pid is 1) and in a worker forked from a preloading process (its parent is not
+    the pool). A worker started by hand, with no heartbeat, falls back to its parent pid:
+    gone once it changed, or when it is init's (1), which also catches a parent that died
+    before this file was imported.
     """
 
     def __init__(self) -> None:
@@ -64,7 +82,8 @@ class _Watchdog:
 
     def gone(self) -> bool:
         if self.path is None:
-            return os.getppid() != _PARENT_AT_START
+            parent = os.getppid()
+            return parent != _PARENT_AT_START or parent == 1
         try:
             age = time.time() - os.stat(self.path).st_mtime
         except OSError:
@@ -125,19 +144,49 @@ class _InFlight:
             struct.pack_into("d", self.board, 0, started)
 
 
-def load_protocol():
-    """The protocol module: the package's when imported normally, else by path."""
-    if __package__:
-        from . import protocol
+def protocol():
+    """The wire protocol module (``OP_PING``, ``OP_PREDICT``, ``OP_SHUTDOWN``, ``send_line``, ``recv_line``).
 
-        return protocol
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.environ.get("RESIDENT_POOL_PROTOCOL") or os.path.join(here, "protocol.py")
+    The package's when this file was imported normally; else loaded by path from
+    ``RESIDENT_POOL_PROTOCOL`` (or ``TOOLUNIVERSE_REMOTE_PROTOCOL``), else beside this file.
+    """
+    if __package__:
+        from . import protocol as module
+
+        return module
     module = sys.modules.get("resident_pool_protocol")
     if module is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        path = _variable("RESIDENT_POOL_PROTOCOL", PROTOCOL_ENV) or os.path.join(here, "protocol.py")
+        if not os.path.isfile(path):
+            raise SystemExit(f"the wire protocol is not at {path}; set RESIDENT_POOL_PROTOCOL (or {PROTOCOL_ENV}) "
+                             "to the path of resident_pool's protocol.py")
         spec = importlib.util.spec_from_file_location("resident_pool_protocol", path)
         module = importlib.util.module_from_spec(spec)
         sys.modules["resident_pool_protocol"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+load_protocol = protocol
+
+
+def bootstrap(worker_file: str | os.PathLike[str] | None = None):
+    """This worker base as a module, for a worker script written to the original design.
+
+    The loaded copy this call belongs to when it is registered; else the file named by
+    ``RESIDENT_POOL_WORKER_BASE`` (or ``TOOLUNIVERSE_REMOTE_WORKER_BASE``), else this one,
+    loaded once. ``worker_file`` is the original's argument; the base is not found from it.
+    """
+    for module in list(sys.modules.values()):
+        if getattr(module, "__dict__", None) is globals():
+            return module
+    module = sys.modules.get("resident_pool_worker_base")
+    if module is None:
+        path = _variable("RESIDENT_POOL_WORKER_BASE", WORKER_BASE_ENV) or os.path.abspath(__file__)
+        spec = importlib.util.spec_from_file_location("resident_pool_worker_base", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["resident_pool_worker_base"] = module
         spec.loader.exec_module(module)
     return module
 
@@ -239,9 +288,11 @@ class _Server:
         self.on_reset = on_reset
         self.log = log or (lambda message: print(f"[{slug}] {message}", file=sys.stderr, flush=True))
         if orphan_grace_s is None:
-            orphan_grace_s = float(os.environ.get("RESIDENT_POOL_ORPHAN_GRACE_S", DEFAULT_ORPHAN_GRACE_S))
+            grace = _variable("RESIDENT_POOL_ORPHAN_GRACE_S", ORPHAN_GRACE_ENV)
+            orphan_grace_s = float(grace) if grace else DEFAULT_ORPHAN_GRACE_S
         self.orphan_grace_s = orphan_grace_s
-        self.release_cublas = release_cublas and os.environ.get("RESIDENT_POOL_NO_CUBLAS_RELEASE") != "1"
+        self.release_cublas = release_cublas and _variable("RESIDENT_POOL_NO_CUBLAS_RELEASE",
+                                                           NO_CUBLAS_RELEASE_ENV) != "1"
         self.watchdog = _Watchdog()
         self.started = time.monotonic()
         self.last_request = _PROCESS_STARTED
@@ -534,8 +585,12 @@ class _Server:
         return {"version": self.arrays.VERSION, "max_bytes": self.max_attachment_bytes}
 
     def _payload(self, request: dict[str, Any], message) -> Any:
-        """The request's payload with its array references read (numpy arrays where numpy imports)."""
-        payload = request.get("payload")
+        """The request's payload with its array references read (numpy arrays where numpy imports).
+
+        A request without a ``payload`` (the original design's ``{"op": "predict", ...fields}``)
+        is its own payload, as the original handed it whole to ``on_predict``.
+        """
+        payload = request.get("payload", request)
         if message is None or not message.references or self.arrays is None:
             return payload
         # Held until the reply is sent: unmapping a large payload (freeing its
@@ -577,8 +632,9 @@ def serve(
 ) -> None:
     """Answer ``ping``, ``predict``, ``stats`` and ``shutdown`` on ``socket_path``, one request at a time.
 
-    ``on_predict`` gets the request's ``payload`` and returns the reply's
-    ``result``. An Exception from it fails that request only; SystemExit or
-    KeyboardInterrupt is answered with ``reason: worker_exiting`` and re-raised.
+    ``on_predict`` gets the request's ``payload`` (the whole request when it has
+    none, as in the original design) and returns the reply's ``result``. An
+    Exception from it fails that request only; SystemExit or KeyboardInterrupt is
+    answered with ``reason: worker_exiting`` and re-raised.
     """
     _Server(slug, socket_path, on_predict, ready, on_reset, log, orphan_grace_s, release_cublas).run()

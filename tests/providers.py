@@ -14,18 +14,19 @@ KITS = Path(__file__).parent / "kits"
 EMBEDDER_ENV = '[env]\npassthrough = ["EMBEDDER_COUNT", "EMBEDDER_DELAY_S", "EMBEDDER_MARKER"]\n'
 
 
-def write_provider(root: Path, slug: str, body: str, worker: str = "testworker.py") -> Path:
-    """``root/<slug>/manifest.toml`` with ``body`` under a slug line, beside a copy of a test worker."""
+def write_provider(root: Path, slug: str, body: str, worker: str | Path = "testworker.py") -> Path:
+    """``root/<slug>/manifest.toml`` with ``body`` under a slug line, beside a copy of a test worker
+    (a name in tests/workers, or a path)."""
     folder = root / slug
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(WORKERS / worker, folder / "worker.py")
+    shutil.copy(worker if isinstance(worker, Path) else WORKERS / worker, folder / "worker.py")
     path = folder / "manifest.toml"
     path.write_text(f'slug = "{slug}"\nworker = "worker.py"\n' + body)
     return path
 
 
-def make_kit_venv(target: Path, *kits: str, checkout: bool = True) -> Path:
-    """A venv (no pip, fast) holding the named test kits and toymodel; returns its python.
+def make_kit_venv(target: Path, *kits: str, checkout: bool = True, kits_dir: Path = KITS) -> Path:
+    """A venv (no pip, fast) holding the named kits (from ``kits_dir``) and toymodel; returns its python.
 
     ``checkout``: each kit as a developer installs it from its checkout (``pip install -e``): the
     package under ``<target>/<kit>-checkout/src``, so the kit tree two levels up is the checkout.
@@ -44,8 +45,8 @@ def make_kit_venv(target: Path, *kits: str, checkout: bool = True) -> Path:
             (purelib / f"__editable__.{kit}.pth").write_text(f"{source}\n")
         else:
             source = purelib
-        shutil.copytree(KITS / kit, source / kit, ignore=shutil.ignore_patterns("__pycache__"))
-        autoload = KITS / f"{kit}-autoload.pth"
+        shutil.copytree(kits_dir / kit, source / kit, ignore=shutil.ignore_patterns("__pycache__"))
+        autoload = kits_dir / f"{kit}-autoload.pth"
         if autoload.exists():
             shutil.copy(autoload, purelib / autoload.name)
     return python

@@ -271,7 +271,7 @@ def test_environment_provenance_is_read_under_the_workers_environment(tmp_path, 
     reported = environment(manifest, str(python))
     worker = worker_for(manifest)
     try:
-        seen = worker.request({})["torch"]
+        seen = worker.predict({})["torch"]
     finally:
         worker.close()
     assert reported["env.torch"] == (seen or "not installed"), (

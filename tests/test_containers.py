@@ -25,7 +25,7 @@ from providers import make_kit_venv, write_provider
 
 from resident_pool import KitUnavailable, ResidentPoolError, ResidentWorker, WorkerStartError
 from resident_pool.host.procs import pid_alive
-from resident_pool.providers.launch import build_worker_command, plan_launch, worker_for
+from resident_pool.providers.launch import plan_launch, worker_for
 from resident_pool.providers.manifest import load_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def test_the_echo_provider_starts_answers_and_stops_through_each_engine(tmp_path
     manifest = load_manifest(echo_provider(tmp_path, engine))
     worker = worker_for(manifest)
     try:
-        reply = worker.request({"ping": "hello"})
+        reply = worker.predict({"ping": "hello"})
         assert reply["echo"] == {"ping": "hello"}
         inner = reply["pid"]
         assert pid_alive(inner)
@@ -99,14 +99,17 @@ def test_only_named_variables_and_mounted_folders_reach_the_container(tmp_path, 
         tmp_path, engine, f'work_root = "{work}"\n[weights]\nroot_env = "INSIDE_WEIGHTS"\nroot = "{weights}"\n'))
     worker = worker_for(manifest)
     try:
-        env = worker.request({"action": "env"})["env"]
-        seen = worker.request({"action": "exists", "paths": [str(private), str(weights), str(work),
+        env = worker.predict({"action": "env"})["env"]
+        seen = worker.predict({"action": "exists", "paths": [str(private), str(weights), str(work),
                                                              str(ROOT / "resident_pool" / "pool.py"),
                                                              os.environ["RESIDENT_POOL_LOG_DIR"]]})
-        writable = worker.request({"action": "writable", "paths": [str(work), str(manifest.directory)]})
+        writable = worker.predict({"action": "writable", "paths": [str(work), str(manifest.directory)]})
     finally:
         worker.close()
     assert os.path.isfile(env["RESIDENT_POOL_WORKER_BASE"]) and os.path.isfile(env["RESIDENT_POOL_PROTOCOL"])
+    # The original design's names for the same two files reach inside too.
+    assert env["TOOLUNIVERSE_REMOTE_WORKER_BASE"] == env["RESIDENT_POOL_WORKER_BASE"]
+    assert env["TOOLUNIVERSE_REMOTE_PROTOCOL"] == env["RESIDENT_POOL_PROTOCOL"]
     assert env["INSIDE_WEIGHTS"] == str(weights)
     assert "AWS_SECRET_ACCESS_KEY" not in env and "LEFTOVER" not in env
     assert env["PATH"] == standin.IMAGE_PATH  # the image's, not the pool's
@@ -125,7 +128,7 @@ def test_the_admitted_device_reaches_the_container(tmp_path, engines, engine):
     manifest = load_manifest(inside_provider(tmp_path, engine, '[gpu]\npolicy = "required"\nvram_budget_gb = 10\n'))
     worker = worker_for(manifest, admitter=OneDevice())
     try:
-        env = worker.request({"action": "env"})["env"]
+        env = worker.predict({"action": "env"})["env"]
     finally:
         worker.close()
     if engine == "apptainer":  # --nv shows every GPU; the admitted one is chosen inside
@@ -137,7 +140,7 @@ def test_the_admitted_device_reaches_the_container(tmp_path, engines, engine):
 
 def _named_worker(manifest, name, **kwargs):
     def build(worker):
-        return build_worker_command(manifest, worker.socket_path, name=name, device=worker.device)
+        return plan_launch(manifest, worker.socket_path, name=name, device=worker.device).command()
 
     return ResidentWorker(manifest.slug, build, start_timeout_s=30, manifest=manifest, **kwargs)
 
@@ -147,9 +150,9 @@ def test_names_are_unique_per_start_and_a_name_in_use_is_refused(tmp_path, engin
     manifest = load_manifest(echo_provider(tmp_path, engine))
     worker = worker_for(manifest)
     try:
-        first = worker.request({})["pid"]
+        first = worker.predict({})["pid"]
         worker.stop()
-        second = worker.request({})["pid"]
+        second = worker.predict({})["pid"]
         assert first != second
     finally:
         worker.close()
@@ -159,9 +162,9 @@ def test_names_are_unique_per_start_and_a_name_in_use_is_refused(tmp_path, engin
     holder = _named_worker(manifest, "resident-pool-echo-fixed", replica=0)
     clash = _named_worker(manifest, "resident-pool-echo-fixed", replica=1)
     try:
-        holder.request({})
+        holder.predict({})
         with pytest.raises(WorkerStartError, match="already in use"):
-            clash.request({})
+            clash.predict({})
     finally:
         holder.close()
         clash.close()
@@ -178,7 +181,7 @@ def test_a_sigkill_escalation_reaches_the_container_through_the_engine(tmp_path,
     assert stop_argv == [engine, "stop", name] and kill_argv == [engine, "kill", name]
     worker = _named_worker(manifest, name)
     try:
-        inner = worker.request({})["pid"]
+        inner = worker.predict({})["pid"]
         assert container_pid(engines, name) == inner
         # What a SIGKILL of the engine client alone does: the container keeps running (and its GPU).
         os.killpg(worker.pid, signal.SIGKILL)
@@ -192,7 +195,7 @@ def test_a_sigkill_escalation_reaches_the_container_through_the_engine(tmp_path,
 
     again = _named_worker(plain, name)  # the name is free again; `stop` asks first (SIGTERM), then kills
     try:
-        inner = again.request({})["pid"]
+        inner = again.predict({})["pid"]
         done = subprocess.run(stop_argv, check=True, capture_output=True, text=True, timeout=60)
         assert done.stdout.strip() == name
         assert not pid_alive(inner)
@@ -207,7 +210,7 @@ def test_stopping_a_container_worker_that_ignores_sigterm_ends_the_container_not
     worker = worker_for(manifest.model_copy(update={"worker_args": ["{socket}", "--ignore-term"]}))
     busy = threading.Thread(target=lambda: _ignore_errors(worker.request, {"action": "sleep", "seconds": 120}))
     try:
-        inner = worker.request({})["pid"]
+        inner = worker.predict({})["pid"]
         assert inner != worker.pid  # the engine's client is not the container
         busy.start()  # busy: it cannot answer a polite shutdown, so the stop must escalate
         wait_until(lambda: worker.state.value == "busy", message="the request to be in flight")
@@ -233,7 +236,7 @@ def test_apptainer_needs_no_engine_controls_the_process_group_reaches_it(tmp_pat
     manifest = manifest.model_copy(update={"worker_args": ["{socket}", "--ignore-term"]})
     worker = worker_for(manifest)
     try:
-        inner = worker.request({})["pid"]
+        inner = worker.predict({})["pid"]
         assert inner == worker.pid  # apptainer exec is the container process
         os.killpg(worker.pid, signal.SIGKILL)
         wait_until(lambda: not pid_alive(inner), timeout=10, message="the container to die with its group")
@@ -293,7 +296,7 @@ def test_a_kit_worker_in_a_container_is_probed_and_started_from_one_plan(tmp_pat
     manifest, python = kit_in_image(tmp_path, engine)
     worker = worker_for(manifest)
     try:
-        assert worker.request({"x": 4}) == {"value": 8}
+        assert worker.predict({"x": 4}) == {"value": 8}
         pong = worker.ping()
     finally:
         worker.close()
@@ -319,5 +322,5 @@ def test_a_probe_the_engine_cannot_run_says_so_rather_than_asking_for_the_kit(tm
     manifest = manifest.model_copy(update={"env": manifest.env.model_copy(update={"python": "/opt/absent/python"})})
     with pytest.raises(KitUnavailable, match=r"docker could not run the probe of kit toykit_opt in its container "
                                              r"\(exit 126\); check \[env\] image, python and binds") as info:
-        build_worker_command(manifest, str(tmp_path / "worker.sock"))
+        plan_launch(manifest, str(tmp_path / "worker.sock")).command()
     assert "is it installed" not in str(info.value)

@@ -13,7 +13,7 @@ from providers import write_provider
 import resident_pool
 from resident_pool import ManifestError, WorkerStartError
 from resident_pool.providers.exec_env import engine_controls, interpreter, passthrough_env, wrap
-from resident_pool.providers.launch import build_worker_command, worker_for
+from resident_pool.providers.launch import plan_launch, worker_for
 from resident_pool.providers.manifest import load_manifest
 
 BINDS = [("/w", "/w", True), ("/state", "/state", False)]
@@ -108,8 +108,8 @@ def test_binds_are_the_run_folder_work_weights_manifest_and_three_files(tmp_path
     run_dir = tmp_path / "w" / "bound-0-1"
     run_dir.mkdir(parents=True)
     heartbeat = tmp_path / "beats" / "heartbeat"
-    argv, env = build_worker_command(manifest, str(run_dir / "worker.sock"), name="rp-bound",
-                                     heartbeat=str(heartbeat))
+    argv, env = plan_launch(manifest, str(run_dir / "worker.sock"), name="rp-bound",
+                            heartbeat=str(heartbeat)).command()
     volumes = [argv[i + 1] for i, item in enumerate(argv) if item == "--volume"]
     package = Path(resident_pool.__file__).parent
     assert volumes == [f"{run_dir}:{run_dir}", f"{work}:{work}", f"{manifest.directory}:{manifest.directory}:ro",
@@ -119,7 +119,8 @@ def test_binds_are_the_run_folder_work_weights_manifest_and_three_files(tmp_path
                        f"{weights}:{weights}:ro", f"{heartbeat.parent}:{heartbeat.parent}"]
     assert argv[argv.index("--workdir") + 1] == str(work)  # it runs in its work root inside, too
     passed = {argv[i + 1] for i, item in enumerate(argv) if item == "--env"}
-    assert {"RESIDENT_POOL_PROTOCOL", "RESIDENT_POOL_WORKER_BASE", "RESIDENT_POOL_HEARTBEAT"} <= passed
+    assert {"RESIDENT_POOL_PROTOCOL", "RESIDENT_POOL_WORKER_BASE", "RESIDENT_POOL_HEARTBEAT",
+            "TOOLUNIVERSE_REMOTE_PROTOCOL", "TOOLUNIVERSE_REMOTE_WORKER_BASE"} <= passed
     assert env["RESIDENT_POOL_HEARTBEAT"] == str(heartbeat)
 
 
@@ -146,7 +147,7 @@ def test_a_work_root_with_a_colon_is_refused_before_the_engine_reads_it(tmp_path
     body = f'work_root = "{tmp_path}/a:b"\n[env]\nkind = "container"\nengine = "podman"\nimage = "img"\n'
     manifest = load_manifest(write_provider(tmp_path / "manifests", "colon", body))
     with pytest.raises(ManifestError, match=r"work_root: the path .*a:b holds") as info:
-        build_worker_command(manifest, str(tmp_path / "worker.sock"))
+        plan_launch(manifest, str(tmp_path / "worker.sock")).command()
     assert info.value.details["field"] == "work_root"
 
 
@@ -170,7 +171,7 @@ def test_a_passthrough_list_keeps_orchestrator_secrets_out_of_the_real_worker(tm
     manifest = load_manifest(write_provider(tmp_path, "private", '[env]\npassthrough = ["ALLOWED_KNOB"]\n'))
     worker = worker_for(manifest)
     try:
-        env = worker.request({"action": "env"})["env"]
+        env = worker.predict({"action": "env"})["env"]
     finally:
         worker.close()
     assert "AWS_SECRET_ACCESS_KEY" not in env

@@ -167,12 +167,12 @@ def test_huge_and_unsendable_results_are_named_errors_and_the_worker_stays_up(wo
     from resident_pool import WorkerRequestError
 
     worker = workers(build_command=worker_command())
-    pid = worker.request({"action": "echo"})["pid"]
+    pid = worker.predict({"action": "echo"})["pid"]
     with pytest.raises(WorkerRequestError, match="cannot be sent"):
-        worker.request({"action": "nan"})
+        worker.predict({"action": "nan"})
     with pytest.raises(WorkerRequestError, match="over the protocol cap"):
-        worker.request({"action": "big", "bytes": protocol.MAX_LINE_BYTES + 10})
-    assert worker.request({"action": "echo"})["pid"] == pid
+        worker.predict({"action": "big", "bytes": protocol.MAX_LINE_BYTES + 10})
+    assert worker.predict({"action": "echo"})["pid"] == pid
 
 
 def test_no_pickle_and_no_shell_anywhere_a_request_or_manifest_reaches():

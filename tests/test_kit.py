@@ -10,9 +10,9 @@ import pytest
 from providers import make_kit_venv, write_provider
 
 from resident_pool import KitUnavailable
-from resident_pool.providers import kit as kit_module
-from resident_pool.providers.kit import KitRow, stray_variables
-from resident_pool.providers.launch import LaunchPlan, build_worker_command, worker_for
+from resident_pool.providers import kit_rules
+from resident_pool.providers.kit_rules import KitRow, stray_variables
+from resident_pool.providers.launch import LaunchPlan, plan_launch, worker_for
 from resident_pool.providers.manifest import load_manifest
 
 
@@ -58,7 +58,7 @@ def probe(manifest, socket="/tmp/unused.sock"):
 def serve_once(manifest, payload):
     worker = worker_for(manifest)
     try:
-        result = worker.request(payload)
+        result = worker.predict(payload)
         pong = worker.ping()
     finally:
         worker.close()
@@ -115,7 +115,7 @@ def test_the_probe_runs_under_the_workers_environment(provider, tmp_path, monkey
     spy.write_text("import os, json; print('KITROW ' + json.dumps({'env': dict(os.environ)}))\n")
     monkeypatch.setenv("TOYKIT_OPT_STRAY", "x")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hunter2")
-    monkeypatch.setattr(kit_module, "PROBE_PATH", str(spy))
+    monkeypatch.setattr(kit_rules, "PROBE_PATH", str(spy))
     env = probe(manifest).data["env"]
     assert env["MODEL_OPT_LEVERS_OFF"] == "fusion,graphs"
     assert env["TOYKIT_OPT_TRACE"] == "1"  # declared through [kit.env]; the stray is gone
@@ -171,7 +171,7 @@ def test_a_kit_in_site_packages_has_no_kit_tree_and_needs_model_opt(provider, tm
     row = probe(manifest)
     assert row.model_opt is None and "site-packages" in row.model_opt_error
     with pytest.raises(KitUnavailable, match=r"export MODEL_OPT or set \[kit\] model_opt") as info:
-        build_worker_command(manifest, "/tmp/unused.sock")
+        plan_launch(manifest, "/tmp/unused.sock").command()
     assert "site-packages" in str(info.value)
     exported = tmp_path / "toykit-tree"
     exported.mkdir()
@@ -213,23 +213,23 @@ def test_a_worker_launch_kit_without_launch_opts_cannot_start(provider):
     row = probe(manifest)
     assert row.activation == "worker_launch" and row.launch_opts is None
     with pytest.raises(KitUnavailable, match="launch_opts"):
-        build_worker_command(manifest, "/tmp/unused.sock")
+        plan_launch(manifest, "/tmp/unused.sock").command()
 
 
 def test_an_empty_row_is_an_error_unless_declared(provider):
     manifest = provider("empty", "emptykit_opt", 'name = "emptykit"\nmode = "any"\n')
     with pytest.raises(KitUnavailable, match='env_row = "none"'):
-        build_worker_command(manifest, "/tmp/unused.sock")
+        plan_launch(manifest, "/tmp/unused.sock").command()
     declared = provider("emptyok", "emptykit_opt",
                         'name = "emptykit"\nmode = "any"\nenv_row = "none"\nenv_row_reason = "CPU only"\n')
-    argv, env = build_worker_command(declared, "/tmp/unused.sock")
+    argv, env = plan_launch(declared, "/tmp/unused.sock").command()
     assert argv[1:] == [str(declared.worker_path), "/tmp/unused.sock"] and env["EMPTYKIT_OPT_MODE"] == "any"
 
 
 def test_a_kit_without_a_mode_variable_belongs_in_subprocess_mode(provider):
     manifest = provider("nomode", "nomodekit_opt", 'name = "nomodekit"\nmode = "only"\n')
     with pytest.raises(KitUnavailable, match='mode = "subprocess"'):
-        build_worker_command(manifest, "/tmp/unused.sock")
+        plan_launch(manifest, "/tmp/unused.sock").command()
 
 
 def test_a_kit_that_is_not_installed_is_named_with_the_probe_output(provider, kit_venv):
@@ -245,7 +245,7 @@ def test_a_kit_that_is_not_installed_is_named_with_the_probe_output(provider, ki
 def test_a_policing_refusal_in_the_probe_is_quoted_not_taken_for_a_missing_kit(provider):
     manifest = provider("policed", "toykit_opt", AUTOLOAD.replace('TRACE = "1"', 'TRACE = "1"\nTOYKIT_OPT_BOGUS = "1"'))
     with pytest.raises(KitUnavailable) as info:
-        build_worker_command(manifest, "/tmp/unused.sock")
+        plan_launch(manifest, "/tmp/unused.sock").command()
     message = str(info.value)
     assert "refused" in message and "REFUSED: undeclared variables TOYKIT_OPT_BOGUS" in message
     assert "is it installed" not in message

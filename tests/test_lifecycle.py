@@ -378,8 +378,8 @@ def test_a_standalone_worker_loading_longer_than_a_two_second_heartbeat_is_not_o
     worker = workers(build_command=worker_command("--load-seconds", "4"))
     worker.ensure_started()
     pid = worker.pid
-    assert worker.request({"action": "sleep", "seconds": 1.5})["pid"] == pid  # several idle ticks past the load
-    assert worker.request({"action": "echo"})["pid"] == pid and worker.starts == 1
+    assert worker.predict({"action": "sleep", "seconds": 1.5})["pid"] == pid  # several idle ticks past the load
+    assert worker.predict({"action": "echo"})["pid"] == pid and worker.starts == 1
     assert "the pool is gone" not in worker.transcript.read_text()
 
 

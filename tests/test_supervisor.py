@@ -14,9 +14,12 @@ from pathlib import Path
 
 import pytest
 from helpers import TEST_WORKER, both_ways, wait_until, worker_command
+from providers import write_provider
 
-from resident_pool import RequestTimeout, WorkerRequestError, WorkerStartError, child_env, exit_hint
+from resident_pool import AdmissionRefused, RequestTimeout, WorkerRequestError, WorkerStartError, child_env, exit_hint
 from resident_pool.host.procs import pid_alive
+from resident_pool.providers.launch import worker_for
+from resident_pool.providers.manifest import load_manifest
 from resident_pool.providers.worker_states import WorkerState
 
 
@@ -24,9 +27,9 @@ from resident_pool.providers.worker_states import WorkerState
 def test_first_request_starts_the_worker_and_later_ones_reuse_it(workers):
     worker = workers(build_command=worker_command())
     assert not worker.is_running()
-    first = worker.request({"action": "echo", "value": 1})
+    first = worker.predict({"action": "echo", "value": 1})
     assert first == {"echo": 1, "pid": worker.pid}
-    pids = {worker.request({"action": "echo", "value": n})["pid"] for n in range(5)}
+    pids = {worker.predict({"action": "echo", "value": n})["pid"] for n in range(5)}
     assert pids == {first["pid"]}
     assert worker.starts == 1
     pong = worker.ping()
@@ -39,7 +42,7 @@ def test_worker_base_runs_without_this_package_on_the_path(workers):
     """-S: no site-packages, so the worker sees only what the env vars point at."""
     worker = workers(build_command=worker_command(python=sys.executable, env={}))
     worker.build_command = lambda w: ([sys.executable, "-S", str(TEST_WORKER), w.socket_path], {})
-    assert worker.request({"action": "echo", "value": "x"})["echo"] == "x"
+    assert worker.predict({"action": "echo", "value": "x"})["echo"] == "x"
 
 
 @both_ways
@@ -47,7 +50,7 @@ def test_child_env_removes_names_mapped_to_none_in_the_real_child(workers, monke
     monkeypatch.setenv("SECRET_TOKEN", "do-not-pass")
     monkeypatch.setenv("KEEP_ME", "kept")
     worker = workers(build_command=worker_command(env={"SECRET_TOKEN": None, "ADDED": "yes"}))
-    env = worker.request({"action": "env"})["env"]
+    env = worker.predict({"action": "env"})["env"]
     assert "SECRET_TOKEN" not in env
     assert env["ADDED"] == "yes"
     assert env["KEEP_ME"] == "kept"
@@ -67,7 +70,7 @@ def test_child_env_function():
 def test_exit_before_bind_is_a_start_error_with_code_hint_and_transcript(workers, code):
     worker = workers(build_command=worker_command("--exit-before-bind", str(code)))
     with pytest.raises(WorkerStartError) as info:
-        worker.request({"action": "echo"})
+        worker.predict({"action": "echo"})
     error = info.value
     assert error.exit_code == code
     assert f"exit code {code}" in str(error)
@@ -90,13 +93,13 @@ def test_start_timeout_terminates_the_child_and_names_the_transcript(workers):
 @both_ways
 def test_an_exception_fails_the_request_and_the_same_process_answers_next(workers):
     worker = workers(build_command=worker_command())
-    pid = worker.request({"action": "echo"})["pid"]
+    pid = worker.predict({"action": "echo"})["pid"]
     with pytest.raises(WorkerRequestError) as info:
-        worker.request({"action": "raise", "message": "sequence has a digit"})
+        worker.predict({"action": "raise", "message": "sequence has a digit"})
     assert info.value.reason == "request_failed"
     assert "ValueError: sequence has a digit" in str(info.value)
     assert "Traceback" in info.value.details["traceback"]
-    assert worker.request({"action": "echo"})["pid"] == pid
+    assert worker.predict({"action": "echo"})["pid"] == pid
 
 
 @both_ways
@@ -107,9 +110,9 @@ def test_an_exception_fails_the_request_and_the_same_process_answers_next(worker
 )
 def test_system_exit_or_refusal_in_a_prediction_is_worker_exiting(workers, payload, readable):
     worker = workers(build_command=worker_command())
-    pid = worker.request({"action": "echo"})["pid"]
+    pid = worker.predict({"action": "echo"})["pid"]
     with pytest.raises(WorkerRequestError) as info:
-        worker.request(payload)
+        worker.predict(payload)
     error = info.value
     assert error.reason == "worker_exiting"
     assert readable in str(error)
@@ -131,13 +134,13 @@ def test_system_exit_or_refusal_in_a_prediction_is_worker_exiting(workers, paylo
 )
 def test_abrupt_death_mid_request_is_worker_died_and_the_next_request_restarts(workers, action, named):
     worker = workers(build_command=worker_command())
-    first_pid = worker.request({"action": "echo"})["pid"]
+    first_pid = worker.predict({"action": "echo"})["pid"]
     with pytest.raises(WorkerRequestError) as info:
-        worker.request(action)
+        worker.predict(action)
     assert info.value.reason == "worker_died"
     assert named in str(info.value)
     assert str(worker.transcript) in str(info.value)
-    second = worker.request({"action": "echo", "value": "again"})
+    second = worker.predict({"action": "echo", "value": "again"})
     assert second["echo"] == "again" and second["pid"] != first_pid
     assert worker.starts == 2
 
@@ -145,21 +148,21 @@ def test_abrupt_death_mid_request_is_worker_died_and_the_next_request_restarts(w
 @both_ways
 def test_a_request_past_a_half_second_timeout_is_a_request_timeout_naming_slug_timeout_transcript(workers):
     worker = workers(build_command=worker_command(), request_timeout_s=0.5)
-    pid = worker.request({"action": "echo"})["pid"]
+    pid = worker.predict({"action": "echo"})["pid"]
     with pytest.raises(RequestTimeout) as info:
-        worker.request({"action": "sleep", "seconds": 30})
+        worker.predict({"action": "sleep", "seconds": 30})
     assert isinstance(info.value, TimeoutError) and isinstance(info.value, WorkerRequestError)
     assert info.value.reason == "request_timeout" and info.value.slug == "testworker"
     assert "request_timeout_s = 0.5 s" in str(info.value) and str(worker.transcript) in str(info.value)
     # The hung worker cannot serve anyone else; it is replaced.
     assert not pid_alive(pid)
-    assert worker.request({"action": "echo"})["pid"] != pid
+    assert worker.predict({"action": "echo"})["pid"] != pid
 
 
 @both_ways
 def test_idle_worker_is_retired_and_a_busy_one_is_not(workers):
     worker = workers(build_command=worker_command(), idle_timeout_s=0.5)
-    busy_pid = worker.request({"action": "sleep", "seconds": 1.5})["pid"]  # busy 3x the idle timeout
+    busy_pid = worker.predict({"action": "sleep", "seconds": 1.5})["pid"]  # busy 3x the idle timeout
     assert worker.served == 1  # it answered: not retired while busy
     wait_until(lambda: worker.state is WorkerState.STOPPED, timeout=10, message="idle retirement")
     assert not worker.is_running()
@@ -170,12 +173,12 @@ def test_idle_worker_is_retired_and_a_busy_one_is_not(workers):
 @both_ways
 def test_stop_kills_a_worker_that_ignores_sigterm(workers):
     worker = workers(build_command=worker_command("--ignore-term"))
-    pid = worker.request({"action": "echo"})["pid"]
+    pid = worker.predict({"action": "echo"})["pid"]
     outcome = []
 
     def hang():
         try:
-            worker.request({"action": "sleep", "seconds": 60})
+            worker.predict({"action": "sleep", "seconds": 60})
         except WorkerRequestError as exc:
             outcome.append(exc)
 
@@ -194,7 +197,7 @@ def test_stop_kills_a_worker_that_ignores_sigterm(workers):
 @both_ways
 def test_stop_takes_the_workers_children_with_it(workers):
     worker = workers(build_command=worker_command())
-    child = worker.request({"action": "spawn_child"})["child"]
+    child = worker.predict({"action": "spawn_child"})["child"]
     assert pid_alive(child)
     worker.stop(grace_s=5.0)
     wait_until(lambda: not pid_alive(child), timeout=10, message="the worker's child to die")
@@ -212,7 +215,7 @@ SUPERVISOR_SCRIPT = textwrap.dedent(
     worker = ResidentWorker("orphan", worker_command(), spawner=zygote)
     worker.ensure_started()
     print(json.dumps({{"pid": worker.pid}}), flush=True)
-    worker.request({{"action": "sleep", "seconds": 2.0, "marker": {marker!r}}})
+    worker.predict({{"action": "sleep", "seconds": 2.0, "marker": {marker!r}}})
     """
 )
 
@@ -249,7 +252,7 @@ def test_thirty_two_threads_are_served_without_crossing_or_overlap(workers):
 
     def call(n):
         try:
-            results[n] = worker.request({"action": "echo", "value": n})["echo"]
+            results[n] = worker.predict({"action": "echo", "value": n})["echo"]
         except Exception as exc:  # recorded, then asserted on below
             errors.append(exc)
 
@@ -266,18 +269,18 @@ def test_thirty_two_threads_are_served_without_crossing_or_overlap(workers):
 
 def test_cublas_release_runs_after_every_prediction_even_a_failed_one(workers):
     worker = workers(build_command=worker_command())
-    worker.request({"action": "echo"})
+    worker.predict({"action": "echo"})
     with pytest.raises(WorkerRequestError):
-        worker.request({"action": "raise"})
-    worker.request({"action": "echo"})
+        worker.predict({"action": "raise"})
+    worker.predict({"action": "echo"})
     assert worker.ping()["releases"] == 3
 
 
 @pytest.mark.parametrize(("options", "env"), [(("--no-release",), {}), ((), {"RESIDENT_POOL_NO_CUBLAS_RELEASE": "1"})])
 def test_cublas_release_can_be_turned_off(workers, options, env):
     worker = workers(build_command=worker_command(*options, env=env))
-    worker.request({"action": "echo"})
-    worker.request({"action": "echo"})
+    worker.predict({"action": "echo"})
+    worker.predict({"action": "echo"})
     assert worker.ping()["releases"] == 0
 
 
@@ -289,3 +292,24 @@ def test_unwritable_log_dir_is_a_clear_start_error(workers, tmp_path, monkeypatc
         worker.ensure_started()
     assert "RESIDENT_POOL_LOG_DIR" in str(info.value)
     assert worker.pid is None
+
+
+@pytest.mark.parametrize("policy", ["recommended", "required"])
+def test_a_standalone_gpu_provider_where_no_gpu_is_known_runs_on_the_cpu_only_if_recommended(
+        tmp_path, monkeypatch, policy):
+    """Fake NVML readings with no device: the host admission's answer, as the pool gives it."""
+    readings = tmp_path / "nvml.json"
+    readings.write_text(json.dumps({"devices": []}))
+    monkeypatch.setenv("RESIDENT_POOL_FAKE_NVML", str(readings))
+    manifest = load_manifest(write_provider(tmp_path / "manifests", "gpuish",
+                                            f'[gpu]\npolicy = "{policy}"\nvram_budget_gb = 2\n'))
+    worker = worker_for(manifest)
+    try:
+        if policy == "recommended":
+            assert worker.predict({"action": "env"})["env"]["CUDA_VISIBLE_DEVICES"] == ""
+        else:
+            with pytest.raises(AdmissionRefused, match="no GPU capacity is known"):
+                worker.ensure_started()
+            assert worker.pid is None
+    finally:
+        worker.close()

@@ -427,14 +427,15 @@ def cache_prune(
 ) -> None:
     """Remove JIT cache folders no start uses: each provider's newest stack key is always kept.
 
-    Only the pool's own root (under $XDG_CACHE_HOME/resident-pool/jit) is pruned; a root you named
+    Only the pool's own root (jit in its cache folder: $RESIDENT_POOL_CACHE_DIR, else
+    $XDG_CACHE_HOME/resident-pool) is pruned; a root you named
     ([kit] jit_root, $MODEL_OPT_JIT_ROOT) is yours.
     """
     from ..providers import jit_cache
 
     if older_than < 0:
         raise typer.BadParameter("--older-than takes a number of days, 0 or more")
-    base = jit_cache.default_base(os.environ)
+    base = jit_cache.default_base()
     removed, kept = jit_cache.prune(base, older_than * 86400, dry_run=dry_run)
     if as_json:
         typer.echo(json.dumps({"base": str(base), "dry_run": dry_run, "removed": removed, "kept": kept}, indent=2))

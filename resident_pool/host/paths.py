@@ -11,10 +11,13 @@ from ..errors import StateDirError
 from ..settings import settings, xdg_dir
 from .trust import check_chain
 
-__all__ = ["POOL_SOCKET", "default_results_dir", "ensure_private_dir", "log_dir", "pool_socket", "state_dir",
-           "workers_dir"]
+__all__ = ["LEDGER_FILE", "POOL_SOCKET", "cache_dir", "default_results_dir", "ensure_private_dir", "ledger_path",
+           "log_dir", "pool_socket", "state_dir", "workers_dir"]
 
 POOL_SOCKET = "pool.sock"
+# What every worker of this user on this host holds (admission's ledger); the pool and a standalone
+# supervisor with a budget keep their entries in the same file.
+LEDGER_FILE = "ledger.json"
 
 
 def state_dir() -> Path:
@@ -50,6 +53,11 @@ def pool_socket(state: Path | None = None) -> str:
     return str((state or state_dir()) / POOL_SOCKET)
 
 
+def ledger_path(state: Path | None = None) -> Path:
+    """The admission ledger in ``state`` (the state directory by default)."""
+    return (state or state_dir()) / LEDGER_FILE
+
+
 def workers_dir(state: Path | None = None) -> Path:
     """The folder of per-worker run folders (each: its socket and heartbeat)."""
     return ensure_private_dir((state or state_dir()) / "w", "workers folder", "RESIDENT_POOL_STATE_DIR")
@@ -59,6 +67,12 @@ def log_dir() -> Path:
     """The per-user transcript directory; it outlives the pool and its state dir."""
     path = settings().log_dir or xdg_dir("state") / "resident-pool" / "logs"
     return ensure_private_dir(path, "log directory", "RESIDENT_POOL_LOG_DIR")
+
+
+def cache_dir() -> Path:
+    """The pool's cache folder (the weights hash cache, GPU peaks, the kits' JIT caches): RESIDENT_POOL_CACHE_DIR,
+    else under XDG's."""
+    return settings().cache_dir or xdg_dir("cache") / "resident-pool"
 
 
 def ensure_private_dir(path: Path, what: str, variable: str) -> Path:

@@ -1,7 +1,7 @@
 """The kits' JIT caches: one folder per provider and stack key, kept across worker lifetimes; sizes and pruning.
 
 A warm cache took one provider's first prediction from 42 s to 12 s, so a worker's compiled
-kernels outlive it. Under the default root (``<cache>/resident-pool/jit/<slug>``) each stack
+kernels outlive it. Under the default root (``<the pool's cache folder>/jit/<slug>``) each stack
 key (the kit's ``jit_cache_key()``: its version, the torch and CUDA builds) has a folder of
 its own, so an upgrade starts a fresh cache beside the old one instead of mixing them, and
 ``resident-pool cache prune`` removes the keys no start uses any more. A folder's mtime is
@@ -17,9 +17,10 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from ..host.paths import cache_dir
 
 __all__ = ["SIZE_TTL_S", "JitSizes", "default_base", "default_root", "key_folders", "prune", "stack_folder", "usage"]
 
@@ -28,14 +29,13 @@ _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 SIZE_TTL_S = 60.0
 
 
-def default_base(environ: Mapping[str, str]) -> Path:
-    """``$XDG_CACHE_HOME/resident-pool/jit`` (else under ``~/.cache``): the folder of every default root."""
-    base = environ.get("XDG_CACHE_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".cache")
-    return Path(base) / "resident-pool" / "jit"
+def default_base() -> Path:
+    """``jit`` in the pool's cache folder (``RESIDENT_POOL_CACHE_DIR``, else XDG's): every default root's folder."""
+    return cache_dir() / "jit"
 
 
-def default_root(slug: str, environ: Mapping[str, str]) -> Path:
-    return default_base(environ) / slug
+def default_root(slug: str) -> Path:
+    return default_base() / slug
 
 
 def stack_folder(root: Path, key: str) -> Path:

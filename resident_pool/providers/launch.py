@@ -21,18 +21,16 @@ from ..host import paths
 from ..host.paths import default_results_dir
 from ..host.trust import check_trusted
 from ..settings import settings
-from . import jit_cache
-from . import kit as kits
+from . import jit_cache, kit_rules
 from .exec_env import Bind, container_name, engine_controls, interpreter, parse_bind, passthrough_env, wrap
-from .kit import KitRow, apply_row, jit_root, jit_root_is_default, kit_env, run_probe
+from .kit_rules import KitRow, apply_row, jit_root, jit_root_is_default, kit_env, run_probe
 from .manifest import Manifest, VenvEnv
 from .supervisor import Admitter, BuildCommand, ResidentWorker
 from .weights import HashCache, WeightsReport, cache_dir, verify_weights
-from .worker_process import ARRAYS_PATH, PROTOCOL_PATH, WORKER_BASE_PATH, Launch
+from .worker_process import ARRAYS_PATH, PROTOCOL_PATH, WORKER_BASE_PATH, Launch, shared_files_env
 
 __all__ = [
     "LaunchPlan",
-    "build_worker_command",
     "check_weights",
     "command_builder",
     "plan_launch",
@@ -204,8 +202,7 @@ class LaunchPlan:
         else:
             named = environ if manifest.env.passthrough == "*" else manifest.env.passthrough or ()
             env.update({n: environ[n] for n in named if n in environ})
-        env["RESIDENT_POOL_PROTOCOL"] = PROTOCOL_PATH
-        env["RESIDENT_POOL_WORKER_BASE"] = WORKER_BASE_PATH
+        env.update(shared_files_env())
         # The worker's own side, passed on by name (a container gets nothing unnamed).
         config = settings()
         env["RESIDENT_POOL_ORPHAN_GRACE_S"] = f"{config.orphan_grace_s or manifest.lifecycle.orphan_grace_s:g}"
@@ -267,9 +264,9 @@ class LaunchPlan:
         """
         kit = self.manifest.kit
         assert kit is not None
-        argv = [self.python, kits.PROBE_PATH, kit.package_name, kit.mode]
+        argv = [self.python, kit_rules.PROBE_PATH, kit.package_name, kit.mode]
         binds = [*(b for b in self.binds if b.field not in (_RUN_FOLDER, _HEARTBEAT)),
-                 Bind(kits.PROBE_PATH, kits.PROBE_PATH, True, "resident_pool's kit_probe.py")]
+                 Bind(kit_rules.PROBE_PATH, kit_rules.PROBE_PATH, True, "resident_pool's kit_probe.py")]
         env = {name: value for name, value in self.env.items() if name != "RESIDENT_POOL_HEARTBEAT"}
         return wrap(self.manifest, argv, env, binds, name=f"{self.name}-probe", device=self.device,
                     environ=self.environ, workdir=str(self.work_root))
@@ -327,23 +324,6 @@ def plan_launch(
     plan = LaunchPlan.resolve(manifest, socket_path, name=name, device=device, heartbeat=heartbeat, cache=cache,
                               environ=environ)
     return plan.with_kit(plan.probe()) if manifest.kit is not None else plan
-
-
-def build_worker_command(
-    manifest: Manifest,
-    socket_path: str,
-    *,
-    name: str | None = None,
-    device: str | None = None,
-    cache: HashCache | None = None,
-    heartbeat: str | None = None,
-) -> tuple[list[str], dict[str, str | None]]:
-    """The argv and environment changes that start ``manifest``'s worker on ``socket_path``.
-
-    They include everything the worker needs (RESIDENT_POOL_PROTOCOL and
-    RESIDENT_POOL_WORKER_BASE, the device), so a container receives it too.
-    """
-    return plan_launch(manifest, socket_path, name=name, device=device, heartbeat=heartbeat, cache=cache).command()
 
 
 def command_builder(manifest: Manifest, cache: HashCache | None = None) -> BuildCommand:

@@ -205,15 +205,21 @@ class Weights(_Strict):
 
 
 class Kit(_Strict):
+    """An optimization kit; the keys and defaults of the original design's ``[kit]`` table hold."""
+
     name: str | None = Field(None, description="The kit is the package <name>_opt unless package is given.")
-    package: str | None = None
-    mode: str = Field(description="The kit mode the worker runs under.")
+    subdir: str | None = Field(None, description="The original design's key for name (the kit's folder).")
+    package: str | None = Field(None, description="The kit's package; default <name or subdir>_opt, else <slug>_opt.")
+    mode: str = Field("fast", description="The kit mode the worker runs under.")
     mode_env: str | None = Field(None, description="The kit's mode variable, if it must survive the probe's scrub.")
     levers_off: list[str] = Field(default_factory=list)
-    env_row: Literal["required", "none"] = "required"
+    env_row: Literal["probe", "none"] = Field(
+        "probe", description='"probe": the kit must export an environment row for the mode; "none" (with '
+        "env_row_reason): it keeps none.")
     env_row_reason: str | None = None
     jit_root: str | None = Field(
-        None, description="The JIT cache (MODEL_OPT_JIT_ROOT); else $MODEL_OPT_JIT_ROOT, else one per provider."
+        None, description="The JIT cache (MODEL_OPT_JIT_ROOT); else $MODEL_OPT_JIT_ROOT, else one per provider "
+        "in the pool's cache folder."
     )
     model_opt: str | None = Field(
         None, description="The kit tree (MODEL_OPT), for a kit installed without its checkout; "
@@ -226,6 +232,18 @@ class Kit(_Strict):
     def _names(cls, values: dict[str, str]) -> dict[str, str]:
         return _variable_names(values)
 
+    @field_validator("env_row", mode="before")
+    @classmethod
+    def _required_is_probe(cls, value: Any) -> Any:
+        return "probe" if value == "required" else value  # this project's earlier word for it
+
+    @field_validator("name", "subdir", "package")
+    @classmethod
+    def _importable(cls, value: str | None) -> str | None:
+        if value is not None and not all(part.isidentifier() for part in value.split(".")):
+            raise ValueError(f"{value!r} is not a Python package name (dotted identifiers)")
+        return value
+
     @field_validator("jit_root", "model_opt")
     @classmethod
     def _absolute(cls, value: str | None) -> str | None:
@@ -235,15 +253,19 @@ class Kit(_Strict):
 
     @model_validator(mode="after")
     def _named(self) -> Kit:
-        if not (self.name or self.package):
-            raise ValueError("give the kit's name (package <name>_opt) or its package")
+        if not (self.name or self.subdir or self.package):
+            raise ValueError("give the kit's name (its package is <name>_opt) or its package: the default, "
+                             "<slug>_opt, is no Python package name for this slug")
+        if self.name and self.subdir and self.name != self.subdir:
+            raise ValueError(f"name = {self.name!r} and subdir = {self.subdir!r} are the same key (subdir is the "
+                             "original design's word for it); give one")
         if self.env_row == "none" and not self.env_row_reason:
             raise ValueError('env_row = "none" needs env_row_reason saying why the kit exports nothing')
         return self
 
     @property
     def package_name(self) -> str:
-        return self.package or f"{self.name}_opt"
+        return self.package or f"{self.name or self.subdir}_opt"
 
 
 class Smoke(_Strict):
@@ -318,6 +340,17 @@ class Manifest(_Strict):
         env = data.get("env") if isinstance(data, dict) else None
         if isinstance(env, dict) and "kind" not in env:
             data = {**data, "env": {**env, "kind": "venv"}}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kit_named_after_the_slug(cls, data: Any) -> Any:
+        """A ``[kit]`` naming no package is ``<slug>_opt``, as in the original design."""
+        kit = data.get("kit") if isinstance(data, dict) else None
+        slug = data.get("slug") if isinstance(data, dict) else None
+        if isinstance(kit, dict) and not any(kit.get(key) for key in ("name", "subdir", "package")) \
+                and isinstance(slug, str) and slug.isidentifier():
+            data = {**data, "kit": {**kit, "subdir": slug}}
         return data
 
     @field_validator("slug")

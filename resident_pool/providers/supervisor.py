@@ -3,6 +3,10 @@
 ``ResidentWorker`` is a ``WorkerProcess`` plus the policy a standalone worker needs: a lock
 so callers queue, requests over one held connection, and its own keeper thread (heartbeat
 and idle retirement). Under the host pool none of this runs: the pool owns its workers.
+
+It is also the original design's caller API: a public ``lock``, ``request(message)``
+returning the whole reply, ``child_env``, ``CommandBuilder``, the two errors (both
+``RuntimeError``s), ``EXIT_HINTS`` and ``exit_hint`` in the original's shape.
 """
 
 from __future__ import annotations
@@ -17,19 +21,41 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import RequestTimeout, WorkerRequestError
+from .. import exits
+from ..admission import Admission, Ledger, read_devices
+from ..errors import RequestTimeout, WorkerRequestError, WorkerStartError
+from ..exits import EXIT_HINTS
+from ..host import paths
 from ..host.procs import Spawner, child_env
 from ..protocol import CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, ProtocolError, connect, recv_line, send_line
+from ..settings import settings
 from .transcripts import read_tail, render_tail
 from .worker_process import HEARTBEAT_INTERVAL_S, PROTOCOL_PATH, WORKER_BASE_PATH, Launch, WorkerProcess
-from .worker_states import WorkerState
+from .worker_states import WORKER_EDGES, WorkerState
 
-__all__ = ["PROTOCOL_PATH", "WORKER_BASE_PATH", "Admitter", "ResidentWorker", "child_env", "read_tail"]
+__all__ = ["EXIT_HINTS", "PROTOCOL_PATH", "WORKER_BASE_PATH", "Admitter", "BuildCommand", "CommandBuilder", "CpuOnly",
+           "ResidentWorker", "WorkerRequestError", "WorkerStartError", "WorkerState", "WorkerTransitionError",
+           "child_env", "exit_hint", "read_tail"]
 
 log = logging.getLogger("resident_pool.supervisor")
 _ids = itertools.count(1)
 
 BuildCommand = Callable[["ResidentWorker"], "Launch | tuple[list[str], Mapping[str, str | None]]"]
+CommandBuilder = BuildCommand  # the original design's name
+
+
+def exit_hint(rc: int | None) -> str:
+    """`` — <words>`` for a return code the exit table names (a signal included), else ``""``.
+
+    The original design's shape, for appending to a message; the words are the one table's
+    (``resident_pool.exits``), so the two shapes never disagree on what a code means.
+    """
+    words = exits.exit_hint(rc) if isinstance(rc, int) and not isinstance(rc, bool) else None
+    return f" \u2014 {words}" if words else ""
+
+
+class WorkerTransitionError(RuntimeError):
+    """A move the worker state table does not allow: a bug, raised rather than let happen."""
 
 
 class Admitter(Protocol):
@@ -40,6 +66,36 @@ class Admitter(Protocol):
 
     def release(self, worker: Any) -> None:
         """``worker``'s process is gone; give its budget back."""
+
+
+class CpuOnly:
+    """Admission for a "recommended" GPU provider on a host with no GPU: it runs on the CPU."""
+
+    def admit(self, worker: Any, **_: Any) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": ""}
+
+    def release(self, worker: Any) -> None:
+        pass
+
+
+_host_admissions: dict[tuple[Path, float, Path | None], Admission] = {}
+_host_admissions_lock = threading.Lock()
+
+
+def host_admission() -> Admission:
+    """The host's admission over the pool's own ledger: what a worker with a budget and no admitter goes through.
+
+    One per ledger file (and settings) in this process, so its standalone workers queue in
+    order; the ledger is the file the host pool keeps, so each sees what the other holds.
+    """
+    config = settings()
+    key = (paths.ledger_path(), config.gpu_headroom_gb, config.ledger_audit)
+    with _host_admissions_lock:
+        admission = _host_admissions.get(key)
+        if admission is None:
+            admission = Admission(Ledger(key[0], audit=config.ledger_audit), headroom_gb=config.gpu_headroom_gb)
+            _host_admissions[key] = admission
+        return admission
 
 
 class ResidentWorker:
@@ -63,7 +119,9 @@ class ResidentWorker:
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         spawner: Spawner | None = None,
     ) -> None:
-        """``spawner``: a zygote to fork each start from (``zygote.Zygote``); None spawns every start."""
+        """``admit`` with a ``vram_budget_gb`` and no ``admitter``: the host's admission (``host_admission``), or
+        the CPU for a manifest whose GPU is only recommended, on a host with none (as under the pool).
+        ``spawner``: a zygote to fork each start from (``zygote.Zygote``); None spawns every start."""
         self.slug = slug
         self.build_command = build_command
         self.start_timeout_s = start_timeout_s
@@ -85,11 +143,14 @@ class ResidentWorker:
         self.served = 0
         self.last_used = time.monotonic()
 
-        self._lock = threading.RLock()  # held for a whole request: callers queue
+        # Held for a whole request: callers queue on it (and may hold it across several requests).
+        self.lock = threading.RLock()
+        self._state_lock = threading.Lock()
+        self._stopping = threading.Lock()  # held for a whole stop; a start waits for one in progress
         self._handle: WorkerProcess | None = None
         self._conn: socket.socket | None = None
         self._buf = bytearray()
-        self._admitted = False
+        self._admitted_by: Admitter | None = None
         self._keeper: threading.Thread | None = None
         self._keeper_stop = threading.Event()
 
@@ -104,10 +165,22 @@ class ResidentWorker:
         return WorkerProcess(self.slug, self.replica, state_dir=self._state_dir, log_path=self.log_path,
                              start_timeout_s=self.start_timeout_s, connect_timeout_s=self.connect_timeout_s)
 
-    def _transition(self, new: WorkerState, why: str = "") -> None:
-        if new is not self.state:
-            log.debug("%s[%d]: %s -> %s %s", self.slug, self.replica, self.state.value, new.value, why)
+    def transition(self, new: WorkerState, why: str = "", only_from: tuple[WorkerState, ...] | None = None) -> bool:
+        """Move to ``new`` if the state table allows it from here; raise otherwise. True when it moved.
+
+        ``only_from``: move only from one of these states (checked and moved in one step, as a
+        stop from another thread may move it meanwhile); from any other, nothing happens.
+        """
+        with self._state_lock:
+            old = self.state
+            if (only_from is not None and old not in only_from) or new is old:
+                return False
+            if new not in WORKER_EDGES[old]:
+                raise WorkerTransitionError(
+                    f"{self.slug}[{self.replica}]: {old} -> {new} is not an allowed move ({why})")
+            log.debug("%s[%d]: %s -> %s %s", self.slug, self.replica, old, new, why)
             self.state = new
+            return True
 
     # -- facts -------------------------------------------------------------
     @property
@@ -152,7 +225,7 @@ class ResidentWorker:
     # -- start -------------------------------------------------------------
     def ensure_started(self) -> None:
         """Start the worker unless it is running with its socket in place."""
-        with self._lock:
+        with self.lock:
             if self.is_running():
                 if os.path.exists(self.socket_path):
                     return
@@ -163,38 +236,69 @@ class ResidentWorker:
             self._start()
 
     def _start(self) -> None:
-        self._transition(WorkerState.STARTING)
+        with self._stopping:  # a stop from another thread finishes before this start begins
+            self.transition(WorkerState.STARTING)
         if self._process.proc is not None:  # a WorkerProcess starts once; this is a restart
             self._handle = self._new_process()
+        admitter = self.admitter
+        if admitter is None and self.admit and self.vram_budget_gb:
+            admitter = self._host_admitter()
         admission_env: Mapping[str, str | None] = {}
         try:
-            if self.admit and self.vram_budget_gb and self.admitter is not None:
-                admission_env = self.admitter.admit(self)
-                self._admitted = True
+            if self.admit and self.vram_budget_gb and admitter is not None:
+                admission_env = admitter.admit(self)
+                self._admitted_by = admitter
             self._process.device = admission_env.get("CUDA_VISIBLE_DEVICES")
             self.starts += 1
             self._start_keeper()  # the heartbeat must stay fresh while the model loads, however long
-            self._process.start(Launch.of(self.build_command(self)), admission_env, spawner=self.spawner)
+            # The ledger names the loading worker from its spawn on: its budget stays held if this process dies.
+            started = getattr(self._admitted_by, "started", None)
+            self._process.start(Launch.of(self.build_command(self)), admission_env, spawner=self.spawner,
+                                on_spawn=(lambda pid: started(self)) if started is not None else None)
         except BaseException as exc:
             self._keeper_stop.set()
-            self._transition(WorkerState.FAILED, str(exc))
+            self.transition(WorkerState.FAILED, str(exc), only_from=(WorkerState.STARTING,))
             self.last_error = exc if isinstance(exc, Exception) else None
             if self._process.proc is not None and self._process.returncode is None:
                 self._process.kill(grace_s=5.0)
             self._release_admission()
             raise
-        self._transition(WorkerState.READY)
+        self.transition(WorkerState.READY, "answered its first ping", only_from=(WorkerState.STARTING,))
         self.last_used = time.monotonic()
 
+    def _host_admitter(self) -> Admitter:
+        """The host's admission; the CPU for a manifest whose GPU is only recommended, on a host with none."""
+        gpu = getattr(self.manifest, "gpu", None)
+        if getattr(gpu, "policy", None) == "recommended" and not read_devices()[0]:
+            return CpuOnly()
+        return host_admission()
+
     # -- requests ----------------------------------------------------------
-    def request(self, payload: Any, timeout: float | None = None) -> Any:
+    def request(self, message: Any, timeout: float | None = None) -> dict[str, Any]:
+        """Send ``message`` and return the worker's whole reply (``{"ok": true, "result": ..., ...}``).
+
+        The original design's call: a dict with an ``op`` is sent as it is; anything else is
+        the payload of a ``predict``. A reply with ``ok: false`` raises ``WorkerRequestError``
+        (its ``.reason`` the worker's). Callers queue on ``lock``.
+        """
+        if not (isinstance(message, Mapping) and "op" in message):
+            message = {"op": "predict", "payload": message}
+        return self._call(dict(message), timeout)
+
+    def predict(self, payload: Any, timeout: float | None = None) -> Any:
         """Run one prediction and return its result; callers queue on the worker."""
+        return self._call({"op": "predict", "payload": payload, "id": next(_ids)}, timeout).get("result")
+
+    def _call(self, message: dict[str, Any], timeout: float | None) -> dict[str, Any]:
         timeout = timeout or self.request_timeout_s
-        with self._lock:
+        with self.lock:
             self.ensure_started()
-            self._transition(WorkerState.BUSY)
+            if not self.transition(WorkerState.BUSY, str(message.get("op")), only_from=(WorkerState.READY,)):
+                raise WorkerRequestError(
+                    f"{self.slug}: the worker was stopped (by another thread) before this request could run",
+                    "worker_stopped", slug=self.slug, transcript=self._process.transcript_path)
             try:
-                reply = self._roundtrip({"op": "predict", "payload": payload}, timeout)
+                reply = self._roundtrip(message, timeout)
             except TimeoutError as exc:
                 raise self._timed_out(timeout) from exc
             except (OSError, ProtocolError) as exc:
@@ -202,39 +306,46 @@ class ResidentWorker:
                 raise
             finally:
                 self.last_used = time.monotonic()
-                if self.state is WorkerState.BUSY:
-                    self._transition(WorkerState.READY)
-            self.served += 1
+                self.transition(WorkerState.READY, "answered", only_from=(WorkerState.BUSY,))
+            if message.get("op") == "predict":
+                self.served += 1
             if reply.get("ok"):
-                return reply.get("result")
+                return reply
             raise self._reply_error(reply)
 
     def ping(self) -> dict[str, Any] | None:
         """The worker's own answer to ``ping``, or None when it is not answering."""
-        if not self._lock.acquire(timeout=self.connect_timeout_s):
+        if not self.lock.acquire(timeout=self.connect_timeout_s):
             return None
         try:
             if not self.is_running():
                 return None
-            return self._roundtrip({"op": "ping"}, timeout=self.connect_timeout_s)
+            return self._roundtrip({"op": "ping", "id": next(_ids)}, timeout=self.connect_timeout_s)
         except (OSError, ProtocolError):
-            self._drop_connection()
             return None
         finally:
-            self._lock.release()
+            self.lock.release()
 
     def _roundtrip(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
-        if self._conn is None:
-            self._conn = connect(self.socket_path, timeout=self.connect_timeout_s)
-            self._buf = bytearray()
-        request_id = next(_ids)
-        self._conn.settimeout(timeout)
-        send_line(self._conn, {**message, "id": request_id})
-        reply = recv_line(self._conn, self._buf)
+        """One message and its reply over the held connection; sent as given (an ``id`` is checked if it has one)."""
+        try:
+            if self._conn is None:
+                self._conn = connect(self.socket_path, timeout=self.connect_timeout_s)
+                self._buf = bytearray()
+            self._conn.settimeout(timeout)
+            send_line(self._conn, message)
+            reply = recv_line(self._conn, self._buf)
+        except BaseException:
+            # Whatever cut the exchange short (a timeout, Ctrl-C), its reply may still come on this
+            # connection: never let the next request read it as its own.
+            self._drop_connection()
+            raise
         if reply is None:
             raise ConnectionResetError(f"{self.slug}: the worker closed the connection without a reply")
-        if reply.get("id") != request_id:
-            raise ProtocolError(f"{self.slug}: reply id {reply.get('id')!r} does not match request id {request_id}")
+        if "id" in message and reply.get("id") != message["id"]:
+            self._drop_connection()
+            raise ProtocolError(
+                f"{self.slug}: reply id {reply.get('id')!r} does not match request id {message['id']!r}")
         return reply
 
     def _timed_out(self, timeout: float) -> RequestTimeout:
@@ -265,7 +376,7 @@ class ResidentWorker:
         if reason != "worker_exiting":
             error = reply.get("error") or "no message"
             return WorkerRequestError(
-                f"{self.slug}: request failed: {error}", slug=self.slug, reason=reason,
+                f"{self.slug}: request failed: {error}", reason, slug=self.slug,
                 transcript=self._process.transcript_path, details={"traceback": reply.get("traceback")},
             )
         self._drop_connection()
@@ -277,19 +388,22 @@ class ResidentWorker:
     def stop(self, grace_s: float = 30.0) -> int | None:
         """Ask the worker to shut down, then SIGTERM and SIGKILL its group; frees the device."""
         self._keeper_stop.set()
-        if self._handle is None or self._handle.proc is None:
-            return None
-        self._transition(WorkerState.STOPPING)
-        # A caller mid-request holds the lock; do not wait behind it to stop.
-        if self._lock.acquire(blocking=False):
-            try:
-                self._drop_connection()
-            finally:
-                self._lock.release()
-        rc = self._process.stop(grace_s)
-        self._end(rc)
-        self._transition(WorkerState.STOPPED)
-        return rc
+        with self._stopping:
+            if self._handle is None or self._handle.proc is None:
+                return None
+            if self.state is WorkerState.STOPPED:
+                return self._handle.returncode
+            self.transition(WorkerState.STOPPING, "asked to stop")
+            # A caller mid-request holds the lock; do not wait behind it to stop.
+            if self.lock.acquire(blocking=False):
+                try:
+                    self._drop_connection()
+                finally:
+                    self.lock.release()
+            rc = self._process.stop(grace_s)
+            self._end(rc)
+            self.transition(WorkerState.STOPPED, f"rc {rc}")
+            return rc
 
     def close(self) -> None:
         """Stop the worker and its keeper thread."""
@@ -299,14 +413,13 @@ class ResidentWorker:
         """The process is gone (or given up on): give back its budget, end its keeper."""
         self._keeper_stop.set()
         self._drop_connection()
-        if self.state not in (WorkerState.STOPPING, WorkerState.STOPPED, WorkerState.FAILED):
-            self._transition(WorkerState.EXITED, f"rc {rc}")
+        self.transition(WorkerState.EXITED, f"rc {rc}", only_from=(WorkerState.READY, WorkerState.BUSY))
         self._release_admission()
 
     def _release_admission(self) -> None:
-        if self._admitted and self.admitter is not None:
-            self._admitted = False
-            self.admitter.release(self)
+        admitter, self._admitted_by = self._admitted_by, None
+        if admitter is not None:
+            admitter.release(self)
 
     def _drop_connection(self) -> None:
         if self._conn is not None:
@@ -338,7 +451,7 @@ class ResidentWorker:
                 return
             if self.idle_timeout_s <= 0 or self.idle_s() < self.idle_timeout_s:
                 continue
-            if not self._lock.acquire(blocking=False):  # a request in flight holds the lock: busy is never idle
+            if not self.lock.acquire(blocking=False):  # a request in flight holds the lock: busy is never idle
                 continue
             try:
                 if process is self._process and process.alive() and self.idle_s() >= self.idle_timeout_s:
@@ -347,4 +460,4 @@ class ResidentWorker:
                     self.stop()
                     return
             finally:
-                self._lock.release()
+                self.lock.release()

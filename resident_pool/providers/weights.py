@@ -12,17 +12,12 @@ from pathlib import Path
 from filelock import FileLock
 
 from ..errors import StateDirError, WeightsMismatch
+from ..host.paths import cache_dir
 from ..host.trust import check_trusted
-from ..settings import settings, xdg_dir
 
 __all__ = ["HashCache", "WeightsMismatch", "WeightsReport", "cache_dir", "verify_weights"]
 
 _BLOCK = 4 * 1024 * 1024
-
-
-def cache_dir() -> Path:
-    """The pool's cache folder (the weights hash cache, GPU peaks): RESIDENT_POOL_CACHE_DIR or under XDG's."""
-    return settings().cache_dir or xdg_dir("cache") / "resident-pool"
 
 
 class HashCache:

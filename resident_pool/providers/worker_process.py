@@ -37,7 +37,7 @@ from ..worker_base import IN_FLIGHT_FILE
 from .transcripts import Transcript, read_tail, render_tail
 
 __all__ = ["ARRAYS_PATH", "HEARTBEAT_INTERVAL_S", "PROTOCOL_PATH", "WORKER_BASE_PATH", "Launch", "WorkerProcess",
-           "env_for"]
+           "env_for", "shared_files_env"]
 
 log = logging.getLogger("resident_pool.worker_process")
 
@@ -73,6 +73,10 @@ class Launch:
     # would shadow the worker's imports (`python -m` puts the working folder first on sys.path).
     # None: its own run folder.
     cwd: str | None = None
+
+    def __iter__(self):
+        """``argv, extra_env = launch``: the original design's ``(argv, extra_env)`` pair."""
+        return iter((self.argv, self.env))
 
     @classmethod
     def of(cls, built: Launch | tuple[list[str], Mapping[str, str | None]]) -> Launch:
@@ -439,7 +443,12 @@ class WorkerProcess:
             self.transcript.close()
 
 
+def shared_files_env() -> dict[str, str]:
+    """Where a worker finds protocol.py and worker_base.py, under the project's names and the original design's."""
+    return {"RESIDENT_POOL_PROTOCOL": PROTOCOL_PATH, "RESIDENT_POOL_WORKER_BASE": WORKER_BASE_PATH,
+            "TOOLUNIVERSE_REMOTE_PROTOCOL": PROTOCOL_PATH, "TOOLUNIVERSE_REMOTE_WORKER_BASE": WORKER_BASE_PATH}
+
+
 def env_for(process: WorkerProcess) -> dict[str, str]:
     """What every worker is told about its pool: protocol, worker base and heartbeat paths."""
-    return {"RESIDENT_POOL_PROTOCOL": PROTOCOL_PATH, "RESIDENT_POOL_WORKER_BASE": WORKER_BASE_PATH,
-            "RESIDENT_POOL_HEARTBEAT": str(process.heartbeat_path)}
+    return {**shared_files_env(), "RESIDENT_POOL_HEARTBEAT": str(process.heartbeat_path)}

@@ -29,7 +29,7 @@ from ..ops.metrics import PoolMetrics, serve_http
 from ..ops.retention import prune_transcripts, transcript_slugs
 from ..ops.systemd import notify, watchdog_interval_s
 from ..providers.worker_process import WorkerProcess
-from ..settings import Settings, xdg_dir
+from ..settings import Settings
 from ..version import __version__
 from .states import ReplicaState, StopCause
 
@@ -76,7 +76,7 @@ class Observer:
         self.finished = finished
         self.metrics = PoolMetrics(self.metrics_snapshot)
         self.events = EventLog(paths.log_dir() / EVENTS_FILE)
-        self.peaks = Peaks((config.cache_dir or xdg_dir("cache") / "resident-pool") / "gpu-peaks.json")
+        self.peaks = Peaks(paths.cache_dir() / "gpu-peaks.json")
         self.fake_nvml = config.fake_nvml
         self.metrics_port = config.metrics_port
         self.transcripts_keep = config.transcripts_keep

@@ -63,7 +63,7 @@ class PoolServer:
         self.finished = threading.Event()
         self._signal: int | None = None
         self._last_beat = 0.0
-        self.ledger = Ledger(self.state_dir / "ledger.json", audit=config.ledger_audit)
+        self.ledger = Ledger(paths.ledger_path(self.state_dir), audit=config.ledger_audit)
         self.registry = Registry(self.manifests)
         self.core = PoolState(self.timings, time.monotonic())
         # The runtime that evicts and retires is made below, with these: a lambda reaches it once it is there.

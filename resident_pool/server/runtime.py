@@ -19,8 +19,9 @@ from ..admission import Admission, read_devices
 from ..errors import ResidentPoolError, WorkerStartError
 from ..messages import LeaseGrant, Release
 from ..providers.hibernate import CheckpointError, Hibernation, Hibernator
-from ..providers.kit import stray_variables
+from ..providers.kit_rules import stray_variables
 from ..providers.launch import command_builder
+from ..providers.supervisor import CpuOnly
 from ..providers.worker_process import DEATH_WAIT_S, Launch, WorkerProcess
 from ..providers.zygote import Zygotes
 from . import actions as c
@@ -63,16 +64,6 @@ class Worker:
     @property
     def pid(self) -> int | None:
         return self.process.pid
-
-
-class _CpuOnly:
-    """Admission for a "recommended" GPU provider on a host with no GPU: run it on the CPU."""
-
-    def admit(self, worker: Any, **_: Any) -> dict[str, str]:
-        return {"CUDA_VISIBLE_DEVICES": ""}
-
-    def release(self, worker: Any) -> None:
-        pass
 
 
 @dataclass
@@ -209,7 +200,7 @@ class Runtime:
     def _admit(self, worker: Worker, action: c.Start, waiter: Waiter | None) -> dict[str, str]:
         manifest = worker.loaded.manifest
         admitter = None if manifest.gpu.policy == "none" else (
-            _CpuOnly() if manifest.gpu.policy == "recommended" and not read_devices()[0] else self.admission)
+            CpuOnly() if manifest.gpu.policy == "recommended" and not read_devices()[0] else self.admission)
         if not worker.budget_gb or admitter is None:
             self.event("admitted", action.rid, None)
             return {}

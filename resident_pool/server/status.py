@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ResidentPoolError
 from ..ops.gpu_memory import budget_advice
-from ..providers.kit import jit_root
+from ..providers.kit_rules import jit_root
 from ..providers.manifest import Manifest, load_manifest
 from ..version import __version__
 

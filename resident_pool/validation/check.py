@@ -24,7 +24,7 @@ from ..admission import read_devices
 from ..client import Pool
 from ..errors import AdmissionRefused, GoldenMismatch, KitUnavailable, ResidentPoolError
 from ..providers.exec_env import interpreter
-from ..providers.kit import KitRow
+from ..providers.kit_rules import KitRow
 from ..providers.launch import check_weights, plan_launch
 from ..providers.manifest import Manifest, VenvEnv, load_manifest
 from ..providers.weights import HashCache

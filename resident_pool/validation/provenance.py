@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..host.procs import child_env
 from ..providers.exec_env import Bind, container_name, engine_controls, passthrough_env, wrap
-from ..providers.kit import stray_variables
+from ..providers.kit_rules import stray_variables
 from ..providers.manifest import Manifest, VenvEnv
 from ..settings import settings
 
