@@ -25,7 +25,7 @@ LAYERS = [
     {"provenance"},
     {"launch", "zygote", "observing"},
     {"pool", "check"},
-    {"cli", "prefect", "__init__", "__main__"},
+    {"cli", "prefect", "__init__", "__main__", "base", "tables", "status", "pools", "checks"},  # cli/ has the last five
 ]
 # Standard library only: loaded by path inside the model's own environment.
 STANDALONE = {"protocol", "arrays", "worker_base", "kit_probe", "env_probe", "zygote_server"}
