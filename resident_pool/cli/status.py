@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Annotated, Any
 
 import typer
@@ -52,7 +53,12 @@ def status(
     title = (f"resident-pool {pool['version']} (pid {pool['pid']}, manifests {safe(pool['manifests'])})"
              + (" [yellow]draining to stop[/]" if pool.get("draining") else ""))
     if state["workers"]:
-        _print(title, WORKER_COLUMNS, [_worker_row(worker) for worker in state["workers"]])
+        # One folder holds every transcript: said once below the table, each row names its file.
+        folders = {os.path.dirname(w["transcript"]) for w in state["workers"] if w.get("transcript")}
+        folder = folders.pop() if len(folders) == 1 else None
+        _print(title, WORKER_COLUMNS, [_worker_row(worker, folder) for worker in state["workers"]])
+        if folder:
+            console.print(f"transcripts in {safe(folder)}", highlight=False)
     else:
         console.print(f"resident-pool (pid {pool['pid']}): no workers held; the next request starts one")
     if state["waiting"]:
@@ -88,14 +94,17 @@ def _print(title: str, columns: list[Column], rows: list[list[str]]) -> None:
                       "--json shows them)", highlight=False, markup=False)
 
 
-def _worker_row(worker: dict[str, Any]) -> list[str]:
+def _worker_row(worker: dict[str, Any], folder: str | None) -> list[str]:
     row = dict(worker)
+    if folder and worker.get("transcript"):
+        row["transcript"] = os.path.basename(worker["transcript"])
     row["slug"] = display_name(worker["slug"])
     lease = worker.get("lease")
     row["lease"] = "" if lease is None else (
         f"{lease['age_s']:g} s" + (f" ({', '.join(lease['holder'].values())})" if lease["holder"] else ""))
+    row["version"] = (worker.get("version") or "")[:8]  # as the fingerprint: --json has them whole
     if not worker.get("current", True):
-        row["version"] = f"{worker['version']} (old)"
+        row["version"] += " (old)"
     row["fingerprint"] = (worker.get("fingerprint") or "")[:8]
     row["gpu_gb"] = _gpu_cell(worker)
     row["in_flight"] = "" if worker.get("in_flight_s") is None else f"{worker['in_flight_s']:g} s"
