@@ -130,6 +130,10 @@ def test_check_and_status_name_providers_as_people_do_never_by_their_variant_key
     reported = json.loads(_cli("check", "--smoke", "refuses", "--json").stdout)
     (smoke,) = [r for r in reported if r["step"] == "smoke"]
     assert smoke["detail"].startswith("refuses: ") and smoke["slug"] == "refuses"
+    write_provider(pool_dir, "answers", '[smoke]\npayload = { action = "echo" }\n')
+    reported = json.loads(_cli("check", "--smoke", "answers", "--json").stdout)
+    (smoke,) = [r for r in reported if r["step"] == "smoke"]
+    assert smoke["ok"] and "(answers, the check's declared build, version" in smoke["provenance"]["smoke.worker"]
 
 
 def test_status_names_a_checks_own_worker_by_its_provider(pool_dir):

@@ -159,7 +159,9 @@ def kit_says(transcript: Path | None, package: str) -> tuple[str | None, str]:
 
 
 def _answered_by(lease: dict[str, Any]) -> str:
-    return (f"pid {lease.get('pid')} ({lease.get('slug')}, version {lease.get('version')}, "
+    slug, _, variant = str(lease.get("slug")).partition("~")  # the check's own build: named as people name it
+    build = f", the check's {variant.rsplit('-', 1)[0]} build" if variant else ""
+    return (f"pid {lease.get('pid')} ({slug}{build}, version {lease.get('version')}, "
             f"device {lease.get('device') if lease.get('device') not in (None, '') else 'cpu'})")
 
 
