@@ -31,7 +31,7 @@ class Column:
 
 
 def fit_table(console: Console, title: str, columns: list[Column], rows: list[list[str]]) -> tuple[Table, list[str]]:
-    """The table with the columns that fit ``console``'s width, and the names of those left out."""
+    """The table with the columns that fit ``console``'s width, and the names of those left out that had values."""
     kept = list(range(len(columns)))
 
     def natural(index: int) -> int:
@@ -46,9 +46,13 @@ def fit_table(console: Console, title: str, columns: list[Column], rows: list[li
             total += width + _PER_COLUMN
         return total
 
+    def empty(index: int) -> bool:
+        return not any(Text.from_markup(row[index]).plain.strip() for row in rows)
+
     while needed() > console.width and len(kept) > 1:
         droppable = [i for i in kept if not columns[i].text] or kept
-        kept.remove(min(droppable, key=lambda i: (columns[i].priority, -i)))
+        # A column empty in every row goes first: leaving it out loses nothing.
+        kept.remove(min(droppable, key=lambda i: (not empty(i), columns[i].priority, -i)))
     table = Table(title=title)
     for index in kept:
         column = columns[index]
@@ -58,4 +62,4 @@ def fit_table(console: Console, title: str, columns: list[Column], rows: list[li
             table.add_column(column.name, no_wrap=True, overflow="ellipsis")
     for row in rows:
         table.add_row(*(row[i] for i in kept))
-    return table, [columns[i].name for i in range(len(columns)) if i not in kept]
+    return table, [columns[i].name for i in range(len(columns)) if i not in kept and not empty(i)]
