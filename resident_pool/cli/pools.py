@@ -160,10 +160,13 @@ def stop(
     except ResidentPoolError as exc:
         if slug is not None:
             require_provider(slug, folder, as_json=as_json)
+        said = "no pool is running: nothing to stop" if exc.reason == "no_pool" else str(exc)
         if as_json:
-            print_json({"pool": None, "stopped": [], "note": str(exc)})
+            print_json({"pool": None, "stopped": [], "note": said})
         else:
-            console.print(f"{safe(exc)}; nothing to stop", highlight=False)
+            console.print(safe(said), highlight=False)
+        if exc.reason != "no_pool":
+            raise typer.Exit(1) from None
         return
     if as_json:
         print_json({"stopped": stopped})
