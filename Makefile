@@ -73,7 +73,7 @@ stack-down:
 
 # The manual (docs/, MkDocs with the Material theme) as a static site in site/; the suite builds it --strict too.
 docs: setup
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # The manual's UI screenshots (docs/img/) from a stack of their own on a free port; never run by a test.
 docs-screenshots: setup
