@@ -10,7 +10,8 @@ WORK_POOL ?= resident-pool
 
 BENCH_STAMP := $(VENV)/.bench-stamp
 
-.PHONY: setup test run lint bench bench-full clean reliability gpu-check server worker deploy stack-up stack-down
+.PHONY: setup test run lint bench bench-full clean reliability gpu-check server worker deploy stack-up stack-down \
+	docs docs-screenshots
 
 setup: $(STAMP)
 
@@ -70,5 +71,13 @@ stack-up: setup
 stack-down:
 	infra/local/stack.sh down
 
+# The manual (docs/, MkDocs with the Material theme) as a static site in site/; the suite builds it --strict too.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# The manual's UI screenshots (docs/img/) from a stack of their own on a free port; never run by a test.
+docs-screenshots: setup
+	$(PY) infra/local/docs_screenshots.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

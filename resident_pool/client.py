@@ -35,9 +35,28 @@ _request_ids = itertools.count(1)
 
 
 def default_manifests(manifests: str | os.PathLike[str] | None = None) -> Path:
-    """``manifests``, else $RESIDENT_POOL_MANIFESTS, else ./manifests; absolute."""
-    chosen = manifests or settings().manifests or "manifests"
-    return Path(chosen).expanduser().resolve()
+    """``manifests``, else $RESIDENT_POOL_MANIFESTS, else ./manifests where it exists, else the running pool's
+    folder; absolute (./manifests when none of them is there, so a message can name it)."""
+    chosen = manifests or settings().manifests
+    if chosen:
+        return Path(chosen).expanduser().resolve()
+    here = Path("manifests").resolve()
+    if here.is_dir():
+        return here
+    return running_pool_manifests() or here
+
+
+def running_pool_manifests() -> Path | None:
+    """The manifests folder of this host's running pool, as its hello says; None when no pool answers."""
+    try:
+        with connect(paths.pool_socket(paths.state_dir())) as sock:
+            sock.settimeout(settings().client_timeout_s)
+            send_line(sock, {"op": "hello", "version": __version__})
+            hello = recv_line(sock, bytearray())
+    except (OSError, ProtocolError, ResidentPoolError):  # none runs, it is not ours, or it went away
+        return None
+    folder = hello.get("manifests") if isinstance(hello, dict) else None
+    return Path(folder) if isinstance(folder, str) and os.path.isabs(folder) else None
 
 
 class _Link:

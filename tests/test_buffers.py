@@ -678,7 +678,7 @@ def test_minilm_returns_its_embeddings_as_one_array_when_asked(pool_dir):
 def test_the_cli_prints_arrays_in_a_result_as_lists(pool_dir):
     array_provider(pool_dir)
     payload = {"action": "make", "dtype": "uint16", "shape": [2, 40_000], "nbytes": 160_000, "hex": "0300"}
-    done = subprocess.run([sys.executable, "-m", "resident_pool", "predict", "arrays", "--json", json.dumps(payload)],
+    done = subprocess.run([sys.executable, "-m", "resident_pool", "predict", "arrays", "--payload", json.dumps(payload)],
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr + done.stdout
     assert json.loads(done.stdout)["value"] == [[3] * 40_000] * 2

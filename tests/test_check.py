@@ -305,7 +305,8 @@ def test_a_bad_manifest_and_an_absent_kit_fail_check(tmp_path):
 def test_an_unknown_slug_is_a_failure():
     done = run_check("nosuch", "--json")
     assert done.returncode == 1
-    assert "no such manifest file" in done.stdout
+    said = json.loads(done.stdout)
+    assert said["reason"] == "unknown_provider" and said["error"].startswith("nosuch: no provider of that name (")
 
 
 @pytest.fixture(scope="module")

@@ -486,7 +486,7 @@ def test_rich_markup_in_a_transcript_line_does_not_break_status_or_predict(pool_
     status = subprocess.run([sys.executable, "-m", "resident_pool", "status"], env=env, capture_output=True,
                             text=True, timeout=60, check=False)
     assert status.returncode == 0, status.stderr
-    failed = subprocess.run([sys.executable, "-m", "resident_pool", "predict", "loud", "--json",
+    failed = subprocess.run([sys.executable, "-m", "resident_pool", "predict", "loud", "--payload",
                              json.dumps({"action": "raise", "message": "[/model] \x1b[2J"})], env=env,
                             capture_output=True, text=True, timeout=60, check=False)
     assert failed.returncode == 1 and "MarkupError" not in failed.stderr + failed.stdout

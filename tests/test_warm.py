@@ -33,13 +33,13 @@ def test_warm_starts_the_replicas_asked_for_and_a_second_warm_starts_none(pool_d
     again = _cli("warm", "warmable", "--replicas", "2")
     assert "(0 started now)" in again.stdout
     too_many = _cli("warm", "warmable", "--replicas", "4")
-    assert too_many.returncode == 1 and "max_replicas = 3" in too_many.stdout
+    assert too_many.returncode == 1 and "max_replicas = 3" in too_many.stderr  # errors on stderr
 
 
 def test_warm_on_a_provider_that_cannot_start_fails_naming_why(pool_dir):
     write_provider(pool_dir, "broken", 'worker_args = ["{socket}", "--exit-before-bind", "3"]\n')
     done = _cli("warm", "broken")
-    assert done.returncode == 1 and "WorkerStartError" in done.stdout and "exit code 3" in done.stdout
+    assert done.returncode == 1 and "WorkerStartError" in done.stderr and "exit code 3" in done.stderr
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from ..admission import read_devices
 from ..client import Pool
-from ..errors import AdmissionRefused, GoldenMismatch, KitUnavailable, ResidentPoolError
+from ..errors import AdmissionRefused, GoldenMismatch, KitUnavailable, ResidentPoolError, error_from_dict
 from ..providers.exec_env import interpreter
 from ..providers.kit_rules import KitRow
 from ..providers.launch import check_weights, plan_launch
@@ -123,9 +123,25 @@ def run_smoke(manifest: Manifest, payload: Any, variant: Variant = DECLARED) -> 
                 result = session.predict(payload)
                 transcript = Path(session.transcript) if session.transcript else None
                 lease = dict(session.lease)
+        except ResidentPoolError as error:
+            raise _named_for_people(error, name, manifest.slug, variant) from None
         finally:
             pool.stop(name, now=True)
     return SmokeRun(result, transcript, lease)
+
+
+def _named_for_people(error: ResidentPoolError, key: str, slug: str, variant: Variant) -> ResidentPoolError:
+    """The error with the provider as people name it: the pool names a check's own build by its key
+    (``refuses~declared-1d2c9f``), which means nothing to a reader. Paths that hold the key (a transcript's)
+    are left whole: they are where the file is."""
+    said = slug if variant.name == DECLARED.name else f"{slug} ({variant.name})"
+    alone = re.compile(r"(?<![\w/.~-])" + re.escape(key) + r"(?![\w~-])")
+    data = error.to_dict()
+    for name in ("error", "headline"):
+        if isinstance(data.get(name), str):
+            data[name] = alone.sub(said, data[name])
+    data["slug"] = slug
+    return error_from_dict(data)
 
 
 def kit_says(transcript: Path | None, package: str) -> tuple[str | None, str]:
@@ -143,7 +159,9 @@ def kit_says(transcript: Path | None, package: str) -> tuple[str | None, str]:
 
 
 def _answered_by(lease: dict[str, Any]) -> str:
-    return (f"pid {lease.get('pid')} ({lease.get('slug')}, version {lease.get('version')}, "
+    slug, _, variant = str(lease.get("slug")).partition("~")  # the check's own build: named as people name it
+    build = f", the check's {variant.rsplit('-', 1)[0]} build" if variant else ""
+    return (f"pid {lease.get('pid')} ({slug}{build}, version {lease.get('version')}, "
             f"device {lease.get('device') if lease.get('device') not in (None, '') else 'cpu'})")
 
 

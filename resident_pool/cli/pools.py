@@ -1,0 +1,331 @@
+"""The commands that talk to the running pool: daemon, warm, predict, stop, metrics, events, logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ..errors import ResidentPoolError
+from ..providers.transcripts import read_tail, without_controls
+from .base import (
+    AsJson,
+    ManifestsOption,
+    app,
+    check_slug,
+    console,
+    errors,
+    fail,
+    manifests_dir,
+    print_json,
+    require_provider,
+    safe,
+)
+
+__all__ = ["pool_client"]
+
+FOLLOW_POLL_S = 0.5
+
+
+def pool_client(manifests: Path | None, start: bool = True):
+    from ..client import Pool
+
+    return Pool(manifests_dir(manifests), start=start)
+
+
+@app.command()
+def daemon(
+    manifests: ManifestsOption = None,
+    background: Annotated[bool, typer.Option("--background", help="Detach and return once started.")] = False,
+    quiet_exit_s: Annotated[
+        float | None, typer.Option(help="Exit after this long with no workers and no clients (0: never).")
+    ] = None,
+) -> None:
+    """Run this host's pool: it owns the workers, the ledger writes and the admission queue."""
+    from ..server.pool import PoolServer
+
+    if background and os.fork() > 0:
+        os._exit(0)  # the client that started us waits for this exit, then for the socket
+    log_format = "%(asctime)s %(name)s %(levelname)s %(message)s"
+    if background:
+        os.setsid()
+        # Detached, it writes pool.log in the log folder (its stdout and stderr too), rotated by size;
+        # under systemd it logs to stderr and the journal rotates.
+        from ..host.paths import log_dir
+        from ..ops.retention import PoolLogHandler
+        from ..settings import settings
+
+        handler = PoolLogHandler(log_dir() / "pool.log", int(settings().pool_log_max_mb * 2**20))
+        handler.setFormatter(logging.Formatter(log_format))
+        logging.basicConfig(level=logging.INFO, handlers=[handler])
+    else:
+        logging.basicConfig(level=logging.INFO, format=log_format)
+    server = PoolServer(manifests_dir(manifests), quiet_exit_s=quiet_exit_s)
+    # Never the folder it was started from (a shared project or scratch folder): what runs later
+    # (`python -c` probes, a tool's relative path) must find nothing planted there.
+    os.chdir(server.state_dir)
+    server.serve_forever()
+
+
+@app.command()
+def warm(
+    slug: str,
+    replicas: Annotated[int, typer.Option("--replicas", min=1, max=64,
+                                          help="How many workers of SLUG to have running.")] = 1,
+    as_json: AsJson = False,
+    manifests: ManifestsOption = None,
+) -> None:
+    """Start SLUG's workers now (starting the pool if none runs), so the next request finds them warm."""
+    folder = manifests_dir(manifests)
+    require_provider(slug, folder, as_json=as_json)
+    try:
+        with pool_client(folder) as pool:
+            result = pool.warm(slug, replicas)
+    except ResidentPoolError as exc:
+        fail(f"{type(exc).__name__}: {exc}", as_json, reason=exc.reason or "error")
+    if as_json:
+        print_json({**result, "replicas": replicas})
+    else:
+        console.print(f"{slug}: {result['already_warm'] + result['started']} of {replicas} worker(s) warm "
+                      f"({result['started']} started now)", highlight=False)
+        for error in result["errors"]:
+            errors.print(f"[red]failed[/]: {safe(error)}")
+    if result["errors"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def predict(
+    slug: str,
+    payload: Annotated[str | None, typer.Option("--payload", help="The payload as JSON text.")] = None,
+    input_file: Annotated[Path | None, typer.Option("--input", help="A file holding the JSON payload.")] = None,
+    json_text: Annotated[str | None, typer.Option(
+        "--json", hidden=True, help="The payload as JSON text (deprecated: use --payload).")] = None,
+    manifests: ManifestsOption = None,
+) -> None:
+    """Send one prediction to SLUG through the pool and print its result as JSON."""
+    if json_text is not None:
+        errors.print("resident-pool predict: --json TEXT is deprecated and goes in the next release: use "
+                     "--payload TEXT (--json means JSON output everywhere else)", highlight=False, markup=False)
+    given = [value for value in (payload, json_text, input_file) if value is not None]
+    if len(given) != 1:
+        raise typer.BadParameter("give the payload with exactly one of --payload TEXT or --input FILE")
+    try:
+        text = input_file.read_text() if input_file is not None else given[0]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise typer.BadParameter(f"cannot read {input_file}: {exc}", param_hint="--input") from None
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"the payload is not JSON: {exc}") from None
+    folder = manifests_dir(manifests)
+    require_provider(slug, folder)
+    try:
+        with pool_client(folder) as pool:
+            result = pool.predict(slug, body)
+    except ResidentPoolError as exc:
+        fail(f"{type(exc).__name__}: {exc}", reason=exc.reason or "error")
+    from ..arrays import plain
+
+    typer.echo(json.dumps(result, default=plain))  # arrays as nested lists, bytes as base64
+
+
+@app.command()
+def stop(
+    slug: Annotated[str | None, typer.Argument(help="The provider whose workers to stop.")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Stop every worker.")] = False,
+    now: Annotated[bool, typer.Option("--now", help="Do not let leased requests finish first.")] = False,
+    as_json: AsJson = False,
+    manifests: ManifestsOption = None,
+) -> None:
+    """Stop a provider's workers (or all of them); leased ones finish their requests first; the device is given back."""
+    if (slug is None) == (not all_):
+        raise typer.BadParameter("name one SLUG, or --all")
+    folder = manifests_dir(manifests)
+    if slug is not None:
+        check_slug(slug)
+    try:
+        with pool_client(folder, start=False) as pool:
+            if slug is not None:
+                # The pool's own providers count too: it may serve a folder other than this one.
+                running = {key.partition("~")[0] for key in pool.status().get("providers", {})}
+                require_provider(slug, folder, also=running, as_json=as_json)
+            stopped = pool.stop(None if all_ else slug, now=now)
+    except ResidentPoolError as exc:
+        if slug is not None:
+            require_provider(slug, folder, as_json=as_json)
+        said = "no pool is running: nothing to stop" if exc.reason == "no_pool" else str(exc)
+        if as_json:
+            print_json({"pool": None, "stopped": [], "note": said})
+        else:
+            console.print(safe(said), highlight=False)
+        if exc.reason != "no_pool":
+            raise typer.Exit(1) from None
+        return
+    if as_json:
+        print_json({"stopped": stopped})
+    else:
+        console.print("stopped: " + (", ".join(stopped) or "nothing was running"), highlight=False, markup=False)
+
+
+@app.command()
+def metrics(as_json: AsJson = False, manifests: ManifestsOption = None) -> None:
+    """The pool's metrics in Prometheus's text format (for a node-exporter textfile collector)."""
+    from ..ops.metrics import no_pool_text
+
+    try:
+        with pool_client(manifests, start=False) as pool:
+            text = pool.metrics_text()
+    except (ResidentPoolError, OSError) as exc:
+        errors.print(f"resident-pool metrics: {safe(exc)}", highlight=False)
+        text = no_pool_text()
+    if as_json:
+        print_json(_metric_families(text))
+    else:
+        typer.echo(text, nl=False)
+
+
+def _metric_families(text: str) -> list[dict[str, Any]]:
+    """Prometheus text as data: one entry per metric, its samples with their labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [{"name": family.name, "type": family.type, "help": family.documentation,
+             "samples": [{"name": s.name, "labels": s.labels, "value": s.value} for s in family.samples]}
+            for family in text_string_to_metric_families(text)]
+
+
+@app.command()
+def events(
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing events as they come.")] = False,
+    from_start: Annotated[bool, typer.Option(
+        "--from-start", help="Begin at the oldest kept event (the relay otherwise resumes where it stopped, "
+        "or begins with new events).")] = False,
+    to_prefect: Annotated[bool, typer.Option(
+        "--to-prefect", help="Relay each event to the Prefect API ($PREFECT_API_URL) instead of printing it; "
+        "runs until stopped.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Accepted for scripts: the events are JSON lines "
+                                          "either way.")] = False,
+) -> None:
+    """The pool's lifecycle events (workers started, stopped and why, over budget), one JSON object a line."""
+    from ..host.paths import log_dir
+    from ..ops.events import EVENTS_FILE, Follower
+
+    if to_prefect:
+        try:
+            from ..prefect import relay_events
+        except ImportError as exc:
+            raise typer.BadParameter(f"--to-prefect needs Prefect installed (pip install 'resident-pool[prefect]'): "
+                                     f"{exc}") from None
+        try:
+            relay_events(from_start=from_start, say=lambda line: typer.echo(line, err=True))
+        except ResidentPoolError as exc:
+            typer.echo(without_controls(str(exc)), err=True)
+            raise typer.Exit(1) from None
+        return
+    follower = Follower(log_dir() / EVENTS_FILE, from_start=from_start or not follow)
+    try:
+        while True:
+            for record in follower.poll():
+                typer.echo(json.dumps(record))
+            if not follow:
+                return
+            time.sleep(FOLLOW_POLL_S)
+    except KeyboardInterrupt:
+        return
+    finally:
+        follower.close()
+
+
+# <slug>-<replica>-<date>-<time>-<random>.log: `esm` must not take `esm-2`'s transcripts.
+_TRANSCRIPT = r"-\d+-(\d{8}-\d{6})-[0-9a-f]+\.log"
+
+
+def _transcripts(slug: str) -> list[Path]:
+    """SLUG's transcripts in the log folder, the latest start last: plain files the pool named, never a link."""
+    from ..host.paths import log_dir
+
+    name = re.compile(re.escape(slug) + _TRANSCRIPT)
+    found = []
+    for path in log_dir().glob(f"{slug}-*.log"):
+        match = name.fullmatch(path.name)
+        if match and path.is_file() and not path.is_symlink():
+            found.append(((match.group(1), path.stat().st_mtime), path))
+    return [path for _, path in sorted(found)]
+
+
+@app.command()
+def logs(
+    slug: str,
+    tail: Annotated[int, typer.Option("--tail", help="How many lines of the newest transcript.")] = 40,
+    follow: Annotated[bool, typer.Option(
+        "--follow", "-f", help="Keep printing what the newest transcript gains, and move to a newer one when a "
+        "worker starts, until Ctrl-C.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print {transcript, line} objects, one a line.")] = False,
+    manifests: ManifestsOption = None,
+) -> None:
+    """The newest transcript of SLUG's workers: its path, then its last lines."""
+    from ..host.paths import log_dir
+
+    check_slug(slug)
+    transcripts = _transcripts(slug)
+    if not transcripts:
+        require_provider(slug, manifests_dir(manifests), as_json=as_json)
+        fail(f"no transcript for {slug} in {log_dir()}: none of its workers has started since the log folder "
+             "was last cleared", as_json, reason="no_transcript")
+    newest = transcripts[-1]
+    say = _say(as_json)
+    say(newest, None)
+    for line in read_tail(newest, tail):
+        say(newest, line)
+    if follow:
+        try:
+            _follow(slug, newest, say)
+        except KeyboardInterrupt:
+            return
+
+
+def _say(as_json: bool):
+    def say(path: Path, line: str | None) -> None:
+        if as_json:
+            if line is not None:
+                typer.echo(json.dumps({"transcript": str(path), "line": without_controls(line)}))
+        elif line is None:
+            typer.echo(f"==> {without_controls(str(path))} <==")
+        else:
+            typer.echo(without_controls(line))
+    return say
+
+
+def _follow(slug: str, path: Path, say) -> None:
+    """Print what ``path`` gains; when a worker of SLUG starts (a newer transcript), go on with that one."""
+    newer = _follow_one(slug, path, say, from_end=True)
+    while True:
+        say(newer, None)
+        newer = _follow_one(slug, newer, say, from_end=False)
+
+
+def _follow_one(slug: str, path: Path, say, from_end: bool) -> Path:
+    """Print what ``path`` gains until a newer transcript of SLUG appears; return that one."""
+    with open(path, "rb") as handle:
+        if from_end:
+            handle.seek(0, os.SEEK_END)
+        partial = b""
+        while True:
+            chunk = handle.read()
+            if chunk:
+                *lines, partial = (partial + chunk).split(b"\n")
+                for line in lines:
+                    say(path, line.decode("utf-8", "replace"))
+                continue
+            transcripts = _transcripts(slug)
+            if transcripts and transcripts[-1] != path:
+                if partial:
+                    say(path, partial.decode("utf-8", "replace"))
+                return transcripts[-1]
+            time.sleep(FOLLOW_POLL_S)
