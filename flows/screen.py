@@ -42,9 +42,9 @@ from resident_pool.campaigns.campaign import BLOCK, Campaign, CampaignSettings, 
 from resident_pool.campaigns.inputs import FORMATS, InputFile
 from resident_pool.campaigns.results import ResultStore, provider_version
 from resident_pool.client import default_manifests
-from resident_pool.errors import CampaignFailed, InputError, ManifestError, ResidentPoolError, WorkerRequestError
+from resident_pool.errors import CampaignFailed, InputError, ResidentPoolError, WorkerRequestError
 from resident_pool.prefect import artifact_key, pool_session, retry_pool_failures
-from resident_pool.providers.manifest import SLUG, Manifest, load_manifest
+from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
 from resident_pool.settings import settings as pool_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,9 +281,7 @@ def _is_input_name(path: Path) -> bool:
 
 
 def _load_provider(manifests: str, provider: str) -> Manifest:
-    if not SLUG.fullmatch(provider):
-        raise ManifestError(f"{provider!r} is not a provider name (lowercase letters, digits, '-' or '_')")
-    return load_manifest(Path(manifests) / provider / "manifest.toml")
+    return load_manifest(manifest_path(manifests, provider))
 
 
 @flow(name="screen", task_runner=ThreadPoolTaskRunner(), log_prints=True)

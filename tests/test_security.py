@@ -1029,3 +1029,26 @@ def test_a_client_that_stops_reading_does_not_stop_keepalives_to_the_others(monk
         for sock in (a_pool, a_client, b_pool, b_client):
             sock.close()
     assert not any(op.is_alive() for op in ops)  # A's op ended too: no beat holds its send lock
+
+
+# -- review round 3: the Prefect stack, shared inboxes, hostile workers and inputs --------------------------------
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_validate_and_check_take_only_a_whole_provider_name(pool_dir, tmp_path, security_row):
+    sys.path.insert(0, str(ROOT / "flows"))
+    from validate import validate
+
+    evil = copy_echo(tmp_path / "elsewhere")  # a manifest outside the providers' folder
+    copy_echo(pool_dir)
+    name = "../elsewhere/echo"
+    assert (pool_dir / name / "manifest.toml").exists()  # the path would reach it
+    state = validate(manifests=str(pool_dir), providers=[name], smoke=True, return_state=True)
+    assert state.is_failed() and "is not a provider name" in str(state.message), state.message
+    done = subprocess.run([str(Path(sys.executable).with_name("resident-pool")), "check", "--smoke",
+                           "--manifests", str(pool_dir), name], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 2 and "is not a provider name" in done.stderr, done.stdout + done.stderr
+    assert not Path(paths.state_dir(), "pool.sock").exists()  # nothing was started, for either folder
+    assert evil.exists()
+    security_row("validate --smoke ../elsewhere/echo; resident-pool check ../elsewhere/echo",
+                 "refused as not a provider name; nothing started")

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..arrays import plain
-from ..errors import ResidentPoolError
+from ..errors import ManifestError, ResidentPoolError
 from ..providers.manifest import json_schema
 from ..providers.transcripts import without_controls
 from ..validation.check import check_providers, junit_xml
@@ -78,8 +78,11 @@ def check(
         raise typer.BadParameter("name the providers to bless: `resident-pool check --bless SLUG...`")
     if force and not bless:
         raise typer.BadParameter("--force only applies to --bless")
-    results = check_providers(manifests_dir(manifests), slugs or [], smoke=smoke, against_stock=against_stock,
-                              bless=bless, force=force)
+    try:
+        results = check_providers(manifests_dir(manifests), slugs or [], smoke=smoke, against_stock=against_stock,
+                                  bless=bless, force=force)
+    except ManifestError as exc:  # a name that is not a provider's: nothing was checked
+        raise typer.BadParameter(safe(exc), param_hint="SLUG") from None
     if junit:
         junit.write_text(junit_xml(results))
     failed = [r for r in results if not r.ok and not r.skipped]
