@@ -12,6 +12,7 @@ the HTTP endpoint (loopback, off by default) can be read by any local user.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ WAIT_BUCKETS_S = (0.01, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 1800.0, 36
 UP_HELP = "1 when the pool answered (`resident-pool metrics` prints 0 when none runs)"
 _REASON = re.compile(r"[a-z][a-z0-9_]{0,39}")
 _MAX_REASONS = 16
+MAX_COUNT = 2**53  # the largest integer below which every integer is a float; a worker's count at or over it is a lie
 GIB = 1024**3
 
 # Every family the pool exports (histograms add _bucket, _sum and _count; counters _total).
@@ -89,8 +91,7 @@ class WorkerCounts:
             failures = answer.get("failures") or {}
             if (not _count(requests) or list(bounds) != list(LATENCY_BUCKETS_S)
                     or len(counts) != len(LATENCY_BUCKETS_S) + 1 or not all(_count(c) for c in counts)
-                    or not isinstance(total, int | float) or total < 0 or not isinstance(failures, dict)
-                    or len(failures) > _MAX_REASONS):
+                    or not _seconds(total) or not isinstance(failures, dict) or len(failures) > _MAX_REASONS):
                 return None
             kept = {}
             for reason, n in failures.items():
@@ -103,7 +104,15 @@ class WorkerCounts:
 
 
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """A count a float holds exactly: the text format writes every sample as a float, and one past 1e308
+    raised OverflowError in every later scrape (resident_pool_up included) until the pool restarted."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT
+
+
+def _seconds(value: Any) -> bool:
+    """A sum of durations: finite and not negative (NaN or infinity would poison every sum it joins)."""
+    return (isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < MAX_COUNT
+            and math.isfinite(value))
 
 
 class StatsBook:
