@@ -1052,3 +1052,50 @@ def test_validate_and_check_take_only_a_whole_provider_name(pool_dir, tmp_path, 
     assert evil.exists()
     security_row("validate --smoke ../elsewhere/echo; resident-pool check ../elsewhere/echo",
                  "refused as not a provider name; nothing started")
+
+
+SQUATTER = textwrap.dedent(
+    """
+    import socket, sys
+    server = socket.socket()
+    server.bind(("127.0.0.1", int(sys.argv[1])))
+    server.listen(8)
+    print("ready", flush=True)
+    while True:
+        conn, _ = server.accept()
+        conn.recv(65536)
+        body = b"resident_pool_up 1\\nresident_pool_requests_total{provider=\\"echo\\",replica=\\"0\\"} 0\\n"
+        conn.sendall(b"HTTP/1.0 200 OK\\r\\nContent-Type: text/plain\\r\\n\\r\\n" + body)
+        conn.close()
+    """
+)
+
+
+def test_a_metrics_port_another_user_took_first_is_named_loudly_and_no_metrics_are_served(
+        pool_dir, isolated_dirs, monkeypatch, other_user, security_row):
+    from conftest import SYSTEM_PYTHON
+    from helpers import free_port
+
+    port = free_port()
+    uid = pwd.getpwnam(other_user).pw_uid
+    squatter = subprocess.Popen(["setpriv", f"--reuid={other_user}", f"--regid={other_user}", "--clear-groups",
+                                 SYSTEM_PYTHON, "-c", SQUATTER, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline().strip() == "ready"
+        monkeypatch.setenv("RESIDENT_POOL_METRICS_PORT", str(port))
+        copy_echo(pool_dir)
+        with Pool() as pool:
+            pool.predict("echo", {})
+            state = pool.status()["pool"]
+    finally:
+        squatter.kill()
+        squatter.wait()
+        squatter.stdout.close()
+    assert state["metrics"] is None
+    said = state["metrics_error"]
+    assert f"127.0.0.1:{port} is already taken by uid {uid} ({other_user}), not this pool" in said, said
+    assert "RESIDENT_POOL_METRICS_PORT" in said
+    log = Path(isolated_dirs["logs"], "pool.log").read_text()
+    assert f"taken by uid {uid} ({other_user})" in log
+    security_row("another user listens on the metrics port first, serving resident_pool_up 1",
+                 "the pool names the holder (uid) in its log and status and serves no metrics anywhere")

@@ -201,6 +201,8 @@ def status(
         console.print(table)
     else:
         console.print(f"resident-pool (pid {state['pool']['pid']}): no workers held; the next request starts one")
+    if pool.get("metrics_error"):
+        console.print(f"[red]no metrics served[/]: {safe(pool['metrics_error'])}")
     if state["waiting"]:
         console.print("waiting: " + safe("; ".join(json.dumps(w) for w in state["waiting"])))
     for slug, breaker in state["breakers"].items():

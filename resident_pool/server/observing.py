@@ -58,6 +58,7 @@ class PoolObserving:
         self.transcripts_keep = config.transcripts_keep
         self.transcripts_max_bytes = int(config.transcripts_max_mb * 2**20)
         self._http: Any = None
+        self.metrics_error: str | None = None
         self._accept_tick = time.monotonic()
         self._watchdog_s = watchdog_interval_s()
         self._last_watchdog = 0.0
@@ -70,9 +71,9 @@ class PoolObserving:
             try:
                 self._http = serve_http(self.metrics_port, self.metrics.registry)
                 log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
-            except OSError as exc:
-                log.error("cannot serve metrics on 127.0.0.1:%d (%s); choose a free RESIDENT_POOL_METRICS_PORT; "
-                          "`resident-pool metrics` still prints them", self.metrics_port, exc)
+            except ResidentPoolError as exc:  # a port someone else holds: said in the log and in status
+                self.metrics_error = str(exc)
+                log.error("%s", exc)
         self._prune_due |= transcript_slugs(paths.log_dir())
         self.events.emit("pool.started", version=__version__, manifests=str(self.manifests))
         threading.Thread(target=self._observe_loop, name="observe", daemon=True).start()
@@ -283,6 +284,7 @@ class PoolObserving:
                                         "measured_peak_gb": peak,
                                         "budget_advice": budget_advice(facts["budget_gb"], peak), **facts}
         state["pool"]["metrics"] = f"http://127.0.0.1:{self.metrics_port}/metrics" if self._http else None
+        state["pool"]["metrics_error"] = self.metrics_error
         state["pool"]["events"] = str(self.events.path)
         return state
 
