@@ -65,11 +65,11 @@ PROGRESS_EVERY_S = 2.0  # a progress update is an API call: a million-input camp
     cache_policy=NO_CACHE,
 )
 def predict_chunk(provider: str, manifests: str, texts: list[str], options: dict[str, Any], first: int,
-                  last: int) -> dict[str, Any]:
+                  last: int, max_attachment_bytes: int | None = None) -> dict[str, Any]:
     """One chunk on one held worker; an input the model refuses fails alone."""
     started = time.monotonic()
     failed: dict[int, tuple[str, str]] = {}
-    with pool_session(provider, manifests) as session:
+    with pool_session(provider, manifests, max_attachment_bytes=max_attachment_bytes) as session:
         cold, pid = session.cold, session.pid
         version = session.lease.get("version")
         try:
@@ -163,9 +163,11 @@ class _FileRun:
     """One input file through the provider: a bounded window of chunk futures, settled as they finish."""
 
     def __init__(self, source: InputFile, campaign: Campaign, *, provider: str, manifests: str,
-                 options: dict[str, Any], submit: Submit, window: int, progress: _Progress) -> None:
+                 options: dict[str, Any], submit: Submit, window: int, progress: _Progress,
+                 limits: CampaignSettings) -> None:
         self.source, self.campaign = source, campaign
         self.provider, self.manifests, self.options = provider, manifests, options
+        self.max_attachment_bytes = limits.max_attachment_bytes
         self.submit, self.window, self.progress = submit, window, progress
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight: dict[Any, Chunk] = {}
@@ -194,7 +196,7 @@ class _FileRun:
             self.settle(block=True)
         future = self.submit(predict_chunk, {"provider": self.provider, "manifests": self.manifests,
                                              "texts": chunk.texts, "options": self.options, "first": chunk.first,
-                                             "last": chunk.last})
+                                             "last": chunk.last, "max_attachment_bytes": self.max_attachment_bytes})
         self.in_flight[future] = chunk
         future.add_done_callback(self.done.put)
 
@@ -230,7 +232,8 @@ def _screen_file(source: InputFile, output: Path, *, store: ResultStore, version
                  **run: Any) -> dict[str, Any]:
     """One input file through the provider; returns its line of the summary."""
     started = time.monotonic()
-    campaign = Campaign(store, version, run["options"], chunk_size, output)
+    campaign = Campaign(store, version, run["options"], chunk_size, output,
+                        max_result_bytes=run["limits"].max_result_bytes)
     try:
         _FileRun(source, campaign, **run).run()
         written = campaign.write(fmt)
@@ -243,7 +246,7 @@ def _screen_file(source: InputFile, output: Path, *, store: ResultStore, version
 
 # -- the flow ---------------------------------------------------------------------------
 def _input_files(input: str, output: str | None, provider: str, fmt: str, column: str | None,
-                 id_column: str | None, limit: int) -> tuple[list[tuple[InputFile, Path]], list[str]]:
+                 id_column: str | None, limits: CampaignSettings) -> tuple[list[tuple[InputFile, Path]], list[str]]:
     """The files to screen with their outputs, and the files refused (one sentence each)."""
     path = Path(input).expanduser()
     if path.is_dir():
@@ -264,7 +267,8 @@ def _input_files(input: str, output: str | None, provider: str, fmt: str, column
         if target.resolve() == candidate.resolve():
             raise InputError(f"{target}: the output would replace its own input; give another --output")
         try:
-            source = InputFile(candidate, column=column, id_column=id_column, max_record_bytes=limit)
+            source = InputFile(candidate, column=column, id_column=id_column, max_record_bytes=limits.max_record_bytes,
+                               max_input_bytes=limits.max_input_bytes, max_input_records=limits.max_input_records)
             source.check()
         except InputError as error:
             refused.append(str(error))
@@ -316,8 +320,7 @@ def screen(
         if chunk_size < 1 or (max_workers is not None and max_workers < 1):
             raise InputError(f"chunk_size ({chunk_size}) and max_workers ({max_workers}) must be at least 1")
         manifest = _load_provider(manifests_dir, provider)
-        files, refused = _input_files(input, output, provider, format, column, id_column,
-                                      settings.max_record_bytes)
+        files, refused = _input_files(input, output, provider, format, column, id_column, settings)
         if len(refused) == 1 and not files and not Path(input).is_dir():
             raise InputError(refused[0])
         store = ResultStore.for_provider(provider, settings.results_dir)
@@ -333,7 +336,8 @@ def screen(
             try:
                 summaries.append(_screen_file(source, target, provider=provider, manifests=manifests_dir,
                                               version=version, store=store, options=options, chunk_size=chunk_size,
-                                              fmt=format, submit=submit, window=window, progress=progress))
+                                              fmt=format, submit=submit, window=window, progress=progress,
+                                              limits=settings))
             except InputError as error:
                 refused.append(str(error))
     for problem in refused:

@@ -27,6 +27,8 @@ from typing import IO
 from ..errors import InputError
 
 __all__ = [
+    "DEFAULT_MAX_INPUT_BYTES",
+    "DEFAULT_MAX_INPUT_RECORDS",
     "DEFAULT_MAX_RECORD_BYTES",
     "FORMATS",
     "ID_FIELDS",
@@ -40,6 +42,9 @@ __all__ = [
 
 SNIFF_BYTES = 64 * 1024
 DEFAULT_MAX_RECORD_BYTES = 1 << 20  # a titin-sized protein is 35 kB; a record this large is a mistake
+# Per file, set by the operator, not by the input: a 7 kB .fasta.gz held a million records (a 106 MB output).
+DEFAULT_MAX_INPUT_BYTES = 10 * 10**9
+DEFAULT_MAX_INPUT_RECORDS = 50_000_000
 TEXT_FIELDS = ("sequence", "text", "input", "seq")
 # A column or field of these names holds sequences: read as FASTA's are (spaces dropped, upper case), so the
 # same protein is the same input whichever file it comes from. "text" and "input" are kept as written.
@@ -121,12 +126,15 @@ class InputFile:
     """One input file: ``check()`` it, then iterate ``records()`` lazily."""
 
     def __init__(self, path: str | os.PathLike[str], *, column: str | None = None, id_column: str | None = None,
-                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
+                 max_input_records: int = DEFAULT_MAX_INPUT_RECORDS) -> None:
         self.path = Path(path)
         self.format, self.compressed = input_format(self.path)
         self.column = column
         self.id_column = id_column
         self.max_record_bytes = max_record_bytes
+        self.max_input_bytes = max_input_bytes
+        self.max_input_records = max_input_records
         self._raw: IO[bytes] | None = None
 
     # -- opening -------------------------------------------------------------------
@@ -202,10 +210,20 @@ class InputFile:
 
     # -- all of it -------------------------------------------------------------------
     def records(self) -> Iterator[Record]:
-        """Every record of the file, in order, read lazily; bad ones carry their error."""
+        """Every record of the file, in order, read lazily; bad ones carry their error.
+
+        Past the operator's limits (records, or bytes once decompressed) it raises InputError: the file
+        is refused as a whole, never cut short into an output that looks complete.
+        """
         with self._open() as stream:
+            limit = self.max_input_records
             try:
-                yield from self._parse(stream)
+                for count, record in enumerate(self._parse(_Bounded(stream, self)), 1):
+                    if count > limit:
+                        raise InputError(f"{self.path}: more than {limit:,} records (RESIDENT_POOL_MAX_INPUT_RECORDS); "
+                                         "no output is written for it: split the file, or raise the limit",
+                                         details={"path": str(self.path), "limit": "records"})
+                    yield record
             except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
                 raise InputError(f"{self.path}: the compressed data is damaged ({exc}); the records before the "
                                  "damage were read", details={"path": str(self.path)}) from None
@@ -354,6 +372,29 @@ class InputFile:
                 value = _sequence_text(text) if text_name.lower() in SEQUENCE_FIELDS else text.strip()
                 yield Record(index, identifier, value, number)
             index += 1
+
+
+class _Bounded:
+    """A stream that raises InputError once more than the file's ``max_input_bytes`` have come out of it."""
+
+    def __init__(self, stream: IO[bytes], source: InputFile) -> None:
+        self.stream, self.source = stream, source
+        self.left = source.max_input_bytes
+
+    def _count(self, data: bytes) -> bytes:
+        self.left -= len(data)
+        if self.left < 0:
+            what = "decompressed" if self.source.compressed else "read"
+            raise InputError(f"{self.source.path}: more than {self.source.max_input_bytes:,} bytes {what} "
+                             "(RESIDENT_POOL_MAX_INPUT_BYTES); no output is written for it: split the file, or "
+                             "raise the limit", details={"path": str(self.source.path), "limit": "bytes"})
+        return data
+
+    def read(self, size: int = -1) -> bytes:
+        return self._count(self.stream.read(size if size >= 0 else self.left + 1))
+
+    def readline(self, size: int = -1) -> bytes:
+        return self._count(self.stream.readline(size if size >= 0 else self.left + 1))
 
 
 class _FastaBlocks:
