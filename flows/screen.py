@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import queue
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -254,8 +255,10 @@ def _input_files(input: str, output: str | None, provider: str, fmt: str, column
         if outbox.resolve() == path.resolve():
             raise InputError(f"{outbox}: the outputs cannot go into the inbox itself (the next run would screen "
                              "them); give another --output folder")
-        candidates = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
-        candidates = [p for p in candidates if _is_input_name(p)]
+        # Every entry named as an input, links and special files included: opening refuses those by name
+        # (an inbox others write into may hold a planted link), and the summary lists them.
+        candidates = sorted(p for p in path.iterdir() if not p.name.startswith(".") and _is_input_name(p)
+                            and not _is_folder(p))
         targets = [(p, outbox / output_name(p, provider, fmt)) for p in candidates]
     else:
         # Beside its input, as an inbox's go to <inbox>/screened: two inputs of one name never share an output,
@@ -264,6 +267,9 @@ def _input_files(input: str, output: str | None, provider: str, fmt: str, column
         targets = [(path, Path(output).expanduser() if output else default)]
     files, refused = [], []
     for candidate, target in targets:
+        if not candidate.name.isprintable():
+            refused.append(f"{candidate.parent}/{candidate.name!r}: a file name with control characters; rename it")
+            continue
         if target.resolve() == candidate.resolve():
             raise InputError(f"{target}: the output would replace its own input; give another --output")
         try:
@@ -275,6 +281,14 @@ def _input_files(input: str, output: str | None, provider: str, fmt: str, column
             continue
         files.append((source, target))
     return files, refused
+
+
+def _is_folder(path: Path) -> bool:
+    """A folder itself (not a link to one); one gone since it was listed counts as none."""
+    try:
+        return stat.S_ISDIR(path.lstat().st_mode)
+    except FileNotFoundError:
+        return True
 
 
 def _is_input_name(path: Path) -> bool:

@@ -639,10 +639,7 @@ def test_one_item_with_bad_base64_fails_its_record_alone_in_parquet_and_jsonl_an
         state = _state(pool_dir, input=str(inputs), provider="f32", output=str(output), format=fmt)
         assert state.is_completed() and state.message == "4 ok, 1 failed", state.message
         assert state.result()["from_store"] == (4 if run == 2 else 0)
-        if fmt == "parquet":
-            table = pq.read_table(output).to_pylist()
-        else:
-            table = _records(output)
+        table = pq.read_table(output).to_pylist() if fmt == "parquet" else _records(output)
         assert [row["ok"] for row in table] == [True] * 4 + [False]
         bad = table[4]
         assert bad["reason"] == "bad_answer" and "embedding_f32: not base64 float32 text" in bad["error"], bad

@@ -17,6 +17,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import statistics
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -28,6 +29,7 @@ from .. import arrays
 from ..errors import InputError
 from ..settings import settings
 from .inputs import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_RECORDS, DEFAULT_MAX_RECORD_BYTES, Record
+from .outdir import OutputDir
 from .results import ResultStore, default_results_dir, options_text, result_key
 
 __all__ = [
@@ -104,32 +106,31 @@ class Chunk:
         return len(self.keys)
 
 
-def _open_new(path: Path, flags: int) -> int:
-    """Open for writing without following a symlink at ``path``; created with the user's umask."""
-    try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | flags, 0o666)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot write the output there ({exc.strerror}); a symlink is never followed",
-                         details={"path": str(path)}) from None
-
-
-def _locked_journal(path: Path, output: Path) -> int:
+def _locked_journal(folder: OutputDir, name: str, output: Path) -> int:
     """``<output>.partial``, opened, locked and emptied: one campaign writes an output at a time.
 
     Another run on the same inbox at once (a slow night, a hand-started run) is refused here, before it
-    computes anything; the lock goes with the process, however it ends.
+    computes anything; the lock goes with the process, however it ends. A file that is not ours alone (a
+    hard link or a file someone else put there, in a folder others can write) is refused, never emptied.
     """
+    path = folder.path / name
     while True:
-        fd = _open_new(path, os.O_APPEND)
+        fd = folder.open(name, os.O_APPEND)
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode) or opened.st_uid != os.getuid() or opened.st_nlink != 1:
+            os.close(fd)
+            raise InputError(f"{path}: is not a file of yours alone (owner uid {opened.st_uid}, "
+                             f"{opened.st_nlink} link(s)), so it is never emptied or written; remove it, or give "
+                             "another --output", details={"path": str(path)})
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise InputError(f"{output}: another campaign is writing this output now ({path.name} is locked); "
+            raise InputError(f"{output}: another campaign is writing this output now ({name} is locked); "
                              "let it finish and run again, or give another --output",
                              details={"path": str(output)}) from None
         try:  # the campaign that held it may have removed it on its way out: lock the file that is there
-            current = os.path.samestat(os.fstat(fd), os.lstat(path))
+            current = os.path.samestat(opened, folder.lstat(name))
         except FileNotFoundError:
             current = False
         if current:
@@ -157,7 +158,7 @@ class Campaign:
         self.chunk_size = chunk_size
         self.max_result_bytes = max_result_bytes
         self.output = Path(output)
-        self.journal_path = self.output.with_name(self.output.name + ".partial")
+        self.journal_name = self.output.name + ".partial"
         self.pending = Chunk()
         self.waiting: set[bytes] = set()  # keys pending or in flight: a duplicate of one is not computed twice
         self.counts = {"inputs": 0, "bad_input": 0, "from_store": 0, "duplicates": 0, "computed": 0, "chunks": 0}
@@ -169,12 +170,18 @@ class Campaign:
             CREATE TEMP TABLE slots (idx INTEGER PRIMARY KEY, id TEXT NOT NULL, key BLOB, error TEXT);
             CREATE TEMP TABLE failures (key BLOB PRIMARY KEY, reason TEXT NOT NULL, error TEXT NOT NULL);
         """)
-        self.output.parent.mkdir(parents=True, exist_ok=True)
-        self.journal = os.fdopen(_locked_journal(self.journal_path, self.output), "w", encoding="utf-8")
+        self.folder = OutputDir(self.output.parent)
+        try:
+            self.journal = os.fdopen(_locked_journal(self.folder, self.journal_name, self.output), "w",
+                                     encoding="utf-8")
+        except BaseException:
+            self.folder.close()
+            raise
 
     def close(self) -> None:
         if not self.journal.closed:
             self.journal.close()
+        self.folder.close()
         self.db.executescript("DROP TABLE IF EXISTS temp.slots; DROP TABLE IF EXISTS temp.failures;")
 
     # -- planning -----------------------------------------------------------------
@@ -289,8 +296,8 @@ class Campaign:
         if fmt not in OUTPUT_FORMATS:
             raise InputError(f"unknown output format {fmt!r}; use one of {', '.join(OUTPUT_FORMATS)}")
         self.journal.flush()  # kept open, and locked, until the output has replaced the old one
-        temp = self.output.with_name(f".{self.output.name}.{uuid.uuid4().hex[:8]}.tmp")
-        fd = _open_new(temp, os.O_EXCL)
+        temp = f".{self.output.name}.{uuid.uuid4().hex[:8]}.tmp"
+        fd = self.folder.open(temp, os.O_EXCL)
         try:
             with os.fdopen(fd, "wb") as out:
                 rows = _Counted(self._joined())
@@ -298,12 +305,12 @@ class Campaign:
                     _write_parquet(out, rows, self._first_result())
                 else:
                     _write_jsonl(out, rows)
-            os.replace(temp, self.output)
+            self.folder.replace(temp, self.output.name)
         except BaseException:
-            temp.unlink(missing_ok=True)
+            self.folder.unlink(temp)
             raise
         self._forget(rows.demoted)
-        self.journal_path.unlink(missing_ok=True)
+        self.folder.unlink(self.journal_name)
         self.journal.close()
         return rows.counts
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import errno
 import gzip
 import io
 import itertools
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import IO
 
 from ..errors import InputError
+from ..host.trust import others_may_write
 
 __all__ = [
     "DEFAULT_MAX_INPUT_BYTES",
@@ -38,6 +40,8 @@ __all__ = [
     "InputFile",
     "Record",
     "input_format",
+    "open_input",
+    "snippet",
 ]
 
 SNIFF_BYTES = 64 * 1024
@@ -140,21 +144,8 @@ class InputFile:
     # -- opening -------------------------------------------------------------------
     @contextmanager
     def _open(self) -> Iterator[IO[bytes]]:
-        try:
-            # O_NONBLOCK: a FIFO named seqs.fasta must not hang the campaign before it is refused.
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
-        except FileNotFoundError:
-            raise InputError(f"{self.path}: no such input file; give a FASTA, CSV, TSV or JSONL file, or a folder "
-                             "of them", details={"path": str(self.path)}) from None
-        except OSError as exc:
-            raise InputError(f"{self.path}: cannot be opened ({exc.strerror})", details={"path": str(self.path)}) \
-                from None
+        fd = open_input(self.path)
         opened = os.fstat(fd)
-        if not stat.S_ISREG(opened.st_mode):
-            os.close(fd)
-            raise InputError(f"{self.path}: not a regular file; give a FASTA, CSV, TSV or JSONL file",
-                             details={"path": str(self.path)})
-        os.set_blocking(fd, True)
         with open(fd, "rb", buffering=1 << 20) as raw:
             self._raw = raw
             if not self.compressed:
@@ -171,7 +162,7 @@ class InputFile:
                                  details={"path": str(self.path)})
 
     def size(self) -> int:
-        return self.path.stat().st_size
+        return os.lstat(self.path).st_size
 
     def bytes_read(self) -> int:
         """How far into the file (compressed bytes, for .gz) the reader has got."""
@@ -313,7 +304,7 @@ class InputFile:
             identifier = identifier or f"line-{number}"
             value = normalize(cells[text_at]) if text_at < len(cells) else ""
             if not value:
-                yield self.bad(index, identifier, number, f"no value in column {header[text_at]!r}")
+                yield self.bad(index, identifier, number, f"no value in column {snippet(header[text_at])}")
             else:
                 yield Record(index, identifier, value, number)
             index += 1
@@ -330,8 +321,9 @@ class InputFile:
         if not required:
             return None
         asked = repr(wanted) if wanted else " or ".join(repr(name) for name in defaults)
-        raise InputError(f"{self.path}: no column named {asked} (matched ignoring case); its columns are "
-                         f"{header}; name the input column with {option} NAME", details={"path": str(self.path)})
+        columns = snippet(", ".join(header)) if header else "none"
+        raise InputError(f"{self.path}: no column named {asked} (matched ignoring case); its header row reads "
+                         f"{columns}; name the input column with {option} NAME", details={"path": str(self.path)})
 
     # JSON Lines ----------------------------------------------------------------------
     def _jsonl(self, lines: _Lines) -> Iterator[Record]:
@@ -489,6 +481,75 @@ class _FastaBlocks:
         record = self.source.fasta_record(self.index, self.line, data, over=over, last=last)
         self.index += 1
         return record
+
+
+# Kernel and device filesystems: a name there is never an input file, whatever it is called or linked as.
+SPECIAL_FOLDERS = ("/proc", "/sys", "/dev")
+
+
+def open_input(path: Path) -> int:
+    """Open an input file for reading, never following a link to it; returns the descriptor (blocking).
+
+    An inbox others can write into may hold a link planted to your private files or to
+    ``/proc/self/environ``, so: a symlink as the last component is refused (O_NOFOLLOW), as are
+    every special file (checked on the opened file, so a swap after the check changes nothing),
+    anything under /proc, /sys or /dev by name and by filesystem, and a file with more than one hard
+    link in a folder others can write (a planted hard link to your file). Its owner does not matter:
+    a colleague's file in a group inbox is fine. A refusal names the file and never quotes it.
+    """
+    where = {"path": str(path)}
+    spelled = os.path.abspath(path)
+    for real in (spelled, os.path.realpath(path)):
+        for top in SPECIAL_FOLDERS:
+            if real == top or real.startswith(top + "/"):
+                raise InputError(f"{path}: lies under {top}, a kernel or device folder, never an input; give a "
+                                 "FASTA, CSV, TSV or JSONL file", details=where)
+    try:
+        # O_NONBLOCK: a FIFO named seqs.fasta must not hang the campaign before it is refused.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such input file; give a FASTA, CSV, TSV or JSONL file, or a folder of them",
+                         details=where) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InputError(f"{path}: a symbolic link; an input is opened, never followed: give the file itself",
+                             details=where) from None
+        raise InputError(f"{path}: cannot be opened ({exc.strerror})", details=where) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(f"{path}: not a regular file (a FIFO, socket, device or folder); give a FASTA, CSV, "
+                             "TSV or JSONL file", details=where)
+        if info.st_dev in _special_devices():
+            raise InputError(f"{path}: a file of a kernel or device filesystem, never an input", details=where)
+        if info.st_nlink > 1:
+            folder = os.stat(os.path.dirname(spelled))
+            writable = others_may_write(folder)
+            if writable:
+                raise InputError(
+                    f"{path}: has {info.st_nlink} hard links and lies in a folder {' and '.join(writable)} can write "
+                    "into, so it may be a link planted to someone's private file; copy the file in instead of "
+                    "linking it", details=where)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _special_devices() -> set[int]:
+    devices = set()
+    for top in SPECIAL_FOLDERS:
+        try:
+            devices.add(os.stat(top).st_dev)
+        except OSError:
+            continue
+    return devices
+
+
+def snippet(text: str, limit: int = 40) -> str:
+    """At most ``limit`` characters of ``text`` quoted with escapes: what an error may show of an input."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
 def _text_so_far(data: bytes) -> bool:
