@@ -45,6 +45,7 @@ from resident_pool.campaigns.results import ResultStore, provider_version
 from resident_pool.client import default_manifests
 from resident_pool.errors import CampaignFailed, InputError, ResidentPoolError, WorkerRequestError
 from resident_pool.prefect import artifact_key, pool_session, retry_pool_failures
+from resident_pool.prefect.roots import check_path
 from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
 from resident_pool.settings import settings as pool_settings
 
@@ -284,7 +285,7 @@ def _input_files(input: str, output: str | None, provider: str, fmt: str, column
 
 
 def _is_folder(path: Path) -> bool:
-    """A folder itself (not a link to one); one gone since it was listed counts as none."""
+    """A folder itself (not a link to one), or an entry gone since it was listed: neither is an input."""
     try:
         return stat.S_ISDIR(path.lstat().st_mode)
     except FileNotFoundError:
@@ -296,6 +297,14 @@ def _is_input_name(path: Path) -> bool:
     if suffixes and suffixes[-1] == ".gz":
         suffixes.pop()
     return bool(suffixes) and suffixes[-1] in FORMATS
+
+
+def _check_roots(input: str, output: str | None, manifests: str | None) -> None:
+    """The paths this run was given, within the folders the worker host allows (resident_pool.prefect.roots)."""
+    check_path(input, "input")
+    check_path(output or (Path(input) / "screened" if Path(input).is_dir() else Path(input).parent), "output")
+    if manifests is not None:
+        check_path(manifests, "manifests")
 
 
 def _load_provider(manifests: str, provider: str) -> Manifest:
@@ -328,8 +337,9 @@ def screen(
     """
     started = time.monotonic()
     logger = get_run_logger()
-    manifests_dir = str(default_manifests(manifests))
     try:  # everything that can be wrong before any work: one sentence on the run, no traceback
+        _check_roots(input, output, manifests)
+        manifests_dir = str(default_manifests(manifests))
         settings = CampaignSettings.from_env()
         if chunk_size < 1 or (max_workers is not None and max_workers < 1):
             raise InputError(f"chunk_size ({chunk_size}) and max_workers ({max_workers}) must be at least 1")
