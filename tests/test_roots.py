@@ -62,7 +62,7 @@ def test_paths_under_the_root_pass_and_every_way_out_is_refused_naming_the_setti
 def test_a_deployments_run_takes_providers_only_from_the_worker_hosts_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("RESIDENT_POOL_MANIFESTS", str(tmp_path / "manifests"))
     assert check_path(tmp_path / "manifests", "manifests") == tmp_path / "manifests"
-    with pytest.raises(InputError, match="is not .*RESIDENT_POOL_MANIFESTS"):
+    with pytest.raises(InputError, match=r"is not .*RESIDENT_POOL_MANIFESTS"):
         check_path(tmp_path / "manifests" / "..", "manifests")
 
 
