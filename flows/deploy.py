@@ -21,6 +21,7 @@ reaches that host's resident pool and its folders (docs/security.md).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +148,10 @@ if __name__ == "__main__":
                                     inbox=arguments.inbox, outbox=arguments.outbox, provider=arguments.provider,
                                     validate_schedule=arguments.validate_schedule or None, paused=arguments.paused):
         print(deployment_id)
+    # A deployment's flow runs take their folders from the worker's environment (docs/security.md).
+    needs = [f"RESIDENT_POOL_MANIFESTS={Path(arguments.manifests).expanduser().resolve()}"]
+    if arguments.inbox:
+        needs.append(f"RESIDENT_POOL_INPUT_ROOT covering {Path(arguments.inbox).expanduser().resolve()}")
+    if arguments.outbox:
+        needs.append(f"RESIDENT_POOL_OUTPUT_ROOT covering {Path(arguments.outbox).expanduser().resolve()}")
+    print("the worker that runs these needs, in its own environment: " + "; ".join(needs), file=sys.stderr)

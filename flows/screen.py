@@ -299,12 +299,17 @@ def _is_input_name(path: Path) -> bool:
     return bool(suffixes) and suffixes[-1] in FORMATS
 
 
-def _check_roots(input: str, output: str | None, manifests: str | None) -> None:
-    """The paths this run was given, within the folders the worker host allows (resident_pool.prefect.roots)."""
-    check_path(input, "input")
-    check_path(output or (Path(input) / "screened" if Path(input).is_dir() else Path(input).parent), "output")
+def _check_roots(input: str, output: str | None, manifests: str | None) -> str:
+    """The paths this run was given, within the folders the worker host allows (resident_pool.prefect.roots);
+    returns the input with its folders' links resolved, as checked, so that a link swapped in on the way after
+    the check is not followed. An input file that is itself a link stays one, and is refused when opened."""
+    path = Path(input).expanduser()
+    pinned = path.resolve() if path.is_dir() else path.parent.resolve() / path.name
+    check_path(pinned, "input")
+    check_path(output or (pinned / "screened" if pinned.is_dir() else pinned.parent), "output")
     if manifests is not None:
         check_path(manifests, "manifests")
+    return str(pinned)
 
 
 def _load_provider(manifests: str, provider: str) -> Manifest:
@@ -338,7 +343,7 @@ def screen(
     started = time.monotonic()
     logger = get_run_logger()
     try:  # everything that can be wrong before any work: one sentence on the run, no traceback
-        _check_roots(input, output, manifests)
+        input = _check_roots(input, output, manifests)
         manifests_dir = str(default_manifests(manifests))
         settings = CampaignSettings.from_env()
         if chunk_size < 1 or (max_workers is not None and max_workers < 1):

@@ -16,16 +16,16 @@ LAYERS = [
     {"states", "exits", "protocol", "arrays", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden",
      "zygote_server", "events", "gpu_memory", "retention", "systemd"},
     {"errors"},
-    {"settings", "inputs"},
+    {"settings"},
     {"trust"},
-    {"paths", "transcripts", "manifest", "breaker", "replica", "hibernate", "jit_cache"},
+    {"paths", "transcripts", "manifest", "breaker", "replica", "hibernate", "jit_cache", "inputs", "outdir"},
     {"worker_process", "weights", "exec_env", "admission", "results", "expected", "metrics"},
     {"campaign"},
     {"supervisor", "kit", "client"},
     {"provenance"},
     {"launch", "zygote", "observing"},
     {"pool", "check"},
-    {"cli", "prefect", "__init__", "__main__"},
+    {"cli", "prefect", "roots", "__init__", "__main__"},
 ]
 # Standard library only: loaded by path inside the model's own environment.
 STANDALONE = {"protocol", "arrays", "worker_base", "kit_probe", "env_probe", "zygote_server"}

@@ -27,10 +27,10 @@ export PREFECT_HOME=${PREFECT_HOME:-$STACK_DIR/prefect-home}
 
 private_folder() {  # the stack's folder: yours, 0700 (it holds the auth string, the database and the logs)
   mkdir -p -m 700 "$STACK_DIR"
-  chmod 700 "$STACK_DIR"
-  if [ "$(stat -c %u "$STACK_DIR")" != "$(id -u)" ]; then
-    echo "$STACK_DIR is not yours; set STACK_DIR to a folder of your own" >&2; exit 1
+  if [ -L "$STACK_DIR" ] || [ "$(stat -c %u "$STACK_DIR")" != "$(id -u)" ]; then
+    echo "$STACK_DIR is not a folder of yours; set STACK_DIR to one" >&2; exit 1
   fi
+  chmod 700 "$STACK_DIR"
 }
 
 auth_string() {  # prints nothing; sets AUTH from $AUTH_FILE, made once (user:secret, 0600)

@@ -402,7 +402,7 @@ def _written(result: dict[str, Any], limit: int) -> tuple[str, str | None]:
                 return "", f"{name}: {problem}"
     try:
         text = _RESULT(_fields(result))
-    except (TypeError, ValueError, OverflowError) as exc:
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
         return "", f"the answer cannot be written as JSON: {exc}"
     if len(text) > limit:
         return "", (f"the answer is {len(text)} bytes as JSON, over {limit} (RESIDENT_POOL_MAX_RESULT_BYTES); it was "

@@ -33,8 +33,9 @@ class OutputDir:
     def open(self, name: str, flags: int) -> int:
         """Open ``name`` in the folder for writing, never through a link; created with the user's umask."""
         try:
-            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | flags, 0o666,
-                           dir_fd=self.fd)
+            # O_NONBLOCK: a FIFO planted under this name fails at once (ENXIO) instead of hanging the run.
+            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | flags,
+                           0o666, dir_fd=self.fd)
         except OSError as exc:
             raise InputError(f"{self.path / name}: cannot write the output there ({exc.strerror}); a symlink is "
                              "never followed", details={"path": str(self.path / name)}) from None

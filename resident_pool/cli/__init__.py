@@ -17,7 +17,7 @@ from rich.table import Table
 
 from ..arrays import plain
 from ..errors import ManifestError, ResidentPoolError
-from ..providers.manifest import json_schema
+from ..providers.manifest import json_schema, manifest_path
 from ..providers.transcripts import without_controls
 from ..validation.check import check_providers, junit_xml
 from ..validation.provenance import columns
@@ -78,11 +78,14 @@ def check(
         raise typer.BadParameter("name the providers to bless: `resident-pool check --bless SLUG...`")
     if force and not bless:
         raise typer.BadParameter("--force only applies to --bless")
-    try:
-        results = check_providers(manifests_dir(manifests), slugs or [], smoke=smoke, against_stock=against_stock,
-                                  bless=bless, force=force)
-    except ManifestError as exc:  # a name that is not a provider's: nothing was checked
-        raise typer.BadParameter(safe(exc), param_hint="SLUG") from None
+    directory = manifests_dir(manifests)
+    for slug in slugs or []:
+        try:
+            manifest_path(directory, slug)
+        except ManifestError as exc:  # a name that is not a provider's: nothing is checked
+            raise typer.BadParameter(safe(exc), param_hint="SLUG") from None
+    results = check_providers(directory, slugs or [], smoke=smoke, against_stock=against_stock, bless=bless,
+                              force=force)
     if junit:
         junit.write_text(junit_xml(results))
     failed = [r for r in results if not r.ok and not r.skipped]
