@@ -80,7 +80,7 @@ def _markdown(provider: str, inputs: list[Any], answer: dict[str, Any]) -> str:
 def predict(provider: str = "echo", inputs: list[dict[str, Any]] | None = None):
     """Send each input (one payload per item) to ``provider``; none: its ``[smoke]`` payload.
 
-    The providers are those of ``$RESIDENT_POOL_MANIFESTS`` (the deployment sets it).
+    The providers are those of ``$RESIDENT_POOL_MANIFESTS`` (in the worker's own environment).
     """
     try:
         inputs = _inputs_or_smoke(provider, inputs)
