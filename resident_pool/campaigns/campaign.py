@@ -535,9 +535,6 @@ def _parquet_batch(batch: list[tuple], columns: list[tuple[str, Any, str]], sche
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-_INT64 = (-(2**63), 2**63)
-
-
 def _cell_reader(kind: Any, how: str, pa) -> Callable[[Any], tuple[Any, str | None]]:
     """For one column: a value (not None) as the column takes it (vectors as float32 bytes), or why it does not
     fit."""
