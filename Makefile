@@ -39,15 +39,18 @@ run: setup
 	$(PY) flows/screen.py --output out/uniprot-500.fasta.minilm.jsonl
 	$(VENV)/bin/resident-pool status
 
-# A local Prefect stack by hand, one terminal each (`make stack-up` does all three).
+# A local Prefect stack by hand, one terminal each (`make stack-up` does all three). Each takes the
+# API's auth string from .stack/auth (made on first use, 0600): the server refuses whoever lacks it.
+export PREFECT_PORT WORK_POOL
+
 server: setup
-	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
+	infra/local/stack.sh server
 
 worker: setup
-	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(VENV)/bin/prefect worker start --pool $(WORK_POOL) --type process
+	infra/local/stack.sh worker
 
 deploy: setup
-	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(PY) flows/deploy.py --work-pool $(WORK_POOL)
+	infra/local/stack.sh deploy
 
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[prefect,demo,test,bench]"

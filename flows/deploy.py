@@ -13,12 +13,15 @@ developer's laptop does not screen at night); resume them in the UI.
 The provider parameter of `predict` and `screen` is a dropdown of the
 providers in ``--manifests`` at deploy time; run this again after adding one.
 Run a worker for the pool (`prefect worker start --pool resident-pool`) on
-each GPU host; every flow run then reaches that host's resident pool.
+each GPU host, with ``RESIDENT_POOL_MANIFESTS``, ``RESIDENT_POOL_INPUT_ROOT``
+(and ``RESIDENT_POOL_OUTPUT_ROOT``) in its environment; every flow run then
+reaches that host's resident pool and its folders (docs/security.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +41,35 @@ FLOWS = {
 VALIDATE_CRON = "0 3 * * *"  # nightly, after the 2 a.m. screen a README example sets up
 
 
-def ensure_work_pool(name: str) -> None:
-    with get_client(sync_client=True) as client:
-        from prefect.client.schemas.actions import WorkPoolCreate
+# What a flow run may choose about how the worker starts it: a name, labels, whether output streams. Prefect's
+# own process template also offers `command`, `env` and `working_dir`: each runs code as the worker's user
+# (a command; PYTHONPATH or LD_PRELOAD; a folder whose planted modules `python -m prefect.engine` imports), and
+# whoever creates a flow run may set them. Without them here the server refuses such a flow run (422), and the
+# worker, having no placeholder for them, could not apply one anyway.
+FLOW_RUN_VARIABLES = ("name", "labels", "stream_output")
 
+
+def base_job_template() -> dict[str, Any]:
+    """The process work pool's template with only FLOW_RUN_VARIABLES, and no other variable accepted."""
+    from prefect.workers.process import ProcessWorker
+
+    default = ProcessWorker.get_default_base_job_template()
+    variables = default["variables"]
+    return {"job_configuration": {name: default["job_configuration"][name] for name in FLOW_RUN_VARIABLES},
+            "variables": {**variables, "additionalProperties": False,
+                          "properties": {name: variables["properties"][name] for name in FLOW_RUN_VARIABLES}}}
+
+
+def ensure_work_pool(name: str) -> None:
+    """The process work pool ``name`` with base_job_template(); a pool made before (with Prefect's) is updated."""
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+
+    template = base_job_template()
+    with get_client(sync_client=True) as client:
         try:
-            client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+            client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template))
         except ObjectAlreadyExists:
-            pass  # registering again is fine
+            client.update_work_pool(name, WorkPoolUpdate(base_job_template=template))
 
 
 def provider_choices(manifests: str | Path) -> list[str]:
@@ -76,8 +100,8 @@ def deploy_all(work_pool: str, manifests: str | None = None, tags: list[str] | N
     ensure_work_pool(work_pool)
     manifests_dir = Path(manifests).expanduser().resolve() if manifests else ROOT / "manifests"
     choices = provider_choices(manifests_dir)
-    # The flow run's process finds the providers here, so no UI form has to ask for a path.
-    job_variables = {"env": {"RESIDENT_POOL_MANIFESTS": str(manifests_dir)}}
+    # The flow runs find the providers (and the folders they may read and write) in the worker's own
+    # environment: RESIDENT_POOL_MANIFESTS, _INPUT_ROOT, _OUTPUT_ROOT, set where the worker starts.
     deployments = []
     for name, entrypoint in FLOWS.items():
         parameters: dict[str, Any] = {}
@@ -100,7 +124,7 @@ def deploy_all(work_pool: str, manifests: str | None = None, tags: list[str] | N
         remote = flow.from_source(source=str(ROOT), entrypoint=entrypoint)
         deployment = remote.to_deployment(name=name, parameters=parameters, cron=cron,
                                           paused=paused if cron else None, tags=tags or ["resident-pool"],
-                                          job_variables=job_variables, work_pool_name=work_pool,
+                                          work_pool_name=work_pool,
                                           concurrency_limit=limit)
         _dropdown(deployment, choices)
         deployments.append(deployment)
@@ -124,3 +148,10 @@ if __name__ == "__main__":
                                     inbox=arguments.inbox, outbox=arguments.outbox, provider=arguments.provider,
                                     validate_schedule=arguments.validate_schedule or None, paused=arguments.paused):
         print(deployment_id)
+    # A deployment's flow runs take their folders from the worker's environment (docs/security.md).
+    needs = [f"RESIDENT_POOL_MANIFESTS={Path(arguments.manifests).expanduser().resolve()}"]
+    if arguments.inbox:
+        needs.append(f"RESIDENT_POOL_INPUT_ROOT covering {Path(arguments.inbox).expanduser().resolve()}")
+    if arguments.outbox:
+        needs.append(f"RESIDENT_POOL_OUTPUT_ROOT covering {Path(arguments.outbox).expanduser().resolve()}")
+    print("the worker that runs these needs, in its own environment: " + "; ".join(needs), file=sys.stderr)

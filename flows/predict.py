@@ -21,7 +21,7 @@ from resident_pool import arrays
 from resident_pool.client import default_manifests
 from resident_pool.errors import ManifestError
 from resident_pool.prefect import artifact_key, pool_session, retry_pool_failures
-from resident_pool.providers.manifest import SLUG, load_manifest
+from resident_pool.providers.manifest import load_manifest, manifest_path
 
 SHOWN_INPUTS = 20  # answers shown in the artifact; the flow's result keeps them all
 SHOWN_CHARS = 4000  # per answer: an embedding's 384 floats fit, a structure file does not
@@ -36,11 +36,10 @@ def predict_inputs(provider: str, inputs: list[Any], manifests: str | None) -> d
 
 
 def _inputs_or_smoke(provider: str, inputs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    if not SLUG.fullmatch(provider):  # a whole name, never a path: it names the manifest folder and the artifact
-        raise ManifestError(f"{provider!r} is not a provider name (lowercase letters, digits, '-' or '_')")
+    path = manifest_path(default_manifests(), provider)  # a whole name, never a path: it names the artifact too
     if inputs:
         return inputs
-    manifest = load_manifest(default_manifests() / provider / "manifest.toml")
+    manifest = load_manifest(path)
     if not manifest.smoke.payload:
         raise ManifestError(f"{provider}: no inputs were given and its manifest has no [smoke] payload to send; "
                             "give inputs", slug=provider)
@@ -81,7 +80,7 @@ def _markdown(provider: str, inputs: list[Any], answer: dict[str, Any]) -> str:
 def predict(provider: str = "echo", inputs: list[dict[str, Any]] | None = None):
     """Send each input (one payload per item) to ``provider``; none: its ``[smoke]`` payload.
 
-    The providers are those of ``$RESIDENT_POOL_MANIFESTS`` (the deployment sets it).
+    The providers are those of ``$RESIDENT_POOL_MANIFESTS`` (in the worker's own environment).
     """
     try:
         inputs = _inputs_or_smoke(provider, inputs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import queue
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -42,9 +43,10 @@ from resident_pool.campaigns.campaign import BLOCK, Campaign, CampaignSettings, 
 from resident_pool.campaigns.inputs import FORMATS, InputFile
 from resident_pool.campaigns.results import ResultStore, provider_version
 from resident_pool.client import default_manifests
-from resident_pool.errors import CampaignFailed, InputError, ManifestError, ResidentPoolError, WorkerRequestError
+from resident_pool.errors import CampaignFailed, InputError, ResidentPoolError, WorkerRequestError
 from resident_pool.prefect import artifact_key, pool_session, retry_pool_failures
-from resident_pool.providers.manifest import SLUG, Manifest, load_manifest
+from resident_pool.prefect.roots import check_path
+from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
 from resident_pool.settings import settings as pool_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,11 +67,11 @@ PROGRESS_EVERY_S = 2.0  # a progress update is an API call: a million-input camp
     cache_policy=NO_CACHE,
 )
 def predict_chunk(provider: str, manifests: str, texts: list[str], options: dict[str, Any], first: int,
-                  last: int) -> dict[str, Any]:
+                  last: int, max_attachment_bytes: int | None = None) -> dict[str, Any]:
     """One chunk on one held worker; an input the model refuses fails alone."""
     started = time.monotonic()
     failed: dict[int, tuple[str, str]] = {}
-    with pool_session(provider, manifests) as session:
+    with pool_session(provider, manifests, max_attachment_bytes=max_attachment_bytes) as session:
         cold, pid = session.cold, session.pid
         version = session.lease.get("version")
         try:
@@ -163,9 +165,11 @@ class _FileRun:
     """One input file through the provider: a bounded window of chunk futures, settled as they finish."""
 
     def __init__(self, source: InputFile, campaign: Campaign, *, provider: str, manifests: str,
-                 options: dict[str, Any], submit: Submit, window: int, progress: _Progress) -> None:
+                 options: dict[str, Any], submit: Submit, window: int, progress: _Progress,
+                 limits: CampaignSettings) -> None:
         self.source, self.campaign = source, campaign
         self.provider, self.manifests, self.options = provider, manifests, options
+        self.max_attachment_bytes = limits.max_attachment_bytes
         self.submit, self.window, self.progress = submit, window, progress
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight: dict[Any, Chunk] = {}
@@ -194,7 +198,7 @@ class _FileRun:
             self.settle(block=True)
         future = self.submit(predict_chunk, {"provider": self.provider, "manifests": self.manifests,
                                              "texts": chunk.texts, "options": self.options, "first": chunk.first,
-                                             "last": chunk.last})
+                                             "last": chunk.last, "max_attachment_bytes": self.max_attachment_bytes})
         self.in_flight[future] = chunk
         future.add_done_callback(self.done.put)
 
@@ -230,7 +234,8 @@ def _screen_file(source: InputFile, output: Path, *, store: ResultStore, version
                  **run: Any) -> dict[str, Any]:
     """One input file through the provider; returns its line of the summary."""
     started = time.monotonic()
-    campaign = Campaign(store, version, run["options"], chunk_size, output)
+    campaign = Campaign(store, version, run["options"], chunk_size, output,
+                        max_result_bytes=run["limits"].max_result_bytes)
     try:
         _FileRun(source, campaign, **run).run()
         written = campaign.write(fmt)
@@ -243,7 +248,7 @@ def _screen_file(source: InputFile, output: Path, *, store: ResultStore, version
 
 # -- the flow ---------------------------------------------------------------------------
 def _input_files(input: str, output: str | None, provider: str, fmt: str, column: str | None,
-                 id_column: str | None, limit: int) -> tuple[list[tuple[InputFile, Path]], list[str]]:
+                 id_column: str | None, limits: CampaignSettings) -> tuple[list[tuple[InputFile, Path]], list[str]]:
     """The files to screen with their outputs, and the files refused (one sentence each)."""
     path = Path(input).expanduser()
     if path.is_dir():
@@ -251,8 +256,10 @@ def _input_files(input: str, output: str | None, provider: str, fmt: str, column
         if outbox.resolve() == path.resolve():
             raise InputError(f"{outbox}: the outputs cannot go into the inbox itself (the next run would screen "
                              "them); give another --output folder")
-        candidates = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
-        candidates = [p for p in candidates if _is_input_name(p)]
+        # Every entry named as an input, links and special files included: opening refuses those by name
+        # (an inbox others write into may hold a planted link), and the summary lists them.
+        candidates = sorted(p for p in path.iterdir() if not p.name.startswith(".") and _is_input_name(p)
+                            and not _is_folder(p))
         targets = [(p, outbox / output_name(p, provider, fmt)) for p in candidates]
     else:
         # Beside its input, as an inbox's go to <inbox>/screened: two inputs of one name never share an output,
@@ -261,16 +268,28 @@ def _input_files(input: str, output: str | None, provider: str, fmt: str, column
         targets = [(path, Path(output).expanduser() if output else default)]
     files, refused = [], []
     for candidate, target in targets:
+        if not candidate.name.isprintable():
+            refused.append(f"{candidate.parent}/{candidate.name!r}: a file name with control characters; rename it")
+            continue
         if target.resolve() == candidate.resolve():
             raise InputError(f"{target}: the output would replace its own input; give another --output")
         try:
-            source = InputFile(candidate, column=column, id_column=id_column, max_record_bytes=limit)
+            source = InputFile(candidate, column=column, id_column=id_column, max_record_bytes=limits.max_record_bytes,
+                               max_input_bytes=limits.max_input_bytes, max_input_records=limits.max_input_records)
             source.check()
         except InputError as error:
             refused.append(str(error))
             continue
         files.append((source, target))
     return files, refused
+
+
+def _is_folder(path: Path) -> bool:
+    """A folder itself (not a link to one), or an entry gone since it was listed: neither is an input."""
+    try:
+        return stat.S_ISDIR(path.lstat().st_mode)
+    except FileNotFoundError:
+        return True
 
 
 def _is_input_name(path: Path) -> bool:
@@ -280,10 +299,21 @@ def _is_input_name(path: Path) -> bool:
     return bool(suffixes) and suffixes[-1] in FORMATS
 
 
+def _check_roots(input: str, output: str | None, manifests: str | None) -> str:
+    """The paths this run was given, within the folders the worker host allows (resident_pool.prefect.roots);
+    returns the input with its folders' links resolved, as checked, so that a link swapped in on the way after
+    the check is not followed. An input file that is itself a link stays one, and is refused when opened."""
+    path = Path(input).expanduser()
+    pinned = path.resolve() if path.is_dir() else path.parent.resolve() / path.name
+    check_path(pinned, "input")
+    check_path(output or (pinned / "screened" if pinned.is_dir() else pinned.parent), "output")
+    if manifests is not None:
+        check_path(manifests, "manifests")
+    return str(pinned)
+
+
 def _load_provider(manifests: str, provider: str) -> Manifest:
-    if not SLUG.fullmatch(provider):
-        raise ManifestError(f"{provider!r} is not a provider name (lowercase letters, digits, '-' or '_')")
-    return load_manifest(Path(manifests) / provider / "manifest.toml")
+    return load_manifest(manifest_path(manifests, provider))
 
 
 @flow(name="screen", task_runner=ThreadPoolTaskRunner(), log_prints=True)
@@ -312,14 +342,14 @@ def screen(
     """
     started = time.monotonic()
     logger = get_run_logger()
-    manifests_dir = str(default_manifests(manifests))
     try:  # everything that can be wrong before any work: one sentence on the run, no traceback
+        input = _check_roots(input, output, manifests)
+        manifests_dir = str(default_manifests(manifests))
         settings = CampaignSettings.from_env()
         if chunk_size < 1 or (max_workers is not None and max_workers < 1):
             raise InputError(f"chunk_size ({chunk_size}) and max_workers ({max_workers}) must be at least 1")
         manifest = _load_provider(manifests_dir, provider)
-        files, refused = _input_files(input, output, provider, format, column, id_column,
-                                      settings.max_record_bytes)
+        files, refused = _input_files(input, output, provider, format, column, id_column, settings)
         if len(refused) == 1 and not files and not Path(input).is_dir():
             raise InputError(refused[0])
         store = ResultStore.for_provider(provider, settings.results_dir)
@@ -335,7 +365,8 @@ def screen(
             try:
                 summaries.append(_screen_file(source, target, provider=provider, manifests=manifests_dir,
                                               version=version, store=store, options=options, chunk_size=chunk_size,
-                                              fmt=format, submit=submit, window=window, progress=progress))
+                                              fmt=format, submit=submit, window=window, progress=progress,
+                                              limits=settings))
             except InputError as error:
                 refused.append(str(error))
     for problem in refused:

@@ -11,6 +11,8 @@ from prefect import flow, task
 from prefect.artifacts import create_table_artifact
 
 from resident_pool.client import default_manifests
+from resident_pool.prefect.roots import check_path
+from resident_pool.providers.manifest import manifest_path
 from resident_pool.validation.check import check_provider
 from resident_pool.validation.provenance import columns
 
@@ -29,8 +31,10 @@ class ValidationFailed(RuntimeError):
 def validate(manifests: str | None = None, smoke: bool = False, providers: list[str] | None = None,
              against_stock: bool = False) -> list[dict]:
     """Check every provider (or the named ones); fail the flow if any step fails."""
+    if manifests is not None:
+        check_path(manifests, "manifests")  # a deployment's run checks only the worker host's providers
     directory = default_manifests(manifests)
-    paths = [directory / slug / "manifest.toml" for slug in providers or []] or sorted(
+    paths = [manifest_path(directory, slug) for slug in providers or []] or sorted(
         directory.glob("*/manifest.toml"))
     futures = [check_one.submit(str(path), smoke, against_stock) for path in paths]
     rows = [row for future in futures for row in future.result()]

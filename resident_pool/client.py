@@ -65,7 +65,7 @@ class _Link:
     def __init__(self, pool_socket: socket.socket) -> None:
         self.pool = pool_socket
         self.buf = bytearray()
-        self.workers: dict[tuple[str, int], tuple[socket.socket, Inbox]] = {}
+        self.workers: dict[tuple[str, int, int], tuple[socket.socket, Inbox]] = {}
 
     def close(self) -> None:
         for sock, _ in self.workers.values():
@@ -273,15 +273,18 @@ class Pool:
 
     @contextmanager
     def session(self, slug: str, variant: dict[str, Any] | None = None,
-                holder: dict[str, str] | None = None) -> Iterator[Session]:
+                holder: dict[str, str] | None = None, *,
+                max_attachment_bytes: int | None = None) -> Iterator[Session]:
         """Hold one worker of ``slug`` for a batch; others wait for a replica meanwhile.
 
         ``variant`` (``{"name": "stock", "kit_mode": "off"}`` or ``{"name": "stock", "without_kit":
         True}``) asks for the provider built another way, as ``resident-pool check --against-stock`` does;
-        ``holder`` (short strings: a flow run's name, id and URL) says who this lease is for.
+        ``holder`` (short strings: a flow run's name, id and URL) says who this lease is for;
+        ``max_attachment_bytes`` lowers the largest attachment this session maps from the worker's answers
+        below ``RESIDENT_POOL_MAX_ATTACHMENT_BYTES`` (a campaign does).
         """
         lease = self._acquire(slug, variant, holder or self.holder)
-        session = Session(self, lease)
+        session = Session(self, lease, max_attachment_bytes)
         try:
             yield session
         finally:
@@ -350,9 +353,11 @@ def shutdown_pool(wait_s: float = 60.0) -> int | None:
 class Session:
     """A leased worker: requests go straight to its socket."""
 
-    def __init__(self, pool: Pool, lease: dict[str, Any]) -> None:
+    def __init__(self, pool: Pool, lease: dict[str, Any], max_attachment_bytes: int | None = None) -> None:
         self.pool = pool
         self.lease = lease
+        cap = pool.config.max_attachment_bytes
+        self.max_attachment_bytes = cap if max_attachment_bytes is None else min(cap, max_attachment_bytes)
         self.slug: str = lease["slug"]
         self.pid: int = lease["pid"]
         self.replica: int = lease["replica"]
@@ -364,18 +369,18 @@ class Session:
 
     def _worker(self) -> tuple[socket.socket, Inbox]:
         link = self.pool._link()
-        key = (self.lease["socket"], self.pid)
+        # The cap is told to the worker once per connection: a session with another cap needs its own.
+        key = (self.lease["socket"], self.pid, self.max_attachment_bytes)
         cached = link.workers.get(key)
         if cached is None:
             for old in [k for k in link.workers if k[0] == key[0]]:
                 link.workers.pop(old)[0].close()
-            config = self.pool.config
-            inbox = Inbox(config.max_attachment_bytes, config.attach_min_bytes)
+            inbox = Inbox(self.max_attachment_bytes, self.pool.config.attach_min_bytes)
             cached = link.workers[key] = (connect(self.lease["socket"]), inbox)
         return cached
 
     def _forget_worker(self) -> None:
-        cached = self.pool._link().workers.pop((self.lease["socket"], self.pid), None)
+        cached = self.pool._link().workers.pop((self.lease["socket"], self.pid, self.max_attachment_bytes), None)
         if cached is not None:
             cached[0].close()
 

@@ -76,6 +76,21 @@ class Settings(BaseSettings):
                                      "(default $XDG_DATA_HOME/resident-pool/results)")
     max_record_bytes: int = Field(1024 * 1024, ge=1, description="a campaign input record longer than this fails "
                                   "alone as bad_input")
+    max_input_bytes: int = Field(10 * 10**9, ge=1, description="a campaign input file that holds more than this "
+                                 "(decompressed, for .gz) is refused when the reader passes it; no output is "
+                                 "written for it")
+    max_input_records: int = Field(50_000_000, ge=1, description="a campaign input file with more records than this "
+                                   "is refused when the reader passes it; no output is written for it")
+    max_result_bytes: int = Field(64 * 2**20, ge=1, description="a campaign result larger than this once decoded "
+                                  "(or once written as JSON) fails its record as bad_answer and is not stored")
+    campaign_max_attachment_bytes: int = Field(2**30, ge=0, description="the largest attachment a campaign maps "
+                                               "from a worker's answer (direct calls: "
+                                               "RESIDENT_POOL_MAX_ATTACHMENT_BYTES); a chunk's answer over it fails "
+                                               "and its inputs are retried one by one")
+    input_root: Path | None = Field(None, description="the folder under which the screen flow reads inputs; "
+                                    "required for a deployment's flow runs (set on the worker host, never in Prefect)")
+    output_root: Path | None = Field(None, description="the folder under which the screen flow writes outputs "
+                                     "(default: RESIDENT_POOL_INPUT_ROOT); set on the worker host, never in Prefect")
     libcuda: str = Field("libcuda.so.1", description="the CUDA driver library whose checkpoint API hibernates "
                          'workers ([lifecycle] evict = "hibernate"); tests point it at a fake')
     no_cublas_release: bool = Field(False, description="passed to workers: turns off the cuBLAS workspace release "

@@ -605,3 +605,140 @@ def test_an_inbox_file_that_changes_while_it_is_read_gets_no_mixed_output(pool_d
     assert second.is_completed() and second.message == "3001 ok, 0 failed", second.message
     summary = second.result()  # the first run's computed chunks were kept; it stopped reading at the change
     assert summary["from_store"] >= 1000 and summary["computed"] + summary["from_store"] == 3001, summary
+
+
+# -- review round 3 (issue 24): one bad value fails one record; the operator bounds what an input can cost ---------
+_F32 = _WORKER_HEAD + '''
+import base64, struct
+def on_predict(payload):
+    items = []
+    for text in payload["inputs"]:
+        vector = base64.b64encode(struct.pack("<4f", len(text), 1.0, 2.0, 3.0)).decode()
+        items.append({"embedding_f32": "abc" if "BAD" in text else vector, "tokens": len(text)})
+    return {"items": items}
+worker_base.serve(slug="f32", socket_path=sys.argv[1], on_predict=on_predict)
+'''
+
+
+def _inline_provider(pool_dir: Path, slug: str, source: str, extra: str = "") -> None:
+    folder = pool_dir / slug
+    folder.mkdir()
+    (folder / "worker.py").write_text(source)
+    (folder / "manifest.toml").write_text(f'slug = "{slug}"\nworker = "worker.py"\n[lifecycle]\nmax_replicas = 1\n'
+                                          + extra)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_one_item_with_bad_base64_fails_its_record_alone_in_parquet_and_jsonl_and_is_never_stored(pool_dir,
+                                                                                                  tmp_path, fmt):
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (pip install -e .[parquet])")
+    _inline_provider(pool_dir, "f32", _F32)
+    inputs = _fasta(tmp_path / "in.fasta", [*_texts(4), "MKVBADKV"])
+    output = tmp_path / f"out.{fmt}"
+    for run in (1, 2):  # the second run is served from the store: the bad answer was never kept
+        state = _state(pool_dir, input=str(inputs), provider="f32", output=str(output), format=fmt)
+        assert state.is_completed() and state.message == "4 ok, 1 failed", state.message
+        assert state.result()["from_store"] == (4 if run == 2 else 0)
+        table = pq.read_table(output).to_pylist() if fmt == "parquet" else _records(output)
+        assert [row["ok"] for row in table] == [True] * 4 + [False]
+        bad = table[4]
+        assert bad["reason"] == "bad_answer" and "embedding_f32: not base64 float32 text" in bad["error"], bad
+        assert table[0]["embedding" if fmt == "parquet" else "embedding_f32"] is not None
+
+
+def test_a_stored_answer_an_older_version_could_not_write_fails_its_row_and_is_computed_again(pool_dir, tmp_path):
+    """The store of a version before the check may hold such an answer: every Parquet run over that input then
+    ended in binascii.Error, with no output."""
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (pip install -e .[parquet])")
+    from resident_pool.campaigns.results import ResultStore, options_text, provider_version, result_key
+    from resident_pool.providers.manifest import load_manifest
+    from resident_pool.settings import settings
+
+    _inline_provider(pool_dir, "f32", _F32)
+    texts = _texts(3)
+    inputs = _fasta(tmp_path / "in.fasta", texts)
+    version = provider_version(load_manifest(pool_dir / "f32" / "manifest.toml"))
+    key = result_key(version, options_text({"encoding": "float32-base64"}), texts[1])
+    with ResultStore.for_provider("f32", settings().results_dir) as store:
+        store.put(version, [(key, '{"embedding_f32":"abc","tokens":8}')])
+    output = tmp_path / "out.parquet"
+    state = _state(pool_dir, input=str(inputs), provider="f32", output=str(output), format="parquet")
+    assert state.is_completed() and state.message == "2 ok, 1 failed", state.message
+    rows = pq.read_table(output).to_pylist()
+    assert [row["ok"] for row in rows] == [True, False, True] and "computes it again" in rows[1]["error"]
+    again = _state(pool_dir, input=str(inputs), provider="f32", output=str(output), format="parquet")
+    assert again.is_completed() and again.message == "3 ok, 0 failed", again.message
+    assert [row["embedding"][0] for row in pq.read_table(output).to_pylist()] == [float(len(t)) for t in texts]
+
+
+def test_a_file_over_a_record_limit_lowered_to_1000_is_refused_whole_and_the_inbox_goes_on(pool_dir, embedder,
+                                                                                        tmp_path, monkeypatch):
+    """The limit is lowered from 50 million so the test need not make them: a 7 kB .gz held a million."""
+    monkeypatch.setenv("RESIDENT_POOL_MAX_INPUT_RECORDS", "1000")
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    with gzip.open(inbox / "bomb.fasta.gz", "wb") as out:
+        out.write(b">x\nMKVLAAGIV\n" * 1001)
+    _fasta(inbox / "fine.fasta", _texts(5))
+    state = _state(pool_dir, input=str(inbox))
+    assert state.is_failed() and state.message.startswith("5 ok, 0 failed"), state.message
+    assert "bomb.fasta.gz: more than 1,000 records (RESIDENT_POOL_MAX_INPUT_RECORDS)" in state.message
+    assert sorted(p.name for p in (inbox / "screened").iterdir() if not p.name.endswith(".partial")) == [
+        "fine.fasta.embedder.jsonl"]
+
+
+def test_a_file_that_decompresses_past_a_byte_limit_lowered_to_100_kb_is_refused(pool_dir, embedder, tmp_path,
+                                                                              monkeypatch):
+    """Lowered from 10 GB so the test need not decompress that much."""
+    monkeypatch.setenv("RESIDENT_POOL_MAX_INPUT_BYTES", "100000")
+    bomb = tmp_path / "bomb.fasta.gz"
+    with gzip.open(bomb, "wb") as out:
+        out.write(b">x\n" + b"MKVLAAGIV" * 100_000 + b"\n")  # one record, 900 kB decompressed
+    output = tmp_path / "out.jsonl"
+    state = _state(pool_dir, input=str(bomb), output=str(output))
+    assert state.is_failed() and "more than 100,000 bytes decompressed (RESIDENT_POOL_MAX_INPUT_BYTES)" in \
+        state.message, state.message
+    assert not output.exists()
+
+
+_BIG = _WORKER_HEAD + '''
+def on_predict(payload):
+    return {"items": [{"blob": "x" * 300_000 if "BIG" in text else "small"} for text in payload["inputs"]]}
+worker_base.serve(slug="big", socket_path=sys.argv[1], on_predict=on_predict)
+'''
+
+
+def test_a_result_over_a_size_limit_lowered_to_100_kb_fails_alone_and_is_not_stored(pool_dir, tmp_path,
+                                                                                   monkeypatch):
+    """Lowered from 64 MiB so the test need not make an answer that large."""
+    monkeypatch.setenv("RESIDENT_POOL_MAX_RESULT_BYTES", "100000")
+    _inline_provider(pool_dir, "big", _BIG)
+    inputs = _fasta(tmp_path / "in.fasta", ["MKVBIGKV", *_texts(2)])
+    state = _state(pool_dir, input=str(inputs), provider="big", output=str(tmp_path / "out.jsonl"))
+    assert state.is_completed() and state.message == "2 ok, 1 failed", state.message
+    bad = _records(tmp_path / "out.jsonl")[0]
+    assert bad["reason"] == "bad_answer" and "over 100000 bytes decoded (RESIDENT_POOL_MAX_RESULT_BYTES)" in \
+        bad["error"]
+    again = _state(pool_dir, input=str(inputs), provider="big", output=str(tmp_path / "again.jsonl"))
+    assert again.result()["from_store"] == 2  # the oversized answer was not kept
+
+
+_ATTACHED = _WORKER_HEAD + '''
+def on_predict(payload):
+    inputs = payload.get("inputs") or ["one"]
+    return {"items": [{"blob": bytes(2_000_000)} for _ in inputs]}
+worker_base.serve(slug="attached", socket_path=sys.argv[1], on_predict=on_predict)
+'''
+
+
+def test_a_campaign_maps_less_of_an_answer_than_a_direct_call_cap_lowered_to_1_mb(pool_dir, tmp_path, monkeypatch):
+    """Lowered from 1 GiB so the test need not send that much: a direct call still takes the 2 MB answer."""
+    monkeypatch.setenv("RESIDENT_POOL_CAMPAIGN_MAX_ATTACHMENT_BYTES", "1000000")
+    _inline_provider(pool_dir, "attached", _ATTACHED)
+    with Pool() as pool:
+        assert len(pool.predict("attached", {})["items"][0]["blob"]) == 2_000_000
+    inputs = _fasta(tmp_path / "in.fasta", _texts(2))
+    state = _state(pool_dir, input=str(inputs), provider="attached", output=str(tmp_path / "out.jsonl"))
+    assert state.is_completed() and state.message == "0 ok, 2 failed", state.message
+    record = _records(tmp_path / "out.jsonl")[0]
+    assert record["reason"] == "request_failed" and "attachment cap of 1000000 bytes" in record["error"], record

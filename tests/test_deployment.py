@@ -108,8 +108,9 @@ def test_the_nightly_screen_is_scheduled_and_each_run_computes_only_what_the_inb
     write_provider(pool_dir, "embedder", EMBEDDER_ENV, worker="embedder.py")
     shutil.copytree(ROOT / "manifests" / "echo", pool_dir / "echo")
     count = tmp_path / "computed.log"
-    env = _env(server, EMBEDDER_COUNT=str(count))
     inbox = tmp_path / "inbox"
+    # The worker's own environment names the providers and the folders its flow runs may use.
+    env = _env(server, EMBEDDER_COUNT=str(count), RESIDENT_POOL_INPUT_ROOT=str(inbox))
     inbox.mkdir()
     (inbox / "week1.fasta").write_text("".join(f">w1-{n}\nMKV{'ACDEFGHIKL'[n % 10]}{'MNPQRSTVWY'[n // 10]}\n"
                                                for n in range(60)))
@@ -127,7 +128,7 @@ def test_the_nightly_screen_is_scheduled_and_each_run_computes_only_what_the_inb
     assert screen["parameters"] == {"input": str(inbox), "provider": "embedder"}
     assert screen["limit"] == 1 and predict["limit"] is None  # one scheduled screen at a time; predicts unlimited
     assert predict["provider"]["enum"] == ["echo", "embedder"] and "manifests" not in predict["schema"]
-    assert predict["env"] == {"RESIDENT_POOL_MANIFESTS": str(pool_dir)}
+    assert predict["env"] is None and screen["env"] is None  # no job variable: the worker's environment is its own
 
     def computed() -> int:
         return sum(int(line) for line in count.read_text().split()) if count.exists() else 0

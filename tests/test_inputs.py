@@ -122,7 +122,7 @@ def test_csv_and_tsv_columns_match_ignoring_case_and_can_be_named(tmp_path):
     with pytest.raises(InputError) as raised:
         InputFile(tmp_path / "b.tsv").check()
     assert "no column named 'sequence' or 'text'" in str(raised.value) and "--column" in str(raised.value)
-    assert "['name', 'protein', 'note']" in str(raised.value)
+    assert "its header row reads 'name, protein, note'" in str(raised.value)  # a short, escaped snippet
     with pytest.raises(InputError, match="--id-column"):
         InputFile(tmp_path / "b.tsv", column="protein", id_column="accession").check()
 
@@ -293,3 +293,58 @@ def test_a_file_changed_while_it_is_read_is_refused_by_name_not_read_as_a_mix(tm
         list(records)
     assert str(path) in str(raised.value) and "changed while it was read" in str(raised.value)
     assert len(list(InputFile(path).records())) >= 2000  # read again, whole, by the next run
+
+
+# -- review round 3 (issue 24): an input is opened, never followed ------------------------------------------------
+SECRET = "ghp_0123456789abcdefSECRET"
+
+
+def _secret_file(folder):
+    secret = folder / "git-credentials"
+    secret.write_text(f"https://alice:{SECRET}@github.com\n")
+    os.chmod(secret, 0o600)
+    return secret
+
+
+def test_a_link_as_an_input_is_refused_and_its_target_never_read(tmp_path):
+    secret = _secret_file(tmp_path)
+    (tmp_path / "creds.csv").symlink_to(secret)
+    (tmp_path / "env.csv").symlink_to("/proc/self/environ")
+    for name, said in (("creds.csv", "a symbolic link; an input is opened, never followed"),
+                       ("env.csv", "lies under /proc, a kernel or device folder, never an input")):
+        with pytest.raises(InputError) as refused:
+            InputFile(tmp_path / name).check()
+        assert said in str(refused.value)
+        assert SECRET not in str(refused.value) and "PATH=" not in str(refused.value)
+
+
+@pytest.mark.parametrize("path", ["/proc/self/environ", "/proc/self/cwd/x.csv", "/sys/kernel/notes.csv",
+                                  "/dev/stdin.fasta", "/dev/shm/../../proc/self/environ"])
+def test_anything_under_proc_sys_or_dev_is_refused_by_name(path):
+    with pytest.raises(InputError, match="a kernel or device folder, never an input"):
+        inputs.open_input(__import__("pathlib").Path(path))
+
+
+def test_a_hard_link_in_a_folder_others_can_write_is_refused_but_one_in_your_own_is_read(tmp_path):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    original = private / "mine.fasta"
+    original.write_text(">secret-id\nMKVLAAGIV\n")
+    os.chmod(original, 0o600)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # an inbox anyone can drop into: a link planted there may be to your file
+    os.link(original, shared / "planted.fasta")
+    with pytest.raises(InputError, match=r"has 2 hard links and lies in a folder (group and )?others can write into"):
+        InputFile(shared / "planted.fasta").check()
+    os.link(original, private / "again.fasta")  # your own second name for your own file, in your own folder
+    assert [r.id for r in _records(private / "again.fasta")] == ["secret-id"]
+
+
+def test_a_table_without_its_column_is_quoted_as_a_short_escaped_snippet_at_most(tmp_path):
+    (tmp_path / "wide.csv").write_text(f"token={SECRET}\x1b[31m," + "x" * 500 + "\nvalue\n")
+    with pytest.raises(InputError) as raised:
+        InputFile(tmp_path / "wide.csv").check()
+    message = str(raised.value)
+    assert "\x1b" not in message and "\\x1b" in message  # escaped, never a live terminal sequence
+    assert "x" * 41 not in message and len(message) < 400

@@ -52,6 +52,34 @@ def test_a_stats_answer_that_is_not_ours_is_ignored(hostile):
     assert WorkerCounts.parse(hostile) is None
 
 
+@pytest.mark.parametrize(("field", "value"), [
+    ("requests", 10**400), ("requests", 2**53), ("count", 10**400), ("failure", 2**60),
+    ("sum_s", float("nan")), ("sum_s", float("inf")), ("sum_s", -0.5), ("sum_s", 10**400),
+], ids=["requests-10e400", "requests-2e53", "bucket-10e400", "failures-2e60", "sum-nan", "sum-inf", "sum-negative",
+        "sum-10e400"])
+def test_one_workers_absurd_count_is_refused_and_logged_and_every_scrape_still_answers(field, value, caplog):
+    """A worker is not trusted with the pool's /metrics: one report it makes must not end every scrape."""
+    answer = _answer(3, {"request_failed": 1})
+    if field == "requests":
+        answer["requests"] = value
+    elif field == "count":
+        answer["latency"]["counts"][1] = value
+    elif field == "failure":
+        answer["failures"]["request_failed"] = value
+    else:
+        answer["latency"]["sum_s"] = value
+    metrics = PoolMetrics(_snapshot)
+    assert metrics.book.record("echo", 0, 100, _answer(2))
+    with caplog.at_level("WARNING", logger="resident_pool.metrics"):
+        assert not metrics.book.record("echo", 0, 100, answer)
+        assert not metrics.book.record("echo", 0, 200, answer)  # nor banked when the worker is replaced
+    assert "echo[0] (pid 100) answered stats the pool cannot read; ignored" in caplog.text
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render())}
+    assert families["resident_pool_up"].samples[0].value == 1
+    samples = {(s.name, s.labels.get("replica")): s.value for f in families.values() for s in f.samples}
+    assert samples[("resident_pool_requests_total", "0")] == 2  # what it reported before, and nothing more
+
+
 def test_a_reason_that_is_not_a_word_becomes_other_so_no_label_carries_it():
     counts = WorkerCounts.parse(_answer(2, {"/home/alice/secret run": 1, "request_failed": 1}))
     assert counts.failures == {"other": 1, "request_failed": 1}

@@ -147,3 +147,52 @@ def test_the_campaign_core_imports_nothing_of_prefect():
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'prefect'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "[]"
+
+
+# -- review round 3 (issue 24): the output folder, held open ------------------------------------------------------
+def test_an_output_folder_swapped_for_a_link_mid_run_is_never_followed(tmp_path):
+    elsewhere = tmp_path / "elsewhere"  # where a link planted mid-run would send the output
+    elsewhere.mkdir()
+    output = tmp_path / "screened" / "result.jsonl"
+    store, campaign = _campaign(tmp_path, output)
+    assert campaign.add([Record(0, "a", "MKV", 1)]) == []
+    (chunk,) = campaign.flush()
+    campaign.finish(chunk, [{"x": 1}], {}, {})
+    os.rename(tmp_path / "screened", tmp_path / "moved")
+    (tmp_path / "screened").symlink_to(elsewhere)
+    campaign.write("jsonl")
+    campaign.close()
+    store.close()
+    assert list(elsewhere.iterdir()) == []
+    assert [json.loads(line)["ok"] for line in (tmp_path / "moved" / "result.jsonl").read_text().splitlines()] == [
+        True]
+
+
+def test_an_output_folder_reached_through_another_users_folder_or_link_is_refused(tmp_path, other_user):
+    import pwd
+
+    info = pwd.getpwnam(other_user)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, info.pw_uid, info.pw_gid)
+    store = ResultStore.for_provider("p", tmp_path / "store")
+    with pytest.raises(InputError, match=f"owned by uid {info.pw_uid}"):
+        Campaign(store, "v", {}, chunk_size=2, output=theirs / "result.jsonl")
+    open_inbox = tmp_path / "inbox"
+    open_inbox.mkdir()
+    os.chmod(open_inbox, 0o777)  # anyone may rename "screened" away and plant a link in its place
+    with pytest.raises(InputError, match=r"lies under .*inbox, writable by .*chmod \+t"):
+        Campaign(store, "v", {}, chunk_size=2, output=open_inbox / "screened" / "result.jsonl")
+    store.close()
+    assert list(theirs.iterdir()) == [] and list(open_inbox.iterdir()) == []
+
+
+def test_a_partial_journal_that_is_a_hard_link_is_refused_never_emptied(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("someone's file\n")
+    os.link(victim, tmp_path / "result.jsonl.partial")  # a hard link in the output folder (another user's, once)
+    store = ResultStore.for_provider("p", tmp_path / "store")
+    with pytest.raises(InputError, match="is not a file of yours alone"):
+        Campaign(store, "v", {}, chunk_size=2, output=tmp_path / "result.jsonl")
+    store.close()
+    assert victim.read_text() == "someone's file\n"

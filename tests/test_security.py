@@ -1045,3 +1045,125 @@ def test_a_client_that_stops_reading_does_not_stop_keepalives_to_the_others_with
         for sock in (a_pool, a_client, b_pool, b_client):
             sock.close()
     assert not any(op.is_alive() for op in ops)  # A's op ended too: no beat holds its send lock
+
+
+# -- review round 3: the Prefect stack, shared inboxes, hostile workers and inputs --------------------------------
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_validate_and_check_take_only_a_whole_provider_name(pool_dir, tmp_path, security_row):
+    sys.path.insert(0, str(ROOT / "flows"))
+    from validate import validate
+
+    evil = copy_echo(tmp_path / "elsewhere")  # a manifest outside the providers' folder
+    copy_echo(pool_dir)
+    name = "../elsewhere/echo"
+    assert (pool_dir / name / "manifest.toml").exists()  # the path would reach it
+    state = validate(manifests=str(pool_dir), providers=[name], smoke=True, return_state=True)
+    assert state.is_failed() and "is not a provider name" in str(state.message), state.message
+    done = subprocess.run([str(Path(sys.executable).with_name("resident-pool")), "check", "--smoke",
+                           "--manifests", str(pool_dir), name], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 2 and "is not a provider name" in done.stderr, done.stdout + done.stderr
+    assert not Path(paths.state_dir(), "pool.sock").exists()  # nothing was started, for either folder
+    assert evil.exists()
+    security_row("validate --smoke ../elsewhere/echo; resident-pool check ../elsewhere/echo",
+                 "refused as not a provider name; nothing started")
+
+
+SQUATTER = textwrap.dedent(
+    """
+    import socket, sys
+    server = socket.socket()
+    server.bind(("127.0.0.1", int(sys.argv[1])))
+    server.listen(8)
+    print("ready", flush=True)
+    while True:
+        conn, _ = server.accept()
+        conn.recv(65536)
+        body = b"resident_pool_up 1\\nresident_pool_requests_total{provider=\\"echo\\",replica=\\"0\\"} 0\\n"
+        conn.sendall(b"HTTP/1.0 200 OK\\r\\nContent-Type: text/plain\\r\\n\\r\\n" + body)
+        conn.close()
+    """
+)
+
+
+def test_a_metrics_port_another_user_took_first_is_named_loudly_and_no_metrics_are_served(
+        pool_dir, isolated_dirs, monkeypatch, other_user, security_row):
+    from conftest import SYSTEM_PYTHON
+    from helpers import free_port
+
+    port = free_port()
+    uid = pwd.getpwnam(other_user).pw_uid
+    squatter = subprocess.Popen(["setpriv", f"--reuid={other_user}", f"--regid={other_user}", "--clear-groups",
+                                 SYSTEM_PYTHON, "-c", SQUATTER, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline().strip() == "ready"
+        monkeypatch.setenv("RESIDENT_POOL_METRICS_PORT", str(port))
+        copy_echo(pool_dir)
+        with Pool() as pool:
+            pool.predict("echo", {})
+            state = pool.status()["pool"]
+    finally:
+        squatter.kill()
+        squatter.wait()
+        squatter.stdout.close()
+    assert state["metrics"] is None
+    said = state["metrics_error"]
+    assert f"127.0.0.1:{port} is already taken by uid {uid} ({other_user}), not this pool" in said, said
+    assert "RESIDENT_POOL_METRICS_PORT" in said
+    log = Path(isolated_dirs["logs"], "pool.log").read_text()
+    assert f"taken by uid {uid} ({other_user})" in log
+    security_row("another user listens on the metrics port first, serving resident_pool_up 1",
+                 "the pool names the holder (uid) in its log and status and serves no metrics anywhere")
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_links_planted_in_a_shared_inbox_leak_nothing_and_the_outputs_stay_ours(pool_dir, tmp_path, other_user,
+                                                                               security_row):
+    """mallory can write into the group inbox alice screens every night; she plants links to alice's files,
+    to the flow's own environment, and in place of the output folder."""
+    from providers import EMBEDDER_ENV
+
+    sys.path.insert(0, str(ROOT / "flows"))
+    from screen import screen
+
+    from resident_pool.errors import CampaignFailed
+
+    write_provider(pool_dir, "embedder", EMBEDDER_ENV, worker="embedder.py")
+    home = tmp_path / "alice"
+    home.mkdir(mode=0o700)
+    secret = "ghp_0123456789abcdefSECRET"
+    (home / ".git-credentials").write_text(f"https://alice:{secret}@github.com\n")
+    (home / "private.fasta").write_text(">unpublished\nMKVLAAGIVLL\n")
+    for name in (".git-credentials", "private.fasta"):
+        os.chmod(home / name, 0o600)
+    inbox = _shared_folder(tmp_path, "inbox", mode=0o1777)  # a drop folder: sticky, as /tmp is
+    (inbox / "colleague.fasta").write_text(">shared\nMKTAYIAKQR\n")
+    os.chmod(inbox / "colleague.fasta", 0o644)
+    os.chown(inbox / "colleague.fasta", pwd.getpwnam(other_user).pw_uid, -1)  # a colleague's file: fine
+    trap = _shared_folder(tmp_path, "trap", mode=0o777)
+    for link, target in (("creds.csv", home / ".git-credentials"), ("env.csv", "/proc/self/environ"),
+                         ("private.fasta", home / "private.fasta"), ("screened", trap)):
+        done = _as(other_user, "ln", "-s", str(target), str(inbox / link))
+        assert done.returncode == 0, done.stderr
+    os.link(home / "private.fasta", inbox / "hard.fasta")  # where protected_hardlinks is off, mallory can
+    with pytest.raises(CampaignFailed) as failed:
+        screen(input=str(inbox), provider="embedder", manifests=str(pool_dir))
+    said = str(failed.value) + json.dumps(failed.value.details)
+    assert secret not in said and "PATH=" not in said and "unpublished" not in said
+    for name in ("creds.csv", "private.fasta"):
+        assert f"{inbox / name}: a symbolic link; an input is opened, never followed" in said
+    assert f"{inbox / 'env.csv'}: lies under /proc" in said and f"{inbox / 'hard.fasta'}: has 2 hard links" in said
+    assert f"is reached through the link {inbox / 'screened'}, owned by uid" in said  # the output folder
+    assert list(trap.iterdir()) == []
+    outbox = tmp_path / "outbox"
+    summary = failed.value.details["summary"]
+    with pytest.raises(CampaignFailed) as again:
+        screen(input=str(inbox), output=str(outbox), provider="embedder", manifests=str(pool_dir))
+    summary = again.value.details["summary"]
+    assert summary["ok"] == 1 and [Path(f["file"]).name for f in summary["files"]] == ["colleague.fasta"]
+    assert len(summary["refused"]) == 4 and secret not in json.dumps(summary)
+    assert [p.name for p in outbox.iterdir()] == ["colleague.fasta.embedder.jsonl"]
+    security_row("links planted in a shared inbox: ~/.git-credentials, /proc/self/environ, a 0600 file, "
+                 "a hard link, the output folder", "each refused by name and listed; only the colleague's file "
+                 "is screened; nothing quoted")

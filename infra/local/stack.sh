@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # A local stack on one host: Prefect server (SQLite), a process work pool and its
 # worker, the deployments. The resident pool itself starts on the first request.
-#   infra/local/stack.sh up|down|status
-# Logs and pid files live together in $STACK_DIR (default .stack/ in the repo).
+#   infra/local/stack.sh up|down|status       (make stack-up, make stack-down)
+#   infra/local/stack.sh server|worker|deploy (one piece in the foreground: make server, worker, deploy)
+# Logs, pid files, Prefect's database and the API's auth string live in $STACK_DIR (default .stack/ in
+# the repo), a folder only you can read: every local user reaches the server's loopback port, and
+# without the auth string (made once, 0600, in $STACK_DIR/auth) each of them gets 401. The worker's
+# flow runs read inputs only under $INPUT_ROOT (default the inbox), write outputs under $OUTPUT_ROOT
+# (default: beside the inputs) and take providers from $MANIFESTS: the worker's own environment, which
+# no flow run can change (docs/security.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=${VENV:-.venv}
@@ -10,10 +16,45 @@ PORT=${PREFECT_PORT:-4200}
 POOL=${WORK_POOL:-resident-pool}
 STACK_DIR=${STACK_DIR:-$PWD/.stack}
 INBOX=${INBOX:-$STACK_DIR/inbox}
+INPUT_ROOT=${INPUT_ROOT:-$INBOX}
+OUTPUT_ROOT=${OUTPUT_ROOT:-}
+MANIFESTS=${MANIFESTS:-$PWD/manifests}
 SCREEN_CRON=${SCREEN_CRON:-0 2 * * *}
+AUTH_FILE=$STACK_DIR/auth
 export PREFECT_API_URL="http://127.0.0.1:${PORT}/api"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_HOME=${PREFECT_HOME:-$STACK_DIR/prefect-home}
+
+private_folder() {  # the stack's folder: yours, 0700 (it holds the auth string, the database and the logs)
+  mkdir -p -m 700 "$STACK_DIR"
+  if [ -L "$STACK_DIR" ] || [ "$(stat -c %u "$STACK_DIR")" != "$(id -u)" ]; then
+    echo "$STACK_DIR is not a folder of yours; set STACK_DIR to one" >&2; exit 1
+  fi
+  chmod 700 "$STACK_DIR"
+}
+
+auth_string() {  # prints nothing; sets AUTH from $AUTH_FILE, made once (user:secret, 0600)
+  private_folder
+  if [ ! -e "$AUTH_FILE" ]; then
+    (umask 077; printf 'resident-pool:%s' "$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')" >"$AUTH_FILE")
+  fi
+  if [ -L "$AUTH_FILE" ] || [ "$(stat -c %u:%a "$AUTH_FILE")" != "$(id -u):600" ]; then
+    echo "$AUTH_FILE must be a file of yours, mode 0600 (chmod 600 it, or remove it for a new one)" >&2; exit 1
+  fi
+  AUTH=$(cat "$AUTH_FILE")
+}
+
+# The secrets go to each process through its environment (readable by you alone), never its command line.
+server_env() { export PREFECT_SERVER_API_AUTH_STRING="$AUTH"; }
+client_env() { export PREFECT_API_AUTH_STRING="$AUTH"; }
+worker_env() {
+  client_env
+  export RESIDENT_POOL_MANIFESTS="$MANIFESTS" RESIDENT_POOL_INPUT_ROOT="$INPUT_ROOT"
+  if [ -n "$OUTPUT_ROOT" ]; then export RESIDENT_POOL_OUTPUT_ROOT="$OUTPUT_ROOT"; fi
+}
+
+SERVER=("$VENV/bin/prefect" server start --host 127.0.0.1 --port "$PORT")
+WORKER=("$VENV/bin/prefect" worker start --pool "$POOL" --type process)
 
 start() {  # name, command...
   local name=$1; shift
@@ -38,21 +79,28 @@ stop() {  # name
   rm -f "$STACK_DIR/$name.pid"
 }
 
+deploy() {  # the deployments, registered as the worker will run them
+  client_env
+  # The nightly screen and validation are registered paused: a laptop must not screen at night.
+  "$VENV/bin/python" flows/deploy.py --work-pool "$POOL" --manifests "$MANIFESTS" --schedule "$SCREEN_CRON" \
+    --inbox "$INBOX" --paused "$@"
+}
+
 case "${1:-}" in
   up)
-    mkdir -p "$STACK_DIR"
-    start server "$VENV/bin/prefect" server start --host 127.0.0.1 --port "$PORT"
+    auth_string
+    (server_env; start server "${SERVER[@]}")
     for _ in $(seq 1 300); do
       curl -fsS "http://127.0.0.1:${PORT}/api/health" >/dev/null 2>&1 && break; sleep 0.5
     done
     curl -fsS "http://127.0.0.1:${PORT}/api/health" >/dev/null || { echo "server did not come up; see $STACK_DIR/server.log"; exit 1; }
     mkdir -p "$INBOX"
-    # The nightly screen and validation are registered paused: a laptop must not screen at night.
-    "$VENV/bin/python" flows/deploy.py --work-pool "$POOL" --schedule "$SCREEN_CRON" --inbox "$INBOX" --paused \
-      >>"$STACK_DIR/deploy.log" 2>&1 || { echo "deploy failed; see $STACK_DIR/deploy.log"; exit 1; }
+    (deploy >>"$STACK_DIR/deploy.log" 2>&1) || { echo "deploy failed; see $STACK_DIR/deploy.log"; exit 1; }
     echo "deployments registered on work pool $POOL; nightly screen of $INBOX registered paused (resume it in the UI)"
-    start worker "$VENV/bin/prefect" worker start --pool "$POOL" --type process
-    echo "UI: http://127.0.0.1:${PORT}  (run: PREFECT_API_URL=$PREFECT_API_URL $VENV/bin/prefect deployment run predict/predict)"
+    (worker_env; start worker "${WORKER[@]}")
+    echo "flow runs read under $INPUT_ROOT, write under ${OUTPUT_ROOT:-the folders of the inputs}, use providers of $MANIFESTS"
+    echo "UI: http://127.0.0.1:${PORT} (it asks for the auth string: the contents of $AUTH_FILE)"
+    echo "CLI: PREFECT_API_URL=$PREFECT_API_URL PREFECT_API_AUTH_STRING=\$(cat $AUTH_FILE) $VENV/bin/prefect deployment run predict/predict"
     ;;
   down)
     stop worker
@@ -65,5 +113,8 @@ case "${1:-}" in
         echo "$name: running (pid $(cat "$STACK_DIR/$name.pid"))"; else echo "$name: stopped"; fi
     done
     ;;
-  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+  server) auth_string; server_env; exec "${SERVER[@]}" ;;
+  worker) auth_string; worker_env; exec "${WORKER[@]}" ;;
+  deploy) auth_string; mkdir -p "$INBOX"; shift; deploy "$@" ;;
+  *) echo "usage: $0 up|down|status|server|worker|deploy" >&2; exit 2 ;;
 esac

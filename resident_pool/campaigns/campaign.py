@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import array
 import base64
+import binascii
 import fcntl
 import json
 import os
 import re
+import stat
 import statistics
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +28,8 @@ from typing import Any, Literal
 from .. import arrays
 from ..errors import InputError
 from ..settings import settings
-from .inputs import DEFAULT_MAX_RECORD_BYTES, Record
+from .inputs import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_RECORDS, DEFAULT_MAX_RECORD_BYTES, Record
+from .outdir import OutputDir
 from .results import ResultStore, default_results_dir, options_text, result_key
 
 __all__ = [
@@ -39,6 +42,12 @@ __all__ = [
 ]
 
 BLOCK = 1024  # records looked up in the store at once
+# One result (one input's answer) as decoded, and once written: over it, the record fails as bad_answer. A
+# worker's 40 MB sparse attachment cost nothing to send and 463 MB of the client's memory to write as JSON.
+DEFAULT_MAX_RESULT_BYTES = 64 * 2**20
+# The campaign maps less of a worker's answer than a direct call may (4 GiB): a chunk's rows, each at most
+# DEFAULT_MAX_RESULT_BYTES, rarely add up to a gigabyte, and one that does is retried input by input.
+DEFAULT_MAX_ATTACHMENT_BYTES = 2**30
 # One encoder, made once: json.dumps with arguments builds a new one per call, a second per million results.
 _COMPACT = json.JSONEncoder(separators=(",", ":")).encode
 # A result's numpy arrays (or Array objects) go into the store and the output as nested lists of numbers,
@@ -57,11 +66,18 @@ class CampaignSettings:
 
     results_dir: Path
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
+    max_input_records: int = DEFAULT_MAX_INPUT_RECORDS
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
+    max_attachment_bytes: int = DEFAULT_MAX_ATTACHMENT_BYTES
 
     @classmethod
     def from_env(cls) -> CampaignSettings:
         config = settings()
-        return cls(results_dir=config.results_dir or default_results_dir(), max_record_bytes=config.max_record_bytes)
+        return cls(results_dir=config.results_dir or default_results_dir(), max_record_bytes=config.max_record_bytes,
+                   max_input_bytes=config.max_input_bytes, max_input_records=config.max_input_records,
+                   max_result_bytes=config.max_result_bytes,
+                   max_attachment_bytes=config.campaign_max_attachment_bytes)
 
 
 def output_name(input_path: str | os.PathLike[str], provider: str, fmt: str) -> str:
@@ -90,32 +106,31 @@ class Chunk:
         return len(self.keys)
 
 
-def _open_new(path: Path, flags: int) -> int:
-    """Open for writing without following a symlink at ``path``; created with the user's umask."""
-    try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | flags, 0o666)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot write the output there ({exc.strerror}); a symlink is never followed",
-                         details={"path": str(path)}) from None
-
-
-def _locked_journal(path: Path, output: Path) -> int:
+def _locked_journal(folder: OutputDir, name: str, output: Path) -> int:
     """``<output>.partial``, opened, locked and emptied: one campaign writes an output at a time.
 
     Another run on the same inbox at once (a slow night, a hand-started run) is refused here, before it
-    computes anything; the lock goes with the process, however it ends.
+    computes anything; the lock goes with the process, however it ends. A file that is not ours alone (a
+    hard link or a file someone else put there, in a folder others can write) is refused, never emptied.
     """
+    path = folder.path / name
     while True:
-        fd = _open_new(path, os.O_APPEND)
+        fd = folder.open(name, os.O_APPEND)
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode) or opened.st_uid != os.getuid() or opened.st_nlink != 1:
+            os.close(fd)
+            raise InputError(f"{path}: is not a file of yours alone (owner uid {opened.st_uid}, "
+                             f"{opened.st_nlink} link(s)), so it is never emptied or written; remove it, or give "
+                             "another --output", details={"path": str(path)})
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise InputError(f"{output}: another campaign is writing this output now ({path.name} is locked); "
+            raise InputError(f"{output}: another campaign is writing this output now ({name} is locked); "
                              "let it finish and run again, or give another --output",
                              details={"path": str(output)}) from None
         try:  # the campaign that held it may have removed it on its way out: lock the file that is there
-            current = os.path.samestat(os.fstat(fd), os.lstat(path))
+            current = os.path.samestat(opened, folder.lstat(name))
         except FileNotFoundError:
             current = False
         if current:
@@ -133,7 +148,7 @@ class Campaign:
     """
 
     def __init__(self, store: ResultStore, version: str, options: dict[str, Any], chunk_size: int,
-                 output: str | os.PathLike[str]) -> None:
+                 output: str | os.PathLike[str], *, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> None:
         if chunk_size < 1:
             raise InputError(f"chunk_size must be at least 1, not {chunk_size}")
         self.store = store
@@ -141,8 +156,9 @@ class Campaign:
         self.version = version
         self.options = options_text(options)
         self.chunk_size = chunk_size
+        self.max_result_bytes = max_result_bytes
         self.output = Path(output)
-        self.journal_path = self.output.with_name(self.output.name + ".partial")
+        self.journal_name = self.output.name + ".partial"
         self.pending = Chunk()
         self.waiting: set[bytes] = set()  # keys pending or in flight: a duplicate of one is not computed twice
         self.counts = {"inputs": 0, "bad_input": 0, "from_store": 0, "duplicates": 0, "computed": 0, "chunks": 0}
@@ -154,12 +170,18 @@ class Campaign:
             CREATE TEMP TABLE slots (idx INTEGER PRIMARY KEY, id TEXT NOT NULL, key BLOB, error TEXT);
             CREATE TEMP TABLE failures (key BLOB PRIMARY KEY, reason TEXT NOT NULL, error TEXT NOT NULL);
         """)
-        self.output.parent.mkdir(parents=True, exist_ok=True)
-        self.journal = os.fdopen(_locked_journal(self.journal_path, self.output), "w", encoding="utf-8")
+        self.folder = OutputDir(self.output.parent)
+        try:
+            self.journal = os.fdopen(_locked_journal(self.folder, self.journal_name, self.output), "w",
+                                     encoding="utf-8")
+        except BaseException:
+            self.folder.close()
+            raise
 
     def close(self) -> None:
         if not self.journal.closed:
             self.journal.close()
+        self.folder.close()
         self.db.executescript("DROP TABLE IF EXISTS temp.slots; DROP TABLE IF EXISTS temp.failures;")
 
     # -- planning -----------------------------------------------------------------
@@ -227,11 +249,10 @@ class Campaign:
                 failures.append((key, reason, error))
                 lines.append(_failure_line(head, reason, error))
             else:
-                try:
-                    text = _RESULT(_fields(result))
-                except (TypeError, ValueError) as exc:  # one input's answer that cannot be written fails alone
-                    failures.append((key, "bad_answer", f"the answer cannot be written as JSON: {exc}"))
-                    lines.append(_failure_line(head, *failures[-1][1:]))
+                text, problem = _written(result, self.max_result_bytes)
+                if problem is not None:  # one input's answer that cannot be written fails alone, and is not stored
+                    failures.append((key, "bad_answer", problem))
+                    lines.append(_failure_line(head, "bad_answer", problem))
                     continue
                 stored.append((key, text))
                 lines.append(_ok_line(head, text))
@@ -275,8 +296,8 @@ class Campaign:
         if fmt not in OUTPUT_FORMATS:
             raise InputError(f"unknown output format {fmt!r}; use one of {', '.join(OUTPUT_FORMATS)}")
         self.journal.flush()  # kept open, and locked, until the output has replaced the old one
-        temp = self.output.with_name(f".{self.output.name}.{uuid.uuid4().hex[:8]}.tmp")
-        fd = _open_new(temp, os.O_EXCL)
+        temp = f".{self.output.name}.{uuid.uuid4().hex[:8]}.tmp"
+        fd = self.folder.open(temp, os.O_EXCL)
         try:
             with os.fdopen(fd, "wb") as out:
                 rows = _Counted(self._joined())
@@ -284,18 +305,35 @@ class Campaign:
                     _write_parquet(out, rows, self._first_result())
                 else:
                     _write_jsonl(out, rows)
-            os.replace(temp, self.output)
+            self.folder.replace(temp, self.output.name)
         except BaseException:
-            temp.unlink(missing_ok=True)
+            self.folder.unlink(temp)
             raise
-        self.journal_path.unlink(missing_ok=True)
+        self._forget(rows.demoted)
+        self.folder.unlink(self.journal_name)
         self.journal.close()
         return rows.counts
 
+    def _forget(self, indexes: list[int]) -> None:
+        """Drop from the store the answers of inputs the writer could not write: computed again next time."""
+        for start in range(0, len(indexes), 4096):
+            batch = indexes[start:start + 4096]
+            marks = ",".join("?" * len(batch))
+            keys = [key for (key,) in self.db.execute(
+                f"SELECT key FROM temp.slots WHERE idx IN ({marks})", batch)]  # noqa: S608 - only '?' marks
+            self.store.forget(keys)
+
     def _first_result(self) -> dict[str, Any] | None:
-        row = self.db.execute("SELECT r.result FROM temp.slots AS s JOIN main.results AS r ON r.key = s.key "
-                              "ORDER BY s.idx LIMIT 1").fetchone()
-        return None if row is None else json.loads(row[0])
+        """The result the Parquet columns are drawn from: the first whose vectors decode (an older version may
+        have stored one that does not, and it must not shape every column)."""
+        first = None
+        for (text,) in self.db.execute("SELECT r.result FROM temp.slots AS s JOIN main.results AS r ON "
+                                       "r.key = s.key ORDER BY s.idx LIMIT 100"):
+            result = json.loads(text)
+            first = first or result
+            if isinstance(result, dict) and _f32_problem(result.get("embedding_f32", "")) is None:
+                return result
+        return first
 
 
 _MISSING = ("not_computed", "no result and no failure was recorded for this input; run the campaign again")
@@ -307,6 +345,7 @@ class _Counted:
     def __init__(self, rows: Iterable[tuple]) -> None:
         self.rows = rows
         self.counts: dict[str, Any] = {"records": 0, "ok": 0, "failed": 0, "missing": 0, "failure_reasons": {}}
+        self.demoted: list[int] = []
 
     def __iter__(self) -> Iterator[tuple[int, str, bool, str | None, str | None, str | None]]:
         counts, reasons = self.counts, self.counts["failure_reasons"]
@@ -326,6 +365,14 @@ class _Counted:
             reasons[reason] = reasons.get(reason, 0) + 1
             yield index, ident, False, None, reason, error
 
+    def demote(self, index: int, reason: str) -> None:
+        """Input ``index``, counted ok, turned out not to be writable: count it failed for ``reason``."""
+        self.demoted.append(index)
+        reasons = self.counts["failure_reasons"]
+        self.counts["ok"] -= 1
+        self.counts["failed"] += 1
+        reasons[reason] = reasons.get(reason, 0) + 1
+
 
 def _head(index: int, ident: str) -> str:
     quoted = f'"{ident}"' if _PLAIN_ID.fullmatch(ident) else _COMPACT(ident)
@@ -340,6 +387,61 @@ def _fields(result: dict[str, Any]) -> dict[str, Any]:
     """A provider's item as the store and the output hold it: its fields beside the record's own, or, when it
     names one of them, whole under "result". Checked once, when the item comes in, not per line written."""
     return {"result": result} if not RECORD_FIELDS.isdisjoint(result) else result
+
+
+def _written(result: dict[str, Any], limit: int) -> tuple[str, str | None]:
+    """The result as the store and the output hold it (compact JSON), or why it cannot be: over ``limit``
+    decoded or written, a ``*_f32`` field that is not base64 float32, a value JSON cannot hold."""
+    size = _decoded_size(result, limit)
+    if size > limit:
+        return "", f"the answer is over {limit} bytes decoded (RESIDENT_POOL_MAX_RESULT_BYTES); it was not written"
+    for name, value in result.items():
+        if isinstance(name, str) and name.endswith("_f32") and value is not None:
+            problem = _f32_problem(value)
+            if problem is not None:
+                return "", f"{name}: {problem}"
+    try:
+        text = _RESULT(_fields(result))
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        return "", f"the answer cannot be written as JSON: {exc}"
+    if len(text) > limit:
+        return "", (f"the answer is {len(text)} bytes as JSON, over {limit} (RESIDENT_POOL_MAX_RESULT_BYTES); it was "
+                    "not written")
+    return text, None
+
+
+def _decoded_size(value: Any, limit: int) -> int:
+    """Roughly the bytes ``value`` holds (arrays by their nbytes, text by its length), counted until past
+    ``limit``; never encodes anything."""
+    size, todo = 0, [value]
+    while todo and size <= limit:
+        item = todo.pop()
+        if isinstance(item, str | bytes | bytearray):
+            size += len(item)
+        elif isinstance(item, dict):
+            size += 2 * len(item)
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list | tuple):
+            size += len(item)
+            todo.extend(item)
+        else:
+            nbytes = getattr(item, "nbytes", None)
+            size += nbytes if isinstance(nbytes, int) else 8
+    return size
+
+
+def _f32_problem(value: Any) -> str | None:
+    """Why ``value`` is not base64 of little-endian float32s (None when it is)."""
+    if not isinstance(value, str):
+        return f"a {type(value).__name__}, not base64 float32 text"
+    try:
+        blob = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        return f"not base64 float32 text ({exc})"
+    if len(blob) % 4:
+        return f"{len(blob)} bytes once decoded, not a whole number of float32s"
+    return None
 
 
 def _failure_line(head: str, reason: str, error: str) -> str:
@@ -373,17 +475,17 @@ def _write_parquet(out, rows: _Counted, example: dict[str, Any] | None, batch_ro
         for row in rows:
             batch.append(row)
             if len(batch) >= batch_rows:
-                writer.write_table(_parquet_batch(batch, columns, schema, pa))
+                writer.write_table(_parquet_batch(batch, columns, schema, pa, rows))
                 batch.clear()
         if batch or not rows.counts["records"]:
-            writer.write_table(_parquet_batch(batch, columns, schema, pa))
+            writer.write_table(_parquet_batch(batch, columns, schema, pa, rows))
 
 
 def _parquet_columns(example: dict[str, Any], pa) -> list[tuple[str, Any, str]]:
     """(column, arrow type, how to read it from a result) for each field of an example result."""
     columns = []
     for name, value in example.items():
-        if name == "embedding_f32" and isinstance(value, str):
+        if name == "embedding_f32" and _f32_problem(value) is None:
             columns.append(("embedding", pa.list_(pa.float32(), len(base64.b64decode(value)) // 4), "f32"))
         elif name == "embedding" and isinstance(value, list) and all(isinstance(x, int | float) for x in value):
             columns.append(("embedding", pa.list_(pa.float32(), len(value)), "floats"))
@@ -400,38 +502,79 @@ def _parquet_columns(example: dict[str, Any], pa) -> list[tuple[str, Any, str]]:
     return columns
 
 
-def _parquet_batch(batch: list[tuple], columns: list[tuple[str, Any, str]], schema, pa):
-    results = [json.loads(row[3]) if row[2] else None for row in batch]
+def _parquet_batch(batch: list[tuple], columns: list[tuple[str, Any, str]], schema, pa, rows: _Counted):
+    """One batch as an Arrow table. A stored result whose value does not fit its column (undecodable base64
+    float32 an older version stored, a string where the first result had a number) fails its own row as
+    bad_answer; the rest of the output is written."""
+    cells: list[list[Any]] = [[None] * len(batch) for _ in columns]
+    readers = [("embedding_f32" if how == "f32" else name, _cell_reader(kind, how, pa)) for name, kind, how in columns]
+    for at, row in enumerate(batch):
+        if not row[2]:
+            continue
+        result = json.loads(row[3])
+        converted, problem = [], None
+        for source, read in readers:
+            value = result.get(source)
+            value, problem = (None, None) if value is None else read(value)
+            if problem is not None:
+                problem = f"{source}: {problem}"
+                break
+            converted.append(value)
+        if problem is not None:
+            batch[at] = (row[0], row[1], False, None, "bad_answer",
+                         f"{problem}; the stored answer was removed, so the next run computes it again")
+            rows.demote(row[0], "bad_answer")
+            continue
+        for column, value in zip(cells, converted, strict=True):
+            column[at] = value
     arrays = [pa.array([row[1] for row in batch], pa.string()), pa.array([row[0] for row in batch], pa.int64()),
               pa.array([row[2] for row in batch], pa.bool_()), pa.array([row[4] for row in batch], pa.string()),
               pa.array([row[5] for row in batch], pa.string())]
-    for name, kind, how in columns:
-        source = "embedding_f32" if how == "f32" else name
-        values = [None if result is None else result.get(source) for result in results]
-        if how in ("f32", "floats"):
-            arrays.append(_vectors(values, kind.list_size, how, pa))
-        elif how == "json":
-            arrays.append(pa.array([None if v is None else json.dumps(v) for v in values], pa.string()))
-        else:
-            arrays.append(pa.array(values, kind))
+    for (_, kind, how), values in zip(columns, cells, strict=True):
+        arrays.append(_vectors(values, kind.list_size, pa) if how in ("f32", "floats") else pa.array(values, kind))
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _vectors(values: list[Any], dim: int, how: str, pa):
-    """A fixed-size float32 list column built from one buffer (nulls where a row has no vector)."""
+def _cell_reader(kind: Any, how: str, pa) -> Callable[[Any], tuple[Any, str | None]]:
+    """For one column: a value (not None) as the column takes it (vectors as float32 bytes), or why it does not
+    fit."""
+    if how == "f32":
+        def f32(value: Any) -> tuple[Any, str | None]:
+            problem = _f32_problem(value)
+            return (None, problem) if problem else (base64.b64decode(value), None)
+        return f32
+    if how == "floats":
+        def floats(value: Any) -> tuple[Any, str | None]:
+            if not isinstance(value, list) or not all(isinstance(x, int | float) and not isinstance(x, bool)
+                                                      for x in value):
+                return None, "not a list of numbers"
+            try:
+                return array.array("f", value).tobytes(), None
+            except OverflowError:
+                return None, "a number too large for float32"
+        return floats
+    if how == "json":
+        return lambda value: (json.dumps(value), None)
+    if kind == pa.bool_():
+        fits = lambda v: isinstance(v, bool)  # noqa: E731 - one line per column type reads best as a table
+    elif kind == pa.int64():
+        fits = lambda v: isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63  # noqa: E731
+    elif kind == pa.float64():
+        fits = lambda v: isinstance(v, int | float) and not isinstance(v, bool) and abs(v) < 2.0**1023  # noqa: E731
+    else:
+        fits = lambda v: isinstance(v, str)  # noqa: E731
+
+    def value(v: Any) -> tuple[Any, str | None]:
+        return (v, None) if fits(v) else (None, f"a {type(v).__name__} where the output's column holds {kind}")
+    return value
+
+
+def _vectors(blobs: list[bytes | None], dim: int, pa):
+    """A fixed-size float32 list column built from one buffer (nulls where a row has no vector of ``dim``)."""
     zero = bytes(4 * dim)
-    blobs, valid = [], []
-    for value in values:
-        blob = None
-        if value is not None:
-            blob = base64.b64decode(value) if how == "f32" else array.array("f", value).tobytes()
-        if blob is None or len(blob) != 4 * dim:
-            blobs.append(zero)
-            valid.append(False)
-        else:
-            blobs.append(blob)
-            valid.append(True)
-    flat = pa.Array.from_buffers(pa.float32(), len(values) * dim, [None, pa.py_buffer(b"".join(blobs))])
+    valid = [blob is not None and len(blob) == 4 * dim for blob in blobs]
+    data = b"".join(blob if ok else zero for blob, ok in zip(blobs, valid, strict=True))
+    flat = pa.Array.from_buffers(pa.float32(), len(blobs) * dim, [None, pa.py_buffer(data)])
     mask = None if all(valid) else pa.array([not v for v in valid], pa.bool_())
     return pa.FixedSizeListArray.from_arrays(flat, dim, mask=mask)
 

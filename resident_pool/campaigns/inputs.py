@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import errno
 import gzip
 import io
 import itertools
@@ -25,8 +26,11 @@ from pathlib import Path
 from typing import IO
 
 from ..errors import InputError
+from ..host.trust import others_may_write
 
 __all__ = [
+    "DEFAULT_MAX_INPUT_BYTES",
+    "DEFAULT_MAX_INPUT_RECORDS",
     "DEFAULT_MAX_RECORD_BYTES",
     "FORMATS",
     "ID_FIELDS",
@@ -36,10 +40,15 @@ __all__ = [
     "InputFile",
     "Record",
     "input_format",
+    "open_input",
+    "snippet",
 ]
 
 SNIFF_BYTES = 64 * 1024
 DEFAULT_MAX_RECORD_BYTES = 1 << 20  # a titin-sized protein is 35 kB; a record this large is a mistake
+# Per file, set by the operator, not by the input: a 7 kB .fasta.gz held a million records (a 106 MB output).
+DEFAULT_MAX_INPUT_BYTES = 10 * 10**9
+DEFAULT_MAX_INPUT_RECORDS = 50_000_000
 TEXT_FIELDS = ("sequence", "text", "input", "seq")
 # A column or field of these names holds sequences: read as FASTA's are (spaces dropped, upper case), so the
 # same protein is the same input whichever file it comes from. "text" and "input" are kept as written.
@@ -121,32 +130,22 @@ class InputFile:
     """One input file: ``check()`` it, then iterate ``records()`` lazily."""
 
     def __init__(self, path: str | os.PathLike[str], *, column: str | None = None, id_column: str | None = None,
-                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
+                 max_input_records: int = DEFAULT_MAX_INPUT_RECORDS) -> None:
         self.path = Path(path)
         self.format, self.compressed = input_format(self.path)
         self.column = column
         self.id_column = id_column
         self.max_record_bytes = max_record_bytes
+        self.max_input_bytes = max_input_bytes
+        self.max_input_records = max_input_records
         self._raw: IO[bytes] | None = None
 
     # -- opening -------------------------------------------------------------------
     @contextmanager
     def _open(self) -> Iterator[IO[bytes]]:
-        try:
-            # O_NONBLOCK: a FIFO named seqs.fasta must not hang the campaign before it is refused.
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
-        except FileNotFoundError:
-            raise InputError(f"{self.path}: no such input file; give a FASTA, CSV, TSV or JSONL file, or a folder "
-                             "of them", details={"path": str(self.path)}) from None
-        except OSError as exc:
-            raise InputError(f"{self.path}: cannot be opened ({exc.strerror})", details={"path": str(self.path)}) \
-                from None
+        fd = open_input(self.path)
         opened = os.fstat(fd)
-        if not stat.S_ISREG(opened.st_mode):
-            os.close(fd)
-            raise InputError(f"{self.path}: not a regular file; give a FASTA, CSV, TSV or JSONL file",
-                             details={"path": str(self.path)})
-        os.set_blocking(fd, True)
         with open(fd, "rb", buffering=1 << 20) as raw:
             self._raw = raw
             if not self.compressed:
@@ -163,7 +162,7 @@ class InputFile:
                                  details={"path": str(self.path)})
 
     def size(self) -> int:
-        return self.path.stat().st_size
+        return os.lstat(self.path).st_size
 
     def bytes_read(self) -> int:
         """How far into the file (compressed bytes, for .gz) the reader has got."""
@@ -202,10 +201,20 @@ class InputFile:
 
     # -- all of it -------------------------------------------------------------------
     def records(self) -> Iterator[Record]:
-        """Every record of the file, in order, read lazily; bad ones carry their error."""
+        """Every record of the file, in order, read lazily; bad ones carry their error.
+
+        Past the operator's limits (records, or bytes once decompressed) it raises InputError: the file
+        is refused as a whole, never cut short into an output that looks complete.
+        """
         with self._open() as stream:
+            limit = self.max_input_records
             try:
-                yield from self._parse(stream)
+                for count, record in enumerate(self._parse(_Bounded(stream, self)), 1):
+                    if count > limit:
+                        raise InputError(f"{self.path}: more than {limit:,} records (RESIDENT_POOL_MAX_INPUT_RECORDS); "
+                                         "no output is written for it: split the file, or raise the limit",
+                                         details={"path": str(self.path), "limit": "records"})
+                    yield record
             except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
                 raise InputError(f"{self.path}: the compressed data is damaged ({exc}); the records before the "
                                  "damage were read", details={"path": str(self.path)}) from None
@@ -295,7 +304,7 @@ class InputFile:
             identifier = identifier or f"line-{number}"
             value = normalize(cells[text_at]) if text_at < len(cells) else ""
             if not value:
-                yield self.bad(index, identifier, number, f"no value in column {header[text_at]!r}")
+                yield self.bad(index, identifier, number, f"no value in column {snippet(header[text_at])}")
             else:
                 yield Record(index, identifier, value, number)
             index += 1
@@ -312,8 +321,9 @@ class InputFile:
         if not required:
             return None
         asked = repr(wanted) if wanted else " or ".join(repr(name) for name in defaults)
-        raise InputError(f"{self.path}: no column named {asked} (matched ignoring case); its columns are "
-                         f"{header}; name the input column with {option} NAME", details={"path": str(self.path)})
+        columns = snippet(", ".join(header)) if header else "none"
+        raise InputError(f"{self.path}: no column named {asked} (matched ignoring case); its header row reads "
+                         f"{columns}; name the input column with {option} NAME", details={"path": str(self.path)})
 
     # JSON Lines ----------------------------------------------------------------------
     def _jsonl(self, lines: _Lines) -> Iterator[Record]:
@@ -354,6 +364,29 @@ class InputFile:
                 value = _sequence_text(text) if text_name.lower() in SEQUENCE_FIELDS else text.strip()
                 yield Record(index, identifier, value, number)
             index += 1
+
+
+class _Bounded:
+    """A stream that raises InputError once more than the file's ``max_input_bytes`` have come out of it."""
+
+    def __init__(self, stream: IO[bytes], source: InputFile) -> None:
+        self.stream, self.source = stream, source
+        self.left = source.max_input_bytes
+
+    def _count(self, data: bytes) -> bytes:
+        self.left -= len(data)
+        if self.left < 0:
+            what = "decompressed" if self.source.compressed else "read"
+            raise InputError(f"{self.source.path}: more than {self.source.max_input_bytes:,} bytes {what} "
+                             "(RESIDENT_POOL_MAX_INPUT_BYTES); no output is written for it: split the file, or "
+                             "raise the limit", details={"path": str(self.source.path), "limit": "bytes"})
+        return data
+
+    def read(self, size: int = -1) -> bytes:
+        return self._count(self.stream.read(size if size >= 0 else self.left + 1))
+
+    def readline(self, size: int = -1) -> bytes:
+        return self._count(self.stream.readline(size if size >= 0 else self.left + 1))
 
 
 class _FastaBlocks:
@@ -448,6 +481,75 @@ class _FastaBlocks:
         record = self.source.fasta_record(self.index, self.line, data, over=over, last=last)
         self.index += 1
         return record
+
+
+# Kernel and device filesystems: a name there is never an input file, whatever it is called or linked as.
+SPECIAL_FOLDERS = ("/proc", "/sys", "/dev")
+
+
+def open_input(path: Path) -> int:
+    """Open an input file for reading, never following a link to it; returns the descriptor (blocking).
+
+    An inbox others can write into may hold a link planted to your private files or to
+    ``/proc/self/environ``, so: a symlink as the last component is refused (O_NOFOLLOW), as are
+    every special file (checked on the opened file, so a swap after the check changes nothing),
+    anything under /proc, /sys or /dev by name and by filesystem, and a file with more than one hard
+    link in a folder others can write (a planted hard link to your file). Its owner does not matter:
+    a colleague's file in a group inbox is fine. A refusal names the file and never quotes it.
+    """
+    where = {"path": str(path)}
+    spelled = os.path.abspath(path)
+    for real in (spelled, os.path.realpath(path)):
+        for top in SPECIAL_FOLDERS:
+            if real == top or real.startswith(top + "/"):
+                raise InputError(f"{path}: lies under {top}, a kernel or device folder, never an input; give a "
+                                 "FASTA, CSV, TSV or JSONL file", details=where)
+    try:
+        # O_NONBLOCK: a FIFO named seqs.fasta must not hang the campaign before it is refused.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such input file; give a FASTA, CSV, TSV or JSONL file, or a folder of them",
+                         details=where) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InputError(f"{path}: a symbolic link; an input is opened, never followed: give the file itself",
+                             details=where) from None
+        raise InputError(f"{path}: cannot be opened ({exc.strerror})", details=where) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(f"{path}: not a regular file (a FIFO, socket, device or folder); give a FASTA, CSV, "
+                             "TSV or JSONL file", details=where)
+        if info.st_dev in _special_devices():
+            raise InputError(f"{path}: a file of a kernel or device filesystem, never an input", details=where)
+        if info.st_nlink > 1:
+            folder = os.stat(os.path.dirname(spelled))
+            writable = others_may_write(folder)
+            if writable:
+                raise InputError(
+                    f"{path}: has {info.st_nlink} hard links and lies in a folder {' and '.join(writable)} can write "
+                    "into, so it may be a link planted to someone's private file; copy the file in instead of "
+                    "linking it", details=where)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _special_devices() -> set[int]:
+    devices = set()
+    for top in SPECIAL_FOLDERS:
+        try:
+            devices.add(os.stat(top).st_dev)
+        except OSError:
+            continue
+    return devices
+
+
+def snippet(text: str, limit: int = 40) -> str:
+    """At most ``limit`` characters of ``text`` quoted with escapes: what an error may show of an input."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
 def _text_so_far(data: bytes) -> bool:

@@ -114,6 +114,12 @@ class ResultStore:
             self.connection.executemany("INSERT OR IGNORE INTO results (key, version, result, created) "
                                         "VALUES (?, ?, ?, ?)", ((key, version, text, now) for key, text in items))
 
+    def forget(self, keys: list[bytes]) -> None:
+        """Remove the results of ``keys`` (ones that turned out not to be writable)."""
+        if keys:
+            with self.transaction():
+                self.connection.executemany("DELETE FROM results WHERE key = ?", ((key,) for key in keys))
+
     def count(self, version: str | None = None) -> int:
         if version is None:
             return self.connection.execute("SELECT count(*) FROM results").fetchone()[0]

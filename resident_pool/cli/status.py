@@ -61,6 +61,8 @@ def status(
             console.print(f"transcripts in {safe(folder)}", highlight=False)
     else:
         console.print(f"resident-pool (pid {pool['pid']}): no workers held; the next request starts one")
+    if pool.get("metrics_error"):
+        console.print(f"[red]no metrics served[/]: {safe(pool['metrics_error'])}")
     if state["waiting"]:
         console.print("waiting: " + safe("; ".join(json.dumps(w) for w in state["waiting"])))
     for key, breaker in state["breakers"].items():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import ManifestError, ResidentPoolError
 
-__all__ = ["check_chain", "check_trusted"]
+__all__ = ["check_chain", "check_trusted", "others_may_write"]
 
 # Links followed on one path before it is refused as a loop (the kernel's own limit).
 _MAX_LINKS = 40
@@ -49,7 +49,7 @@ def check_trusted(path: Path, what: str, slug: str | None = None, field: str | N
             f"{path}: {what} is owned by uid {info.st_uid}, not by you (uid {uid}) or root, so another user can "
             f"change what runs as you; use your own copy, or `chown {uid} {path}` if you trust it",
             slug=slug, details={"field": field, "owner": info.st_uid})
-    writable = _others_may_write(info)
+    writable = others_may_write(info)
     if writable:
         raise error(
             f"{path}: {what} is writable by {' and '.join(writable)} (mode {stat.S_IMODE(info.st_mode):04o}), so "
@@ -57,7 +57,8 @@ def check_trusted(path: Path, what: str, slug: str | None = None, field: str | N
             slug=slug, details={"field": field, "mode": stat.S_IMODE(info.st_mode)})
 
 
-def _others_may_write(info: os.stat_result) -> list[str]:
+def others_may_write(info: os.stat_result) -> list[str]:
+    """Who besides you may write what ``info`` describes: "group" (unless nobody else is in it), "others"."""
     writable = []
     if info.st_mode & stat.S_IWGRP and not _private_group(info.st_gid):
         writable.append("group")
@@ -109,7 +110,7 @@ def check_chain(path: Path, what: str, slug: str | None = None, field: str | Non
                 current = Path("/")
             todo = [part for part in target.parts if part != "/"] + todo
             continue
-        writable = _others_may_write(info)
+        writable = others_may_write(info)
         if writable and not info.st_mode & stat.S_ISVTX:
             raise error(
                 f"{path}: {what} lies under {child}, writable by {' and '.join(writable)} (mode "

@@ -11,20 +11,26 @@ the HTTP endpoint (loopback, off by default) can be read by any local user.
 
 from __future__ import annotations
 
+import errno
 import logging
+import math
+import os
+import pwd
 import re
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..errors import ResidentPoolError
 from ..worker_base import LATENCY_BUCKETS_S
 
-__all__ = ["METRIC_NAMES", "PoolMetrics", "StatsBook", "WorkerCounts", "no_pool_text", "serve_http"]
+__all__ = ["METRIC_NAMES", "PoolMetrics", "StatsBook", "WorkerCounts", "no_pool_text", "port_holder", "serve_http"]
 
 log = logging.getLogger("resident_pool.metrics")
 
@@ -35,6 +41,7 @@ WAIT_BUCKETS_S = (0.01, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 1800.0, 36
 UP_HELP = "1 when the pool answered (`resident-pool metrics` prints 0 when none runs)"
 _REASON = re.compile(r"[a-z][a-z0-9_]{0,39}")
 _MAX_REASONS = 16
+MAX_COUNT = 2**53  # the largest integer below which every integer is a float; a worker's count at or over it is a lie
 GIB = 1024**3
 
 # Every family the pool exports (histograms add _bucket, _sum and _count; counters _total).
@@ -89,8 +96,7 @@ class WorkerCounts:
             failures = answer.get("failures") or {}
             if (not _count(requests) or list(bounds) != list(LATENCY_BUCKETS_S)
                     or len(counts) != len(LATENCY_BUCKETS_S) + 1 or not all(_count(c) for c in counts)
-                    or not isinstance(total, int | float) or total < 0 or not isinstance(failures, dict)
-                    or len(failures) > _MAX_REASONS):
+                    or not _seconds(total) or not isinstance(failures, dict) or len(failures) > _MAX_REASONS):
                 return None
             kept = {}
             for reason, n in failures.items():
@@ -103,7 +109,15 @@ class WorkerCounts:
 
 
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """A count a float holds exactly: the text format writes every sample as a float, and one past 1e308
+    raised OverflowError in every later scrape (resident_pool_up included) until the pool restarted."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT
+
+
+def _seconds(value: Any) -> bool:
+    """A sum of durations: finite and not negative (NaN or infinity would poison every sum it joins)."""
+    return (isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < MAX_COUNT
+            and math.isfinite(value))
 
 
 class StatsBook:
@@ -263,8 +277,65 @@ def no_pool_text() -> str:
 
 
 def serve_http(port: int, registry: CollectorRegistry) -> Any:
-    """Serve ``registry`` on 127.0.0.1:``port`` (never another interface); returns the server, to shut down."""
+    """Serve ``registry`` on 127.0.0.1:``port`` (never another interface); returns the server, to shut down.
+
+    A port someone else holds is a ResidentPoolError (reason ``metrics_port_taken``) naming the holder:
+    whatever answers there is not this pool, and a scrape would read its numbers. The pool then serves
+    metrics nowhere (a port of its own choosing would be one nobody scrapes).
+    """
     from prometheus_client import start_http_server
 
-    server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
+    try:
+        server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise ResidentPoolError(f"metrics: cannot serve on 127.0.0.1:{port} ({exc.strerror}); no metrics are "
+                                    "served; choose another RESIDENT_POOL_METRICS_PORT (`resident-pool metrics` "
+                                    "still prints them)", reason="metrics_port_unusable",
+                                    details={"port": port}) from None
+        holder = port_holder(port)
+        raise ResidentPoolError(
+            f"metrics: 127.0.0.1:{port} is already taken by {holder or 'another process'}, not this pool, so a "
+            "scrape of that port reads someone else's numbers; this pool serves no metrics (on no other port "
+            "either): stop that process, or set RESIDENT_POOL_METRICS_PORT to a free port and scrape that; "
+            "`resident-pool metrics` still prints the pool's own", reason="metrics_port_taken",
+            details={"port": port, "holder": holder}) from None
     return server
+
+
+def port_holder(port: int) -> str | None:
+    """Who listens on TCP ``port`` on any local address, from /proc/net/tcp{,6}: "uid N (name)", with the pid
+    where it is one of ours (another user's sockets show their uid, never their pid)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode; 0A is LISTEN
+            if len(fields) < 10 or fields[3] != "0A" or int(fields[1].rsplit(":", 1)[1], 16) != port:
+                continue
+            uid = int(fields[7])
+            try:
+                name = pwd.getpwuid(uid).pw_name
+            except KeyError:
+                name = "no name"
+            pid = _socket_pid(fields[9]) if uid == os.getuid() else None
+            mine = f"another process of yours (pid {pid})" if pid else "another process of yours"
+            return f"{mine}, uid {uid} ({name})" if uid == os.getuid() else f"uid {uid} ({name})"
+    return None
+
+
+def _socket_pid(inode: str) -> int | None:
+    """The pid of one of our processes holding socket ``inode``, if one can be found."""
+    target = f"socket:[{inode}]"
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) == target for fd in (entry / "fd").iterdir()):
+                return int(entry.name)
+        except OSError:
+            continue
+    return None

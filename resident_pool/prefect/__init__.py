@@ -251,13 +251,17 @@ def _emit_failure(error: ResidentPoolError) -> None:
 
 
 @contextmanager
-def pool_session(slug: str, manifests: str | os.PathLike[str] | None = None) -> Iterator[Session]:
-    """Hold one worker of ``slug`` for a batch inside a task; pool failures become artifacts and events."""
+def pool_session(slug: str, manifests: str | os.PathLike[str] | None = None, *,
+                 max_attachment_bytes: int | None = None) -> Iterator[Session]:
+    """Hold one worker of ``slug`` for a batch inside a task; pool failures become artifacts and events.
+
+    ``max_attachment_bytes``: a lower cap on what the session maps from the worker's answers (a campaign's).
+    """
     client = _client(manifests)
     client.on_wait = _log_wait
     _waits.last = None
     try:
-        with client.session(slug, holder=_holder()) as session:
+        with client.session(slug, holder=_holder(), max_attachment_bytes=max_attachment_bytes) as session:
             _emit_leased(slug, session, _waits.last)
             yield session
     except ResidentPoolError as error:

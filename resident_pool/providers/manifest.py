@@ -27,6 +27,7 @@ __all__ = [
     "json_schema",
     "load_manifest",
     "load_manifests",
+    "manifest_path",
 ]
 
 PLACEHOLDERS = frozenset({"socket", "slug", "weights_root", "python", "kit", "work_root"})
@@ -435,6 +436,19 @@ def _field_path(location: tuple[Any, ...]) -> str:
     if parts[:2] in (["env", "venv"], ["env", "container"]):
         del parts[1]  # the union's tag, not a key the file holds
     return ".".join(parts) or "(top level)"
+
+
+def manifest_path(directory: str | Path, name: str) -> Path:
+    """``<directory>/<name>/manifest.toml`` for a provider name; a name that is not a whole slug is refused.
+
+    Every entry point that takes a provider name comes through here: ``../../elsewhere/evil`` would
+    otherwise name a manifest (and so a worker script) outside the folder.
+    """
+    if not isinstance(name, str) or not SLUG.fullmatch(name):
+        raise ManifestError(f"{name!r} is not a provider name: lowercase letters, digits, '-' or '_', at most 40 "
+                            f"characters, as the provider's folder under {directory} is named",
+                            details={"field": "provider"})
+    return Path(directory) / name / "manifest.toml"
 
 
 def load_manifest(path: str | Path) -> Manifest:

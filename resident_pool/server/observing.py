@@ -84,6 +84,7 @@ class Observer:
         self.measured: dict[int, Measured] = {}
         self._lock = threading.Lock()  # guards measured and the sets below; never held across I/O
         self._http: Any = None
+        self.metrics_error: str | None = None  # why no metrics are served (a port someone else holds)
         self._watchdog_s = watchdog_interval_s()
         self._last_watchdog = 0.0
         self._ready_sent = False  # systemd hears WATCHDOG=1 only after READY=1
@@ -96,9 +97,9 @@ class Observer:
             try:
                 self._http = serve_http(self.metrics_port, self.metrics.registry)
                 log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
-            except OSError as exc:
-                log.error("cannot serve metrics on 127.0.0.1:%d (%s); choose a free RESIDENT_POOL_METRICS_PORT; "
-                          "`resident-pool metrics` still prints them", self.metrics_port, exc)
+            except ResidentPoolError as exc:  # a port someone else holds: said in the log and in status
+                self.metrics_error = str(exc)
+                log.error("%s", exc)
         self._prune_due |= transcript_slugs(paths.log_dir())
         self.events.emit("pool.started", version=__version__, manifests=str(self.manifests))
         threading.Thread(target=self._loop, name="observe", daemon=True).start()
@@ -285,7 +286,7 @@ class Observer:
 
     def describe(self) -> dict[str, Any]:
         return {"metrics": f"http://127.0.0.1:{self.metrics_port}/metrics" if self._http else None,
-                "events": str(self.events.path)}
+                "metrics_error": self.metrics_error, "events": str(self.events.path)}
 
 
 def _measurable(process: WorkerProcess) -> bool:

@@ -26,7 +26,7 @@ from ..errors import AdmissionRefused, GoldenMismatch, KitUnavailable, ResidentP
 from ..providers.exec_env import interpreter
 from ..providers.kit_rules import KitRow
 from ..providers.launch import check_weights, plan_launch
-from ..providers.manifest import Manifest, VenvEnv, load_manifest
+from ..providers.manifest import Manifest, VenvEnv, load_manifest, manifest_path
 from ..providers.weights import HashCache
 from ..settings import settings
 from . import expected
@@ -404,7 +404,7 @@ def check_providers(directory: Path, slugs: Iterable[str] = (), smoke: bool = Fa
                     bless: bool = False, force: bool = False) -> list[StepResult]:
     """Check the named providers (all under ``directory`` when none is named)."""
     wanted = list(slugs)
-    manifests = [directory / slug / "manifest.toml" for slug in wanted] or sorted(directory.glob("*/manifest.toml"))
+    manifests = [manifest_path(directory, slug) for slug in wanted] or sorted(directory.glob("*/manifest.toml"))
     cache = HashCache()
     results: list[StepResult] = []
     for path in manifests:
