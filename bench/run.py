@@ -430,7 +430,7 @@ def case_campaign(table: Table, env: Env, quick: bool) -> None:
             with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: env.tmp / f"results-{size}"}):
                 started = time.perf_counter()
                 summary = screen(input=str(inputs), provider="minilm", chunk_size=size,
-                                 output=str(env.tmp / f"out-{size}.jsonl"), manifests=str(env.manifests))
+                                 output=str(env.tmp / f"out-{size}.jsonl"))
                 campaign_s = time.perf_counter() - started
             ratio = loop_s / campaign_s
             table.add("campaign throughput", f"{n} short inputs, chunk {size}: campaign / in-process loop", ratio, "x",
@@ -454,12 +454,13 @@ worker_base.serve(slug="trivial", socket_path=sys.argv[1],
 '''
 
 FLOW_PROCESS = """
-import json, resource, sys, time
+import json, os, resource, sys, time
 sys.path.insert(0, sys.argv[1])
+os.environ["RESIDENT_POOL_MANIFESTS"] = sys.argv[4]  # the flow's host configuration names the providers
 from screen import screen
 started = time.perf_counter()
-summary = screen(input=sys.argv[2], provider="trivial", chunk_size=1024, output=sys.argv[3], manifests=sys.argv[4],
-                 encoding=None)
+summary = screen(input=sys.argv[2], provider="trivial", chunk_size=1024, output=sys.argv[3], encoding="json",
+                 report=len(sys.argv) < 6 or sys.argv[5] != "no-report")
 print("RESULT " + json.dumps({"wall_s": time.perf_counter() - started, "computed": summary["computed"],
                               "ok": summary["ok"], "inputs": summary["inputs"],
                               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))

@@ -99,7 +99,7 @@ def test_a_2000_input_campaign_survives_a_killed_worker_and_a_rerun_recomputes_n
     output = tmp_path / "out.jsonl"
     from screen import screen
 
-    first = screen(input=str(inputs), provider="embedder", chunk_size=100, output=str(output), manifests=str(pool_dir))
+    first = screen(input=str(inputs), provider="embedder", chunk_size=100, output=str(output))
     assert (tmp_path / "killed").exists()  # the worker really died mid-campaign
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert [r["index"] for r in records] == list(range(2000))  # one record per input: none lost, none twice
@@ -107,7 +107,7 @@ def test_a_2000_input_campaign_survives_a_killed_worker_and_a_rerun_recomputes_n
     assert failed == {1500: "request_failed", 1700: "bad_input"}
     assert first["ok"] == 1998 and first["missing"] == 0 and first["chunks"] == 20 and first["computed"] == 1999
 
-    second = screen(input=str(inputs), provider="embedder", chunk_size=100, output=str(output), manifests=str(pool_dir))
+    second = screen(input=str(inputs), provider="embedder", chunk_size=100, output=str(output))
     # Only the input the model refused is asked again (a refusal is not stored): one chunk of one input.
     assert second["computed"] == 1 and second["from_store"] == 1998 and second["chunks"] == 1
     assert len(output.read_text().splitlines()) == 2000
@@ -163,7 +163,7 @@ def test_the_validation_flow_fails_on_an_altered_pin_and_passes_restored(pool_di
     from validate import validate
 
     (weights / "model.bin").write_bytes(b"weightz" * 100)
-    state = validate(manifests=str(pool_dir), return_state=True)
+    state = validate(return_state=True)
     assert state.is_failed()
     assert "pinned weights" in str(state.message) and "model.bin sha256" in str(state.message)
     with get_client(sync_client=True) as client:
@@ -174,7 +174,7 @@ def test_the_validation_flow_fails_on_an_altered_pin_and_passes_restored(pool_di
     (row,) = [r for r in table if r["provider"] == "pinned" and r["step"] == "weights"]
     assert row["result"] == "FAILED" and digest in row["detail"]
     (weights / "model.bin").write_bytes(b"weights" * 100)
-    assert validate(manifests=str(pool_dir), return_state=True).is_completed()
+    assert validate(return_state=True).is_completed()
 
 
 def test_the_validation_flow_against_stock_fails_naming_each_failed_step_with_provenance(pool_dir, tmp_path,
@@ -187,7 +187,7 @@ def test_the_validation_flow_against_stock_fails_naming_each_failed_step_with_pr
     shutil.copytree(ROOT / "manifests" / "echo", pool_dir / "echo")
     from validate import validate
 
-    state = validate(manifests=str(pool_dir), smoke=True, against_stock=True, return_state=True)
+    state = validate(smoke=True, against_stock=True, return_state=True)
     assert state.is_failed()
     assert "drifting against-stock: drifting: the kit (mode fast) changes the answer" in str(state.message)
     assert "faithful" not in str(state.message) and "echo" not in str(state.message)
