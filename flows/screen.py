@@ -347,6 +347,7 @@ def screen(
     """
     started = time.monotonic()
     logger = get_run_logger()
+    output, column, id_column = output or None, column or None, id_column or None  # a form's empty field: unset
     manifests_dir = str(default_manifests())  # the worker host's configuration, never a parameter
     try:  # everything that can be wrong before any work: one sentence on the run, no traceback
         settings = CampaignSettings.from_env()

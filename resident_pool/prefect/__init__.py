@@ -132,7 +132,7 @@ def _original(error: ResidentPoolError) -> ResidentPoolError | None:
 
 
 def breaker_words(error: ResidentPoolError) -> str | None:
-    """For a request an open breaker refused: when it closes and how to reset it, in one sentence; else None."""
+    """For a request an open breaker refused: why, when it closes and how to reset it, in one sentence; else None."""
     if error.reason != BREAKER_OPEN:
         return None
     breaker = error.details.get("breaker") or {}
@@ -141,15 +141,14 @@ def breaker_words(error: ResidentPoolError) -> str | None:
     closes = breaker.get("closes_in_s")
     opened = f"its last {failures} start(s) failed" if failures else "its starts failed"
     when = f"the breaker closes in {_seconds(closes)}" if isinstance(closes, int | float) else \
-        "the breaker closes after its cooldown (RESIDENT_POOL_BREAKER_COOLDOWN_S)"
-    return (f"{slug} is not started again for now: {opened}, so the pool refuses it at once instead of paying "
-            f"another start; {when}; to try again sooner, fix the cause and run `resident-pool stop {slug}`, "
-            "or edit its manifest (a changed manifest closes the breaker)")
+        "the breaker closes (RESIDENT_POOL_BREAKER_COOLDOWN_S after it opened)"
+    return (f"{opened}, so it is not started again until {when}; to try sooner, fix the cause, then run "
+            f"`resident-pool stop {slug}` or edit its manifest (either closes the breaker)")
 
 
 def _seconds(value: float) -> str:
     value = max(0.0, float(value))
-    return f"{value:.0f} s" if value < 120 else f"{value / 60:.0f} min ({value:.0f} s)"
+    return f"{value:.0f} s" if value < 600 else f"{value / 60:.0f} min"
 
 
 def _one_line(error: ResidentPoolError) -> str:
@@ -202,7 +201,7 @@ def _markdown(error: ResidentPoolError, tail_lines: int) -> str:
         breaker = error.details.get("breaker") or {}
         closes = breaker.get("closes_in_s")
         lead = (f"## resident-pool: {escape_markdown(error.slug or '?')} not started: its breaker is open\n\n"
-                f"{escape_markdown(breaker_words(error) or '')}\n\n"
+                f"{escape_markdown(error.slug or '?')}: {escape_markdown(breaker_words(error) or '')}\n\n"
                 "| breaker | |\n|---|---|\n"
                 f"| reason | {BREAKER_OPEN} |\n"
                 f"| failed starts | {escape_markdown(str(breaker.get('failures', '?')))} |\n"
