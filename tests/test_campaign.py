@@ -721,3 +721,21 @@ def test_an_inbox_file_that_changes_while_it_is_read_gets_no_mixed_output(pool_d
     assert second.is_completed() and second.message == "3001 ok, 0 failed", second.message
     summary = second.result()  # the first run's computed chunks were kept; it stopped reading at the change
     assert summary["from_store"] >= 1000 and summary["computed"] + summary["from_store"] == 3001, summary
+
+
+def test_inputs_an_open_breaker_refused_are_recorded_with_what_opened_it_and_how_to_reset_it(pool_dir, embedder,
+                                                                                              tmp_path, monkeypatch):
+    """The report: a campaign record served by the breaker said start_failed, with no word of the breaker."""
+    from helpers import RefusingClient, breaker_open
+
+    import resident_pool.prefect as face
+
+    monkeypatch.setattr(face, "_client", lambda manifests: RefusingClient(breaker_open("embedder"), pool_dir))
+    state = _state(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", _texts(5))), output=str(tmp_path / "out.jsonl"))
+    assert state.message == "0 ok, 5 failed"
+    (run,) = _task_runs(state)
+    assert run.run_count == 1  # not retried
+    records = _records(tmp_path / "out.jsonl")
+    assert {r["reason"] for r in records} == {"breaker_open"}
+    for words in ("closes in 157 s", "resident-pool stop embedder", "exit code 3"):
+        assert words in records[0]["error"], records[0]["error"]

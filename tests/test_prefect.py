@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
+from helpers import RefusingClient, breaker_open, wait_until
 from prefect import flow, task
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -257,34 +257,12 @@ def test_the_predict_flow_shows_an_answer_that_carries_arrays(pool_dir):
     assert "| value | 5 bytes |" in artifact(raw)
 
 
-class _RefusingClient:
-    """A pool client whose every lease is refused with ``error``, as a pool with an open breaker refuses."""
-
-    def __init__(self, error, manifests):
-        self.error, self.manifests, self.on_wait = error, manifests, None
-
-    def session(self, slug, holder=None):
-        raise self.error
-
-
-def breaker_open(slug="kernels", transcript="/tmp/kernels-0.log"):
-    """A request refused by an open breaker, as the pool sends it: reason breaker_open, the original beside it."""
-    from resident_pool.errors import ResidentPoolError, WorkerStartError
-
-    original = WorkerStartError(f"{slug}: the worker exited before it answered (exit code 3)", slug=slug,
-                                exit_code=3, transcript=transcript,
-                                transcript_tail=["loading", "REFUSED: no licence for this GPU"],
-                                details={"breaker_opened": True})
-    return ResidentPoolError(f"{slug}: not started: its breaker is open", slug=slug, reason="breaker_open",
-                             details={"breaker": {"failures": 1, "closes_in_s": 157.4}, "original": original.to_dict()})
-
-
 def test_a_request_an_open_breaker_refuses_says_what_opened_it_when_it_closes_and_how_to_reset_it(pool_dir,
                                                                                                    monkeypatch):
     """The report: a refused run got the first run's message; "157 s more" only inside a logged traceback."""
     import resident_pool.prefect as face
 
-    monkeypatch.setattr(face, "_client", lambda manifests: _RefusingClient(breaker_open(), pool_dir))
+    monkeypatch.setattr(face, "_client", lambda manifests: RefusingClient(breaker_open(), pool_dir))
     state = one_task_flow("kernels", {"action": "echo"}, return_state=True)
     assert state.is_failed()
     (task_run,) = _task_runs(state)
