@@ -10,7 +10,7 @@ WORK_POOL ?= resident-pool
 
 BENCH_STAMP := $(VENV)/.bench-stamp
 
-.PHONY: setup test run lint bench bench-full clean reliability gpu-check server worker deploy stack-up stack-down
+.PHONY: setup test run lint bench bench-full clean reliability gpu-check server worker deploy stack-up stack-down stack-status
 
 setup: $(STAMP)
 
@@ -38,7 +38,8 @@ run: setup
 	$(PY) flows/screen.py --output out/uniprot-500.fasta.minilm.jsonl
 	$(VENV)/bin/resident-pool status
 
-# A local Prefect stack by hand, one terminal each (`make stack-up` does all three).
+# A local Prefect stack by hand, one terminal each (`make stack-up` does all three, and starts the events relay;
+# `make stack-down` stops them, the relay, and the resident pool with its model workers).
 server: setup
 	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
 
@@ -69,6 +70,9 @@ stack-up: setup
 
 stack-down:
 	infra/local/stack.sh down
+
+stack-status:
+	infra/local/stack.sh status
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -132,7 +132,7 @@ def describe_form(deployment, choices: list[str], manifests: dict[str, Manifest]
     if "provider" in properties and choices:
         default = properties["provider"].get("default")
         default = default if default in choices else DEFAULT_PROVIDER if DEFAULT_PROVIDER in choices else choices[0]
-        listed = "\n".join(f"- **{slug}**: {escape_markdown(manifests[slug].description or '(no description)')}"
+        listed = "\n\n".join(f"- **{slug}**: {escape_markdown(manifests[slug].description or '(no description)')}"
                            if slug in manifests else f"- **{slug}**: (its manifest does not load)" for slug in choices)
         properties["provider"] = {**properties["provider"], "type": "string", "enum": choices, "default": default,
                                   "description": f"{properties['provider'].get('description', '')}\n\n{listed}"}

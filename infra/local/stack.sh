@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # A local stack on one host: Prefect server (SQLite), a process work pool and its
-# worker, the deployments. The resident pool itself starts on the first request.
+# worker, the deployments, and the relay that forwards the pool's events to Prefect
+# (so the shipped automations can fire). The resident pool itself starts on the
+# first request; `down` stops it too, with its model workers.
 #   infra/local/stack.sh up|down|status
 # Logs and pid files live together in $STACK_DIR (default .stack/ in the repo).
+# The providers are $RESIDENT_POOL_MANIFESTS (default manifests/ in the repo): the
+# worker host's own setting, which flow runs inherit and no form can change.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=${VENV:-.venv}
@@ -14,6 +18,8 @@ SCREEN_CRON=${SCREEN_CRON:-0 2 * * *}
 export PREFECT_API_URL="http://127.0.0.1:${PORT}/api"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_HOME=${PREFECT_HOME:-$STACK_DIR/prefect-home}
+export RESIDENT_POOL_MANIFESTS=${RESIDENT_POOL_MANIFESTS:-$PWD/manifests}
+PROCESSES="server worker relay"
 
 start() {  # name, command...
   local name=$1; shift
@@ -48,22 +54,40 @@ case "${1:-}" in
     curl -fsS "http://127.0.0.1:${PORT}/api/health" >/dev/null || { echo "server did not come up; see $STACK_DIR/server.log"; exit 1; }
     mkdir -p "$INBOX"
     # The nightly screen and validation are registered paused: a laptop must not screen at night.
-    "$VENV/bin/python" flows/deploy.py --work-pool "$POOL" --schedule "$SCREEN_CRON" --inbox "$INBOX" --paused \
+    # Crons are read in this host's time zone ($TZ, else the system's); SCREEN_TIMEZONE names another.
+    "$VENV/bin/python" flows/deploy.py --work-pool "$POOL" --manifests "$RESIDENT_POOL_MANIFESTS" \
+      --schedule "$SCREEN_CRON" --inbox "$INBOX" --paused ${SCREEN_TIMEZONE:+--timezone "$SCREEN_TIMEZONE"} \
       >>"$STACK_DIR/deploy.log" 2>&1 || { echo "deploy failed; see $STACK_DIR/deploy.log"; exit 1; }
-    echo "deployments registered on work pool $POOL; nightly screen of $INBOX registered paused (resume it in the UI)"
+    echo "deployments registered on work pool $POOL; the nightly screen of $INBOX and validate are registered"
+    echo "  paused: on each one's page, the toggle beside the Schedules heading (the deployment's own) runs them"
     start worker "$VENV/bin/prefect" worker start --pool "$POOL" --type process
+    start relay "$VENV/bin/resident-pool" events --to-prefect
     echo "UI: http://127.0.0.1:${PORT}  (run: PREFECT_API_URL=$PREFECT_API_URL $VENV/bin/prefect deployment run predict/predict)"
     ;;
   down)
     stop worker
+    stop relay
+    # The pool and its model workers: flow runs started it in the background, so no pid file of ours has it.
+    "$VENV/bin/python" -c 'from resident_pool.client import shutdown_pool
+pid = shutdown_pool()
+print(f"pool stopped (pid {pid}) with its workers" if pid else "no pool was running")'
     stop server
-    "$VENV/bin/resident-pool" stop --all >/dev/null 2>&1 || true
     ;;
   status)
-    for name in server worker; do
+    for name in $PROCESSES; do
       if [ -f "$STACK_DIR/$name.pid" ] && kill -0 "$(cat "$STACK_DIR/$name.pid")" 2>/dev/null; then
         echo "$name: running (pid $(cat "$STACK_DIR/$name.pid"))"; else echo "$name: stopped"; fi
     done
+    "$VENV/bin/python" - <<'EOF'
+from resident_pool.client import Pool
+from resident_pool.errors import ResidentPoolError
+try:
+    with Pool(start=False) as pool:
+        status = pool.status()
+    print(f"pool: running (pid {status['pool']['pid']}, {len(status['workers'])} worker(s))")
+except (OSError, ResidentPoolError):
+    print("pool: stopped")
+EOF
     ;;
   *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
 esac

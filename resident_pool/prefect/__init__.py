@@ -386,8 +386,11 @@ class _WaitNotes:
         if starting:
             worker = starting[0]
             how = _start_way(status, self.slug)
-            return (f"{self.slug}: cold start in progress, {waited}: replica {worker.get('replica')} "
-                    f"(pid {worker.get('pid')}){how} is loading; transcript {worker.get('transcript')}")
+            if worker.get("pid") is None:  # a zygote still importing its preload, or admission not yet passed
+                what = f"replica {worker.get('replica')}{how} is starting (no process yet)"
+            else:
+                what = f"replica {worker.get('replica')} (pid {worker.get('pid')}{how}) is loading"
+            return f"{self.slug}: cold start in progress, {waited}: {what}; transcript {worker.get('transcript')}"
         busy = [w for w in replicas if w.get("state") in ("leased", "busy")]
         if busy:
             return (f"{self.slug}: waiting for a worker, {waited}: its {len(busy)} replica(s) are busy with other "
@@ -399,7 +402,7 @@ def _start_way(status: dict[str, Any], slug: str) -> str:
     start = (status.get("providers", {}).get(slug) or {}).get("start") or {}
     if start.get("way") == "zygote":
         return ", forked from its zygote"
-    return ", spawned" if start.get("way") == "spawn" else ""
+    return ", spawned" if start.get("way") == "spawn" else ""  # how else: the pool did not say
 
 
 def _cold_start_line(manifests: Path, session: Session, waited: float, wait: dict[str, Any] | None) -> str:
