@@ -492,18 +492,23 @@ def case_campaign_scale(table: Table, env: Env, quick: bool) -> None:
     case = f"campaign at scale ({n:,} inputs, trivial provider, chunk 1024)"
     with prefect_test_harness(server_startup_timeout=120):
         # The flow run gets a process of its own, so its peak memory is its own.
-        child = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_LOGGING_LEVEL": "WARNING",
-                 "RESIDENT_POOL_RESULTS_DIR": str(env.tmp / "store-scale")}
+        child = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_LOGGING_LEVEL": "WARNING"}
         runs = []
-        for _ in range(2):
+        # The same campaign without its HTML report, into a store of its own: the report's cost is the difference.
+        for store, report in (("store-scale-bare", "no-report"), ("store-scale", "report"), ("store-scale", "report")):
             done = subprocess.run([sys.executable, "-c", FLOW_PROCESS, str(ROOT / "flows"), str(fasta),
-                                   str(env.tmp / "scale.out.jsonl"), str(env.manifests)], env=child,
+                                   str(env.tmp / f"scale.{report}.jsonl"), str(env.manifests), report],
+                                  env={**child, "RESIDENT_POOL_RESULTS_DIR": str(env.tmp / store)},
                                   capture_output=True, text=True, check=False)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode or not lines:
                 raise RuntimeError(f"the scale campaign failed: {done.stderr[-3000:]}")
             runs.append(json.loads(lines[-1].removeprefix("RESULT ")))
-    first, again = runs
+    bare, first, again = runs
+    cost = first["peak_rss_mb"] - bare["peak_rss_mb"]
+    table.add(case, "the HTML report's cost in flow process peak RSS", cost, "MB", "< 20", cost < 20,
+              note=f"{first['peak_rss_mb']:.0f} MB with it, {bare['peak_rss_mb']:.0f} MB without; "
+                   f"report {(env.tmp / 'scale.report.jsonl.report.html').stat().st_size / 1024:.0f} KiB")
     rate = n / first["wall_s"]
     table.add(case, "first run: inputs/s (flow run start included)", rate, "/s", ">= 10000", rate >= 10_000,
               note=f"{first['wall_s']:.1f} s, computed {first['computed']:,}, ok {first['ok']:,}")

@@ -39,7 +39,7 @@ SHOWN_VALUES = 6  # first values of a vector; its dimension and norm say the res
 SHOWN_CHARS = 200  # of a text field, or of a nested value written as JSON
 
 
-@task(name="predict", retries=1, retry_condition_fn=retry_pool_failures, task_run_name="predict-{provider}")
+@task(name="predict", retries=1, retry_condition_fn=retry_pool_failures, task_run_name="predict[{provider}]")
 def predict_inputs(provider: str, payloads: list[Any], manifests: str) -> dict[str, Any]:
     """Each payload in turn on one held worker; says in the run's log when it has answered."""
     with pool_session(provider, manifests) as session:

@@ -28,7 +28,8 @@ from resident_pool.validation.provenance import columns
 
 # A smoke run's worker is a variant of its own (``crashy~declared-eb8681``): internal, and its "~" strikes a
 # table cell through. Said as the provider and the build it ran.
-_VARIANT_KEY = re.compile(r"\b([a-z0-9][a-z0-9_-]*)~([a-z]+)-[0-9a-f]{6}\b")
+# A file name holding one (a transcript's path) is left whole: it must still name the file.
+_VARIANT_KEY = re.compile(r"(?<![\w/.~-])([a-z0-9][a-z0-9_-]*)~([a-z]+)-[0-9a-f]{6}\b(?!-\d)")
 
 
 class ValidationFailed(ResidentPoolError):
