@@ -109,7 +109,7 @@ def validate(smoke: bool = False, providers: list[str] | None = None, against_st
     failed = [r for r in rows if not r["ok"] and not r["skipped"]]
     table = [{"provider": escape_markdown(r["slug"]), "step": r["step"],
               "result": "skipped" if r["skipped"] else ("ok" if r["ok"] else "FAILED"),
-              "detail": escape_markdown(_first_line(r["detail"])),
+              "detail": escape_markdown(r["detail"]),  # every line, joined: a cell holds one
               **{k: escape_markdown(str(v)) for k, v in columns(r["provenance"]).items()}} for r in rows]
     named = ", ".join(f"{r['slug']} {r['step']}" for r in failed)
     create_table_artifact(key="resident-pool-validation", table=table,
