@@ -649,11 +649,12 @@ def test_the_screen_flow_takes_a_provider_name_not_a_path(pool_dir, embedder, cl
 
 
 @pytest.mark.parametrize("name", ["embedder/../clash", "embedder\n"])
-@pytest.mark.parametrize("inputs", [None, [{"inputs": ["MKV"]}]], ids=["smoke payload", "inputs given"])
-def test_the_predict_flow_takes_a_provider_name_not_a_path(pool_dir, embedder, clash, name, inputs):
+@pytest.mark.parametrize("given", [{}, {"sequences": ["MKV"]}, {"payload": {"inputs": ["MKV"]}}],
+                         ids=["smoke payload", "sequences given", "payload given"])
+def test_the_predict_flow_takes_a_provider_name_not_a_path(pool_dir, embedder, clash, name, given):
     from predict import predict
 
-    state = predict(provider=name, inputs=inputs, return_state=True)
+    state = predict(provider=name, return_state=True, **given)
     assert state.is_failed() and "is not a provider name" in state.message, state.message
     assert embedder() == 0
 
