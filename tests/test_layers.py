@@ -14,7 +14,7 @@ PACKAGE = Path(resident_pool.__file__).parent
 # Bottom to top. A module may import only from its own layer or below.
 LAYERS = [
     {"states", "exits", "protocol", "arrays", "procs", "version", "worker_base", "kit_probe", "env_probe", "golden",
-     "zygote_server", "events", "gpu_memory", "retention", "systemd"},
+     "zygote_server", "events", "gpu_memory", "retention", "systemd", "answers", "progress", "report"},
     {"errors"},
     {"settings", "inputs"},
     {"trust"},
