@@ -391,7 +391,7 @@ class _WaitNotes:
             else:
                 what = f"replica {worker.get('replica')} (pid {worker.get('pid')}{how}) is loading"
             return f"{self.slug}: cold start in progress, {waited}: {what}; transcript {worker.get('transcript')}"
-        busy = [w for w in replicas if w.get("state") in ("leased", "busy")]
+        busy = [w for w in replicas if w.get("state") == "leased"]
         if busy:
             return (f"{self.slug}: waiting for a worker, {waited}: its {len(busy)} replica(s) are busy with other "
                     "requests (max_replicas in its manifest says how many may run)")
