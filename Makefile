@@ -11,7 +11,7 @@ WORK_POOL ?= resident-pool
 BENCH_STAMP := $(VENV)/.bench-stamp
 
 .PHONY: setup test run lint bench bench-full clean reliability gpu-check server worker deploy stack-up stack-down \
-	docs docs-screenshots
+	stack-status docs docs-screenshots
 
 setup: $(STAMP)
 
@@ -39,10 +39,10 @@ run: setup
 	$(PY) flows/screen.py --output out/uniprot-500.fasta.minilm.jsonl
 	$(VENV)/bin/resident-pool status
 
-# A local Prefect stack by hand, one terminal each (`make stack-up` does all three). Each takes the
+# A local Prefect stack by hand, one terminal each (`make stack-up` does all three, and starts the events relay;
+# `make stack-down` stops them, the relay, and the resident pool with its model workers). Each takes the
 # API's auth string from .stack/auth (made on first use, 0600): the server refuses whoever lacks it.
 export PREFECT_PORT WORK_POOL
-
 server: setup
 	infra/local/stack.sh server
 
@@ -81,6 +81,8 @@ docs: setup
 # The manual's UI screenshots (docs/img/) from a stack of their own on a free port; never run by a test.
 docs-screenshots: setup
 	$(PY) infra/local/docs_screenshots.py
+stack-status:
+	infra/local/stack.sh status
 
 clean:
 	rm -rf $(VENV) .pytest_cache site

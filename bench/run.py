@@ -430,7 +430,7 @@ def case_campaign(table: Table, env: Env, quick: bool) -> None:
             with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: env.tmp / f"results-{size}"}):
                 started = time.perf_counter()
                 summary = screen(input=str(inputs), provider="minilm", chunk_size=size,
-                                 output=str(env.tmp / f"out-{size}.jsonl"), manifests=str(env.manifests))
+                                 output=str(env.tmp / f"out-{size}.jsonl"))
                 campaign_s = time.perf_counter() - started
             ratio = loop_s / campaign_s
             table.add("campaign throughput", f"{n} short inputs, chunk {size}: campaign / in-process loop", ratio, "x",
@@ -454,12 +454,13 @@ worker_base.serve(slug="trivial", socket_path=sys.argv[1],
 '''
 
 FLOW_PROCESS = """
-import json, resource, sys, time
+import json, os, resource, sys, time
 sys.path.insert(0, sys.argv[1])
+os.environ["RESIDENT_POOL_MANIFESTS"] = sys.argv[4]  # the flow's host configuration names the providers
 from screen import screen
 started = time.perf_counter()
-summary = screen(input=sys.argv[2], provider="trivial", chunk_size=1024, output=sys.argv[3], manifests=sys.argv[4],
-                 encoding=None)
+summary = screen(input=sys.argv[2], provider="trivial", chunk_size=1024, output=sys.argv[3], encoding="json",
+                 report=len(sys.argv) < 6 or sys.argv[5] != "no-report")
 print("RESULT " + json.dumps({"wall_s": time.perf_counter() - started, "computed": summary["computed"],
                               "ok": summary["ok"], "inputs": summary["inputs"],
                               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
@@ -491,18 +492,23 @@ def case_campaign_scale(table: Table, env: Env, quick: bool) -> None:
     case = f"campaign at scale ({n:,} inputs, trivial provider, chunk 1024)"
     with prefect_test_harness(server_startup_timeout=120):
         # The flow run gets a process of its own, so its peak memory is its own.
-        child = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_LOGGING_LEVEL": "WARNING",
-                 "RESIDENT_POOL_RESULTS_DIR": str(env.tmp / "store-scale")}
+        child = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_LOGGING_LEVEL": "WARNING"}
         runs = []
-        for _ in range(2):
+        # The same campaign without its HTML report, into a store of its own: the report's cost is the difference.
+        for store, report in (("store-scale-bare", "no-report"), ("store-scale", "report"), ("store-scale", "report")):
             done = subprocess.run([sys.executable, "-c", FLOW_PROCESS, str(ROOT / "flows"), str(fasta),
-                                   str(env.tmp / "scale.out.jsonl"), str(env.manifests)], env=child,
+                                   str(env.tmp / f"scale.{report}.jsonl"), str(env.manifests), report],
+                                  env={**child, "RESIDENT_POOL_RESULTS_DIR": str(env.tmp / store)},
                                   capture_output=True, text=True, check=False)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode or not lines:
                 raise RuntimeError(f"the scale campaign failed: {done.stderr[-3000:]}")
             runs.append(json.loads(lines[-1].removeprefix("RESULT ")))
-    first, again = runs
+    bare, first, again = runs
+    cost = first["peak_rss_mb"] - bare["peak_rss_mb"]
+    table.add(case, "the HTML report's cost in flow process peak RSS", cost, "MB", "< 20", cost < 20,
+              note=f"{first['peak_rss_mb']:.0f} MB with it, {bare['peak_rss_mb']:.0f} MB without; "
+                   f"report {(env.tmp / 'scale.report.jsonl.report.html').stat().st_size / 1024:.0f} KiB")
     rate = n / first["wall_s"]
     table.add(case, "first run: inputs/s (flow run start included)", rate, "/s", ">= 10000", rate >= 10_000,
               note=f"{first['wall_s']:.1f} s, computed {first['computed']:,}, ok {first['ok']:,}")

@@ -2,16 +2,19 @@
 
     python flows/deploy.py [--work-pool resident-pool] [--manifests DIR]
                            [--schedule "0 2 * * *" --inbox DIR [--outbox DIR]] [--provider minilm]
-                           [--validate-schedule "0 3 * * *"] [--paused]
+                           [--validate-schedule "0 3 * * *"] [--timezone Europe/Berlin] [--paused]
 
 `validate` runs nightly (``--validate-schedule``). With ``--schedule``,
 `screen` runs on that cron over an inbox folder: every input file in it,
-computing only what no earlier run computed, one output per file.
-``--paused`` registers both schedules paused (``make stack-up`` does, so a
-developer's laptop does not screen at night); resume them in the UI.
+computing only what no earlier run computed, one output per file. Crons are
+read in ``--timezone`` (default: this host's). ``--paused`` registers the
+deployments paused (``make stack-up`` does, so a developer's laptop does not
+screen at night); the deployment's own toggle in the UI resumes it.
 
-The provider parameter of `predict` and `screen` is a dropdown of the
-providers in ``--manifests`` at deploy time; run this again after adding one.
+The forms are drawn for a person: each parameter described; the provider a
+dropdown of the providers in ``--manifests`` at deploy time, each described;
+predict's payload a choice of one JSON form per provider, drawn from its
+``[smoke]`` payload. Run this again after adding a provider.
 Run a worker for the pool (`prefect worker start --pool resident-pool`) on
 each GPU host, with ``RESIDENT_POOL_MANIFESTS``, ``RESIDENT_POOL_INPUT_ROOT``
 (and ``RESIDENT_POOL_OUTPUT_ROOT``) in its environment; every flow run then
@@ -21,7 +24,9 @@ reaches that host's resident pool and its folders (docs/security.md).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import zoneinfo
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +34,11 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.deployments.runner import deploy
 from prefect.exceptions import ObjectAlreadyExists
+from prefect.schedules import Cron
 
-from resident_pool.providers.manifest import SLUG
+from resident_pool.errors import ManifestError
+from resident_pool.prefect import escape_markdown
+from resident_pool.providers.manifest import SLUG, Manifest, load_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOWS = {
@@ -39,6 +47,7 @@ FLOWS = {
     "predict": "flows/predict.py:predict",
 }
 VALIDATE_CRON = "0 3 * * *"  # nightly, after the 2 a.m. screen a README example sets up
+DEFAULT_PROVIDER = "minilm"  # the demo model: what a first run from the UI should meet
 
 
 # What a flow run may choose about how the worker starts it: a name, labels, whether output streams. Prefect's
@@ -78,28 +87,114 @@ def provider_choices(manifests: str | Path) -> list[str]:
                   if SLUG.fullmatch(path.parent.name))
 
 
-def _dropdown(deployment, choices: list[str]) -> None:
-    """Make the provider parameter a choice among ``choices`` in the UI form (and checked by the server)."""
-    # The schema Prefect sends with the deployment: the UI draws its form from it.
-    properties = deployment._parameter_openapi_schema.properties
-    if "provider" not in properties or not choices:
-        return
-    default = properties["provider"].get("default")
-    properties["provider"] = {**properties["provider"], "type": "string", "enum": choices,
-                              "default": default if default in choices else choices[0]}
-    properties["provider"].pop("anyOf", None)
+def host_timezone() -> str:
+    """This host's IANA time zone: $TZ when it names one, else /etc/timezone or /etc/localtime's target, else UTC."""
+    candidates = [os.environ.get("TZ", "").removeprefix(":")]
+    try:
+        candidates.append(Path("/etc/timezone").read_text().strip())
+    except OSError:
+        pass  # not every system keeps one
+    target = os.path.realpath("/etc/localtime")
+    if "/zoneinfo/" in target:
+        candidates.append(target.split("/zoneinfo/", 1)[1])
+    for name in candidates:
+        try:
+            if name and zoneinfo.ZoneInfo(name):
+                return name
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            continue
+    return "UTC"
+
+
+def _manifests(manifests: Path, choices: list[str]) -> dict[str, Manifest]:
+    """The providers' manifests, for their descriptions and examples; one that does not load is left out."""
+    loaded = {}
+    for slug in choices:
+        try:
+            loaded[slug] = load_manifest(manifests / slug / "manifest.toml")
+        except ManifestError:
+            continue  # `resident-pool check` says why; the form still offers the others
+    return loaded
+
+
+def schema_of(value: Any) -> dict[str, Any]:
+    """A JSON Schema that ``value`` (a provider's [smoke] payload) is an instance of, field by field."""
+    if isinstance(value, dict):
+        return {"type": "object", "properties": {str(k): schema_of(v) for k, v in value.items()},
+                "additionalProperties": True}
+    if isinstance(value, list):
+        return {"type": "array", "items": schema_of(value[0]) if value else {}}
+    if isinstance(value, bool):
+        return {"type": "boolean"}
+    if isinstance(value, int):
+        return {"type": "integer"}
+    if isinstance(value, float):
+        return {"type": "number"}
+    if isinstance(value, str):
+        return {"type": "string"}
+    return {}
+
+
+def _plain(prop: dict[str, Any]) -> dict[str, Any]:
+    """``anyOf [T, null]`` as T: the form shows a field, not a T/None toggle; left empty, the flow's default holds."""
+    options = prop.get("anyOf")
+    if not options or len(options) != 2 or {"type": "null"} not in options:
+        return prop
+    (kept,) = [option for option in options if option != {"type": "null"}]
+    flat = {**{k: v for k, v in prop.items() if k != "anyOf"}, **kept}
+    if flat.get("default", "") is None:
+        flat.pop("default")
+    return flat
+
+
+def describe_form(deployment, choices: list[str], manifests: dict[str, Manifest]) -> None:
+    """Draw the deployment's form for a person: described providers, plain fields, per-provider payloads."""
+    schema = deployment._parameter_openapi_schema  # what Prefect sends with the deployment; the UI draws from it
+    properties = schema.properties
+    for name in list(properties):
+        properties[name] = _plain(properties[name])
+    if "provider" in properties and choices:
+        default = properties["provider"].get("default")
+        default = default if default in choices else DEFAULT_PROVIDER if DEFAULT_PROVIDER in choices else choices[0]
+        listed = "\n\n".join(f"- **{slug}**: {escape_markdown(manifests[slug].description or '(no description)')}"
+                           if slug in manifests else f"- **{slug}**: (its manifest does not load)" for slug in choices)
+        properties["provider"] = {**properties["provider"], "type": "string", "enum": choices, "default": default,
+                                  "description": f"{properties['provider'].get('description', '')}\n\n{listed}"}
+        schema.required = sorted({*(schema.required or []), "provider"})  # it always has one: not "(Optional)"
+    if "sequences" in properties:
+        example = manifests.get(DEFAULT_PROVIDER) or next(iter(manifests.values()), None)
+        inputs = (example.smoke.payload or {}).get("inputs") if example is not None else None
+        properties["sequences"] = {**properties["sequences"], "type": "array", "items": {"type": "string"},
+                                   "default": [], **({"examples": [inputs]} if inputs else {})}
+    if "payload" in properties:
+        forms = [{"title": slug, **schema_of(manifest.smoke.payload), "examples": [manifest.smoke.payload],
+                  "description": f"{slug}'s request, as in its manifest's [smoke] payload"}
+                 for slug, manifest in manifests.items() if isinstance(manifest.smoke.payload, dict)]
+        properties["payload"] = {key: value for key, value in properties["payload"].items()
+                                 if key not in ("type", "additionalProperties")}
+        properties["payload"].update({"anyOf": [{"type": "null", "title": "none"}, *forms], "default": None})
+    if "providers" in properties and choices:
+        properties["providers"] = {**properties["providers"], "type": "array", "default": [],
+                                   "items": {"type": "string", "enum": choices}}
 
 
 def deploy_all(work_pool: str, manifests: str | None = None, tags: list[str] | None = None, *,
                schedule: str | None = None, inbox: str | None = None, outbox: str | None = None,
                provider: str | None = None, validate_schedule: str | None = VALIDATE_CRON,
-               paused: bool = False) -> list[str]:
+               paused: bool = False, timezone: str | None = None) -> list[str]:
     """Register screen, validate and predict; returns the deployment ids."""
     if schedule and not inbox:
         raise ValueError("--schedule screens an inbox folder: give --inbox DIR")
+    timezone = timezone or host_timezone()
+    try:
+        zoneinfo.ZoneInfo(timezone)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"--timezone {timezone!r} is not a time zone; give an IANA name such as Europe/Berlin "
+                         "or UTC") from None
     ensure_work_pool(work_pool)
     manifests_dir = Path(manifests).expanduser().resolve() if manifests else ROOT / "manifests"
     choices = provider_choices(manifests_dir)
+    loaded = _manifests(manifests_dir, choices)
     # The flow runs find the providers (and the folders they may read and write) in the worker's own
     # environment: RESIDENT_POOL_MANIFESTS, _INPUT_ROOT, _OUTPUT_ROOT, set where the worker starts.
     deployments = []
@@ -122,11 +217,12 @@ def deploy_all(work_pool: str, manifests: str | None = None, tags: list[str] | N
             # Nightly means what CI means: the answer against the expected one, and against stock.
             parameters.update({"smoke": True, "against_stock": True})
         remote = flow.from_source(source=str(ROOT), entrypoint=entrypoint)
-        deployment = remote.to_deployment(name=name, parameters=parameters, cron=cron,
+        deployment = remote.to_deployment(name=name, parameters=parameters,
+                                          schedules=[Cron(cron, timezone=timezone)] if cron else None,
                                           paused=paused if cron else None, tags=tags or ["resident-pool"],
                                           work_pool_name=work_pool,
                                           concurrency_limit=limit)
-        _dropdown(deployment, choices)
+        describe_form(deployment, choices, loaded)
         deployments.append(deployment)
     ids = deploy(*deployments, work_pool_name=work_pool, print_next_steps_message=False, ignore_warnings=True)
     return [str(deployment_id) for deployment_id in ids]
@@ -142,11 +238,13 @@ if __name__ == "__main__":
     parser.add_argument("--provider", help="the scheduled screen's provider (default: the flow's, minilm)")
     parser.add_argument("--validate-schedule", default=VALIDATE_CRON,
                         help=f"cron for the validate deployment (default {VALIDATE_CRON!r}; '' for none)")
-    parser.add_argument("--paused", action="store_true", help="register the schedules paused")
+    parser.add_argument("--timezone", help=f"the crons' time zone (default this host's: {host_timezone()})")
+    parser.add_argument("--paused", action="store_true", help="register the scheduled deployments paused")
     arguments = parser.parse_args()
     for deployment_id in deploy_all(arguments.work_pool, arguments.manifests, schedule=arguments.schedule,
                                     inbox=arguments.inbox, outbox=arguments.outbox, provider=arguments.provider,
-                                    validate_schedule=arguments.validate_schedule or None, paused=arguments.paused):
+                                    validate_schedule=arguments.validate_schedule or None, paused=arguments.paused,
+                                    timezone=arguments.timezone):
         print(deployment_id)
     # A deployment's flow runs take their folders from the worker's environment (docs/security.md).
     needs = [f"RESIDENT_POOL_MANIFESTS={Path(arguments.manifests).expanduser().resolve()}"]

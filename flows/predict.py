@@ -1,97 +1,231 @@
-"""An ad hoc prediction, for a run started from the Prefect UI: pick a provider, give inputs (or none).
+"""An ad hoc prediction, for a run started from the Prefect UI: pick a provider, type sequences (or a payload).
 
-With no inputs the provider's ``[smoke]`` payload is sent, so a bare run from
-the UI shows what the provider answers. The answer is shown on the run's page
-as a markdown artifact (a flow's return value is not displayed in the UI).
+Sequences go to the provider as ``{"inputs": [...]}`` (the shape the campaign
+sends), and each gets its own answer. A provider that takes another shape gets
+``payload`` as it is; with neither, the provider's ``[smoke]`` payload is sent, so
+a bare run shows what the provider answers. The answer is shown on the run's
+page as a markdown artifact, a table per input (a flow's return value is not
+displayed in the UI); the whole answer is the flow run's persisted result.
+
+The providers are those of the worker host's own configuration
+(``RESIDENT_POOL_MANIFESTS``), never a flow parameter.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import os
 import socket
+import time
 from typing import Any
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, runtime, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.states import Failed
 
-from resident_pool import arrays
+from resident_pool.campaigns.answers import per_input
 from resident_pool.client import default_manifests
 from resident_pool.errors import ManifestError
-from resident_pool.prefect import artifact_key, pool_session, retry_pool_failures
-from resident_pool.providers.manifest import load_manifest, manifest_path
+from resident_pool.prefect import artifact_key, escape_markdown, pool_session, retry_pool_failures
+from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
 
-SHOWN_INPUTS = 20  # answers shown in the artifact; the flow's result keeps them all
-SHOWN_CHARS = 4000  # per answer: an embedding's 384 floats fit, a structure file does not
-SHOWN_VALUES = 8  # of an array in an answer: its dtype and shape say the rest
+DEFAULT_PROVIDER = "minilm"  # the demo model: a bare run from the UI embeds its example sequences
+BATCH = 64  # sequences per request, as the campaign's chunks
+SHOWN_INPUTS = 20  # inputs shown in the artifact; the flow's result keeps them all
+SHOWN_VALUES = 6  # first values of a vector; its dimension and norm say the rest
+SHOWN_CHARS = 200  # of a text field, or of a nested value written as JSON
 
 
-@task(name="predict", retries=1, retry_condition_fn=retry_pool_failures)
-def predict_inputs(provider: str, inputs: list[Any], manifests: str | None) -> dict[str, Any]:
+@task(name="predict", retries=1, retry_condition_fn=retry_pool_failures, task_run_name="predict[{provider}]")
+def predict_inputs(provider: str, payloads: list[Any], manifests: str) -> dict[str, Any]:
+    """Each payload in turn on one held worker; says in the run's log when it has answered."""
     with pool_session(provider, manifests) as session:
-        results = [session.predict(item) for item in inputs]
-        return {"results": results, "worker_pid": session.pid, "cold": session.cold, "replica": session.replica}
+        started = time.monotonic()
+        results = [session.predict(payload) for payload in payloads]
+        seconds = time.monotonic() - started
+        get_run_logger().info("%s: answered %d request(s) in %.2f s on replica %d (pid %d, %s)", provider,
+                              len(payloads), seconds, session.replica, session.pid,
+                              "cold start" if session.cold else "warm")
+        return {"results": results, "worker_pid": session.pid, "cold": session.cold, "replica": session.replica,
+                "answer_s": round(seconds, 3)}
 
 
-def _inputs_or_smoke(provider: str, inputs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    path = manifest_path(default_manifests(), provider)  # a whole name, never a path: it names the artifact too
-    if inputs:
-        return inputs
-    manifest = load_manifest(path)
+def takes_sequences(manifest: Manifest) -> bool:
+    """Whether the provider's requests are ``{"inputs": [str, ...]}``: its [smoke] payload says (none: assume so)."""
+    example = manifest.smoke.payload
+    if not example:
+        return True
+    inputs = example.get("inputs") if isinstance(example, dict) else None
+    return isinstance(inputs, list) and all(isinstance(text, str) for text in inputs)
+
+
+def _requests(provider: str, sequences: list[str] | None, payload: dict[str, Any] | None) -> tuple[list[Any], str]:
+    """The requests to send and what they are (for the log and the artifact)."""
+    # A whole name, never a path: it names the manifest folder and the artifact.
+    manifest = load_manifest(manifest_path(default_manifests(), provider))
+    example = json.dumps(manifest.smoke.payload) if manifest.smoke.payload else "{...}"
+    if sequences and payload:
+        raise ManifestError(f"{provider}: give sequences or a payload, not both")
+    if sequences:
+        if not takes_sequences(manifest):
+            raise ManifestError(f"{provider} does not take sequences (its requests look like {example}); leave "
+                                "sequences empty and give a payload", slug=provider)
+        if not all(isinstance(text, str) and text.strip() for text in sequences):
+            raise ManifestError(f"{provider}: every sequence must be non-empty text", slug=provider)
+        texts = [text.strip() for text in sequences]
+        return [{"inputs": texts[at:at + BATCH]} for at in range(0, len(texts), BATCH)], "sequences"
+    if payload:
+        return [payload], "payload"
     if not manifest.smoke.payload:
-        raise ManifestError(f"{provider}: no inputs were given and its manifest has no [smoke] payload to send; "
-                            "give inputs", slug=provider)
-    return [manifest.smoke.payload]
+        raise ManifestError(f"{provider}: no sequences or payload were given and its manifest has no [smoke] payload "
+                            "to send; give sequences or a payload", slug=provider)
+    return [manifest.smoke.payload], "its [smoke] example"
 
 
-def _shown(value: Any) -> Any:
-    """An array in an answer as a line of text (its dtype, shape and first values); bytes by their size."""
+# -- the answer, readable ----------------------------------------------------------------
+def describe(value: Any) -> str:
+    """One cell: a vector as its dimension, norm and first values; text cut short; anything else as JSON."""
+    vector = _vector(value)
+    if vector is not None:
+        kind, values = vector
+        norm = math.sqrt(sum(v * v for v in values))
+        first = ", ".join(f"{v:.4g}" for v in values[:SHOWN_VALUES])
+        more = ", ..." if len(values) > SHOWN_VALUES else ""
+        return f"{kind} of {len(values)}, norm {norm:.4g}: {first}{more}"
     if isinstance(value, bytes | bytearray | memoryview):
-        return f"<{len(value)} bytes>"
+        return f"{len(value)} bytes"
     shape = getattr(value, "shape", None)
-    if isinstance(shape, tuple) and hasattr(value, "tolist"):
-        flat = value.reshape(-1) if hasattr(value, "reshape") else None
-        first = flat[:SHOWN_VALUES].tolist() if flat is not None else []
-        more = ", ..." if math.prod(shape) > len(first) else ""
-        values = f": {', '.join(map(str, first))}{more}" if first else ""
-        return f"<{value.dtype} array, shape {list(shape)}{values}>"
-    return arrays.plain(value)  # a numpy scalar as its number; anything else is refused by name
+    if isinstance(shape, tuple) and hasattr(value, "dtype"):
+        flat = value.reshape(-1)[:SHOWN_VALUES].tolist() if hasattr(value, "reshape") else []
+        first = ": " + ", ".join(map(str, flat)) + (", ..." if math.prod(shape) > len(flat) else "") if flat else ""
+        return f"{value.dtype} array, shape {list(shape)}{first}"
+    if isinstance(value, str):
+        return value if len(value) <= SHOWN_CHARS else value[:SHOWN_CHARS] + f"... ({len(value)} characters)"
+    if value is None or isinstance(value, bool | int | float):
+        return json.dumps(value)
+    text = json.dumps(value, default=str)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + f"... ({len(text)} characters)"
 
 
-def _markdown(provider: str, inputs: list[Any], answer: dict[str, Any]) -> str:
+def _vector(value: Any) -> tuple[str, list[float]] | None:
+    """A list, array or base64 float32 text of at least two numbers, as (what it is, its values)."""
+    shape = getattr(value, "shape", None)
+    if isinstance(shape, tuple) and len(shape) == 1 and shape[0] >= 2 and hasattr(value, "tolist"):
+        values = value.tolist()
+        if all(isinstance(v, int | float) for v in values):
+            return f"{getattr(value, 'dtype', 'array')} vector", [float(v) for v in values]
+    if isinstance(value, list) and len(value) >= 2 and all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+        return "vector", [float(v) for v in value]
+    return None
+
+
+def _decoded(name: str, value: Any) -> Any:
+    """A ``*_f32`` field (minilm's base64 encoding) as its numbers."""
+    if name.endswith("_f32") and isinstance(value, str):
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            return value
+        if len(raw) % 4 == 0:
+            import array
+
+            values = array.array("f")
+            values.frombytes(raw)
+            return values.tolist()
+    return value
+
+
+def _table(fields: dict[str, Any]) -> list[str]:
+    rows = [f"| {escape_markdown(str(name))} | {escape_markdown(describe(_decoded(str(name), value)))} |"
+            for name, value in fields.items()]
+    return ["| field | value |", "|---|---|", *rows] if rows else ["(no fields)"]
+
+
+def _heading(number: int, sequence: str | None) -> str:
+    if sequence is None:
+        return f"### answer {number}"
+    shown = sequence if len(sequence) <= 60 else sequence[:60] + "..."
+    return f"### {number}. {escape_markdown(shown)} ({len(sequence)} characters)"
+
+
+def markdown(provider: str, what: str, requests: list[Any], answer: dict[str, Any]) -> str:
+    """The answer as a table per input, under who answered it and how to fetch the whole of it."""
     warmth = "cold start" if answer["cold"] else "warm"
-    lines = [f"## {provider}: {len(inputs)} prediction(s)", "",
-             f"worker pid {answer['worker_pid']} (replica {answer['replica']}, {warmth}) on {answer['host']}", ""]
-    for number, (payload, result) in enumerate(zip(inputs, answer["results"], strict=True)):
-        if number == SHOWN_INPUTS:
-            lines.append(f"... and {len(inputs) - SHOWN_INPUTS} more in the flow run's result")
-            break
-        text = json.dumps(result, indent=1, default=_shown)
-        if len(text) > SHOWN_CHARS:
-            text = text[:SHOWN_CHARS] + f"\n... ({len(text)} characters in all)"
-        lines += [f"### input {number}", "", "```json", json.dumps(payload, default=_shown)[:SHOWN_CHARS], "```", "",
-                  "answer:", "", "```json", text, "```", ""]
+    sequences = [text for request in requests for text in request["inputs"]] if what == "sequences" else None
+    count = f"{len(sequences)} sequence(s)" if sequences is not None else what
+    lines = [f"## {escape_markdown(provider)}: {count}", "",
+             f"Answered by replica {answer['replica']} (pid {answer['worker_pid']}, {warmth}) on host "
+             f"`{escape_markdown(answer['host'])}` in {answer['answer_s']} s. The whole answer is this flow run's "
+             f"result: `prefect flow-run inspect {answer['flow_run_id']}` names where it is stored.", ""]
+    if sequences is not None:
+        items, shared = [], {}
+        for request, result in zip(requests, answer["results"], strict=True):
+            items += per_input(result, len(request["inputs"]))
+            if isinstance(result, dict):
+                shared.update({k: v for k, v in result.items() if k != "items" and _vector(v) is None
+                               and getattr(v, "shape", None) is None})
+        if shared:
+            lines += ["Per request:", "", *_table(shared), ""]
+        for number, (sequence, item) in enumerate(zip(sequences, items, strict=True), 1):
+            if number > SHOWN_INPUTS:
+                lines.append(f"... and {len(sequences) - SHOWN_INPUTS} more in the flow run's result")
+                break
+            lines += [_heading(number, sequence), ""]
+            lines += _table(item) if item is not None else ["(the answer holds no item for this input)"]
+            lines.append("")
+        return "\n".join(lines)
+    lines += ["Sent: `" + escape_markdown(describe(requests[0])) + "`", ""]
+    for number, result in enumerate(answer["results"], 1):
+        lines += [_heading(number, None), ""]
+        items = result.get("items") if isinstance(result, dict) else None
+        if isinstance(items, list) and all(isinstance(item, dict) for item in items):
+            rest = {k: v for k, v in result.items() if k != "items"}
+            lines += [*_table(rest), ""] if rest else []
+            for at, item in enumerate(items[:SHOWN_INPUTS], 1):
+                lines += [f"item {at}:", "", *_table(item), ""]
+        elif isinstance(result, dict):
+            lines += [*_table(result), ""]
+        else:
+            lines += [escape_markdown(describe(result)), ""]
     return "\n".join(lines)
 
 
 @flow(name="predict", persist_result=True, log_prints=True)
-def predict(provider: str = "echo", inputs: list[dict[str, Any]] | None = None):
-    """Send each input (one payload per item) to ``provider``; none: its ``[smoke]`` payload.
+def predict(provider: str = DEFAULT_PROVIDER, sequences: list[str] | None = None,
+            payload: dict[str, Any] | None = None):
+    """Ask one provider: each sequence gets its own answer; or send one payload; or, with neither, its example.
 
-    The providers are those of ``$RESIDENT_POOL_MANIFESTS`` (in the worker's own environment).
+    Args:
+        provider: Which model answers (the providers of the worker's host).
+        sequences: Protein sequences or texts, one per item; each gets its own answer. Sent as
+            {"inputs": [...]}, 64 to a request.
+        payload: For a provider that does not take sequences: the request itself, as JSON (its [smoke] payload is
+            the example). Leave empty, with no sequences, to send that example.
     """
+    logger = get_run_logger()
     try:
-        inputs = _inputs_or_smoke(provider, inputs)
+        requests, what = _requests(provider, sequences, payload)
     except ManifestError as error:  # one sentence on the run page, not a traceback
+        logger.error("%s", error)
         return Failed(message=str(error))
-    answer = predict_inputs(provider, inputs, None)
-    answer.update({"flow_run_pid": os.getpid(), "host": socket.gethostname()})
-    create_markdown_artifact(markdown=_markdown(provider, inputs, answer), key=artifact_key("predict", provider),
-                             description=f"{provider}: {len(inputs)} prediction(s)")
-    print(f"{provider}: {len(inputs)} prediction(s) by worker pid {answer['worker_pid']} "
-          f"({'cold start' if answer['cold'] else 'warm'}) on {answer['host']}")
+    logger.info("%s: sending %s in %d request(s)", provider,
+                f"{sum(len(r['inputs']) for r in requests)} sequence(s)" if what == "sequences" else what,
+                len(requests))
+    answer = predict_inputs(provider, requests, str(default_manifests()))
+    answer.update({"provider": provider, "flow_run_pid": os.getpid(), "host": socket.gethostname(),
+                   "flow_run_id": str(runtime.flow_run.id)})
+    if what == "sequences":
+        texts = [text for request in requests for text in request["inputs"]]
+        results = [per_input(result, len(request["inputs"]))
+                   for request, result in zip(requests, answer["results"], strict=True)]
+        answer["items"] = [{"input": text, **(item or {})}
+                           for text, item in zip(texts, [i for r in results for i in r], strict=True)]
+    create_markdown_artifact(markdown=markdown(provider, what, requests, answer), key=artifact_key("predict", provider),
+                             description=escape_markdown(f"{provider}: the answer to {what}, a table per input"))
     return answer
 
 

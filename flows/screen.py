@@ -2,22 +2,29 @@
 
     python flows/screen.py [--input FILE_OR_INBOX] [--provider minilm] [--chunk-size 64]
                            [--output PATH] [--format jsonl|parquet] [--column NAME] [--id-column NAME]
-                           [--fail-on-input-errors]
+                           [--fail-on-input-errors] [--no-report]
 
 Inputs are read lazily; each input's result is stored under sha256(provider
 version, options, text) in the user's result store, so a re-run, a reordered
 file, a file with sequences appended, or a duplicate sequence computes only
 what no earlier run computed. Results are appended to ``<output>.partial`` as
 chunks finish; the output itself (one record per input, in input order) is
-written at the end. Given a folder (an inbox), every input file in it is
-screened, one output per file.
+written at the end, with a small HTML report beside it (``<output>.report.html``:
+progress, throughput and failures over time, a map of the answers' vectors).
+Given a folder (an inbox), every input file in it is screened, one output per file.
+
+The providers are those of the worker host's own configuration
+(``RESIDENT_POOL_MANIFESTS``), never a flow parameter: whoever may start a run
+must not choose what code the pool runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
+import socket
 import stat
 import sys
 import time
@@ -28,7 +35,7 @@ from typing import Any, Literal
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import (
-    create_link_artifact,
+    create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
     update_progress_artifact,
@@ -39,12 +46,15 @@ from prefect.states import Completed, Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 
+from resident_pool.campaigns.answers import per_input
 from resident_pool.campaigns.campaign import BLOCK, Campaign, CampaignSettings, Chunk, output_name, summarize
 from resident_pool.campaigns.inputs import FORMATS, InputFile
+from resident_pool.campaigns.progress import FileProgress, Progress
+from resident_pool.campaigns.report import VectorSample, report_path, write_report
 from resident_pool.campaigns.results import ResultStore, provider_version
 from resident_pool.client import default_manifests
 from resident_pool.errors import CampaignFailed, InputError, ResidentPoolError, WorkerRequestError
-from resident_pool.prefect import artifact_key, pool_session, retry_pool_failures
+from resident_pool.prefect import artifact_key, escape_markdown, pool_session, retry_pool_failures
 from resident_pool.prefect.roots import check_path
 from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
 from resident_pool.settings import settings as pool_settings
@@ -52,11 +62,14 @@ from resident_pool.settings import settings as pool_settings
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_INPUT = str(ROOT / "data" / "uniprot-500.fasta")
 PROGRESS_EVERY_S = 2.0  # a progress update is an API call: a million-input campaign must not make thousands
+LOG_EVERY_S = 5.0  # a line in the run's log: done, rate, ETA
+# How each vector comes back (minilm's "encoding"; other providers ignore it): the key of every stored result.
+Encoding = Literal["float32-base64", "array", "json"]
 
 
 @task(
     name="predict-chunk",
-    task_run_name="predict-chunk[{first}-{last}]",
+    task_run_name="predict-chunk[{label}]",
     retries=3,
     # 1, 2, 4 s (each +-50%): a worker that died of OOM gets time to be replaced, and retries do not align.
     retry_delay_seconds=exponential_backoff(backoff_factor=1),
@@ -66,23 +79,23 @@ PROGRESS_EVERY_S = 2.0  # a progress update is an API call: a million-input camp
     persist_result=False,
     cache_policy=NO_CACHE,
 )
-def predict_chunk(provider: str, manifests: str, texts: list[str], options: dict[str, Any], first: int,
-                  last: int, max_attachment_bytes: int | None = None) -> dict[str, Any]:
-    """One chunk on one held worker; an input the model refuses fails alone."""
+def predict_chunk(provider: str, manifests: str, texts: list[str], options: dict[str, Any], label: str,
+                  max_attachment_bytes: int | None = None) -> dict[str, Any]:
+    """One chunk on one held worker; an input the model refuses fails alone. ``label`` names its inputs."""
     started = time.monotonic()
     failed: dict[int, tuple[str, str]] = {}
     with pool_session(provider, manifests, max_attachment_bytes=max_attachment_bytes) as session:
         cold, pid = session.cold, session.pid
         version = session.lease.get("version")
         try:
-            results = _items(provider, session.predict({**options, "inputs": texts}), len(texts))
+            results = per_input(session.predict({**options, "inputs": texts}), len(texts))
         except WorkerRequestError as error:
             if error.reason != "request_failed":
                 raise
             results = []
             for position, text in enumerate(texts):  # find the input the model refused
                 try:
-                    results.append(_items(provider, session.predict({**options, "inputs": [text]}), 1)[0])
+                    results.append(per_input(session.predict({**options, "inputs": [text]}), 1)[0])
                 except WorkerRequestError as refused:
                     if refused.reason != "request_failed":
                         raise
@@ -93,32 +106,6 @@ def predict_chunk(provider: str, manifests: str, texts: list[str], options: dict
                 failed[position] = ("bad_answer", f"{provider} answered no item for this input")
     return {"results": results, "failed": failed, "cold": cold, "pid": pid, "version": version,
             "latency_s": time.monotonic() - started}
-
-
-def _items(provider: str, answer: Any, expected: int) -> list[dict[str, Any] | None]:
-    """The answer's per-input items; one that is not ``{"items": [one object per input]}`` answers none.
-
-    An array ``<name>s`` beside the items with one row per input (minilm's ``embeddings`` under
-    ``encoding = "array"``) gives each item its row as ``<name>``, unless the item has that field.
-    """
-    items = answer.get("items") if isinstance(answer, dict) else None
-    if not isinstance(items, list) or len(items) != expected:
-        return [None] * expected
-    items = [item if isinstance(item, dict) else None for item in items]
-    for name, value in answer.items():
-        rows = _rows(value, expected) if name.endswith("s") and len(name) > 1 and name != "items" else None
-        for item, row in zip(items, rows or (), strict=False):
-            if item is not None:
-                item.setdefault(name[:-1], row)
-    return items
-
-
-def _rows(value: Any, expected: int) -> list[Any] | None:
-    """An array's rows when it has ``expected`` of them (numpy arrays, or arrays.Array without numpy)."""
-    shape = getattr(value, "shape", None)
-    if not isinstance(shape, tuple) or not shape or shape[0] != expected or not hasattr(value, "tolist"):
-        return None
-    return list(value) if hasattr(value, "__getitem__") else value.tolist()
 
 
 # -- running chunks ------------------------------------------------------------------
@@ -149,25 +136,35 @@ def _chunk_runner(max_workers: int | None, replicas: int) -> Iterator[tuple[Subm
 
 
 class _Progress:
-    """The progress artifact: finished inputs over inputs seen, scaled by how far the file is read."""
+    """The campaign's progress as Prefect shows it: the progress artifact, and a line in the run's log."""
 
     def __init__(self, provider: str, description: str) -> None:
+        self.tally = Progress()
         self.id = create_progress_artifact(0.0, key=artifact_key("screen-progress", provider), description=description)
-        self.last = time.monotonic()
+        self.logger = get_run_logger()
+        self.last = self.last_line = time.monotonic()
 
-    def update(self, percent: float, force: bool = False) -> None:
-        if force or time.monotonic() - self.last >= PROGRESS_EVERY_S:
-            update_progress_artifact(self.id, min(100.0, max(0.0, percent)))
-            self.last = time.monotonic()
+    def update(self, entry: FileProgress, *, seen: int, done: int, failed: int, fraction_read: float) -> None:
+        self.tally.update(entry, seen=seen, done=done, failed=failed, fraction_read=fraction_read)
+        self.show()
+
+    def show(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.last >= PROGRESS_EVERY_S:
+            update_progress_artifact(self.id, self.tally.percent())
+            self.last = now
+        if force or now - self.last_line >= LOG_EVERY_S:
+            self.logger.info("%s", self.tally.line())
+            self.last_line = now
 
 
 class _FileRun:
     """One input file through the provider: a bounded window of chunk futures, settled as they finish."""
 
-    def __init__(self, source: InputFile, campaign: Campaign, *, provider: str, manifests: str,
+    def __init__(self, source: InputFile, campaign: Campaign, entry: FileProgress, *, provider: str, manifests: str,
                  options: dict[str, Any], submit: Submit, window: int, progress: _Progress,
                  limits: CampaignSettings) -> None:
-        self.source, self.campaign = source, campaign
+        self.source, self.campaign, self.entry = source, campaign, entry
         self.provider, self.manifests, self.options = provider, manifests, options
         self.max_attachment_bytes = limits.max_attachment_bytes
         self.submit, self.window, self.progress = submit, window, progress
@@ -185,10 +182,12 @@ class _FileRun:
                     for chunk in self.campaign.add(block):
                         self.launch(chunk)
                     block = []
+                    self.report()
                     while self.settle(block=False):
                         pass
             for chunk in [*self.campaign.add(block), *self.campaign.flush()]:
                 self.launch(chunk)
+            self.report()
         finally:
             while self.in_flight:  # what was computed is stored, even when reading the file failed
                 self.settle(block=True)
@@ -197,8 +196,8 @@ class _FileRun:
         while len(self.in_flight) >= self.window:
             self.settle(block=True)
         future = self.submit(predict_chunk, {"provider": self.provider, "manifests": self.manifests,
-                                             "texts": chunk.texts, "options": self.options, "first": chunk.first,
-                                             "last": chunk.last, "max_attachment_bytes": self.max_attachment_bytes})
+                                             "texts": chunk.texts, "options": self.options, "label": chunk.label,
+                                             "max_attachment_bytes": self.max_attachment_bytes})
         self.in_flight[future] = chunk
         future.add_done_callback(self.done.put)
 
@@ -223,27 +222,55 @@ class _FileRun:
             else:
                 campaign.finish(chunk, answer.pop("results"), answer.pop("failed"), answer)
         self.settled += len(chunk)
-        seen = campaign.counts["inputs"]
-        finished = seen - campaign.counts["computed"] - len(campaign.pending) + self.settled
-        read = min(1.0, self.source.bytes_read() / self.size)
-        self.progress.update(100.0 * read * finished / max(seen, 1))
+        self.report()
         return True
 
+    def counts(self) -> dict[str, int]:
+        """Inputs read, inputs with their outcome (from the store, repeats, bad ones, chunks settled), failed."""
+        counts = self.campaign.counts
+        seen = counts["inputs"]
+        done = seen - counts["computed"] - len(self.campaign.pending) + self.settled
+        return {"seen": seen, "done": done, "failed": counts["bad_input"] + self.campaign.failed_computing}
 
-def _screen_file(source: InputFile, output: Path, *, store: ResultStore, version: str, chunk_size: int, fmt: str,
-                 **run: Any) -> dict[str, Any]:
+    def report(self) -> None:
+        self.progress.update(self.entry, **self.counts(), fraction_read=self.source.bytes_read() / self.size)
+
+
+def _screen_file(source: InputFile, output: Path, entry: FileProgress, *, store: ResultStore, version: str,
+                 chunk_size: int, fmt: str, report: bool, title: str, **run: Any) -> dict[str, Any]:
     """One input file through the provider; returns its line of the summary."""
     started = time.monotonic()
+    progress: _Progress = run["progress"]
+    progress.tally.begin(entry)
     campaign = Campaign(store, version, run["options"], chunk_size, output,
                         max_result_bytes=run["limits"].max_result_bytes)
+    sample = VectorSample() if report else None
+    file_run = _FileRun(source, campaign, entry, **run)
     try:
-        _FileRun(source, campaign, **run).run()
-        written = campaign.write(fmt)
+        file_run.run()
+        written = campaign.write(fmt, sample=sample)
     finally:
         campaign.close()
-    run["progress"].update(100.0, force=True)
+        counts = file_run.counts()
+        progress.tally.finish(entry, seen=counts["seen"], done=counts["seen"], failed=counts["failed"])
+        progress.show(force=True)
     summary = summarize(campaign.counts, written, campaign.chunk_stats, time.monotonic() - started)
-    return {"file": str(source.path), "output": str(output), **summary}
+    line = {"file": str(source.path), "output": str(output), **summary, "report": None}
+    if report:
+        shown = {"input": str(source.path), "output": str(output), "host": socket.gethostname(),
+                 **{k: summary[k] for k in ("inputs", "ok", "failed", "computed", "from_store", "duplicates",
+                                            "chunks", "cold_starts", "throughput_inputs_per_s", "wall_s")},
+                 "failure reasons": _reasons(summary["failure_reasons"])}
+        line["report"] = str(write_report(report_path(output), title=f"{title}: {source.path.name}", summary=shown,
+                                          timeline=entry.timeline.points, sample=sample,
+                                          failures=summary["failures"]))
+    return line
+
+
+def _reasons(reasons: dict[str, int]) -> str:
+    """``bad_input: 3, request_failed: 1``, most first; "none" when nothing failed."""
+    ordered = sorted(reasons.items(), key=lambda item: (-item[1], item[0]))
+    return ", ".join(f"{reason}: {count:,}" for reason, count in ordered) or "none"
 
 
 # -- the flow ---------------------------------------------------------------------------
@@ -299,7 +326,7 @@ def _is_input_name(path: Path) -> bool:
     return bool(suffixes) and suffixes[-1] in FORMATS
 
 
-def _check_roots(input: str, output: str | None, manifests: str | None) -> str:
+def _check_roots(input: str, output: str | None) -> str:
     """The paths this run was given, within the folders the worker host allows (resident_pool.prefect.roots);
     returns the input with its folders' links resolved, as checked, so that a link swapped in on the way after
     the check is not followed. An input file that is itself a link stays one, and is refused when opened."""
@@ -307,8 +334,6 @@ def _check_roots(input: str, output: str | None, manifests: str | None) -> str:
     pinned = path.resolve() if path.is_dir() else path.parent.resolve() / path.name
     check_path(pinned, "input")
     check_path(output or (pinned / "screened" if pinned.is_dir() else pinned.parent), "output")
-    if manifests is not None:
-        check_path(manifests, "manifests")
     return str(pinned)
 
 
@@ -327,24 +352,34 @@ def screen(
     id_column: str | None = None,
     fail_on_input_errors: bool = False,
     max_workers: int | None = None,
-    manifests: str | None = None,
-    encoding: str | None = "float32-base64",
+    encoding: Encoding = "float32-base64",
+    report: bool = True,
 ):
     """Screen every input of a FASTA, CSV, TSV or JSONL file (or of every such file in a folder).
 
-    ``output``: the output file (default ``<input>.<provider>.<format>`` beside
-    the input; for a folder: the output folder, default ``<folder>/screened``).
-    ``column``/``id_column``: the CSV/TSV/JSONL fields holding the text and the
-    id (matched ignoring case). ``max_workers``: chunk
-    tasks at once (default: the provider's max_replicas + 1). ``encoding`` is
-    passed to the provider: minilm's "float32-base64" sends each embedding as
-    base64 float32, cheaper than JSON float text.
+    Args:
+        input: An input file on the worker's host (FASTA, CSV, TSV or JSONL, optionally .gz), or a folder of
+            them (an inbox: every input file in it, one output each).
+        provider: The provider that answers each input.
+        chunk_size: Inputs per task run (one request to the model).
+        output: The output file; default `<input>.<provider>.<format>` beside the input. For a folder: the output
+            folder, default `<folder>/screened`.
+        format: The output's format: JSON Lines (one record per input) or Parquet (embeddings as float32 lists).
+        column: The CSV, TSV or JSONL field holding each input's text (default: sequence, text, input or seq).
+        id_column: The field holding each input's id (default: id, name, accession or entry).
+        fail_on_input_errors: End Failed when any input failed (by default the run completes and warns).
+        max_workers: Chunk tasks at once (default: the provider's max_replicas + 1).
+        encoding: How each vector comes back from minilm: float32-base64 (compact), array (an attachment)
+            or json (numbers as text). Part of every stored result's key; other providers ignore it.
+        report: Write an HTML report beside each output: progress, throughput and failures over time, and a
+            map of the answers' vectors.
     """
     started = time.monotonic()
     logger = get_run_logger()
+    output, column, id_column = output or None, column or None, id_column or None  # a form's empty field: unset
+    manifests_dir = str(default_manifests())  # the worker host's configuration, never a parameter
     try:  # everything that can be wrong before any work: one sentence on the run, no traceback
-        input = _check_roots(input, output, manifests)
-        manifests_dir = str(default_manifests(manifests))
+        input = _check_roots(input, output)
         settings = CampaignSettings.from_env()
         if chunk_size < 1 or (max_workers is not None and max_workers < 1):
             raise InputError(f"chunk_size ({chunk_size}) and max_workers ({max_workers}) must be at least 1")
@@ -356,19 +391,23 @@ def screen(
     except ResidentPoolError as error:
         logger.error("%s", error)
         return Failed(message=str(error))
-    options = {"encoding": encoding} if encoding else {}
+    options = {"encoding": encoding} if encoding and encoding != "json" else {}
     version = provider_version(manifest)
     summaries = []
     progress = _Progress(provider, f"{provider}: {input}")
+    entries = [progress.tally.add_file(str(source.path), source.record_count(), source.size())
+               for source, _ in files]
     with store, _chunk_runner(max_workers, manifest.lifecycle.max_replicas) as (submit, window):
-        for source, target in files:
+        for (source, target), entry in zip(files, entries, strict=True):
             try:
-                summaries.append(_screen_file(source, target, provider=provider, manifests=manifests_dir,
+                summaries.append(_screen_file(source, target, entry, provider=provider, manifests=manifests_dir,
                                               version=version, store=store, options=options, chunk_size=chunk_size,
                                               fmt=format, submit=submit, window=window, progress=progress,
-                                              limits=settings))
+                                              limits=settings, report=report, title=f"{provider} screening"))
             except InputError as error:
                 refused.append(str(error))
+    if not files:
+        progress.show(force=True)  # nothing to screen is done at once; a file's end says so for it
     for problem in refused:
         logger.error("%s", problem)
     return _final_state(summaries, refused, provider=provider, input=input, version=version, chunk_size=chunk_size,
@@ -388,16 +427,33 @@ def _final_state(summaries: list[dict[str, Any]], refused: list[str], *, provide
              "chunks": sum(s["chunks"] for s in summaries),
              "cold_starts": sum(s["cold_starts"] for s in summaries),
              "throughput_inputs_per_s": round(inputs / wall_s, 1) if wall_s > 0 else None,
-             "wall_s": round(wall_s, 2), "files": summaries, "refused": refused}
+             "wall_s": round(wall_s, 2), "host": socket.gethostname(), "files": summaries, "refused": refused}
     if len(summaries) == 1:
         one = summaries[0]
-        total.update({k: one[k] for k in ("output", "failure_reasons", "warm_median_chunk_latency_ms", "workers")})
+        total.update({k: one[k] for k in ("output", "report", "failure_reasons", "warm_median_chunk_latency_ms",
+                                          "workers")})
     _artifacts(total, input)
+    logger = get_run_logger()
     message = f"{ok} ok, {failed} failed"
     details = f"{inputs} inputs in {len(summaries)} file(s): {computed} computed, {total['from_store']} from the " \
               f"store, {total['duplicates']} duplicates; {total['throughput_inputs_per_s']} inputs/s"
     print(f"screened with {provider}: {message}; {details}"
           + "".join(f"; output {s['output']}" for s in summaries))
+    if not summaries and not refused:
+        # Said loudly: a scheduled screen of an inbox nobody filled should not look like a night's work.
+        logger.warning("%s: no input files to screen (names ending %s, optionally .gz); nothing was done", input,
+                       ", ".join(sorted(FORMATS)))
+        return Completed(message=f"no input files in {input}", data=total)
+    if summaries and not inputs:
+        logger.warning("%s: the input file(s) hold no inputs; nothing was computed", input)
+    if failed:
+        reasons: dict[str, int] = {}
+        for summary in summaries:
+            for reason, count in summary["failure_reasons"].items():
+                reasons[reason] = reasons.get(reason, 0) + count
+        logger.warning("%d of %d input(s) failed (%s); the failed-inputs artifact lists them, and each output holds "
+                       "every one with its reason: %s", failed, inputs, _reasons(reasons),
+                       ", ".join(s["output"] for s in summaries if s["failed"]))
     if refused:
         return Failed(message=f"{message}; {len(refused)} file(s) refused: {refused[0]}",
                       data=CampaignFailed(f"{message}; refused: " + "; ".join(refused), reason="bad_input_file",
@@ -410,20 +466,54 @@ def _final_state(summaries: list[dict[str, Any]], refused: list[str], *, provide
 
 
 def _artifacts(total: dict[str, Any], input: str) -> None:
-    provider = total["provider"]
+    """The summary table, the failed inputs (when any) and where the outputs are, each under a stable key."""
+    provider, host = total["provider"], total["host"]
     rows = [{"file": s["file"], "inputs": s["inputs"], "ok": s["ok"], "failed": s["failed"],
              "computed": s["computed"], "from store": s["from_store"], "duplicates": s["duplicates"],
-             "failure reasons": json.dumps(s["failure_reasons"]), "inputs/s": s["throughput_inputs_per_s"],
-             "output": s["output"]} for s in total["files"]]
+             "failure reasons": _reasons(s["failure_reasons"]), "inputs/s": s["throughput_inputs_per_s"],
+             "output": s["output"], "report": s["report"] or ""} for s in total["files"]]
     rows += [{"file": problem, "inputs": 0, "ok": 0, "failed": 0, "computed": 0, "from store": 0, "duplicates": 0,
-              "failure reasons": "file refused", "inputs/s": None, "output": ""} for problem in total["refused"]]
-    create_table_artifact(key=artifact_key("screen-summary", provider), table=rows,
-                          description=f"screening campaign: {provider} over {input}: {total['ok']} ok, "
-                                      f"{total['failed']} failed")
-    for summary in total["files"]:
-        create_link_artifact(link=Path(summary["output"]).resolve().as_uri(), link_text=summary["output"],
-                             description=f"{provider} output for {summary['file']}: {summary['ok']} ok, "
-                                         f"{summary['failed']} failed")
+              "failure reasons": "file refused", "inputs/s": None, "output": "", "report": ""}
+             for problem in total["refused"]]
+    reports = [s["report"] for s in total["files"] if s["report"]]
+    where = f"; report{'s' if len(reports) > 1 else ''} on {host}: " + ", ".join(reports) if reports else ""
+    create_table_artifact(key=artifact_key("screen-summary", provider), table=_escaped(rows),
+                          description=escape_markdown(f"screening campaign: {provider} over {input}: {total['ok']} ok, "
+                                                      f"{total['failed']} failed{where}"))
+    failures = [{"file": s["file"], **failure} for s in total["files"] for failure in s["failures"]]
+    if failures:
+        shown = f"the first {len(failures)} of {total['failed']:,}" if len(failures) < total["failed"] else \
+            f"all {total['failed']:,}"
+        columns = ("index", "id", "reason", "error") if len(total["files"]) == 1 else \
+            ("file", "index", "id", "reason", "error")
+        create_table_artifact(key=artifact_key("screen-failed", provider),
+                              table=_escaped([{name: row[name] for name in columns} for row in failures]),
+                              description=escape_markdown(f"{provider}: failed inputs, {shown}; every one is in its "
+                                                          "output, with its reason and error"))
+    if total["files"]:
+        create_markdown_artifact(key=artifact_key("screen-output", provider), markdown=_outputs(total),
+                                 description=escape_markdown(f"{provider}: where the outputs are (on {host})"))
+
+
+def _escaped(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Table cells as text: the UI renders them as markdown (an id or an error could hold any of it)."""
+    return [{name: escape_markdown(value) if isinstance(value, str) else value for name, value in row.items()}
+            for row in rows]
+
+
+def _outputs(total: dict[str, Any]) -> str:
+    """Each output with its host, its rows and its report: readable wherever the artifact is read."""
+    host = escape_markdown(total["host"])
+    lines = [f"## {escape_markdown(total['provider'])}: outputs on host `{host}`", "",
+             "| input | output | records | ok | failed | report |", "|---|---|---|---|---|---|"]
+    for s in total["files"]:
+        report = s["report"]
+        shown = f"[{escape_markdown(report)}]({Path(report).as_uri()})" if report else "none"
+        lines.append(f"| {escape_markdown(s['file'])} | {escape_markdown(s['output'])} | {s['inputs']:,} | "
+                     f"{s['ok']:,} | {s['failed']:,} | {shown} |")
+    lines += ["", f"The paths are on `{host}`, where the flow ran; the report opens in a browser there, or copied "
+                  "anywhere (one file, nothing fetched)."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -439,8 +529,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-on-input-errors", action="store_true",
                         help="end Failed (exit 1) when any input failed")
     parser.add_argument("--max-workers", type=int, help="chunk tasks at once (default: max_replicas + 1)")
-    parser.add_argument("--manifests", default=str(pool_settings().manifests or ROOT / "manifests"))
+    parser.add_argument("--encoding", choices=["float32-base64", "array", "json"], default="float32-base64",
+                        help="how minilm sends each vector back")
+    parser.add_argument("--no-report", action="store_true", help="write no HTML report beside the output")
+    parser.add_argument("--manifests", default=str(pool_settings().manifests or ROOT / "manifests"),
+                        help="the providers' folder (this process's RESIDENT_POOL_MANIFESTS, for the flow it runs)")
     args = parser.parse_args(argv)
+    # The flow reads the providers' folder from its host's configuration; here, the operator's own command is it.
+    os.environ["RESIDENT_POOL_MANIFESTS"] = str(Path(args.manifests).expanduser().resolve())
     if not Path(args.input).is_dir():  # a file that is not an input file: one sentence, no traceback, no flow run
         try:
             settings = CampaignSettings.from_env()
@@ -452,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     state = screen(input=args.input, provider=args.provider, chunk_size=args.chunk_size, output=args.output,
                    format=args.format, column=args.column, id_column=args.id_column,
                    fail_on_input_errors=args.fail_on_input_errors, max_workers=args.max_workers,
-                   manifests=args.manifests, return_state=True)
+                   encoding=args.encoding, report=not args.no_report, return_state=True)
     result = state.result(raise_on_failure=False)
     summary = result.details.get("summary") if isinstance(result, CampaignFailed) else result
     if isinstance(summary, dict):

@@ -146,3 +146,25 @@ def stop_pool_in(state_dir: str) -> None:
     if pid_file.exists():
         pid = int(pid_file.read_text())
         wait_until(lambda: not pid_alive(pid), timeout=60, message=f"pool {pid} to exit")
+
+
+class RefusingClient:
+    """A pool client whose every lease is refused with ``error``, as a pool with an open breaker refuses."""
+
+    def __init__(self, error, manifests):
+        self.error, self.manifests, self.on_wait = error, manifests, None
+
+    def session(self, slug, holder=None):
+        raise self.error
+
+
+def breaker_open(slug="kernels", transcript="/tmp/kernels-0.log"):
+    """A request refused by an open breaker, as the pool sends it: reason breaker_open, the original beside it."""
+    from resident_pool.errors import ResidentPoolError, WorkerStartError
+
+    original = WorkerStartError(f"{slug}: the worker exited before it answered (exit code 3)", slug=slug,
+                                exit_code=3, transcript=transcript,
+                                transcript_tail=["loading", "REFUSED: no licence for this GPU"],
+                                details={"breaker_opened": True})
+    return ResidentPoolError(f"{slug}: not started: its breaker is open", slug=slug, reason="breaker_open",
+                             details={"breaker": {"failures": 1, "closes_in_s": 157.4}, "original": original.to_dict()})

@@ -49,14 +49,14 @@ def _screen(pool_dir, **parameters):
     from screen import screen
 
     parameters.setdefault("provider", "embedder")
-    return screen(manifests=str(pool_dir), **parameters)
+    return screen(**parameters)
 
 
 def _state(pool_dir, **parameters):
     from screen import screen
 
     parameters.setdefault("provider", "embedder")
-    return screen(manifests=str(pool_dir), return_state=True, **parameters)
+    return screen(return_state=True, **parameters)
 
 
 def _records(path: Path) -> list[dict]:
@@ -183,7 +183,8 @@ def test_a_gzipped_fasta_a_tsv_with_a_sequence_column_and_a_slug_with_an_undersc
     from resident_pool.prefect import artifact_key
 
     assert {artifact_key("screen-progress", "esm_2"), artifact_key("screen-summary", "esm_2")} <= keys
-    assert all(key.startswith(("screen-progress-esm-2-", "screen-summary-esm-2-")) for key in keys if key and "esm" in key)
+    assert all(key.startswith(("screen-progress-esm-2-", "screen-summary-esm-2-", "screen-output-esm-2-"))
+               for key in keys if key and "esm" in key)
 
     tsv = tmp_path / "uniprot.tsv"
     tsv.write_text("Entry\tProtein names\tSequence\n" + "".join(f"Q{n}\tprotein {n}\t{text}\n"
@@ -217,8 +218,122 @@ def test_chunk_runs_are_named_by_their_inputs_and_nothing_is_persisted_by_prefec
     most = max(sum(1 for start, end in spans if start <= at < end) for at, _ in spans)
     assert most <= 2
     assert not storage.exists() or not any(storage.iterdir())
-    link = [a for a in _artifacts(state) if a.type == "markdown" and "out.jsonl" in (a.data or "")]
-    assert link and (tmp_path / "out.jsonl").as_uri() in link[0].data
+
+
+def _logs(state):
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
+            any_=[state.state_details.flow_run_id])), limit=200)
+    return sorted(logs, key=lambda log: log.timestamp)
+
+
+def _log_lines(state, level=0, containing=""):
+    """The run's log lines at ``level`` or above holding ``containing``, once one has reached the API (logs are
+    sent in batches, after the run may have ended)."""
+    return wait_until(lambda: [log.message for log in _logs(state) if log.level >= level and containing in log.message],
+                      timeout=30, interval=0.5, message=f"a log line holding {containing!r}")
+
+
+def test_a_chunk_is_named_by_the_inputs_it_holds_when_repeats_and_bad_ones_are_left_out(pool_dir, embedder, tmp_path):
+    """The report: a chunk named [0-2] held 2 inputs. Input 1 is bad and 3 repeats 0: the chunk holds 0, 2 and 4."""
+    texts = _texts(3)
+    state = _state(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", [texts[0], "", texts[1], texts[0], texts[2]])),
+                   output=str(tmp_path / "out.jsonl"))
+    assert state.message == "4 ok, 1 failed"
+    assert [run.name for run in _task_runs(state)] == ["predict-chunk[0,2,4]"]
+    from resident_pool.campaigns.campaign import Chunk
+
+    assert Chunk(indexes=list(range(0, 200, 3)), keys=[b""] * 67).label == "0-198, 67 inputs"
+    assert Chunk(indexes=[5, 6, 7], keys=[b""] * 3).label == "5-7" and Chunk(indexes=[9], keys=[b""]).label == "9"
+
+
+def test_a_screens_progress_only_rises_and_ends_at_100_with_every_update_sent_at_once(pool_dir, embedder, tmp_path,
+                                                                                      monkeypatch):
+    """The report: a 2,000-input run's progress read 18.75, 62.5, 0, 0, 0, 0, 100. Every update is sent here
+    (PROGRESS_EVERY_S and LOG_EVERY_S at 0), so each value the artifact took is seen, and each log line."""
+    import screen
+
+    sent = []
+    real = screen.update_progress_artifact
+
+    def recorded(artifact_id, progress, *args, **kwargs):
+        sent.append(progress)
+        return real(artifact_id, progress, *args, **kwargs)
+
+    monkeypatch.setattr(screen, "update_progress_artifact", recorded)
+    monkeypatch.setattr(screen, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(screen, "LOG_EVERY_S", 0.0, raising=False)
+    monkeypatch.setenv("EMBEDDER_DELAY_S", "0.02")
+    inputs = tmp_path / "in.fasta"
+    inputs.write_text("".join(f">s{n}\n{text}\n" for n, text in enumerate(_texts(2000))))
+    state = _state(pool_dir, input=str(inputs), chunk_size=50, output=str(tmp_path / "out.jsonl"))
+    assert state.message == "2000 ok, 0 failed"
+    assert sent == sorted(sent) and sent[-1] == 100, sent  # monotone, ends at 100
+    assert len({round(value) for value in sent if 0 < value < 100}) >= 10, sent  # and says where it is between
+    assert all(value < 100 for value in sent[:-3])  # 100 only at the end
+    lines = _log_lines(state, containing="2,000 of 2,000 inputs done (100.0%)") and _log_lines(state,
+                                                                                               containing="inputs done")
+    assert any(" of 2,000 inputs done (" in line and "inputs/s" in line and "ETA" in line for line in lines), lines
+    assert any(line.startswith("2,000 of 2,000 inputs done (100.0%)") for line in lines), lines
+
+
+def test_failed_inputs_are_a_table_and_a_warning_and_the_summary_names_their_reasons(pool_dir, embedder, tmp_path):
+    texts = _texts(8)
+    inputs = _jsonl(tmp_path / "in.jsonl", [texts[0], "", texts[1], "RAISE | *this* ~x~", *texts[2:]])
+    state = _state(pool_dir, input=str(inputs), output=str(tmp_path / "out.jsonl"))
+    assert state.is_completed() and state.message == "8 ok, 2 failed"
+    artifacts = {a.key: a for a in _artifacts(state)}
+    failed = json.loads(artifacts["screen-failed-embedder"].data)
+    assert [(row["index"], row["id"], row["reason"]) for row in failed] == [(1, "s1", "bad_input"),
+                                                                          (3, "s3", "request_failed")]
+    assert "no non-empty string field" in failed[0]["error"] and "\n" not in failed[1]["error"]
+    assert "input contains RAISE" in failed[1]["error"]
+    (summary,) = json.loads(artifacts["screen-summary-embedder"].data)
+    assert summary["failure reasons"] == "bad_input: 1, request_failed: 1", summary  # not {}
+    (warning,) = _log_lines(state, level=30)
+    assert "2 of 10 input(s) failed (bad_input: 1, request_failed: 1)" in warning
+    assert str(tmp_path / "out.jsonl") in warning
+
+
+def test_an_empty_inbox_ends_with_a_warning_and_says_so(pool_dir, embedder, tmp_path):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "notes.txt").write_text("not an input\n")
+    state = _state(pool_dir, input=str(inbox))
+    assert state.is_completed() and state.message == f"no input files in {inbox}"
+    (warning,) = _log_lines(state, level=30)
+    assert "no input files to screen" in warning and ".fasta" in warning
+    assert embedder() == 0
+
+
+def test_the_outputs_artifact_is_keyed_and_names_path_host_and_counts_not_a_file_url(pool_dir, embedder, tmp_path):
+    import socket
+
+    state = _state(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", [*_texts(9), ""])),
+                   output=str(tmp_path / "out.jsonl"))
+    artifacts = {a.key: a for a in _artifacts(state)}
+    text = artifacts["screen-output-embedder"].data
+    assert str(tmp_path / "out.jsonl") in text and socket.gethostname() in text
+    assert f"| {tmp_path / 'in.jsonl'} | {tmp_path / 'out.jsonl'} | 10 | 9 | 1 |" in text.replace("\\", "")
+    assert (tmp_path / "out.jsonl").as_uri() + ")" not in text  # the output is named by path and host, not a URL
+    assert not [a for a in _artifacts(state) if a.type == "markdown" and not a.key]  # every artifact is keyed
+
+
+def test_the_report_beside_the_output_charts_the_run_and_maps_the_vectors_offline(pool_dir, embedder, tmp_path):
+    state = _state(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", [*_texts(300), "", "RAISE"])),
+                   output=str(tmp_path / "out.jsonl"), chunk_size=16)
+    report = tmp_path / "out.jsonl.report.html"
+    page = report.read_text()
+    assert state.result()["report"] == str(report)
+    for chart in ("inputs done", "throughput", "failed inputs"):
+        assert f'data-chart="{chart}"' in page
+    assert page.count("<polyline") == 3 and page.count("<circle") == 300  # every vector: fewer than the sample
+    assert "http://" not in page and "https://" not in page and " src=" not in page and "<script" not in page
+    assert "request_failed" in page and "bad_input" in page and "s301" in page  # the failed inputs, by id
+    summary = json.loads(next(a for a in _artifacts(state) if a.key == "screen-summary-embedder").data)
+    assert summary[0]["report"].replace("\\", "") == str(report)
 
 
 def test_fail_on_input_errors_fails_the_run_and_the_cli_exits_1(pool_dir, embedder, tmp_path):
@@ -247,7 +362,7 @@ KILLABLE = """
 import sys
 sys.path.insert(0, sys.argv[1])
 from screen import screen
-screen(input=sys.argv[2], provider="embedder", chunk_size=50, output=sys.argv[3], manifests=sys.argv[4])
+screen(input=sys.argv[2], provider="embedder", chunk_size=50, output=sys.argv[3])  # providers: the environment's
 """
 
 
@@ -311,8 +426,9 @@ def test_a_folder_is_an_inbox_one_output_per_file_and_unreadable_files_named(poo
     (inbox / "notes.txt").write_text("not an input: ignored by name\n")
     first = _state(pool_dir, input=str(inbox))
     assert first.is_completed() and first.message == "45 ok, 0 failed"
-    assert sorted(p.name for p in (inbox / "screened").iterdir()) == [
-        "monday.jsonl.embedder.jsonl", "tuesday.fasta.embedder.jsonl"]
+    assert sorted(p.name for p in (inbox / "screened").iterdir()) == [  # one output per file, each with its report
+        "monday.jsonl.embedder.jsonl", "monday.jsonl.embedder.jsonl.report.html", "tuesday.fasta.embedder.jsonl",
+        "tuesday.fasta.embedder.jsonl.report.html"]
     assert embedder() == 25  # tuesday's 25 include monday's 20 texts
     (inbox / "corrupt.fasta").write_bytes(os.urandom(5000))
     second = _state(pool_dir, input=str(inbox))
@@ -369,7 +485,7 @@ def test_items_carrying_arrays_are_written_as_lists_of_numbers(pool_dir, tmp_pat
     texts = _texts(20)
     output = tmp_path / "out.jsonl"
     state = _state(pool_dir, provider="plddt", input=str(_jsonl(tmp_path / "in.jsonl", texts)), chunk_size=8,
-                   output=str(output), encoding=None)
+                   output=str(output), encoding="json")
     assert state.is_completed(), state.message
     records = _records(output)
     assert [r["ok"] for r in records] == [True] * 20, records[0]
@@ -380,13 +496,12 @@ def test_items_carrying_arrays_are_written_as_lists_of_numbers(pool_dir, tmp_pat
 
 def test_the_chunk_wide_rows_go_to_their_items_without_numpy(monkeypatch):
     """A client without numpy gets arrays.Array objects: a chunk-wide array's rows still reach the items."""
-    from screen import _items
-
     from resident_pool.arrays import Array
+    from resident_pool.campaigns.answers import per_input
 
     answer = {"items": [{"tokens": 1}, {"tokens": 2}], "embeddings": Array(bytes(16), "float32", [2, 2]),
               "dim": 2}
-    items = _items("minilm", answer, 2)
+    items = per_input(answer, 2)
     assert items == [{"tokens": 1, "embedding": [0.0, 0.0]}, {"tokens": 2, "embedding": [0.0, 0.0]}]
 
 
@@ -533,11 +648,12 @@ def test_the_screen_flow_takes_a_provider_name_not_a_path(pool_dir, embedder, cl
 
 
 @pytest.mark.parametrize("name", ["embedder/../clash", "embedder\n"])
-@pytest.mark.parametrize("inputs", [None, [{"inputs": ["MKV"]}]], ids=["smoke payload", "inputs given"])
-def test_the_predict_flow_takes_a_provider_name_not_a_path(pool_dir, embedder, clash, name, inputs):
+@pytest.mark.parametrize("given", [{}, {"sequences": ["MKV"]}, {"payload": {"inputs": ["MKV"]}}],
+                         ids=["smoke payload", "sequences given", "payload given"])
+def test_the_predict_flow_takes_a_provider_name_not_a_path(pool_dir, embedder, clash, name, given):
     from predict import predict
 
-    state = predict(provider=name, inputs=inputs, return_state=True)
+    state = predict(provider=name, return_state=True, **given)
     assert state.is_failed() and "is not a provider name" in state.message, state.message
     assert embedder() == 0
 
@@ -742,3 +858,19 @@ def test_a_campaign_maps_less_of_an_answer_than_a_direct_call_cap_lowered_to_1_m
     assert state.is_completed() and state.message == "0 ok, 2 failed", state.message
     record = _records(tmp_path / "out.jsonl")[0]
     assert record["reason"] == "request_failed" and "attachment cap of 1000000 bytes" in record["error"], record
+def test_inputs_an_open_breaker_refused_are_recorded_with_what_opened_it_and_how_to_reset_it(pool_dir, embedder,
+                                                                                              tmp_path, monkeypatch):
+    """The report: a campaign record served by the breaker said start_failed, with no word of the breaker."""
+    from helpers import RefusingClient, breaker_open
+
+    import resident_pool.prefect as face
+
+    monkeypatch.setattr(face, "_client", lambda manifests: RefusingClient(breaker_open("embedder"), pool_dir))
+    state = _state(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", _texts(5))), output=str(tmp_path / "out.jsonl"))
+    assert state.message == "0 ok, 5 failed"
+    (run,) = _task_runs(state)
+    assert run.run_count == 1  # not retried
+    records = _records(tmp_path / "out.jsonl")
+    assert {r["reason"] for r in records} == {"breaker_open"}
+    for words in ("closes in 157 s", "resident-pool stop embedder", "exit code 3"):
+        assert words in records[0]["error"], records[0]["error"]

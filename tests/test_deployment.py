@@ -8,6 +8,7 @@ twice while the inbox gains a file, computing only what is new.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from providers import EMBEDDER_ENV, write_provider
 from resident_pool.host.procs import pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "flows"))
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -90,7 +92,7 @@ def test_the_second_deployment_run_is_served_by_the_worker_the_first_started(ser
     runs = []
     with _worker(env, "rp-e2e", log):
         for n in (1, 2):
-            runs.append(_run(env, "predict/predict", {"provider": "echo", "inputs": [{"n": n}]}, log))
+            runs.append(_run(env, "predict/predict", {"provider": "echo", "payload": {"n": n}}, log))
             if n == 1:  # the first flow run's process is gone; the model worker it started is not
                 flow_run_pid, worker_pid = runs[0]["result"]["flow_run_pid"], runs[0]["result"]["worker_pid"]
                 wait_until(lambda pid=flow_run_pid: not pid_alive(pid), timeout=60,
@@ -143,7 +145,7 @@ def test_the_nightly_screen_is_scheduled_and_each_run_computes_only_what_the_inb
         second = _run(env, "screen/screen", {}, log)
     assert second["state"] == "COMPLETED" and second["message"] == "75 ok, 0 failed", second
     assert computed() == 75  # the second night computed week2's 15, nothing of week1
-    outputs = sorted((inbox / "screened").iterdir())
+    outputs = sorted(p for p in (inbox / "screened").iterdir() if not p.name.endswith(".report.html"))
     assert [p.name for p in outputs] == ["week1.fasta.embedder.jsonl", "week2.tsv.embedder.jsonl"]
     assert len(outputs[0].read_text().splitlines()) == 60 and len(outputs[1].read_text().splitlines()) == 15
 
@@ -157,3 +159,67 @@ def test_the_nightly_screen_is_scheduled_and_each_run_computes_only_what_the_inb
     assert found["screen/screen"]["paused"] is True and found["validate/validate"]["paused"] is True
     assert found["screen/screen"]["schedules"][0]["cron"] == "0 2 * * *"
     assert "--paused" in (ROOT / "infra" / "local" / "stack.sh").read_text()
+
+
+FORM = """
+import json
+from prefect.client.orchestration import get_client
+with get_client(sync_client=True) as client:
+    print(json.dumps({name: {"schema": d.parameter_openapi_schema, "schedules": [
+        {"cron": s.schedule.cron, "timezone": s.schedule.timezone} for s in d.schedules]}
+        for name in ("screen/screen", "validate/validate", "predict/predict")
+        for d in [client.read_deployment_by_name(name)]}))
+"""
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_forms_describe_every_parameter_offer_described_providers_and_a_payload_form_per_provider(pool_dir,
+                                                                                                        monkeypatch):
+    """The report: no parameter described, all "(Optional)", the provider defaulting to echo, inputs a list/None
+    toggle of blank JSON editors, manifests a form field, encoding free text, validate's providers free text."""
+    from deploy import deploy_all
+    from prefect.settings import PREFECT_API_URL
+
+    for slug in ("echo", "minilm"):
+        shutil.copytree(ROOT / "manifests" / slug, pool_dir / slug)
+    write_provider(pool_dir, "esm_2", '[smoke]\npayload = { inputs = ["MKTAYIAKQRQ"], layer = 33 }\n',
+                   worker="embedder.py")
+    monkeypatch.setenv("TZ", "Europe/Berlin")
+    deploy_all("rp-forms", str(pool_dir), schedule="0 2 * * *", inbox=str(pool_dir.parent))
+    done = subprocess.run([sys.executable, "-c", FORM], capture_output=True, text=True, timeout=60, check=True,
+                          env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()})
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, deployment in found.items():
+        properties = deployment["schema"]["properties"]
+        assert "manifests" not in properties, name  # the host's configuration, never a form field
+        for parameter, schema in properties.items():
+            assert schema.get("description"), f"{name}: {parameter} has no description"
+            assert "anyOf" not in schema or parameter == "payload", f"{name}: {parameter} is a toggle: {schema}"
+    predict = found["predict/predict"]["schema"]
+    provider = predict["properties"]["provider"]
+    assert provider["enum"] == ["echo", "esm_2", "minilm"] and provider["default"] == "minilm"
+    assert "- **echo**: returns its payload; no model, no weights" in provider["description"]
+    assert "provider" in predict["required"]  # it always has one: not shown "(Optional)"
+    sequences = predict["properties"]["sequences"]
+    assert sequences["type"] == "array" and sequences["items"] == {"type": "string"}
+    assert sequences["examples"] == [["MKTAYIAKQRQISFVKSHFSRQ", "resident workers keep models warm"]]
+    forms = {form["title"]: form for form in predict["properties"]["payload"]["anyOf"]}
+    assert sorted(forms) == ["echo", "esm_2", "minilm", "none"] and forms["none"]["type"] == "null"
+    assert forms["esm_2"]["properties"] == {"inputs": {"type": "array", "items": {"type": "string"}},
+                                            "layer": {"type": "integer"}}
+    assert forms["echo"]["examples"] == [{"ping": "hello"}]
+    screen = found["screen/screen"]["schema"]["properties"]
+    assert screen["encoding"]["enum"] == ["float32-base64", "array", "json"]
+    assert screen["format"]["enum"] == ["jsonl", "parquet"] and screen["output"]["type"] == "string"
+    providers = found["validate/validate"]["schema"]["properties"]["providers"]
+    assert providers["type"] == "array" and providers["items"]["enum"] == ["echo", "esm_2", "minilm"]
+    # Schedules carry a time zone: the host's by default (here $TZ).
+    assert found["screen/screen"]["schedules"] == [{"cron": "0 2 * * *", "timezone": "Europe/Berlin"}]
+    assert found["validate/validate"]["schedules"] == [{"cron": "0 3 * * *", "timezone": "Europe/Berlin"}]
+    deploy_all("rp-forms", str(pool_dir), timezone="America/Chicago")
+    done = subprocess.run([sys.executable, "-c", FORM], capture_output=True, text=True, timeout=60, check=True,
+                          env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()})
+    assert json.loads(done.stdout.strip().splitlines()[-1])["validate/validate"]["schedules"][0]["timezone"] == \
+        "America/Chicago"
+    with pytest.raises(ValueError, match="not a time zone"):
+        deploy_all("rp-forms", str(pool_dir), timezone="Mars/Olympus")

@@ -136,6 +136,16 @@ def test_a_failing_start_in_a_flow_emits_request_failed_and_breaker_open_related
     assert {r.role for r in failed.related if r.id == run} == {"flow-run"}
     assert found["resident-pool.breaker.open"].payload["exit_code"] == 3
 
+    # The report: breaker.open fired on every refused run. The next run is refused by the open breaker: it
+    # fails as a refusal, and says nothing of opening it.
+    again = failing(return_state=True)
+    assert again.is_failed()
+    second = f"prefect.flow-run.{again.state_details.flow_run_id}"
+    refused = wait_until(lambda: [e for e in _events("resident-pool.request.failed", related=second)], timeout=60,
+                         interval=0.5, message="the refused run's request.failed")
+    assert refused[0].payload["breaker_refused"] is True
+    assert not _events("resident-pool.breaker.open", related=second)  # once per opening, not per refusal
+
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")

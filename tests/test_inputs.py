@@ -348,3 +348,31 @@ def test_a_table_without_its_column_is_quoted_as_a_short_escaped_snippet_at_most
     message = str(raised.value)
     assert "\x1b" not in message and "\\x1b" in message  # escaped, never a live terminal sequence
     assert "x" * 41 not in message and len(message) < 400
+@pytest.mark.parametrize("name", ["in.fasta", "in.jsonl", "in.fasta.gz"])
+def test_bytes_read_only_rises_and_is_the_whole_file_once_read(tmp_path, name):
+    """The report: bytes_read() was the whole size from record 10 on, and 0 after the last record."""
+    text = "".join(f">s{n}\nMKV{'ACDEFGHIKL' * 30}\n" for n in range(20_000)) if "fasta" in name else \
+        "".join(json.dumps({"id": f"s{n}", "sequence": "MKV" * 100}) + "\n" for n in range(20_000))
+    path = tmp_path / name
+    if name.endswith(".gz"):
+        with gzip.open(path, "wt", compresslevel=1) as out:
+            out.write(text)
+    else:
+        path.write_text(text)
+    source = InputFile(path)
+    seen = [source.bytes_read() for _ in source.records()]
+    assert seen == sorted(seen) and seen[0] < path.stat().st_size  # a 6 MB file is not read whole at once
+    assert source.bytes_read() == path.stat().st_size  # read to the end: all of it, not 0
+
+
+def test_record_count_is_exact_for_plain_files_and_none_for_compressed_ones(tmp_path):
+    (tmp_path / "a.fasta").write_bytes(b"\xef\xbb\xbf" + b"".join(b">s%d\nMKV\nAAA\n" % n for n in range(3000)))
+    (tmp_path / "a.jsonl").write_text("".join('{"sequence": "MKV"}\n\n' for _ in range(70)))
+    (tmp_path / "a.csv").write_text("id,sequence\n" + "".join(f"{n},MKV\n" for n in range(40)))
+    with gzip.open(tmp_path / "a.fasta.gz", "wt") as out:
+        out.write(">a\nMKV\n")
+    for name, count in (("a.fasta", 3000), ("a.jsonl", 70), ("a.csv", 40), ("a.fasta.gz", None)):
+        source = InputFile(tmp_path / name)
+        assert source.record_count() == count, name
+        if count is not None:
+            assert len(list(source.records())) == count, name

@@ -91,7 +91,7 @@ def test_three_hosts_each_start_the_provider_once_and_a_killed_host_loses_nothin
         runner = DaskTaskRunner(address=address)
         with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: tmp_path / "results"}):
             summary = screen.with_options(task_runner=runner)(
-                input=str(inputs), provider="embedder", chunk_size=10, output=str(output), manifests=str(pool_dir))
+                input=str(inputs), provider="embedder", chunk_size=10, output=str(output))
         killer.join(timeout=60)
     finally:
         for proc in reversed(procs):

@@ -6,11 +6,12 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
+from helpers import RefusingClient, breaker_open, wait_until
 from prefect import flow, task
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -99,7 +100,7 @@ def test_a_2000_input_campaign_survives_a_killed_worker_and_a_rerun_recomputes_n
     output = tmp_path / "out.jsonl"
     from screen import screen
 
-    first = screen(input=str(inputs), provider="embedder", chunk_size=100, output=str(output), manifests=str(pool_dir))
+    first = screen(input=str(inputs), provider="embedder", chunk_size=100, output=str(output))
     assert (tmp_path / "killed").exists()  # the worker really died mid-campaign
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert [r["index"] for r in records] == list(range(2000))  # one record per input: none lost, none twice
@@ -107,7 +108,7 @@ def test_a_2000_input_campaign_survives_a_killed_worker_and_a_rerun_recomputes_n
     assert failed == {1500: "request_failed", 1700: "bad_input"}
     assert first["ok"] == 1998 and first["missing"] == 0 and first["chunks"] == 20 and first["computed"] == 1999
 
-    second = screen(input=str(inputs), provider="embedder", chunk_size=100, output=str(output), manifests=str(pool_dir))
+    second = screen(input=str(inputs), provider="embedder", chunk_size=100, output=str(output))
     # Only the input the model refused is asked again (a refusal is not stored): one chunk of one input.
     assert second["computed"] == 1 and second["from_store"] == 1998 and second["chunks"] == 1
     assert len(output.read_text().splitlines()) == 2000
@@ -163,7 +164,7 @@ def test_the_validation_flow_fails_on_an_altered_pin_and_passes_restored(pool_di
     from validate import validate
 
     (weights / "model.bin").write_bytes(b"weightz" * 100)
-    state = validate(manifests=str(pool_dir), return_state=True)
+    state = validate(return_state=True)
     assert state.is_failed()
     assert "pinned weights" in str(state.message) and "model.bin sha256" in str(state.message)
     with get_client(sync_client=True) as client:
@@ -174,7 +175,7 @@ def test_the_validation_flow_fails_on_an_altered_pin_and_passes_restored(pool_di
     (row,) = [r for r in table if r["provider"] == "pinned" and r["step"] == "weights"]
     assert row["result"] == "FAILED" and digest in row["detail"]
     (weights / "model.bin").write_bytes(b"weights" * 100)
-    assert validate(manifests=str(pool_dir), return_state=True).is_completed()
+    assert validate(return_state=True).is_completed()
 
 
 def test_the_validation_flow_against_stock_fails_naming_each_failed_step_with_provenance(pool_dir, tmp_path,
@@ -187,7 +188,7 @@ def test_the_validation_flow_against_stock_fails_naming_each_failed_step_with_pr
     shutil.copytree(ROOT / "manifests" / "echo", pool_dir / "echo")
     from validate import validate
 
-    state = validate(manifests=str(pool_dir), smoke=True, against_stock=True, return_state=True)
+    state = validate(smoke=True, against_stock=True, return_state=True)
     assert state.is_failed()
     assert "drifting against-stock: drifting: the kit (mode fast) changes the answer" in str(state.message)
     assert "faithful" not in str(state.message) and "echo" not in str(state.message)
@@ -239,17 +240,138 @@ def test_the_predict_flow_shows_an_answer_that_carries_arrays(pool_dir):
     write_provider(pool_dir, "arrays", 'worker_args = ["{socket}"]\n', worker="arrayworker.py")
     from predict import predict as predict_flow
 
+    def artifact(state):
+        with get_client(sync_client=True) as client:
+            artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+        return next(a.data for a in artifacts if a.type == "markdown")
+
     payload = {"action": "make", "dtype": "float32", "shape": [256, 256], "nbytes": 256 * 256 * 4, "hex": "0000803f"}
-    state = predict_flow(provider="arrays", inputs=[payload, {"action": "make", "dtype": "bytes", "nbytes": 5,
-                                                              "hex": "ff", "shape": [5]}], return_state=True)
+    state = predict_flow(provider="arrays", payload=payload, return_state=True)
+    assert state.is_completed(), state.message
+    text = artifact(state)
+    assert "| value | float32 array, shape \\[256, 256\\]: 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, ... |" in text, text
+    assert state.result()["results"][0]["value"].sum() == 256 * 256
+    raw = predict_flow(provider="arrays", payload={"action": "make", "dtype": "bytes", "nbytes": 5, "hex": "ff",
+                                                   "shape": [5]}, return_state=True)
+    assert "| value | 5 bytes |" in artifact(raw)
+
+
+def test_a_request_an_open_breaker_refuses_says_what_opened_it_when_it_closes_and_how_to_reset_it(pool_dir,
+                                                                                                   monkeypatch):
+    """The report: a refused run got the first run's message; "157 s more" only inside a logged traceback."""
+    import resident_pool.prefect as face
+
+    monkeypatch.setattr(face, "_client", lambda manifests: RefusingClient(breaker_open(), pool_dir))
+    state = one_task_flow("kernels", {"action": "echo"}, return_state=True)
+    assert state.is_failed()
+    (task_run,) = _task_runs(state)
+    assert task_run.run_count == 1  # never retried: the breaker would refuse the retry too
+    message = task_run.state.message
+    for words in ("breaker_open", "closes in 157 s", "resident-pool stop kernels", "edit its manifest",
+                  "exit code 3", "/tmp/kernels-0.log"):
+        assert words in message, message
+    with get_client(sync_client=True) as client:
+        (artifact,) = client.read_artifacts(artifact_filter=ArtifactFilter(
+            task_run_id=ArtifactFilterTaskRunId(any_=[task_run.id])))
+    for words in ("kernels not started: its breaker is open", "| closes in | 157 s |",
+                  "`resident-pool stop kernels`", "The start failure that opened it", "| exit code | 3 |",
+                  "REFUSED: no licence for this GPU"):
+        assert words in artifact.data, artifact.data
+    assert "breaker_open" in artifact.description and "157 s" in artifact.description
+    assert not retry_pool_failures(None, None, state)  # nor does the condition retry one on its own
+
+
+def test_the_predict_flow_takes_sequences_and_answers_a_table_per_input(pool_dir):
+    """The report: typing a sequence gave "not valid under any of the given schemas"; the answer was floats, one
+    per line, cut off, without the other fields; a cold start logged nothing until it ended."""
+    write_provider(pool_dir, "embedder", EMBEDDER_ENV, worker="embedder.py")
+    from predict import predict as predict_flow
+
+    state = predict_flow(provider="embedder", sequences=["MKTAYIAKQRQ", " MKV "], return_state=True)
     assert state.is_completed(), state.message
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
-    text = next(a.data for a in artifacts if a.type == "markdown")
-    assert "<float32 array, shape [256, 256]: 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, ...>" in text, text
-    assert "<5 bytes>" in text, text
-    assert state.result()["results"][0]["value"].sum() == 256 * 256
+    (artifact,) = [a for a in artifacts if a.type == "markdown"]
+    text = artifact.data
+    assert artifact.key == "predict-embedder" and "## embedder: 2 sequence(s)" in text
+    assert "### 1. MKTAYIAKQRQ (11 characters)" in text and "### 2. MKV (3 characters)" in text
+    assert "| embedding | vector of 2, norm 1.047e+03: 11, 1047 |".replace("1.047e+03", "") not in text
+    assert re.search(r"\| embedding \| vector of 2, norm [0-9.e+]+: 11, \d+ \|", text), text
+    assert "| tokens | 11 |" in text and "| tokens | 3 |" in text
+    run_id = state.state_details.flow_run_id
+    assert f"prefect flow-run inspect {run_id}" in text
+    # The whole answer is the run's persisted result: another process reads it back from the API.
+    done = subprocess.run([sys.executable, "-c", READ_RESULT, str(run_id)], capture_output=True, text=True,
+                          timeout=120, check=True, env={**os.environ, "PREFECT_API_URL": _api_url()})
+    items = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [item["input"] for item in items] == ["MKTAYIAKQRQ", "MKV"] and items[0]["tokens"] == 11
+    lines = wait_until(lambda: [log.message for log in _flow_logs(state) if "embedder:" in log.message and (
+        "cold start done" in log.message or "answered" in log.message)] or None, timeout=30, interval=0.5,
+        message="the cold start's and the answer's log lines")
+    assert any(line.startswith("embedder: cold start done in") and "transcript" in line for line in lines), lines
+    assert any("answered 1 request(s)" in line for line in lines), lines
+
+    echo = predict_flow(provider="embedder", payload={"inputs": ["MKV"]}, return_state=True)
+    assert echo.is_completed() and echo.result()["results"][0]["items"][0]["tokens"] == 3
+    shutil.copytree(ROOT / "manifests" / "echo", pool_dir / "echo")
+    refused = predict_flow(provider="echo", sequences=["MKV"], return_state=True)
+    assert refused.is_failed() and "echo does not take sequences" in refused.message
+    assert '{"ping": "hello"}' in refused.message and "give a payload" in refused.message
+
+
+READ_RESULT = """
+import json, sys
+from prefect.client.orchestration import get_client
+with get_client(sync_client=True) as client:
+    run = client.read_flow_run(sys.argv[1])
+print(json.dumps(run.state.result()["items"]))
+"""
+
+
+def _api_url():
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
+def _flow_logs(state):
+    from prefect.client.schemas.filters import LogFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        return client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
+            any_=[state.state_details.flow_run_id])), limit=200)
+
+
+def test_the_validate_flow_runs_a_task_per_provider_that_fails_with_it_failures_first_and_escaped(pool_dir):
+    """The report: the run failed while its tasks (check-provider-5af ...) were green; failures were not first;
+    each failure was struck through by the internal name crashy~declared-eb8681."""
+    shutil.copytree(ROOT / "manifests" / "echo", pool_dir / "echo")
+    write_provider(pool_dir, "crashy", 'worker_args = ["{socket}", "--exit-before-bind", "3"]\n'
+                                       '[smoke]\npayload = { action = "echo" }\n')
+    write_provider(pool_dir, "zz_fine", '[smoke]\npayload = { action = "echo" }\n')
+    from validate import validate
+
+    state = validate(smoke=True, return_state=True)
+    assert state.is_failed()
+    assert "1 provider(s) failed" in state.message and "crashy smoke" in state.message
+    runs = {run.name: run for run in _task_runs(state)}
+    assert sorted(runs) == ["check crashy", "check echo", "check zz_fine"]
+    assert runs["check crashy"].state.is_failed() and "crashy: smoke" in runs["check crashy"].state.message
+    assert runs["check echo"].state.is_completed() and runs["check zz_fine"].state.is_completed()
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    (artifact,) = [a for a in artifacts if a.key == "resident-pool-validation"]
+    table = json.loads(artifact.data)
+    assert table[0]["provider"] == "crashy" and table[0]["result"] == "FAILED"
+    ranks = [0 if row["result"] == "FAILED" else 1 if row["result"] == "ok" else 2 for row in table]
+    assert ranks == sorted(ranks)  # failures first, then what passed, then what was skipped
+    text = json.dumps(table) + artifact.description
+    assert "~" not in text.replace("\\~", "") and "crashy (declared build)" in text
+    unknown = validate(providers=["../elsewhere"], return_state=True)
+    assert unknown.is_failed() and "unknown provider(s) '../elsewhere'" in unknown.message
 
 
 def test_artifact_keys_of_two_different_providers_differ():

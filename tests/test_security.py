@@ -690,13 +690,13 @@ def test_a_campaign_never_writes_through_a_planted_symlink(pool_dir, tmp_path, s
     partial = tmp_path / "out.jsonl.partial"  # where records go as chunks finish
     partial.symlink_to(profile)
     with pytest.raises(CampaignFailed, match="a symlink is never followed"):
-        screen(input=str(inputs), provider="embedder", output=str(output), manifests=str(pool_dir))
+        screen(input=str(inputs), provider="embedder", output=str(output))
     assert profile.read_text() == "# the victim's shell profile\n"
     partial.unlink()
     output.symlink_to(profile)  # planted where the finished output goes
     old_umask = os.umask(0o027)  # an analyst's group may read outputs, nobody else
     try:
-        summary = screen(input=str(inputs), provider="embedder", output=str(output), manifests=str(pool_dir))
+        summary = screen(input=str(inputs), provider="embedder", output=str(output))
     finally:
         os.umask(old_umask)
     assert profile.read_text() == "# the victim's shell profile\n"

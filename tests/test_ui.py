@@ -1,7 +1,11 @@
-"""What an operator and a UI user see, in headless Chromium against one real `prefect server` (shared here).
+"""What a scientist and an operator see, in headless Chromium against one real stack (`infra/local/stack.sh up`).
 
-The failure artifact on a failed task run's page; the predict flow run from the
-deployment's form, its provider picked in the dropdown, its answer on the run's page.
+One stack (Prefect server, process worker, events relay, deployments) on a
+temporary port and folder, and one browser, shared by this file's tests; the
+model (minilm) loads once, in the stack's pool, for all of them. The stack runs
+under a tag of its own, so the per-test leak check does not count its workers;
+the last test stops it and checks that nothing it started is left, the pool and
+its model workers included.
 """
 
 from __future__ import annotations
@@ -11,16 +15,22 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import prefect_server, stop_group, wait_until
-from providers import write_provider
+from helpers import TAG_VARIABLE, describe_pids, free_port, tagged_processes, wait_until
+from providers import EMBEDDER_ENV, write_provider
 
 from resident_pool.exits import exit_hint
 
 ROOT = Path(__file__).resolve().parents[1]
-PREFECT = str(Path(sys.executable).with_name("prefect"))
+STACK = ROOT / "infra" / "local" / "stack.sh"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 FAILING_FLOW = """
 import json
@@ -45,16 +55,110 @@ print(json.dumps({"task_run": str(run.id), "failed": state.is_failed()}))
 
 BROWSER_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
+SEQUENCE = "MKTAYIAKQRQISFVKSHFSRQ"
+TERMINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+
+
+class Api:
+    """The stack's Prefect REST API, read as the UI reads it (no client library: it answers in milliseconds)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def call(self, method: str, path: str, body: dict | None = None):
+        request = urllib.request.Request(f"{self.url}/api{path}", method=method,
+                                         data=None if body is None else json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.load(response)
+        except urllib.error.HTTPError as error:  # the server's own words: a 409 names the bad parameter
+            raise AssertionError(f"{method} {path}: {error.code} {error.read().decode(errors='replace')}") from None
+
+    def run(self, deployment: str, parameters: dict) -> str:
+        found = self.call("GET", f"/deployments/name/{deployment}")
+        return self.call("POST", f"/deployments/{found['id']}/create_flow_run", {"parameters": parameters})["id"]
+
+    def state(self, run_id: str) -> dict:
+        return self.call("GET", f"/flow_runs/{run_id}")["state"]
+
+    def wait(self, run_id: str, timeout: float = 300) -> dict:
+        return wait_until(lambda: (state := self.state(run_id))["type"] in TERMINAL and state, timeout=timeout,
+                          interval=0.5, message=f"flow run {run_id} to finish")
+
+    def artifacts(self, run_id: str, key: str | None = None) -> list[dict]:
+        found = self.call("POST", "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}})
+        return [a for a in found if key is None or a["key"] == key]
+
+    def task_runs(self, run_id: str) -> list[dict]:
+        return self.call("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
+
+    def logs(self, run_id: str) -> list[dict]:
+        return self.call("POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200,
+                                                  "sort": "TIMESTAMP_ASC"})
+
+
+class Stack:
+    def __init__(self, env: dict[str, str], root: Path) -> None:
+        self.env, self.root = env, root
+        self.url = f"http://127.0.0.1:{env['PREFECT_PORT']}"
+        self.api = Api(self.url)
+        self.tag = env[TAG_VARIABLE]
+        self.down_done = False
+
+    def script(self, action: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(STACK), action], env=self.env, capture_output=True, text=True,
+                              timeout=timeout, check=False)
+
+    def down(self) -> subprocess.CompletedProcess:
+        done = self.script("down")
+        self.down_done = True
+        return done
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The PREFECT_* variables of one real Prefect server for this file's tests."""
-    with prefect_server(tmp_path_factory.mktemp("server")) as env:
-        yield {name: value for name, value in env.items() if name.startswith("PREFECT_")}
+def stack(tmp_path_factory):
+    """`stack.sh up` on a free port, its own folders and providers (minilm, echo, a fast embedder, one that refuses
+    to start); `stack.sh down` after the file's tests, and nothing of it left."""
+    root = tmp_path_factory.mktemp("stack")
+    manifests = root / "manifests"
+    for slug in ("minilm", "echo"):
+        shutil.copytree(ROOT / "manifests" / slug, manifests / slug)
+    write_provider(manifests, "embedder", EMBEDDER_ENV + "[lifecycle]\nmax_replicas = 1\n", worker="embedder.py")
+    write_provider(manifests, "crashy", 'worker_args = ["{socket}", "--exit-before-bind", "3"]\n'
+                                       '[smoke]\npayload = { action = "echo" }\n')
+    state = tempfile.mkdtemp(prefix="rp-ui-")  # short: AF_UNIX paths
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("RESIDENT_POOL_", "PREFECT_"))}
+    env.update({
+        "STACK_DIR": str(root / "stack"), "PREFECT_PORT": str(free_port()), "WORK_POOL": "rp-ui", "VENV": sys.prefix,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RESIDENT_POOL_MANIFESTS": str(manifests),
+        "RESIDENT_POOL_STATE_DIR": os.path.join(state, "s"), "RESIDENT_POOL_LOG_DIR": os.path.join(state, "logs"),
+        "RESIDENT_POOL_RESULTS_DIR": os.path.join(state, "results"), "RESIDENT_POOL_GPU_HEADROOM_GB": "0",
+        "EMBEDDER_DELAY_S": "0.15",  # a 2,000-input screen long enough (about 6 s) for its progress to be read
+        # A tag of the stack's own: its processes outlive each test on purpose, and are checked at the end.
+        TAG_VARIABLE: os.environ[TAG_VARIABLE] + "-stack",
+    })
+    started = Stack(env, root)
+    up = started.script("up")
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr + _tail(root / "stack" / "server.log")
+        yield started
+    finally:
+        if not started.down_done:
+            started.down()
+        left = tagged_processes(started.tag)
+        for pid in left:
+            os.kill(pid, 9)
+        assert not left, f"left running after stack.sh down:\n{describe_pids(left)}"
 
 
-def _browser():
+def _tail(path: Path) -> str:
+    return path.read_text()[-3000:] if path.exists() else ""
+
+
+@pytest.fixture(scope="module")
+def browser(stack):
+    """One headless Chromium for the file; each test opens its own page."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("Chromium is not installed here (Debian package `chromium`; .ci/run installs it)")
@@ -62,118 +166,203 @@ def _browser():
         from playwright.sync_api import sync_playwright
     except ImportError:
         pytest.skip("the playwright package is not installed (`pip install -e .[test]`)")
-    return chromium, sync_playwright
+    home = tempfile.mkdtemp(prefix="rp-chromium-")
+    tag = os.environ[TAG_VARIABLE] + "-browser"  # it outlives each test on purpose: checked here instead
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=chromium, args=BROWSER_FLAGS,
+                                              env={**stack.env, TAG_VARIABLE: tag, "HOME": home})
+        try:
+            yield launched
+        finally:
+            launched.close()
+    shutil.rmtree(home, ignore_errors=True)
+    wait_until(lambda: not tagged_processes(tag), timeout=30, message="Chromium to exit")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_the_failed_task_runs_page_shows_the_exit_hint_and_the_transcript(server, pool_dir, tmp_path):
-    chromium, sync_playwright = _browser()
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    opened = context.new_page()
+    opened.set_default_timeout(60_000)  # each wait below polls until its element appears
+    yield opened
+    context.close()
+
+
+def _run_page(page, stack, run_id: str, tab: str) -> None:
+    """A flow run's page, on one of its tabs (Logs, Task Runs, Artifacts)."""
+    page.goto(f"{stack.url}/runs/flow-run/{run_id}")
+    page.get_by_text(tab, exact=True).first.click()
+
+
+def _open_artifact(page, key: str) -> None:
+    page.locator(".artifact-card__title", has_text=key).first.click()
+
+
+@pytest.fixture(scope="module")
+def screened(stack):
+    """A 2,000-input screen through the stack, its progress artifact read every 0.2 s while it ran."""
+    inputs = stack.root / "inputs.fasta"
+    letters = "ACDEFGHIKLMNPQRSTVWY"
+    inputs.write_text("".join(f">p{n}\nMKV{letters[n % 20]}{letters[n // 20 % 20]}{letters[n // 400]}\n"
+                              for n in range(2000)))
+    output = stack.root / "screened.jsonl"
+    run_id = stack.api.run("screen/screen", {"input": str(inputs), "provider": "embedder", "chunk_size": 50,
+                                             "output": str(output)})
+    seen = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        for artifact in stack.api.artifacts(run_id, "screen-progress-embedder"):
+            if not seen or seen[-1] != artifact["data"]:
+                seen.append(artifact["data"])
+        if stack.api.state(run_id)["type"] in TERMINAL:
+            break
+        time.sleep(0.2)
+    final = stack.api.wait(run_id, timeout=30)
+    seen += [a["data"] for a in stack.api.artifacts(run_id, "screen-progress-embedder") if a["data"] != seen[-1]]
+    return {"run": run_id, "state": final, "progress": seen, "output": output}
+
+
+def test_the_failed_task_runs_page_shows_the_exit_hint_and_the_transcript(stack, page, pool_dir):
     write_provider(pool_dir, "kernels", 'worker_args = ["{socket}", "--exit-before-bind", "5"]\n')
-    env = {**os.environ, **server}
+    env = {**os.environ, "PREFECT_API_URL": f"{stack.url}/api"}
     done = subprocess.run([sys.executable, "-c", FAILING_FLOW], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     run = json.loads(done.stdout.strip().splitlines()[-1])
     assert run["failed"]
     transcript = str(next(Path(os.environ["RESIDENT_POOL_LOG_DIR"]).glob("kernels-*.log")))
-    hint = exit_hint(5)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium, args=BROWSER_FLAGS,
-                                             env={**env, "HOME": str(tmp_path)})
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(60_000)  # each wait below polls until its text appears
-            page.goto(f"{env['PREFECT_UI_URL']}/runs/task-run/{run['task_run']}")
-            page.get_by_text("Artifacts", exact=True).first.click()
-            card = page.get_by_text("resident-pool-failure-kernels").first
-            card.wait_for()
-            page.get_by_text(transcript, exact=False).first.wait_for()  # on the task run's page itself
-            page.screenshot(path=str(tmp_path / "task-run.png"), full_page=True)
-            card.click()
-            page.get_by_text("Last lines of the transcript").wait_for()
-            body = page.inner_text("body")
-            page.screenshot(path=str(tmp_path / "artifact.png"), full_page=True)
-        finally:
-            browser.close()
-    assert hint in body and transcript in body
+    page.goto(f"{stack.url}/runs/task-run/{run['task_run']}")
+    page.get_by_text("Artifacts", exact=True).first.click()
+    card = page.get_by_text("resident-pool-failure-kernels").first
+    card.wait_for()
+    page.get_by_text(transcript, exact=False).first.wait_for()  # on the task run's page itself
+    card.click()
+    page.get_by_text("Last lines of the transcript").wait_for()
+    body = page.inner_text("body")
+    assert exit_hint(5) in body and transcript in body
     assert "REFUSED: testworker told to exit 5" in body
-    assert (tmp_path / "task-run.png").stat().st_size > 10_000
 
 
-FLOW_RUNS = """
-import json, sys
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
-with get_client(sync_client=True) as client:
-    runs = client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["predict"])))
-print(json.dumps([{"id": str(r.id), "state": r.state.type.value if r.state else None,
-                   "parameters": r.parameters} for r in runs]))
-"""
+def test_a_sequence_typed_into_the_predict_form_gives_a_readable_answer(stack, page):
+    """The report: typing a sequence gave an InvalidJSON error; the answer was 384 floats, one per line, cut off."""
+    page.goto(f"{stack.url}/deployments")
+    page.get_by_role("link", name="predict").first.click()
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.get_by_text("Custom run").click()
+    page.get_by_text("all-MiniLM-L6-v2 embeddings", exact=False).first.wait_for()  # the providers, described
+    form = page.inner_text("form")
+    assert "manifests" not in form and "provider (Optional)" not in form
+    assert page.locator(".p-select-button__control").first.inner_text().strip() == "minilm"  # the demo model
+    page.get_by_role("button", name="Add item").click()
+    page.locator(".schema-form-property-array-item textarea").first.fill(SEQUENCE)
+    page.get_by_role("button", name="Submit").click()
+    runs = wait_until(lambda: stack.api.call("POST", "/flow_runs/filter", {"deployments": {"name": {"any_": [
+        "predict"]}}}), timeout=60, message="the flow run the form created")
+    (run,) = runs
+    assert run["parameters"]["sequences"] == [SEQUENCE] and run["parameters"]["provider"] == "minilm"
+    final = stack.api.wait(run["id"], timeout=300)
+    assert final["type"] == "COMPLETED", final
+    _run_page(page, stack, run["id"], "Artifacts")
+    _open_artifact(page, "predict-minilm")
+    page.get_by_text(f"1. {SEQUENCE} (22 characters)").wait_for()
+    body = page.inner_text("body")
+    assert "vector of 384, norm 1:" in body and "tokens" in body and "truncated" in body
+    assert "prefect flow-run inspect " + run["id"] in body  # where the whole answer is
+    logs = [log["message"] for log in stack.api.logs(run["id"])]
+    assert any(line.startswith("minilm: cold start done in") for line in logs) or any(
+        "answered 1 request(s)" in line and "warm" in line for line in logs), logs
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_the_predict_form_offers_the_providers_and_the_run_page_shows_the_answer(server, pool_dir, tmp_path):
-    chromium, sync_playwright = _browser()
-    shutil.copytree(ROOT / "manifests" / "echo", pool_dir / "echo")
-    # A slug with an underscore, whose [smoke] payload is what an empty form sends.
-    write_provider(pool_dir, "esm_2", '[smoke]\npayload = { inputs = ["MKTAYIAKQRQ"] }\n', worker="embedder.py")
-    env = {**os.environ, **server}
-    subprocess.run([sys.executable, str(ROOT / "flows" / "deploy.py"), "--work-pool", "rp-ui", "--manifests",
-                    str(pool_dir)], env=env, check=True, cwd=ROOT, timeout=120)
+def test_a_2000_input_screens_progress_only_rises_and_ends_at_100(screened, stack, page):
+    """The report: polled every ~4.5 s, the progress read 18.75, 62.5, 0, 0, 0, 0, 100."""
+    progress = screened["progress"]
+    assert screened["state"]["type"] == "COMPLETED" and screened["state"]["message"] == "2000 ok, 0 failed"
+    assert progress == sorted(progress) and progress[-1] == 100, progress
+    assert len(progress) >= 3, progress  # it said where it was on the way, not only 0 and 100
+    logs = [log["message"] for log in stack.api.logs(screened["run"])]
+    assert any("of 2,000 inputs done" in line and "inputs/s" in line for line in logs), logs
+    _run_page(page, stack, screened["run"], "Artifacts")
+    page.locator(".artifact-card__title", has_text="screen-progress-embedder").first.wait_for()
 
-    def flow_runs():
-        done = subprocess.run([sys.executable, "-c", FLOW_RUNS], env=env, capture_output=True, text=True, timeout=60,
-                              check=True)
-        return json.loads(done.stdout.strip().splitlines()[-1])
 
-    with open(tmp_path / "worker.log", "w") as log:
-        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "rp-ui", "--type", "process"], env=env,
-                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-        try:
-            with sync_playwright() as playwright:
-                browser = playwright.chromium.launch(executable_path=chromium, args=BROWSER_FLAGS,
-                                                     env={**env, "HOME": str(tmp_path)})
-                try:
-                    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-                    page.set_default_timeout(60_000)  # each wait below polls until its element appears
-                    page.goto(f"{env['PREFECT_UI_URL']}/deployments")
-                    page.get_by_role("link", name="predict").first.click()
-                    page.get_by_role("button", name="Run", exact=True).click()
-                    page.get_by_text("Custom run").click()
-                    page.get_by_text("provider (Optional)").wait_for()
-                    assert page.get_by_text("manifests", exact=False).count() == 0  # not a UI parameter
-                    dropdown = page.locator(".schema-form-property-string .p-select-button__control").first
-                    dropdown.focus()
-                    page.keyboard.press(" ")  # prefect-design's select opens from the keyboard
-                    options = page.get_by_role("option")
-                    options.first.wait_for()
-                    offered = options.all_inner_texts()
-                    page.screenshot(path=str(tmp_path / "form.png"), full_page=True)
-                    page.get_by_role("option", name="esm_2").click()
-                    page.get_by_role("button", name="Submit").click()
-                    page.get_by_text("scheduled to start").filter(visible=True).first.wait_for()  # the toast
-                    (run,) = wait_until(flow_runs, timeout=60, message="the flow run the form created")
-                    wait_until(lambda: flow_runs()[0]["state"] in ("COMPLETED", "FAILED", "CRASHED"), timeout=240,
-                               interval=1, message="the flow run to finish")
-                    page.goto(f"{env['PREFECT_UI_URL']}/runs/flow-run/{run['id']}")
-                    page.get_by_text("Artifacts", exact=True).first.click()
-                    card = page.get_by_text("predict-esm-2").first
-                    card.wait_for()  # the answer's artifact, on the flow run's page
-                    page.screenshot(path=str(tmp_path / "run.png"), full_page=True)
-                    card.click()
-                    page.get_by_text("esm_2: 1 prediction(s)").first.wait_for()
-                    page.get_by_text("embedding").first.wait_for()
-                    body = page.inner_text("body")
-                    page.screenshot(path=str(tmp_path / "answer.png"), full_page=True)
-                finally:
-                    browser.close()
-        finally:
-            stop_group(worker)
-    assert offered == ["echo", "esm_2"]
-    assert flow_runs()[0]["state"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-3000:]
-    assert run["parameters"]["provider"] == "esm_2"
-    assert run["parameters"].get("inputs") is None  # the form sent no inputs: the smoke payload was used
-    assert "MKTAYIAKQRQ" in body and '"tokens": 11' in body
-    assert (tmp_path / "answer.png").stat().st_size > 10_000
+def test_a_run_with_bad_inputs_shows_the_failed_inputs_table_and_ends_with_a_warning(stack, page):
+    inputs = stack.root / "bad.jsonl"
+    inputs.write_text("".join(json.dumps({"id": ident, "sequence": text}) + "\n" for ident, text in
+                              (("good-1", "MKVA"), ("empty-2", ""), ("refused-3", "RAISE"), ("good-4", "MKVC"))))
+    run_id = stack.api.run("screen/screen", {"input": str(inputs), "provider": "embedder",
+                                             "output": str(stack.root / "bad.out.jsonl")})
+    final = stack.api.wait(run_id)
+    assert final["type"] == "COMPLETED" and final["message"] == "2 ok, 2 failed"
+    _run_page(page, stack, run_id, "Artifacts")
+    _open_artifact(page, "screen-failed-embedder")
+    page.get_by_text("refused-3").first.wait_for()
+    body = page.inner_text("body")
+    assert "empty-2" in body and "bad_input" in body and "request_failed" in body and "input contains RAISE" in body
+    _run_page(page, stack, run_id, "Artifacts")
+    _open_artifact(page, "screen-summary-embedder")
+    page.get_by_text("bad_input: 1, request_failed: 1").first.wait_for()  # not {}
+    own = [log for log in stack.api.logs(run_id) if not log["message"].startswith("Finished in state")]
+    assert own[-1]["level"] == 30 and "2 of 4 input(s) failed" in own[-1]["message"], own[-1]
+    _run_page(page, stack, run_id, "Logs")
+    page.get_by_text("2 of 4 input(s) failed", exact=False).first.wait_for()
+    assert page.locator(".log-level-label--warning").count() == 1  # the one warning, shown as one
+
+
+def test_a_validate_run_with_one_broken_provider_shows_that_providers_task_failed(stack, page):
+    run_id = stack.api.run("validate/validate", {"smoke": True, "against_stock": False,
+                                                 "providers": ["crashy", "echo"]})
+    final = stack.api.wait(run_id)
+    assert final["type"] == "FAILED" and "crashy smoke" in final["message"]
+    states = {run["name"]: run["state"]["type"] for run in stack.api.task_runs(run_id)}
+    assert states == {"check crashy": "FAILED", "check echo": "COMPLETED"}
+    _run_page(page, stack, run_id, "Task Runs")
+    row = page.locator(".state-list-item", has_text="check crashy").first
+    row.wait_for()
+    assert "Failed" in row.inner_text()
+    assert "Completed" in page.locator(".state-list-item", has_text="check echo").first.inner_text()
+
+
+def test_the_report_opens_offline_with_its_charts_drawn(screened, browser, stack):
+    (outputs,) = [a for a in stack.api.artifacts(screened["run"]) if a["key"] == "screen-output-embedder"]
+    report = Path(str(screened["output"]) + ".report.html")
+    assert str(report) in outputs["data"].replace("\\", "")  # linked from the run
+    context = browser.new_context(viewport={"width": 1200, "height": 1000})
+    asked = []
+    context.on("request", lambda request: asked.append(request.url))
+    context.route("http*://**", lambda route: route.abort())  # and were one made, it would go nowhere
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    try:
+        page.goto(report.as_uri())
+        page.locator("svg.chart polyline").first.wait_for()
+        lines = page.locator("svg.chart polyline")
+        assert lines.count() == 3
+        for index in range(3):
+            box = lines.nth(index).bounding_box()
+            assert box and box["width"] > 50, box  # drawn across the chart, not an empty element
+        dots = page.locator("svg.map circle")
+        assert dots.count() > 100 and dots.first.bounding_box()["width"] > 0
+    finally:
+        context.close()
+    assert asked == [report.as_uri()], asked  # nothing but the file itself: no request leaves the host
+
+
+def test_stack_up_started_the_relay_and_a_deployments_own_toggle_runs_its_schedule_and_down_stops_all(stack, page):
+    status = stack.script("status").stdout
+    assert "relay: running" in status and "worker: running" in status and "pool: running" in status, status
+    screen = stack.api.call("GET", "/deployments/name/screen/screen")
+    assert screen["paused"] is True and [s["active"] for s in screen["schedules"]] == [True]
+    assert screen["schedules"][0]["schedule"]["timezone"]  # the host's, said
+    # docs/prefect.md: the toggle beside "Schedules" on the deployment's page is the one that runs them.
+    page.goto(f"{stack.url}/deployments/deployment/{screen['id']}")
+    page.get_by_text("Concurrency Limit").wait_for()
+    page.get_by_role("switch").first.click()
+    wait_until(lambda: stack.api.call("GET", "/deployments/name/screen/screen")["paused"] is False, timeout=30,
+               interval=0.5, message="the deployment to be resumed by its toggle")
+    pool_pid = int((Path(stack.env["RESIDENT_POOL_STATE_DIR"]) / "pool.pid").read_text())
+    down = stack.down()
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert f"pool stopped (pid {pool_pid})" in down.stdout and "relay stopped" in down.stdout, down.stdout
+    left = wait_until(lambda: not tagged_processes(stack.tag) or None, timeout=30, interval=0.5,
+                      message="every process of the stack to exit")
+    assert left

@@ -55,8 +55,7 @@ def test_after_resident_pool_warm_a_campaigns_first_chunk_is_warm(pool_dir, tmp_
     inputs = tmp_path / "inputs.jsonl"
     inputs.write_text("".join(json.dumps({"id": f"s{n}", "sequence": "MKV" * (n + 1)}) + "\n" for n in range(5)))
     assert _cli("warm", "embedder").returncode == 0
-    summary = screen(input=str(inputs), provider="embedder", chunk_size=10, output=str(tmp_path / "out.jsonl"),
-                     manifests=str(pool_dir))
+    summary = screen(input=str(inputs), provider="embedder", chunk_size=10, output=str(tmp_path / "out.jsonl"))
     assert summary["ok"] == 5 and summary["chunks"] == 1
     assert summary["cold_starts"] == 0  # the one chunk's lease said cold: false
 

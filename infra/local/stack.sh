@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A local stack on one host: Prefect server (SQLite), a process work pool and its
-# worker, the deployments. The resident pool itself starts on the first request.
-#   infra/local/stack.sh up|down|status       (make stack-up, make stack-down)
+# worker, the deployments, and the relay that forwards the pool's events to Prefect
+# (so the shipped automations can fire). The resident pool itself starts on the
+# first request; `down` stops it too, with its model workers.
+#   infra/local/stack.sh up|down|status       (make stack-up, make stack-down, make stack-status)
 #   infra/local/stack.sh server|worker|deploy (one piece in the foreground: make server, worker, deploy)
 # Logs, pid files, Prefect's database and the API's auth string live in $STACK_DIR (default .stack/ in
 # the repo), a folder only you can read: every local user reaches the server's loopback port, and
@@ -18,12 +20,13 @@ STACK_DIR=${STACK_DIR:-$PWD/.stack}
 INBOX=${INBOX:-$STACK_DIR/inbox}
 INPUT_ROOT=${INPUT_ROOT:-$INBOX}
 OUTPUT_ROOT=${OUTPUT_ROOT:-}
-MANIFESTS=${MANIFESTS:-$PWD/manifests}
+MANIFESTS=${MANIFESTS:-${RESIDENT_POOL_MANIFESTS:-$PWD/manifests}}
 SCREEN_CRON=${SCREEN_CRON:-0 2 * * *}
 AUTH_FILE=$STACK_DIR/auth
 export PREFECT_API_URL="http://127.0.0.1:${PORT}/api"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_HOME=${PREFECT_HOME:-$STACK_DIR/prefect-home}
+PROCESSES="server worker relay"
 
 private_folder() {  # the stack's folder: yours, 0700 (it holds the auth string, the database and the logs)
   mkdir -p -m 700 "$STACK_DIR"
@@ -55,6 +58,7 @@ worker_env() {
 
 SERVER=("$VENV/bin/prefect" server start --host 127.0.0.1 --port "$PORT")
 WORKER=("$VENV/bin/prefect" worker start --pool "$POOL" --type process)
+RELAY=("$VENV/bin/resident-pool" events --to-prefect)
 
 start() {  # name, command...
   local name=$1; shift
@@ -82,8 +86,9 @@ stop() {  # name
 deploy() {  # the deployments, registered as the worker will run them
   client_env
   # The nightly screen and validation are registered paused: a laptop must not screen at night.
+  # Crons are read in this host's time zone ($TZ, else the system's); SCREEN_TIMEZONE names another.
   "$VENV/bin/python" flows/deploy.py --work-pool "$POOL" --manifests "$MANIFESTS" --schedule "$SCREEN_CRON" \
-    --inbox "$INBOX" --paused "$@"
+    --inbox "$INBOX" --paused ${SCREEN_TIMEZONE:+--timezone "$SCREEN_TIMEZONE"} "$@"
 }
 
 case "${1:-}" in
@@ -96,22 +101,38 @@ case "${1:-}" in
     curl -fsS "http://127.0.0.1:${PORT}/api/health" >/dev/null || { echo "server did not come up; see $STACK_DIR/server.log"; exit 1; }
     mkdir -p "$INBOX"
     (deploy >>"$STACK_DIR/deploy.log" 2>&1) || { echo "deploy failed; see $STACK_DIR/deploy.log"; exit 1; }
-    echo "deployments registered on work pool $POOL; nightly screen of $INBOX registered paused (resume it in the UI)"
+    echo "deployments registered on work pool $POOL; the nightly screen of $INBOX and validate are registered"
+    echo "  paused: on each one's page, the toggle beside the Schedules heading (the deployment's own) runs them"
     (worker_env; start worker "${WORKER[@]}")
+    (worker_env; start relay "${RELAY[@]}")
     echo "flow runs read under $INPUT_ROOT, write under ${OUTPUT_ROOT:-the folders of the inputs}, use providers of $MANIFESTS"
     echo "UI: http://127.0.0.1:${PORT} (it asks for the auth string: the contents of $AUTH_FILE)"
     echo "CLI: PREFECT_API_URL=$PREFECT_API_URL PREFECT_API_AUTH_STRING=\$(cat $AUTH_FILE) $VENV/bin/prefect deployment run predict/predict"
     ;;
   down)
     stop worker
+    stop relay
+    # The pool and its model workers: flow runs started it in the background, so no pid file of ours has it.
+    "$VENV/bin/python" -c 'from resident_pool.client import shutdown_pool
+pid = shutdown_pool()
+print(f"pool stopped (pid {pid}) with its workers" if pid else "no pool was running")'
     stop server
-    "$VENV/bin/resident-pool" stop --all >/dev/null 2>&1 || true
     ;;
   status)
-    for name in server worker; do
+    for name in $PROCESSES; do
       if [ -f "$STACK_DIR/$name.pid" ] && kill -0 "$(cat "$STACK_DIR/$name.pid")" 2>/dev/null; then
         echo "$name: running (pid $(cat "$STACK_DIR/$name.pid"))"; else echo "$name: stopped"; fi
     done
+    "$VENV/bin/python" - <<'EOF'
+from resident_pool.client import Pool
+from resident_pool.errors import ResidentPoolError
+try:
+    with Pool(start=False) as pool:
+        status = pool.status()
+    print(f"pool: running (pid {status['pool']['pid']}, {len(status['workers'])} worker(s))")
+except (OSError, ResidentPoolError):
+    print("pool: stopped")
+EOF
     ;;
   server) auth_string; server_env; exec "${SERVER[@]}" ;;
   worker) auth_string; worker_env; exec "${WORKER[@]}" ;;

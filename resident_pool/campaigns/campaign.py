@@ -30,6 +30,7 @@ from ..errors import InputError
 from ..settings import settings
 from .inputs import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_RECORDS, DEFAULT_MAX_RECORD_BYTES, Record
 from .outdir import OutputDir
+from .report import VectorSample
 from .results import ResultStore, default_results_dir, options_text, result_key
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "Campaign",
     "CampaignSettings",
     "Chunk",
+    "first_line",
     "output_name",
     "summarize",
 ]
@@ -102,6 +104,18 @@ class Chunk:
     def last(self) -> int:
         return self.indexes[-1]
 
+    @property
+    def label(self) -> str:
+        """The inputs it holds, as its task run is named: ``0-63`` when they run on, ``0,2`` for a few, else
+        ``0-200, 64 inputs`` (inputs answered from the store or repeated in between are not in it)."""
+        if len(self) == 1:
+            return str(self.first)
+        if self.last - self.first + 1 == len(self):
+            return f"{self.first}-{self.last}"
+        if len(self) <= 4:
+            return ",".join(map(str, self.indexes))
+        return f"{self.first}-{self.last}, {len(self)} inputs"
+
     def __len__(self) -> int:
         return len(self.keys)
 
@@ -162,6 +176,7 @@ class Campaign:
         self.pending = Chunk()
         self.waiting: set[bytes] = set()  # keys pending or in flight: a duplicate of one is not computed twice
         self.counts = {"inputs": 0, "bad_input": 0, "from_store": 0, "duplicates": 0, "computed": 0, "chunks": 0}
+        self.failed_computing = 0  # inputs whose chunk came back failed, or that the model refused: so far
         self.chunk_stats: list[dict[str, Any]] = []
         # The index lives in SQLite's temporary database: a private file, unlinked as soon as it is made.
         self.db.executescript("""
@@ -258,6 +273,7 @@ class Campaign:
                 lines.append(_ok_line(head, text))
         self.store.put(self.version, stored)
         self._record_failures(failures)
+        self.failed_computing += len(failures)
         self._journal(lines)
         self.waiting.difference_update(chunk.keys)
         self.chunk_stats.append({**stats, "n": len(chunk)})
@@ -265,6 +281,7 @@ class Campaign:
     def fail(self, chunk: Chunk, reason: str, error: str, stats: dict[str, Any] | None = None) -> None:
         """Every input of a chunk failed for one reason (the worker could not be had, it kept dying)."""
         self._record_failures([(key, reason, error) for key in chunk.keys])
+        self.failed_computing += len(chunk)
         self._journal([_failure_line(_head(index, ident), reason, error)
                        for index, ident in zip(chunk.indexes, chunk.ids, strict=True)])
         self.waiting.difference_update(chunk.keys)
@@ -291,8 +308,9 @@ class Campaign:
             ORDER BY s.idx
         """)
 
-    def write(self, fmt: Literal["jsonl", "parquet"] = "jsonl") -> dict[str, Any]:
-        """Write the output in input order, one record per input, atomically; returns the counts."""
+    def write(self, fmt: Literal["jsonl", "parquet"] = "jsonl", sample: VectorSample | None = None) -> dict[str, Any]:
+        """Write the output in input order, one record per input, atomically; returns the counts, with the
+        first failures (``failures``). ``sample`` is offered every result written (the report's map)."""
         if fmt not in OUTPUT_FORMATS:
             raise InputError(f"unknown output format {fmt!r}; use one of {', '.join(OUTPUT_FORMATS)}")
         self.journal.flush()  # kept open, and locked, until the output has replaced the old one
@@ -300,7 +318,7 @@ class Campaign:
         fd = self.folder.open(temp, os.O_EXCL)
         try:
             with os.fdopen(fd, "wb") as out:
-                rows = _Counted(self._joined())
+                rows = _Counted(self._joined(), sample)
                 if fmt == "parquet":
                     _write_parquet(out, rows, self._first_result())
                 else:
@@ -336,23 +354,33 @@ class Campaign:
         return first
 
 
+FAILURES_KEPT = 100  # failures a campaign's table shows; every one is in the output
 _MISSING = ("not_computed", "no result and no failure was recorded for this input; run the campaign again")
 
 
 class _Counted:
-    """The joined rows, each resolved to (index, id, ok, result JSON, reason, error), counted on the way."""
+    """The joined rows, each resolved to (index, id, ok, result JSON, reason, error), counted on the way.
 
-    def __init__(self, rows: Iterable[tuple]) -> None:
+    Keeps the first FAILURES_KEPT failures (index, id, reason, the error's first line) for the failed-inputs
+    table, and offers each result to ``sample``.
+    """
+
+    def __init__(self, rows: Iterable[tuple], sample: VectorSample | None = None) -> None:
         self.rows = rows
-        self.counts: dict[str, Any] = {"records": 0, "ok": 0, "failed": 0, "missing": 0, "failure_reasons": {}}
+        self.sample = sample
+        self.counts: dict[str, Any] = {"records": 0, "ok": 0, "failed": 0, "missing": 0, "failure_reasons": {},
+                                       "failures": []}
         self.demoted: list[int] = []
 
     def __iter__(self) -> Iterator[tuple[int, str, bool, str | None, str | None, str | None]]:
-        counts, reasons = self.counts, self.counts["failure_reasons"]
+        counts, reasons, kept = self.counts, self.counts["failure_reasons"], self.counts["failures"]
+        offer = self.sample.offer if self.sample is not None else None
         for index, ident, bad, stored, recorded_reason, recorded_error in self.rows:
             counts["records"] += 1
             if stored is not None and bad is None:
                 counts["ok"] += 1
+                if offer is not None:
+                    offer(ident, stored)
                 yield index, ident, True, stored, None, None
                 continue
             if bad is not None:
@@ -363,6 +391,8 @@ class _Counted:
                 reason, error = recorded_reason, recorded_error
             counts["failed"] += 1
             reasons[reason] = reasons.get(reason, 0) + 1
+            if len(kept) < FAILURES_KEPT:
+                kept.append({"index": index, "id": ident, "reason": reason, "error": first_line(error)})
             yield index, ident, False, None, reason, error
 
     def demote(self, index: int, reason: str) -> None:
@@ -372,6 +402,15 @@ class _Counted:
         self.counts["ok"] -= 1
         self.counts["failed"] += 1
         reasons[reason] = reasons.get(reason, 0) + 1
+        if len(self.counts["failures"]) < FAILURES_KEPT:
+            self.counts["failures"].append({"index": index, "id": "", "reason": reason,
+                                            "error": "its answer could not be written to the output"})
+
+
+def first_line(text: str | None, limit: int = 300) -> str:
+    """An error's first non-empty line, cut at ``limit`` characters."""
+    line = next((part.strip() for part in (text or "").splitlines() if part.strip()), "")
+    return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
 def _head(index: int, ident: str) -> str:
@@ -590,6 +629,7 @@ def summarize(counts: dict[str, Any], written: dict[str, Any], chunk_stats: list
         "failed": written["failed"],
         "missing": written["missing"],
         "failure_reasons": written["failure_reasons"],
+        "failures": written.get("failures", []),
         "computed": counts["computed"],
         "from_store": counts["from_store"],
         "duplicates": counts["duplicates"],

@@ -140,6 +140,7 @@ class InputFile:
         self.max_input_bytes = max_input_bytes
         self.max_input_records = max_input_records
         self._raw: IO[bytes] | None = None
+        self._read_to = 0  # the furthest position seen; the whole size once records() has read to the end
 
     # -- opening -------------------------------------------------------------------
     @contextmanager
@@ -165,11 +166,35 @@ class InputFile:
         return os.lstat(self.path).st_size
 
     def bytes_read(self) -> int:
-        """How far into the file (compressed bytes, for .gz) the reader has got."""
+        """How far into the file (compressed bytes, for .gz) records() has read: never less than it said
+        before, and the whole size once it has read to the end. Reads go a megabyte at a time, so a small
+        file is read whole at its first record: count records for progress, not bytes."""
+        raw = self._raw
+        if raw is not None and not raw.closed:
+            try:
+                self._read_to = max(self._read_to, raw.tell())
+            except (OSError, ValueError):
+                pass  # closed between the check and the call: what was said stands
+        return self._read_to
+
+    def record_count(self) -> int | None:
+        """How many records the file holds, by a quick pass over its bytes; None for a compressed file.
+
+        Exact for a well-formed file (a line the reader skips, such as a row of empty cells, makes it an
+        overcount by that much); a campaign's progress uses it as the number of inputs to expect.
+        """
+        if self.compressed:
+            return None  # counting would cost a whole decompression: estimate from bytes_read instead
         try:
-            return self._raw.tell() if self._raw is not None and not self._raw.closed else 0
-        except (OSError, ValueError):
-            return 0
+            with self._open() as raw:  # opened as records() opens it, so refused alike
+                lines = _count_headers(raw) if self.format == "fasta" else _count_lines(raw)
+        except (InputError, OSError):
+            return None  # records() will say what is wrong with it
+        finally:
+            self._raw = None
+        if self.format == "fasta":
+            return lines
+        return max(0, lines - 1) if self.format in ("csv", "tsv") else lines
 
     # -- the first 64 KiB ------------------------------------------------------------
     def check(self) -> None:
@@ -206,6 +231,7 @@ class InputFile:
         Past the operator's limits (records, or bytes once decompressed) it raises InputError: the file
         is refused as a whole, never cut short into an output that looks complete.
         """
+        self._read_to = 0
         with self._open() as stream:
             limit = self.max_input_records
             try:
@@ -218,6 +244,7 @@ class InputFile:
             except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
                 raise InputError(f"{self.path}: the compressed data is damaged ({exc}); the records before the "
                                  "damage were read", details={"path": str(self.path)}) from None
+            self._read_to = os.fstat(self._raw.fileno()).st_size if self._raw is not None else self._read_to
 
     def _parse(self, stream: IO[bytes], truncated: bool = False) -> Iterator[Record]:
         if self.format == "fasta":
@@ -550,6 +577,20 @@ def _special_devices() -> set[int]:
 def snippet(text: str, limit: int = 40) -> str:
     """At most ``limit`` characters of ``text`` quoted with escapes: what an error may show of an input."""
     return repr(text[:limit]) + ("..." if len(text) > limit else "")
+def _count_headers(raw: IO[bytes]) -> int:
+    """FASTA records: lines that start with '>' (after a BOM), counted a megabyte at a time."""
+    count, previous, first = 0, b"\n", True
+    while block := raw.read(FASTA_BLOCK):
+        if first:
+            block, first = block.removeprefix(_BOM), False
+        count += block.count(b"\n>") + (previous == b"\n" and block[:1] == b">")
+        previous = block[-1:]
+    return count
+
+
+def _count_lines(raw: IO[bytes]) -> int:
+    """Lines that hold more than whitespace, as the JSONL and table readers skip blank ones."""
+    return sum(1 for line in raw if line.strip())
 
 
 def _text_so_far(data: bytes) -> bool:

@@ -15,6 +15,7 @@ import re
 import signal
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.events import Event, emit_event
 from prefect.events.clients import get_events_client
+from prefect.exceptions import MissingContextError
 from prefect.settings import PREFECT_API_URL
 
 from ..client import Pool, Session, default_manifests
@@ -39,15 +41,20 @@ from ..errors import (
     WeightsMismatch,
     WorkerRequestError,
     WorkerStartError,
+    error_from_dict,
 )
 from ..exits import REFUSAL_CODES, describe_exit
 from ..host import paths
 from ..ops.events import EVENTS_FILE, Follower
+from ..protocol import ProtocolError
 from ..providers.transcripts import read_tail, without_controls
 from ..settings import settings
 
 __all__ = [
+    "BREAKER_OPEN",
     "artifact_key",
+    "breaker_words",
+    "escape_markdown",
     "failure_artifact_key",
     "pool_session",
     "predict",
@@ -60,6 +67,11 @@ __all__ = [
 log = logging.getLogger("resident_pool.prefect")
 HOST = socket.gethostname()
 _waits = threading.local()  # the last admission wait this thread's request reported
+BREAKER_OPEN = "breaker_open"  # the reason of a request refused at once because the provider's starts keep failing
+# While a task waits for its worker (a cold start, every replica busy), its log says so this often: a 27 s
+# start that logs nothing until the end looks hung.
+WAITING_FIRST_S = 3.0
+WAITING_EVERY_S = 10.0
 
 
 _KEY_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
@@ -111,7 +123,39 @@ def failure_artifact_key(slug: str) -> str:
     return artifact_key("resident-pool-failure", slug)
 
 
+def _original(error: ResidentPoolError) -> ResidentPoolError | None:
+    """The error an open breaker refuses with: the start failure that opened it (None for any other error)."""
+    if error.reason != BREAKER_OPEN:
+        return None
+    original = error.details.get("original")
+    return error_from_dict(original) if isinstance(original, dict) else None
+
+
+def breaker_words(error: ResidentPoolError) -> str | None:
+    """For a request an open breaker refused: why, when it closes and how to reset it, in one sentence; else None."""
+    if error.reason != BREAKER_OPEN:
+        return None
+    breaker = error.details.get("breaker") or {}
+    slug = error.slug or "the provider"
+    failures = breaker.get("failures")
+    closes = breaker.get("closes_in_s")
+    opened = f"its last {failures} start(s) failed" if failures else "its starts failed"
+    when = f"the breaker closes in {_seconds(closes)}" if isinstance(closes, int | float) else \
+        "the breaker closes (RESIDENT_POOL_BREAKER_COOLDOWN_S after it opened)"
+    return (f"{opened}, so it is not started again until {when}; to try sooner, fix the cause, then run "
+            f"`resident-pool stop {slug}` or edit its manifest (either closes the breaker)")
+
+
+def _seconds(value: float) -> str:
+    value = max(0.0, float(value))
+    return f"{value:.0f} s" if value < 600 else f"{value / 60:.0f} min"
+
+
 def _one_line(error: ResidentPoolError) -> str:
+    original = _original(error)
+    if original is not None:  # the original error first: it is what to fix
+        return f"{error.slug or original.slug}: {BREAKER_OPEN}: {breaker_words(error)}; the start failure: " \
+               + _one_line(original)
     parts = [f"{error.slug or 'resident-pool'}: {error.reason}"]
     first = error.headline
     if first:
@@ -124,13 +168,14 @@ def _one_line(error: ResidentPoolError) -> str:
 
 
 # Enough to stop emphasis, links, images, code, tables, headings and HTML; paths stay readable.
-_MARKDOWN_SPECIAL = re.compile(r"([\\`*\[\]#!|>])")
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*~\[\]#!|>])")
 _LINE_BREAK = re.compile(r"\s*\n\s*")
 
 
-def _escape(text: str) -> str:
+def escape_markdown(text: str) -> str:
     """Text from a worker (its error can quote the input) shown as text on one line, never as markdown or
-    HTML: a line break would end a table row, or start a heading, outside the escaping."""
+    HTML: a line break would end a table row, or start a heading, outside the escaping. Prefect renders
+    artifact descriptions and table cells as markdown too (a ``~`` pair strikes text through)."""
     text = _LINE_BREAK.sub(" ", without_controls(text)).replace("&", "&amp;").replace("<", "&lt;")
     return _MARKDOWN_SPECIAL.sub(r"\\\1", text)
 
@@ -151,6 +196,19 @@ def _readable_transcript(path: str) -> Path | None:
 
 
 def _markdown(error: ResidentPoolError, tail_lines: int) -> str:
+    original = _original(error)
+    if original is not None:  # refused by an open breaker: what opened it, when it closes, how to reset it
+        breaker = error.details.get("breaker") or {}
+        closes = breaker.get("closes_in_s")
+        lead = (f"## resident-pool: {escape_markdown(error.slug or '?')} not started: its breaker is open\n\n"
+                f"{escape_markdown(error.slug or '?')}: {escape_markdown(breaker_words(error) or '')}\n\n"
+                "| breaker | |\n|---|---|\n"
+                f"| reason | {BREAKER_OPEN} |\n"
+                f"| failed starts | {escape_markdown(str(breaker.get('failures', '?')))} |\n"
+                f"| closes in | {escape_markdown(_seconds(closes) if isinstance(closes, int | float) else '?')} |\n"
+                f"| reset | `resident-pool stop {escape_markdown(error.slug or 'SLUG')}`, or edit its manifest |\n\n"
+                "### The start failure that opened it\n\n")
+        return lead + _markdown(original, tail_lines).split("\n\n", 1)[1]
     rows = [
         ("provider", error.slug or "?"),
         ("reason", error.reason),
@@ -160,7 +218,7 @@ def _markdown(error: ResidentPoolError, tail_lines: int) -> str:
         ("host", socket.gethostname()),
         ("error", type(error).__name__),
     ]
-    table = "\n".join(f"| {name} | {_escape(value)} |" for name, value in rows)
+    table = "\n".join(f"| {name} | {escape_markdown(value)} |" for name, value in rows)
     tail = error.transcript_tail[-tail_lines:]
     note = ""
     if not tail and error.transcript:
@@ -170,7 +228,7 @@ def _markdown(error: ResidentPoolError, tail_lines: int) -> str:
         else:
             tail = read_tail(readable, tail_lines)
     tail = [without_controls(line) for line in tail]
-    text = (f"## resident-pool: {_escape(error.slug or '?')} failed\n\n{_escape(error.headline)}\n\n"
+    text = (f"## resident-pool: {escape_markdown(error.slug or '?')} failed\n\n{escape_markdown(error.headline)}\n\n"
             f"| | |\n|---|---|\n{table}\n{note}")
     if tail:
         fence = _fence(tail)
@@ -186,7 +244,7 @@ def _report(error: ResidentPoolError) -> ResidentPoolError:
             markdown=_markdown(error, config.artifact_tail_lines),
             key=failure_artifact_key(error.slug or "unknown"),
             # The description is what the task run's Artifacts tab shows without a click.
-            description=_escape(_one_line(error)),  # the UI renders it as markdown too
+            description=escape_markdown(_one_line(error)),  # the UI renders it as markdown too
         )
     summary = type(error)(_one_line(error), slug=error.slug, reason=error.reason, exit_code=error.exit_code,
                           hint=error.hint, transcript=error.transcript, transcript_tail=error.transcript_tail,
@@ -243,11 +301,12 @@ def _emit_failure(error: ResidentPoolError) -> None:
     if isinstance(error, AdmissionTimeout):
         _emit("admission.timeout", slug, needs_gb=error.details.get("needs_gb"),
               waited_s=error.details.get("waited_s"), holders=error.details.get("holders"))
-    if error.details.get("breaker_opened"):
+    refused = error.reason == BREAKER_OPEN or bool(error.details.get("breaker"))
+    if error.details.get("breaker_opened") and not refused:  # once per opening: the start that opened it
         _emit("breaker.open", slug, reason=error.reason, exit_code=error.exit_code, error=error.headline)
     _emit("request.failed", slug, reason=error.reason, exit_code=error.exit_code,
           exit=None if error.exit_code is None else describe_exit(error.exit_code), error_type=type(error).__name__,
-          error=error.headline, transcript=error.transcript, breaker_refused=bool(error.details.get("breaker")))
+          error=error.headline, transcript=error.transcript, breaker_refused=refused)
 
 
 @contextmanager
@@ -256,17 +315,125 @@ def pool_session(slug: str, manifests: str | os.PathLike[str] | None = None, *,
     """Hold one worker of ``slug`` for a batch inside a task; pool failures become artifacts and events.
 
     ``max_attachment_bytes``: a lower cap on what the session maps from the worker's answers (a campaign's).
+    The run's log says what the wait was: admission (``waiting for GPU admission``), a cold start as it
+    goes and, once the worker answers, its phases.
     """
     client = _client(manifests)
     client.on_wait = _log_wait
     _waits.last = None
+    logger = _run_logger()
+    notes = _WaitNotes(slug, client.manifests, logger)
+    began = time.monotonic()
     try:
-        with client.session(slug, holder=_holder(), max_attachment_bytes=max_attachment_bytes) as session:
+        with notes, client.session(slug, holder=_holder(), max_attachment_bytes=max_attachment_bytes) as session:
+            notes.close()
+            waited = time.monotonic() - began
+            if session.cold and logger is not None:
+                logger.info("%s", _cold_start_line(client.manifests, session, waited, _waits.last))
             _emit_leased(slug, session, _waits.last)
             yield session
     except ResidentPoolError as error:
         _emit_failure(error)
         raise _report(error) from error
+
+
+def _run_logger() -> logging.Logger | logging.LoggerAdapter | None:
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return None  # called outside a flow or task run: nothing to log to
+
+
+class _WaitNotes:
+    """While a task waits for its worker, a line in its log every WAITING_EVERY_S: what the pool is doing."""
+
+    def __init__(self, slug: str, manifests: Path, logger: logging.Logger | logging.LoggerAdapter | None) -> None:
+        self.slug, self.manifests, self.logger = slug, manifests, logger
+        self.began = time.monotonic()
+        self.closed = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def __enter__(self) -> _WaitNotes:
+        if self.logger is not None:
+            self.thread = threading.Thread(target=self._run, name=f"waiting-for-{self.slug}", daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.closed.set()
+
+    def _run(self) -> None:
+        if self.closed.wait(WAITING_FIRST_S):
+            return
+        while True:
+            line = self.describe()
+            if self.closed.is_set():
+                return  # leased meanwhile: the lease's own line says the rest
+            self.logger.info("%s", line)
+            if self.closed.wait(WAITING_EVERY_S):
+                return
+
+    def describe(self) -> str:
+        waited = f"{time.monotonic() - self.began:.0f} s so far"
+        try:
+            with Pool(self.manifests, start=False) as probe:  # a connection of its own, closed at once
+                status = probe.status()
+        except (ResidentPoolError, OSError, ProtocolError) as exc:
+            return f"{self.slug}: waiting for a worker, {waited} (the pool's status could not be read: {exc})"
+        replicas = [w for w in status.get("workers", []) if w.get("slug") == self.slug]
+        starting = [w for w in replicas if w.get("state") == "starting"]
+        if starting:
+            worker = starting[0]
+            how = _start_way(status, self.slug)
+            if worker.get("pid") is None:  # a zygote still importing its preload, or admission not yet passed
+                what = f"replica {worker.get('replica')}{how} is starting (no process yet)"
+            else:
+                what = f"replica {worker.get('replica')} (pid {worker.get('pid')}{how}) is loading"
+            return f"{self.slug}: cold start in progress, {waited}: {what}; transcript {worker.get('transcript')}"
+        busy = [w for w in replicas if w.get("state") == "leased"]
+        if busy:
+            return (f"{self.slug}: waiting for a worker, {waited}: its {len(busy)} replica(s) are busy with other "
+                    "requests (max_replicas in its manifest says how many may run)")
+        return f"{self.slug}: waiting for a worker, {waited}"
+
+
+def _start_way(status: dict[str, Any], slug: str) -> str:
+    start = (status.get("providers", {}).get(slug) or {}).get("start") or {}
+    if start.get("way") == "zygote":
+        return ", forked from its zygote"
+    return ", spawned" if start.get("way") == "spawn" else ""  # how else: the pool did not say
+
+
+def _cold_start_line(manifests: Path, session: Session, waited: float, wait: dict[str, Any] | None) -> str:
+    """The cold start, once the worker answers: its time, its phases (admission, start), where it runs."""
+    phases = []
+    admission = float(wait.get("waited_s") or 0) if wait else 0.0
+    if wait:
+        phases.append(f"GPU admission {admission:.1f} s")
+    phases.append(f"start {max(0.0, waited - admission):.1f} s")
+    try:
+        with Pool(manifests, start=False) as probe:
+            start = (probe.status().get("providers", {}).get(session.slug) or {}).get("start") or {}
+    except (ResidentPoolError, OSError, ProtocolError):
+        start = {}  # the phases the pool would add; the line stands without them
+    zygote = start.get("zygote") or {}
+    if start.get("way") == "zygote" and zygote:
+        modules = zygote.get("modules_s") or {}
+        imports = sum(v for v in modules.values() if isinstance(v, int | float)) if isinstance(modules, dict) else 0
+        loaded = zygote.get("load_s")
+        phases.append("forked from its zygote (which paid its imports"
+                      + (f", {imports:.1f} s" if imports else "")
+                      + (f", and its load stage, {loaded:.1f} s" if isinstance(loaded, int | float) else "")
+                      + ", once, when it started)")
+    elif start.get("way") == "spawn":
+        phases.append(f"spawned ({start.get('why')})" if start.get("why") else "spawned")
+    device = session.lease.get("device")
+    return (f"{session.slug}: cold start done in {waited:.1f} s ({'; '.join(phases)}): replica {session.replica}, "
+            f"pid {session.pid}, {'GPU ' + str(device) if device not in (None, '') else 'no GPU'}; "
+            f"transcript {session.transcript}")
 
 
 def predict(slug: str, payload: Any, manifests: str | os.PathLike[str] | None = None) -> Any:
@@ -383,7 +550,7 @@ def retry_pool_failures(task, task_run, state) -> bool:
     if not isinstance(error, BaseException):
         return True
     if isinstance(error, ResidentPoolError):
-        if error.exit_code in REFUSAL_CODES or error.details.get("breaker"):
+        if error.reason == BREAKER_OPEN or error.exit_code in REFUSAL_CODES or error.details.get("breaker"):
             return False
         if isinstance(error, ManifestError | WeightsMismatch | KitUnavailable | AdmissionRefused):
             return False

@@ -1,0 +1,92 @@
+"""resident_pool.campaigns.progress: done over known, never down, 100 only at the end; rate and ETA in a line."""
+
+from __future__ import annotations
+
+from resident_pool.campaigns.progress import Progress, Timeline
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_counted_file_is_exact_and_the_percentage_follows_what_is_done():
+    clock = Clock()
+    progress = Progress(clock)
+    entry = progress.add_file("a.fasta", 2000, 50_000)
+    progress.begin(entry)
+    seen = []
+    for done in range(0, 2000, 100):
+        clock.now += 1
+        progress.update(entry, seen=min(2000, done + 1024), done=done, failed=0, fraction_read=1.0)
+        seen.append(progress.percent())
+    assert seen == [done / 20 for done in range(0, 2000, 100)]  # done over the 2,000 counted, from the start
+    assert progress.exact and "of 2,000 inputs done" in progress.line() and "about" not in progress.line()
+    progress.finish(entry, seen=2000, done=2000, failed=0)
+    assert progress.percent() == 100
+
+
+def test_an_estimate_that_grows_never_takes_the_percentage_back_and_says_about():
+    """A .gz file: known is estimated from the bytes read; when the estimate grows, the percentage holds."""
+    clock = Clock()
+    progress = Progress(clock)
+    entry = progress.add_file("a.fasta.gz", None, 1_000_000)
+    progress.begin(entry)
+    values = []
+    # The first megabyte read held few records, the rest many: the estimate of the total grows as it reads.
+    for seen, done, fraction in ((100, 80, 0.5), (300, 200, 0.6), (2000, 300, 0.7), (2500, 2000, 0.9)):
+        clock.now += 2
+        progress.update(entry, seen=seen, done=done, failed=1, fraction_read=fraction)
+        values.append(progress.percent())
+        assert "of about " in progress.line()
+    assert values == sorted(values) and values[-1] < 100, values
+    progress.finish(entry, seen=2600, done=2600, failed=1)
+    assert progress.percent() == 100 and "2,600 of 2,600 inputs done (100.0%)" in progress.line()
+
+
+def test_files_not_read_yet_are_estimated_from_those_read_and_100_waits_for_the_last():
+    clock = Clock()
+    progress = Progress(clock)
+    first = progress.add_file("a.fasta.gz", None, 1000)
+    second = progress.add_file("b.fasta.gz", None, 3000)
+    progress.begin(first)
+    progress.finish(first, seen=100, done=100, failed=0)
+    assert progress.known() == 400  # b is three times a's size: about 300 more
+    assert progress.percent() == 25.0
+    progress.begin(second)
+    progress.update(second, seen=10, done=10, failed=0, fraction_read=0.001)
+    assert progress.percent() < 100  # 10 of b read, from 0.1 % of its bytes: not done, however it is estimated
+    progress.finish(second, seen=250, done=250, failed=0)
+    assert progress.percent() == 100 and progress.known() == 350
+
+
+def test_the_rate_is_over_the_last_minute_and_the_eta_follows_it():
+    clock = Clock()
+    progress = Progress(clock)
+    entry = progress.add_file("a.jsonl", 10_000, 1)
+    progress.begin(entry)
+    for step in range(1, 121):  # 100 inputs a second for a minute, then 20 a second for a minute
+        clock.now += 1
+        done = step * 100 if step <= 60 else 6000 + (step - 60) * 20
+        progress.update(entry, seen=10_000, done=done, failed=0, fraction_read=1.0)
+    assert 19 <= progress.rate() <= 22  # the last minute's, not the whole run's 60
+    assert abs(progress.eta_s() - (10_000 - progress.done) / progress.rate()) < 1e-6
+    assert "inputs/s" in progress.line() and "ETA" in progress.line()
+
+
+def test_an_empty_campaign_is_done():
+    assert Progress().percent() == 100
+
+
+def test_a_timeline_keeps_a_bounded_evenly_thinned_record_and_its_end():
+    timeline = Timeline(limit=64)
+    for second in range(1_000_000):
+        timeline.add(second, second, 0)
+    timeline.close(1_000_000.5, 1_000_000, 3)
+    assert len(timeline.points) <= 65
+    gaps = {b[0] - a[0] for a, b in zip(timeline.points, timeline.points[1:-1], strict=False)}
+    assert len(gaps) == 1  # evenly spaced
+    assert timeline.points[0][0] == 0 and timeline.points[-1] == (1_000_000.5, 1_000_000, 3)

@@ -1,0 +1,100 @@
+"""resident_pool.campaigns.report: a bounded sample of vectors, its 2-D map, and a page that fetches nothing."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import struct
+import tracemalloc
+
+import pytest
+
+from resident_pool.campaigns import report
+from resident_pool.campaigns.report import SAMPLE_LIMIT, VectorSample, pca_2d, write_report
+
+
+def _row(vector) -> str:
+    return json.dumps({"embedding": vector, "tokens": 3})
+
+
+def test_the_sample_never_holds_more_than_its_limit_and_is_uniform_over_what_was_offered():
+    sample = VectorSample(limit=200, seed=7)
+    for n in range(20_000):
+        sample.offer(f"s{n}", _row([float(n), 1.0]))
+    assert len(sample.vectors) == 200 and sample.offered == 20_000
+    kept = sorted(int(ident[1:]) for ident in sample.ids)
+    halves = sum(1 for n in kept if n < 10_000)
+    assert 70 <= halves <= 130  # as many from the first half as from the second, within chance
+    assert {struct.unpack("<2e", vector)[1] for vector in sample.vectors} == {1.0}
+
+
+def test_only_rows_the_sample_keeps_are_parsed(monkeypatch):
+    parsed = []
+    real = report.json.loads
+    monkeypatch.setattr(report.json, "loads", lambda text: parsed.append(1) or real(text))
+    sample = VectorSample(limit=100)
+    for n in range(100_000):
+        sample.offer(f"s{n}", _row([1.0, float(n)]))
+    assert len(parsed) < 1_500  # about limit x (1 + ln(n / limit)), not one per row
+
+
+def test_a_provider_without_vectors_stops_being_looked_at():
+    sample = VectorSample()
+    for n in range(10_000):
+        sample.offer(f"s{n}", json.dumps({"length": n}))
+    assert not sample.vectors and not sample.looking and sample.offered == 100
+
+
+def test_minilms_base64_float32_is_read_as_its_vector():
+    vector = [0.5, -0.25, 0.125, 1.0]
+    sample = VectorSample()
+    sample.offer("a", json.dumps({"embedding_f32": base64.b64encode(struct.pack("<4f", *vector)).decode(),
+                                  "tokens": 4}))
+    assert sample.dim == 4 and sample.field == "embedding_f32" and sample.matrix() == [vector]
+
+
+@pytest.mark.parametrize("numpy", [True, False], ids=["numpy", "pure python"])
+def test_the_map_finds_the_direction_the_points_spread_along(monkeypatch, numpy):
+    if not numpy:
+        monkeypatch.setitem(__import__("sys").modules, "numpy", None)  # import numpy raises ImportError
+    sample = VectorSample()
+    for n in range(300):  # along (1, 1, 0, 0), with a little noise on the third axis
+        t = (n - 150) / 10
+        sample.offer(f"p{n}", _row([t, t, 0.01 * (n % 3), 0.0]))
+    points, ids, explained = pca_2d(sample)
+    assert len(points) == 300 and len(ids) == 300
+    assert explained[0] > 0.99
+    xs = [x for x, _ in points]
+    assert max(xs) - min(xs) == pytest.approx(2 ** 0.5 * 29.9, rel=0.01)
+
+
+def test_the_page_is_self_contained_and_charts_what_it_is_given(tmp_path):
+    sample = VectorSample()
+    for n in range(50):
+        sample.offer(f"id<{n}>", _row([float(n), float(n % 7), 1.0]))
+    timeline = [(0.0, 0, 0), (1.0, 100, 1), (2.5, 400, 3)]
+    failures = [{"index": 3, "id": "<script>x</script>", "reason": "bad_input", "error": "a.fasta:7: empty & odd"}]
+    path = write_report(tmp_path / "out.jsonl.report.html", title="embedder screening: a.fasta",
+                        summary={"inputs": 400, "failed": 3, "failure reasons": "bad_input: 3"}, timeline=timeline,
+                        sample=sample, failures=failures)
+    page = path.read_text()
+    assert page.count("<polyline") == 3 and page.count("<circle") == 50
+    assert not re.search(r"(src|href)=|url\(|@import|<script|https?://", page)  # nothing to fetch, nothing to run
+    assert "&lt;script&gt;x&lt;/script&gt;" in page and "id&lt;7&gt;" in page and "empty &amp; odd" in page
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_full_sample_of_384_dimensional_vectors_costs_under_10_mb():
+    """10,000 vectors held as float16: under 10 MB, however many more are offered (the sample only replaces)."""
+    vector = json.dumps({"embedding_f32": base64.b64encode(struct.pack("<384f", *([0.01] * 384))).decode()})
+    sample = VectorSample()
+    tracemalloc.start()
+    try:
+        for n in range(25_000):
+            sample.offer(f"seq{n}", vector)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(sample.vectors) == SAMPLE_LIMIT
+    assert peak < 10 * 2**20, peak
