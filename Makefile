@@ -10,7 +10,7 @@ WORK_POOL ?= resident-pool
 
 BENCH_STAMP := $(VENV)/.bench-stamp
 
-.PHONY: setup test run lint bench bench-full clean reliability gpu-check server worker deploy stack-up stack-down \
+.PHONY: setup test test-fast run lint bench bench-full clean reliability gpu-check server worker deploy stack-up stack-down \
 	stack-status docs docs-screenshots
 
 setup: $(STAMP)
@@ -20,12 +20,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[prefect,demo,test]"
 	touch $(STAMP)
 
+# Test processes at once: the tests wait on real processes and sockets more than they compute.
+JOBS ?= 4
+
+# Every test but load and soak at size (those are `make reliability`), in JOBS processes.
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(JOBS) -m "not soak"
+
+# Before every commit: no pool, Prefect server, browser or stack started (about a minute).
+test-fast: setup
+	$(PY) -m pytest -n $(JOBS) -m "not e2e and not soak"
 
 # Faults, hostile input, isolation, load and soak; prints the reliability table at the end.
 reliability: setup
-	RESIDENT_POOL_FULL_RELIABILITY=1 $(PY) -m pytest -m reliability tests/test_reliability.py tests/test_lifecycle.py tests/test_hostile.py tests/test_isolation.py tests/test_security.py
+	RESIDENT_POOL_FULL_RELIABILITY=1 $(PY) -m pytest -n $(JOBS) -m reliability tests/test_reliability.py tests/test_lifecycle.py tests/test_hostile.py tests/test_isolation.py tests/test_security.py
 
 lint: setup
 	$(PY) -m ruff check resident_pool tests flows

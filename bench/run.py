@@ -158,14 +158,14 @@ def case_call_path(table: Table, env: Env, quick: bool) -> None:
             table.add("call path (echo)", f"{name} p50", percentile(samples, 50) * us, "us")
             table.add("call path (echo)", f"{name} p99", percentile(samples, 99) * us, "us")
     f50, s50, p50 = (percentile(x, 50) for x in (floor_tiny, session_tiny, predict_tiny))
-    table.add("call path (echo)", "session p50 / floor p50", s50 / f50, "x", "<= 3", s50 / f50 <= 3)
+    table.add("call path (echo)", "session p50 / floor p50", s50 / f50, "x", "<= 1.5", s50 / f50 <= 1.5)
     fb, sb = percentile(floor_big, 50), percentile(session_big, 50)
     table.add("call path (1 MiB JSON)", "session p50 / floor p50", sb / fb, "x", "<= 3", sb / fb <= 3,
               note=f"floor {fb * 1e3:.2f} ms, session {sb * 1e3:.2f} ms")
     if ray_tiny is not None:
         r50, rb = percentile(ray_tiny, 50), percentile(ray_big, 50)
-        table.add("call path (echo)", "session p50 / Ray p50", s50 / r50, "x", "<= 0.2", s50 / r50 <= 0.2)
-        table.add("call path (echo)", "Pool.predict p50 / Ray p50", p50 / r50, "x", "<= 0.4", p50 / r50 <= 0.4)
+        table.add("call path (echo)", "session p50 / Ray p50", s50 / r50, "x", "<= 0.15", s50 / r50 <= 0.15)
+        table.add("call path (echo)", "Pool.predict p50 / Ray p50", p50 / r50, "x", "<= 0.25", p50 / r50 <= 0.25)
         table.add("call path (1 MiB JSON)", "session p50 / Ray p50 (a 1 MiB string)", sb / rb, "x", "", None,
                   note=f"Ray {rb * 1e3:.2f} ms; arrays travel beside the line: see call path (arrays)")
     else:

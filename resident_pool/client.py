@@ -23,7 +23,7 @@ from filelock import FileLock
 from . import arrays
 from .errors import RequestTimeout, ResidentPoolError, WorkerRequestError, error_from_dict
 from .host import paths
-from .messages import Acquire, Release, StopWorkers, Variant, Warm
+from .messages import Acquire, Release, StopWorkers, Used, Variant, Warm
 from .protocol import Inbox, PeerError, ProtocolError, connect, recv_line, send_line
 from .settings import settings
 from .version import __version__
@@ -31,6 +31,10 @@ from .version import __version__
 __all__ = ["Pool", "Session", "default_manifests", "shutdown_pool"]
 
 POOL_START_TIMEOUT_S = 60.0
+# A kept lease tells the pool it is in use at most this often: idle retirement counts in seconds, and a
+# message per call would cost the pool a decode and its lock for every prediction.
+_NOTICE_S = 1.0
+_RECALLED_RETRIES = 5
 _request_ids = itertools.count(1)
 
 
@@ -66,6 +70,7 @@ class _Link:
         self.pool = pool_socket
         self.buf = bytearray()
         self.workers: dict[tuple[str, int, int], tuple[socket.socket, Inbox]] = {}
+        self.kept: dict[str, Session] = {}  # Pool.predict's leases, by provider, held between calls
 
     def close(self) -> None:
         for sock, _ in self.workers.values():
@@ -252,10 +257,17 @@ class Pool:
                     self._links.remove(link)
 
     def close(self) -> None:
-        """Close this client's connections; its leases end with them."""
+        """Close this client's connections; its leases end with them (the kept ones given back first)."""
         with self._links_lock:
             links, self._links = self._links, []
         for link in links:
+            for session in link.kept.values():
+                if not session._ended:  # given back: not abandoned, which would cost the worker a ping
+                    session._ended = True
+                    try:
+                        send_line(link.pool, Release(session.lease["lease"], "ok", session._unnoticed).to_message())
+                    except OSError:
+                        break  # the pool is gone: the leases went with the connection
             link.close()
         self._local = threading.local()
 
@@ -267,9 +279,36 @@ class Pool:
 
     # -- the API -------------------------------------------------------------
     def predict(self, slug: str, payload: Any) -> Any:
-        """One prediction from ``slug``'s worker; starts it if none is warm."""
-        with self.session(slug) as worker:
-            return worker.predict(payload)
+        """One prediction from ``slug``'s worker; starts it if none is warm.
+
+        The lease is kept between calls (per thread), so a warm call is one round trip to the worker. The pool
+        counts a kept lease idle while no request runs, and takes it back when another client waits, admission
+        needs the memory or the worker retires; the next call then acquires again, unseen by the caller.
+        """
+        link = self._link()
+        for _ in range(_RECALLED_RETRIES):
+            session = link.kept.get(slug)
+            if session is None or session._ended:
+                session = Session(self, self._acquire(slug, None, self.holder, keep=True))
+                if not session.lease.get("kept"):  # a worker per lease (mode = "subprocess"), or one that
+                    try:                           # cannot be asked for its lease back
+                        return session.predict(payload)
+                    finally:
+                        session.release()
+                link.kept[slug] = session
+            try:
+                result = session.predict(payload)
+            except WorkerRequestError as error:
+                if error.reason != "lease_recalled":
+                    raise
+                continue  # taken back between calls: acquire again
+            finally:
+                if session._ended:
+                    link.kept.pop(slug, None)
+            session.notice()
+            return result
+        raise WorkerRequestError(f"{slug}: its lease was taken back {_RECALLED_RETRIES} times in a row; the pool is "
+                                 "busy with other clients: retry", slug=slug, reason="lease_recalled")
 
     @contextmanager
     def session(self, slug: str, variant: dict[str, Any] | None = None,
@@ -291,9 +330,9 @@ class Pool:
             session.release()
 
     def _acquire(self, slug: str, variant: dict[str, Any] | None = None,
-                 holder: dict[str, str] | None = None) -> dict[str, Any]:
+                 holder: dict[str, str] | None = None, keep: bool = False) -> dict[str, Any]:
         message = Acquire(slug, str(self.manifests), holder or None,
-                          Variant(**variant) if variant else None).to_message()
+                          Variant(**variant) if variant else None, keep).to_message()
         attempts = 3
         for attempt in range(attempts):
             try:
@@ -364,8 +403,11 @@ class Session:
         self.cold: bool = lease["cold"]
         self.transcript: str = lease["transcript"]
         self.version: str | None = lease.get("version")
+        self.token: str | None = lease.get("token")
         self.served = 0
         self._ended = False
+        self._unnoticed = 0  # served since the pool last heard (a kept lease tells it now and then)
+        self._noticed_at = time.monotonic()
 
     def _worker(self) -> tuple[socket.socket, Inbox]:
         link = self.pool._link()
@@ -397,8 +439,10 @@ class Session:
                 arrays.negotiate(sock, inbox)
         # Encoded before a byte of it goes: a payload that cannot be sent (a dtype the protocol does not
         # carry, NaN, over a cap) raises here as the caller's mistake, and the session goes on as it was.
-        encoded = arrays.encode({"op": "predict", "id": request_id, "payload": payload}, inbox.peer,
-                                inbox.attach_min_bytes)
+        message = {"op": "predict", "id": request_id, "payload": payload}
+        if self.token is not None:
+            message["lease"] = self.token  # a lease the pool took back is refused by the worker
+        encoded = arrays.encode(message, inbox.peer, inbox.attach_min_bytes)
         with self._failures(timeout):
             # Arrays in the payload and the result travel beside the line (arrays.py).
             reply = arrays.complete(sock, inbox, *encoded)
@@ -406,7 +450,12 @@ class Session:
                 raise ConnectionResetError("the worker closed the connection without a reply")
             if reply.get("id") != request_id:
                 raise ProtocolError(f"the worker answered request {reply.get('id')!r}, not {request_id}")
+        if reply.get("reason") == "lease_recalled":
+            self._ended = True  # the pool ended it already: nothing to release
+            raise WorkerRequestError(f"{self.slug}: the pool took this lease back (another request waited); "
+                                     "acquire again", slug=self.slug, reason="lease_recalled")
         self.served += 1
+        self._unnoticed += 1
         if reply.get("ok"):
             return reply.get("result")
         if reply.get("reason") == "worker_exiting":
@@ -440,6 +489,11 @@ class Session:
             answer = self._end("broken", {})
             if answer.get("error"):
                 raise error_from_dict(answer["error"]) from exc
+            if answer.get("gone") and self.lease.get("kept"):
+                # The pool had taken this kept lease back (and maybe stopped its worker) between calls: the
+                # request never ran there. Pool.predict acquires again.
+                raise WorkerRequestError(f"{self.slug}: the pool took this lease back; acquire again",
+                                         slug=self.slug, reason="lease_recalled") from exc
             raise
         except BaseException:
             # Interrupted with the request in flight (Ctrl-C, a cancelled task): its reply may still
@@ -448,21 +502,32 @@ class Session:
             self._forget_worker()
             self._ended = True
             try:
-                self.pool._call(Release(self.lease["lease"], "abandoned", self.served).to_message(),
+                self.pool._call(Release(self.lease["lease"], "abandoned", self._unnoticed).to_message(),
                                 expect_reply=False)
             except (OSError, ResidentPoolError):
                 pass  # the pool is gone: the lease went with its connection
             raise
 
+    def notice(self) -> None:
+        """Tell the pool, at most once a second and without waiting, that this kept lease is in use."""
+        now = time.monotonic()
+        if now - self._noticed_at < _NOTICE_S or self._ended:
+            return
+        self._noticed_at, served, self._unnoticed = now, self._unnoticed, 0
+        try:
+            self.pool._call(Used(self.lease["lease"], served).to_message(), expect_reply=False)
+        except OSError:
+            pass  # the pool is gone: the next call finds out and acquires again
+
     def _end(self, outcome: str, extra: dict[str, Any]) -> dict[str, Any]:
         self._ended = True
-        return self.pool._call(Release(self.lease["lease"], outcome, self.served, extra.get("reply")).to_message())
+        return self.pool._call(Release(self.lease["lease"], outcome, self._unnoticed, extra.get("reply")).to_message())
 
     def release(self) -> None:
         if self._ended:
             return
         self._ended = True
         try:
-            self.pool._call(Release(self.lease["lease"], "ok", self.served).to_message(), expect_reply=False)
+            self.pool._call(Release(self.lease["lease"], "ok", self._unnoticed).to_message(), expect_reply=False)
         except OSError:
             pass  # the pool is gone; the lease went with its connection

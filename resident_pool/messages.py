@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 
 from .errors import ResidentPoolError
 
-__all__ = ["KEY", "RELEASE_OUTCOMES", "SLUG", "Acquire", "LeaseGrant", "Release", "StopWorkers", "Variant", "Warm",
-           "bad_request"]
+__all__ = ["KEY", "RELEASE_OUTCOMES", "SLUG", "Acquire", "LeaseGrant", "Release", "StopWorkers", "Used", "Variant",
+           "Warm", "bad_request"]
 
 # A provider name: never a path, never an option.
 SLUG = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
@@ -88,14 +88,20 @@ class Acquire:
     manifests: str | None = None
     holder: dict[str, str] | None = None
     variant: Variant | None = None
+    keep: bool = False  # Pool.predict's: kept between calls until the pool recalls it
 
     @classmethod
     def parse(cls, message: dict[str, Any]) -> Acquire:
+        keep = message.get("keep", False)
+        if not isinstance(keep, bool):
+            raise bad_request(f"acquire keep must be true or false, not {keep!r}")
         return cls(_slug(message.get("slug")), _folder(message.get("manifests")), _holder(message.get("holder")),
-                   Variant.parse(message.get("variant")))
+                   Variant.parse(message.get("variant")), keep)
 
     def to_message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"op": self.op, "slug": self.slug, "manifests": self.manifests}
+        if self.keep:
+            message["keep"] = True
         if self.holder:
             message["holder"] = self.holder
         if self.variant is not None:
@@ -130,6 +136,26 @@ class Release:
         if self.reply is not None:
             message["reply"] = self.reply
         return message
+
+
+@dataclass(frozen=True)
+class Used:
+    """A kept lease served ``served`` more requests: the pool counts it idle from now (sent now and then, no
+    answer waited for)."""
+
+    op: ClassVar[str] = "used"
+    lease: int
+    served: int = 0
+
+    @classmethod
+    def parse(cls, message: dict[str, Any]) -> Used:
+        lease = message.get("lease")
+        if not isinstance(lease, int) or isinstance(lease, bool):
+            raise bad_request(f"used needs an integer lease, not {lease!r}")
+        return cls(lease, _count(message.get("served", 0), "used served"))
+
+    def to_message(self) -> dict[str, Any]:
+        return {"op": self.op, "lease": self.lease, "served": self.served}
 
 
 @dataclass(frozen=True)
@@ -187,6 +213,8 @@ class LeaseGrant:
     device: str | None = None
     version: str | None = None
     kit: dict[str, Any] | None = None
+    token: str | None = None  # names the lease to its worker: a recalled one is refused there
+    kept: bool = False  # the client may keep it between calls, until its worker refuses it as recalled
 
     def to_message(self) -> dict[str, Any]:
         return {"ok": True, **asdict(self)}

@@ -30,6 +30,7 @@ __all__ = [
     "OPS",
     "OP_PING",
     "OP_PREDICT",
+    "OP_RECALL",
     "OP_SHUTDOWN",
     "OP_STATS",
     "Attachment",
@@ -65,7 +66,10 @@ RECV_CHUNK = 256 * 1024
 
 # The ops by the names the original design's workers and callers use.
 OP_PING, OP_PREDICT, OP_STATS, OP_SHUTDOWN = "ping", "predict", "stats", "shutdown"
-OPS = (OP_PING, OP_PREDICT, OP_STATS, OP_SHUTDOWN)
+# The pool takes back a lease a client kept between calls: later requests naming it are refused
+# (reason ``lease_recalled``), and the answer comes once any request in flight has ended.
+OP_RECALL = "recall"
+OPS = (OP_PING, OP_PREDICT, OP_STATS, OP_SHUTDOWN, OP_RECALL)
 REASONS = ("request_failed", "worker_exiting", "unknown_op", "bad_request")
 
 

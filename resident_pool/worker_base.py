@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import collections
 import importlib.util
 import mmap
 import os
@@ -44,6 +45,7 @@ NO_CUBLAS_RELEASE_ENV = "TOOLUNIVERSE_RESIDENT_NO_CUBLAS_RELEASE"
 DEFAULT_HEARTBEAT_STALE_S = 30.0
 # How often the idle loop wakes to check whether its pool is gone.
 _TICK_S = 0.25
+_RECALLED_KEPT = 4096
 # Idle time counts from process start, not from serve(): a pool that died while the model
 # loaded is noticed as soon as serve() runs.
 _PROCESS_STARTED = time.monotonic()
@@ -304,6 +306,9 @@ class _Server:
         self._unsent: dict[socket.socket, tuple[memoryview, list[int], Callable[[], None]]] = {}
         self.stats = _Stats()
         self.in_flight = _InFlight()
+        # Leases the pool took back: a request naming one is refused. Bounded: a lease is recalled once,
+        # and a client that still names one this old has long been told.
+        self.recalled: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     # -- the loop ----------------------------------------------------------
     def run(self) -> None:
@@ -503,7 +508,7 @@ class _Server:
         if op == "ping":
             reply = {"ok": True, "id": request_id, "model": self.slug, "ready": True,
                      "uptime_s": round(time.monotonic() - self.started, 3), "pid": os.getpid(),
-                     "served": self.served}
+                     "served": self.served, "recall": True}
             if self.ready is not None:
                 try:
                     extra = self.ready() or {}
@@ -522,11 +527,23 @@ class _Server:
         if op == "shutdown":
             self.stopping = True
             return {"ok": True, "id": request_id, "stopping": True}
+        if op == "recall":
+            lease = request.get("lease")
+            if isinstance(lease, str) and lease:
+                self.recalled[lease] = None
+                while len(self.recalled) > _RECALLED_KEPT:
+                    self.recalled.popitem(last=False)
+            return {"ok": True, "id": request_id, "idle_s": round(time.monotonic() - self.last_request, 3)}
         return {"ok": False, "id": request_id, "reason": "unknown_op",
                 "error": f"unknown op {op!r}; expected one of {', '.join(self.protocol.OPS)}"}
 
     def _predict(self, request: dict[str, Any], conn: socket.socket, message=None) -> dict[str, Any]:
         request_id = request.get("id")
+        lease = request.get("lease")
+        if isinstance(lease, str) and lease in self.recalled:
+            return {"ok": False, "id": request_id, "reason": "lease_recalled",
+                    "error": "the pool took this lease back (another request waits, or the worker retires); "
+                             "acquire a new one"}
         try:
             payload = self._payload(request, message)
         except self._array_errors as exc:

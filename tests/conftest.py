@@ -115,29 +115,51 @@ def prefect_harness():
 
 
 RELIABILITY_ROWS: list[dict] = []
-
-
-@pytest.fixture
-def reliability_row():
-    """Record a row of the reliability table `make reliability` prints (fault, what the caller saw, counts)."""
-
-    def record(fault, seen, lost=0, leaked=0, **figures):
-        RELIABILITY_ROWS.append({"fault": fault, "seen": seen, "lost": lost, "leaked": leaked, **figures})
-
-    return record
-
-
 SECURITY_ROWS: list[dict] = []
 
 
 @pytest.fixture
-def security_row():
+def reliability_row(request):
+    """Record a row of the reliability table `make reliability` prints (fault, what the caller saw, counts).
+
+    Carried on the test's report, so the table prints whether the tests ran here or in xdist workers.
+    """
+
+    def record(fault, seen, lost=0, leaked=0, **figures):
+        request.node.user_properties.append(
+            ("reliability_row", {"fault": fault, "seen": seen, "lost": lost, "leaked": leaked, **figures}))
+
+    return record
+
+
+@pytest.fixture
+def security_row(request):
     """Record a row of the security block `make reliability` prints: the attack, its outcome, what it got."""
 
     def record(attack, outcome, got="nothing"):
-        SECURITY_ROWS.append({"attack": attack, "outcome": outcome, "got": got})
+        request.node.user_properties.append(("security_row", {"attack": attack, "outcome": outcome, "got": got}))
 
     return record
+
+
+def pytest_runtest_logreport(report):
+    if report.when != "call":
+        return
+    for name, row in report.user_properties:
+        if name == "reliability_row":
+            RELIABILITY_ROWS.append(row)
+        elif name == "security_row":
+            SECURITY_ROWS.append(row)
+
+
+# Tests that start real pools, Prefect servers, browsers or stacks: the fast tier (`make test-fast`) leaves them out.
+E2E_FIXTURES = {"pool_dir", "prefect_harness", "workers", "engines", "other_user", "stack"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if E2E_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.e2e)
 
 
 # Unique per run, removed at the end of the session.

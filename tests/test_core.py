@@ -57,14 +57,15 @@ def one(actions, kind):
     return found[0]
 
 
-def lease_one(state: PoolState, clock: Clock, key: str = "m", connection: int = CONN) -> c.Grant:
+def lease_one(state: PoolState, clock: Clock, key: str = "m", connection: int = CONN, keep: bool = False,
+              can_recall: bool = True) -> c.Grant:
     """Acquire, start (cold) or reuse (warm) a replica, and return the Grant."""
-    ticket, actions = state.acquire(clock(), key, connection, {})
+    ticket, actions = state.acquire(clock(), key, connection, {}, keep)
     grants = [a for a in of(actions, c.Grant) if a.ticket == ticket]
     if grants:
         return grants[0]
     start = one(actions, c.Start)
-    actions = state.started(clock(), start.rid, 4242)
+    actions = state.started(clock(), start.rid, 4242, can_recall)
     return next(a for a in of(actions, c.Grant) if a.ticket == ticket)
 
 
@@ -204,6 +205,85 @@ def test_a_client_gone_while_its_worker_loads_leaves_the_start_running_for_the_n
     assert replica(state, start.rid).abort is None
     state.started(clock(), start.rid, 99)
     assert replica(state, start.rid).state is R.READY
+
+
+# -- kept leases (Pool.predict) -------------------------------------------------------------------------------
+def test_a_kept_lease_is_idle_between_calls_and_taken_back_after_the_idle_timeout(clock):
+    state = make(clock, Spec(idle_timeout_s=10, ping_interval_s=1000))
+    grant = lease_one(state, clock, keep=True)
+    assert grant.kept and replica(state, grant.rid).state is R.LEASED
+    clock.advance(8)
+    state.used(clock(), grant.lease, CONN, 5)  # the client says it is in use: idle from now
+    clock.advance(9)
+    assert of(state.tick(clock()), c.Recall) == []
+    assert replica(state, grant.rid).idle_s(clock()) == 9 and replica(state, grant.rid).served == 5
+    clock.advance(2)
+    recall = one(state.tick(clock()), c.Recall)
+    assert recall.lease == grant.lease
+    stop = one(state.recalled(clock(), grant.lease, idle_s=11), c.Stop)
+    assert stop.cause is StopCause.IDLE and grant.lease not in state.leases
+
+
+def test_a_client_waiting_at_max_replicas_takes_a_kept_lease_back_after_at_most_one_request(clock):
+    state = make(clock, Spec(max_replicas=1))
+    kept = lease_one(state, clock, keep=True)
+    ticket, actions = state.acquire(clock(), "m", OTHER, {})
+    recall = one(actions, c.Recall)
+    assert recall.lease == kept.lease and of(actions, c.Start) == []
+    assert of(state.tick(clock()), c.Recall) == []  # asked once, not again every tick
+    grant = one(state.recalled(clock(), kept.lease), c.Grant)
+    assert grant.ticket == ticket and grant.rid == kept.rid
+    assert of(state.released(clock(), kept.lease, CONN, "ok"), c.Action.__args__) == []  # the old lease is gone
+
+
+def test_a_waiting_client_starts_another_replica_rather_than_take_a_kept_lease_where_it_may(clock):
+    state = make(clock, Spec(max_replicas=2))
+    lease_one(state, clock, keep=True)
+    _, actions = state.acquire(clock(), "m", OTHER, {})
+    assert one(actions, c.Start) and of(actions, c.Recall) == []
+
+
+def test_a_new_version_takes_a_kept_lease_back_then_stops_its_worker(clock):
+    state = make(clock)
+    kept = lease_one(state, clock, keep=True)
+    assert one(state.register(clock(), "m", "m", "v2", "fp2", Spec()), c.Recall).lease == kept.lease
+    assert one(state.recalled(clock(), kept.lease), c.Stop).cause is StopCause.DRAINED
+
+
+def test_admission_evicts_a_kept_lease_once_it_is_back_never_in_the_middle_of_a_request(clock):
+    state = PoolState(Timings(), clock())
+    state.register(clock(), "g", "g", "v", "f", _gpu())
+    ticket, actions = state.acquire(clock(), "g", CONN, {}, True)
+    start = one(actions, c.Start)
+    state.admitted(clock(), start.rid, "0")
+    kept = one(state.started(clock(), start.rid, 1, True), c.Grant)
+    rid, held_warm, _ = state.eviction_candidate()
+    assert (rid, held_warm) == (kept.rid, False)
+    assert one(state.evict(clock(), rid, 4), c.Recall).lease == kept.lease
+    assert state.eviction_candidate() is None  # being recalled: not chosen twice
+    stop = one(state.recalled(clock(), kept.lease), c.Stop)  # the worker answered: no request in flight
+    assert stop.cause is StopCause.EVICTED
+
+
+def test_a_worker_that_cannot_be_asked_for_its_lease_back_never_grants_a_kept_one(clock):
+    state = make(clock)
+    grant = lease_one(state, clock, keep=True, can_recall=False)
+    assert not grant.kept and replica(state, grant.rid).idle_s(clock() + 100) == 0.0
+
+
+def test_a_subprocess_mode_worker_never_grants_a_kept_lease(clock):
+    state = make(clock, Spec(mode="subprocess"))
+    assert not lease_one(state, clock, keep=True).kept
+
+
+def test_a_recall_that_never_reports_is_overdue_and_its_worker_killed(clock):
+    state = make(clock, Spec(request_timeout_s=60))
+    kept = lease_one(state, clock, keep=True)
+    state.acquire(clock(), "m", OTHER, {})
+    clock.advance(60 + 16)
+    stop = one(state.tick(clock()), c.Stop)
+    assert stop.cause is StopCause.OVERDUE and stop.kill and "of its kept lease did not report back" in stop.why
+    assert replica(state, kept.rid).state is R.STOPPING
 
 
 # -- versions ------------------------------------------------------------------------------------------------
@@ -535,3 +615,14 @@ def test_only_the_decision_core_assigns_replica_and_lease_state():
                     if sub.attr in RECORD_FIELDS and not (isinstance(sub.value, ast.Name) and sub.value.id == "self"):
                         offenders.append(f"{path.name}:{node.lineno} .{sub.attr}")
     assert offenders == []
+
+
+def test_a_kept_lease_between_calls_is_pinged_for_liveness_and_stopped_when_it_does_not_answer(clock):
+    state = make(clock, Spec(ping_interval_s=30, idle_timeout_s=0))
+    kept = lease_one(state, clock, keep=True)
+    clock.advance(30)
+    ping = one(state.tick(clock()), c.Ping)
+    assert ping.purpose == "liveness" and replica(state, kept.rid).state is R.LEASED
+    assert of(state.tick(clock()), c.Ping) == []  # one at a time
+    stop = one(state.pinged(clock(), kept.rid, "liveness", answered=False), c.Stop)
+    assert stop.cause is StopCause.UNRESPONSIVE and stop.kill

@@ -100,7 +100,7 @@ def test_an_evicted_worker_hibernates_is_never_pinged_and_its_next_lease_waits_f
     pings = _providers(pool_dir, monkeypatch, tmp_path)
     with Pool() as pool:
         a = pool.predict("a6", {"action": "echo"})["pid"]
-        b = pool.predict("b6", {"action": "echo"})["pid"]  # a6 must make room: it hibernates
+        b = pool.predict("b6", {"action": "echo"})["pid"]  # a6 must make room: its kept lease back, it hibernates
         hibernated = _worker(pool, "a6")
         assert hibernated["state"] == "hibernated" and hibernated["pid"] == a and pid_alive(a)
         assert hibernated["hibernation"]["device"] == "0"
@@ -114,7 +114,8 @@ def test_an_evicted_worker_hibernates_is_never_pinged_and_its_next_lease_waits_f
         assert answer["pid"] == a
         assert calls(fake_cuda.log)[3:] == [f"restore {a}", f"unlock {a}"]
         assert not pid_alive(b)
-        assert _worker(pool, "a6")["state"] == "ready" and _worker(pool, "a6")["hibernation"] is None
+        restored = _worker(pool, "a6")  # held by this Pool's kept lease between calls
+        assert restored["state"] == "leased" and restored["lease"]["kept"] and restored["hibernation"] is None
         assert pool.status()["providers"]["a6"]["eviction"]["last"] == "a6[0] restored from hibernation"
         assert pool.status()["providers"]["a6"]["starts"] == 1  # a restore is not a start
     assert _transcript_has("a6", "hibernated: device memory checkpointed") and _transcript_has("a6", "restored")

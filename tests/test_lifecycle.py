@@ -182,7 +182,7 @@ def test_a_client_killed_mid_request_leaves_its_worker_draining_until_the_reques
         wait_until(lambda: _state(pool, pid) == "draining", timeout=5, message="the worker to show draining")
         answer = pool.predict("solo", {"action": "echo"})  # waits for the worker to be free
         assert marker.exists()  # the abandoned request finished before this one was served
-        assert answer["pid"] == pid and _state(pool, pid) == "ready"
+        assert answer["pid"] == pid and _state(pool, pid) == "leased"  # this Pool's kept lease, idle between calls
     _started(way, "solo")
     reliability_row('client SIGKILL mid-request' + _way(way), 'worker shown draining; next client served once the abandoned request ended')
 
@@ -278,7 +278,7 @@ def test_ready_raising_is_answered_and_the_worker_serves(pool_dir, reliability_r
     write_provider(pool_dir, "shaky", 'worker_args = ["{socket}", "--ready-raises"]\n')
     with Pool() as pool:
         assert pool.predict("shaky", {"action": "echo", "value": 7})["echo"] == 7
-        assert _worker(pool, "shaky")["state"] == "ready"
+        assert _worker(pool, "shaky")["state"] == "leased"  # serving: held by this Pool's kept lease
     reliability_row('ready() raises in the worker', 'answered with ready_error; the worker serves')
 
 

@@ -246,3 +246,38 @@ def test_the_pool_socket_is_0600_and_an_open_state_dir_is_refused(pool_dir, isol
     with pytest.raises(StateDirError, match="owned by uid 65534"):
         Pool()
     os.chown(isolated_dirs["state"], os.getuid(), -1)
+
+
+def test_a_warm_pool_predict_is_one_round_trip_to_the_worker_and_asks_the_pool_nothing(pool_dir, monkeypatch):
+    write_provider(pool_dir, "kept", "")
+    with Pool() as pool:
+        first = pool.predict("kept", {"action": "echo"})
+        asked = []
+        original = Pool._call
+
+        def counting(self, message, expect_reply=True):
+            asked.append(message["op"])
+            return original(self, message, expect_reply)
+
+        monkeypatch.setattr(Pool, "_call", counting)
+        second = pool.predict("kept", {"action": "echo"})
+        monkeypatch.setattr(Pool, "_call", original)
+        (worker,) = pool.status()["workers"]
+    assert second["pid"] == first["pid"] and [op for op in asked if op != "used"] == []
+    assert worker["state"] == "leased" and worker["lease"]["kept"]  # held between calls, idle all the same
+    assert worker["idle_s"] >= 0 and not worker["lease"]["recalling"]
+
+
+def test_a_client_that_waits_takes_the_kept_lease_back_and_its_holder_acquires_again_unseen(pool_dir, monkeypatch):
+    write_provider(pool_dir, "one", "")  # max_replicas = 1: the second client can only have the same worker
+    with Pool() as holder:
+        pid = holder.predict("one", {"action": "echo"})["pid"]
+        answer = finish(run_client("one", {"action": "echo", "value": "other"}))  # another process, at once
+        assert answer["result"]["pid"] == pid and answer["result"]["echo"] == "other"
+        asked = []
+        original = Pool._call
+        monkeypatch.setattr(Pool, "_call", lambda self, m, expect_reply=True: asked.append(m["op"]) or original(
+            self, m, expect_reply))
+        again = holder.predict("one", {"action": "echo", "value": "holder again"})  # its lease was taken back
+    assert again["pid"] == pid and again["echo"] == "holder again"
+    assert asked.count("acquire") == 1  # refused as recalled by the worker, then acquired again

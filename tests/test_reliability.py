@@ -1,6 +1,6 @@
 """Faults, load and soak against the whole pool: what the caller sees, nothing lost, nothing leaked.
 
-`make reliability` runs this file alone and prints the table; `make test` runs it too.
+`make reliability` runs this file alone and prints the table; `make test` runs it but load and soak.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from resident_pool.host.procs import pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.reliability
-# `make reliability` runs load and soak at full size; `make test` at a size that fits its time budget.
+# Load and soak (marked soak) run under `make reliability` only, at full size there; FULL=0 gives a quick run by hand.
 FULL = os.environ.get("RESIDENT_POOL_FULL_RELIABILITY") == "1"
 
 
@@ -238,7 +238,7 @@ LOAD_CLIENT = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_load_64_clients_over_2_replicas(pool_dir, reliability_row):
     write_provider(pool_dir, "twin", "[lifecycle]\nmax_replicas = 2\n")
@@ -282,7 +282,7 @@ def _fd_targets(pid: int) -> list[str]:
     return targets
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("slug", "count", "payload"), [("echo", 50_000 if FULL else 10_000, {"x": "MKV" * 10}),
                                                         ("minilm", 2_000 if FULL else 400,

@@ -267,12 +267,17 @@ class WorkerProcess:
         """The worker's own counts (requests, failures, latency histogram), or None when it gives none in time."""
         return self._ask("stats", timeout)
 
-    def _ask(self, op: str, timeout: float | None, raise_own: bool = False) -> dict[str, Any] | None:
+    def recall(self, lease: str, timeout: float) -> dict[str, Any] | None:
+        """Take back the kept lease ``lease``: the worker refuses later requests naming it, and answers once any
+        request in flight is over (``idle_s``: how long it has been idle since); None when it gives no answer."""
+        return self._ask("recall", timeout, raise_own=False, lease=lease)
+
+    def _ask(self, op: str, timeout: float | None, raise_own: bool = False, **fields: Any) -> dict[str, Any] | None:
         timeout = self.connect_timeout_s if timeout is None else timeout
         try:
             with connect(self.socket_path, timeout=min(timeout, self.connect_timeout_s)) as conn:
                 conn.settimeout(timeout)
-                send_line(conn, {"op": op, "id": 0})
+                send_line(conn, {"op": op, "id": 0, **fields})
                 answer = recv_line(conn, bytearray())
         except OSError as exc:
             if raise_own and exc.errno in OWN_FAILURES:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from ..errors import ResidentPoolError
 from .states import StopCause
 
-__all__ = ["Action", "Exit", "Gone", "Grant", "Hibernate", "Note", "Ping", "Refuse", "ReleaseBudget", "Start",
-           "Stop", "Timings"]
+__all__ = ["Action", "Exit", "Gone", "Grant", "Hibernate", "Note", "Ping", "Recall", "Refuse", "ReleaseBudget",
+           "Start", "Stop", "Timings"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,16 @@ class Grant:
     lease: int
     rid: int
     cold: bool
+    kept: bool = False  # the client may keep it between calls (until the pool recalls it)
+
+
+@dataclass(frozen=True)
+class Recall:
+    """Take back the kept lease ``lease`` from the worker (its answer comes after any request in flight);
+    report ``recalled``."""
+
+    rid: int
+    lease: int
 
 
 @dataclass(frozen=True)
@@ -115,4 +125,4 @@ class Exit:
     why: str
 
 
-Action = Start | Stop | Ping | Hibernate | Grant | Refuse | Note | ReleaseBudget | Gone | Exit
+Action = Start | Stop | Ping | Hibernate | Recall | Grant | Refuse | Note | ReleaseBudget | Gone | Exit

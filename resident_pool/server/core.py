@@ -20,7 +20,7 @@ from ..errors import AdmissionTimeout, BreakerOpen, PoolStopping, ResidentPoolEr
 from .actions import Action, Exit, Refuse, Timings
 from .breaker import Breaker
 from .leases import Leasing
-from .lifecycle import Lifecycle
+from .lifecycle import Lifecycle, eviction_candidate, replica_rows
 from .replica import Lease, Provider, Replica, Spec, Ticket
 from .states import StopCause
 
@@ -93,10 +93,14 @@ class PoolState:
         return actions + self._assign(now, key)
 
     # -- waiting and leases ----------------------------------------------------------------------------
-    def acquire(self, now: float, key: str, connection: int, holder: dict[str, str]) -> tuple[int, list[Action]]:
-        """A client asks for a replica of ``key``: a ticket, answered by a Grant or a Refuse action."""
+    def acquire(self, now: float, key: str, connection: int, holder: dict[str, str], keep: bool = False
+                ) -> tuple[int, list[Action]]:
+        """A client asks for a replica of ``key``: a ticket, answered by a Grant or a Refuse action.
+
+        ``keep`` (Pool.predict): the client keeps the lease between calls; it counts as idle while no request
+        runs, and is recalled when another client waits, admission needs the memory, or the worker retires."""
         provider = self.providers[key]
-        ticket = self.leasing.new_ticket(now, provider, connection, holder)
+        ticket = self.leasing.new_ticket(now, provider, connection, holder, keep)
         if self.stopping:
             return ticket.id, [Refuse(ticket.id, stopping_error())]
         if provider.breaker.is_open(provider.fingerprint, now):
@@ -114,6 +118,14 @@ class PoolState:
         key = self._key(lease.rid) if lease is not None else None
         return self.leasing.released(now, lease_id, connection, outcome, served, rc) + self._assign(now, key)
 
+    def used(self, now: float, lease_id: int, connection: int, served: int) -> list[Action]:
+        self.leasing.used(now, lease_id, connection, served)
+        return []
+
+    def recalled(self, now: float, lease_id: int, idle_s: float = 0.0) -> list[Action]:
+        key, actions = self.leasing.recalled(now, lease_id, idle_s)
+        return actions + self._assign(now, key)
+
     def connection_closed(self, now: float, connection: int) -> list[Action]:
         touched, actions = self.leasing.connection_closed(now, connection)
         return actions + [a for key in sorted(touched) for a in self._assign(now, key)]
@@ -128,9 +140,9 @@ class PoolState:
     def restarted(self, now: float, rid: int, why: str) -> list[Action]:
         return self.lifecycle.restarted(now, rid, why)
 
-    def started(self, now: float, rid: int, pid: int | None) -> list[Action]:
+    def started(self, now: float, rid: int, pid: int | None, can_recall: bool = False) -> list[Action]:
         key = self._key(rid)
-        return self.lifecycle.started(now, rid, pid) + self._assign(now, key)
+        return self.lifecycle.started(now, rid, pid, can_recall) + self._assign(now, key)
 
     def start_failed(self, now: float, rid: int, error: ResidentPoolError) -> list[Action]:
         """The start ended without a worker: the request it was for hears why; an open breaker refuses the rest."""
@@ -195,7 +207,7 @@ class PoolState:
         return actions + self.stop(now, None, at_once, f"the pool is stopping ({why})", StopCause.POOL_STOPPING)[1]
 
     def eviction_candidate(self) -> tuple[int, bool, dict[int, float]] | None:
-        return self.lifecycle.eviction_candidate()
+        return eviction_candidate(self.lifecycle)
 
     def evict(self, now: float, rid: int, needed_gb: float) -> list[Action]:
         return self.lifecycle.evict(now, rid, needed_gb)
@@ -242,7 +254,7 @@ class PoolState:
                             for t in p.queue],
                 "min_replicas": p.spec.min_replicas, "max_replicas": p.spec.max_replicas,
             } for key, p in self.providers.items()},
-            "replicas": self.lifecycle.rows(now, self.leases),
+            "replicas": replica_rows(self.lifecycle, now, self.leases),
         }
 
 

@@ -11,7 +11,7 @@ import itertools
 from ..errors import ResidentPoolError
 from .actions import Action, Grant, Refuse, Timings
 from .lifecycle import Lifecycle
-from .replica import Lease, Provider, Ticket
+from .replica import Lease, Provider, Replica, Ticket
 from .states import ReplicaState
 
 __all__ = ["Leasing"]
@@ -30,8 +30,10 @@ class Leasing:
         self.leases: dict[int, Lease] = {}
         self._ids = itertools.count(1)
 
-    def new_ticket(self, now: float, provider: Provider, connection: int, holder: dict[str, str]) -> Ticket:
-        return Ticket(next(self._ids), provider.key, connection, holder, now, now + provider.spec.admission_timeout_s)
+    def new_ticket(self, now: float, provider: Provider, connection: int, holder: dict[str, str],
+                   keep: bool = False) -> Ticket:
+        return Ticket(next(self._ids), provider.key, connection, holder, now, now + provider.spec.admission_timeout_s,
+                      keep)
 
     def wait(self, ticket: Ticket) -> None:
         """Put ``ticket`` in its provider's line (served in arrival order)."""
@@ -42,26 +44,45 @@ class Leasing:
         """Hand free replicas to waiting requests in order; start (or restore) more where they may."""
         actions: list[Action] = []
         while provider.queue:
-            free = self.lifecycle.first(provider, R.READY)
+            free = self._first(provider, R.READY)
             if free is None:
                 break
             actions.append(self._lease(now, provider.queue.pop(0), free))
-        for ticket in provider.queue[self.lifecycle.coming(provider):]:
-            hibernated = self.lifecycle.first(provider, R.HIBERNATED)  # a restore costs a copy back, not a start
+        for ticket in provider.queue[self._coming(provider):]:
+            hibernated = self._first(provider, R.HIBERNATED)  # a restore costs a copy back, not a start
             if hibernated is not None:
                 actions.append(self.lifecycle.restore(now, provider, hibernated, ticket.id))
             elif self.lifecycle.live(provider) < provider.spec.max_replicas:
                 actions.append(self.lifecycle.start(now, provider, ticket.id))
+            elif (kept := self._first_kept(provider)) is not None:
+                actions += self.lifecycle.recall(now, kept)  # a kept lease is idle between calls: it yields
             else:
                 break
         return actions
 
-    def _lease(self, now: float, ticket: Ticket, replica) -> Grant:
+    def _first(self, provider: Provider, state: ReplicaState) -> Replica | None:
+        """The lowest-numbered replica in ``state`` that serves new requests."""
+        found = [r for r in provider.replicas.values() if r.state is state and self.lifecycle.serves_new_requests(r)]
+        return min(found, key=lambda r: r.index) if found else None
+
+    def _coming(self, provider: Provider) -> int:
+        """Replicas that will serve soon: starting, answering a liveness ping, or a kept lease being recalled."""
+        return sum(1 for r in provider.replicas.values()
+                   if (r.state in (R.STARTING, R.CHECKING) or r.recalling) and r.abort is None
+                   and self.lifecycle.serves_new_requests(r))
+
+    def _first_kept(self, provider: Provider) -> Replica | None:
+        """The kept lease used least recently, not already being recalled: the one to take back first."""
+        kept = [r for r in provider.replicas.values()
+                if r.kept and not r.recalling and self.lifecycle.serves_new_requests(r)]
+        return min(kept, key=lambda r: (r.last_used, r.index)) if kept else None
+
+    def _lease(self, now: float, ticket: Ticket, replica: Replica) -> Grant:
         self.tickets.pop(ticket.id, None)
         lease = Lease(next(self._ids), replica.rid, ticket.connection, ticket.holder, now)
+        cold, lease.kept = self.lifecycle.lease(replica, lease.id, ticket.keep)
         self.leases[lease.id] = lease
-        cold = self.lifecycle.lease(replica, lease.id)
-        return Grant(ticket.id, lease.id, replica.rid, cold)
+        return Grant(ticket.id, lease.id, replica.rid, cold, lease.kept)
 
     def ticket_gone(self, ticket_id: int) -> Provider | None:
         """The client waiting on ``ticket_id`` went away: its place must not hold up the rest."""
@@ -106,6 +127,23 @@ class Leasing:
         why = "its client gave up on a request in flight" if outcome == "abandoned" \
             else "its client's connection to it broke"
         return self.lifecycle.abandon(now, replica, why)
+
+    def used(self, now: float, lease_id: int, connection: int, served: int) -> None:
+        """The client of a kept lease says it served ``served`` more requests (now and then, not every call)."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.connection != connection or not lease.kept:
+            return  # recalled meanwhile, or not its own: nothing to learn
+        replica = self.lifecycle.replicas.get(lease.rid)
+        if replica is not None and replica.lease == lease_id:
+            self.lifecycle.touch(now, replica, served)
+
+    def recalled(self, now: float, lease_id: int, idle_s: float) -> tuple[str | None, list[Action]]:
+        """A kept lease is back from its worker: the lease ends, and its replica is free."""
+        lease = self.leases.pop(lease_id, None)
+        replica = self.lifecycle.replicas.get(lease.rid) if lease is not None else None
+        if replica is None or replica.lease != lease_id or not replica.recalling:
+            return None, []
+        return replica.key, self.lifecycle.recalled(now, replica, idle_s)
 
     def connection_closed(self, now: float, connection: int) -> tuple[set[str], list[Action]]:
         """A client went away (a killed flow run): each wait it had is dropped, each lease abandoned."""

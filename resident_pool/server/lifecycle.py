@@ -12,11 +12,11 @@ from typing import Any
 
 from ..errors import ResidentPoolError
 from ..exits import REFUSAL_CODES, describe_exit
-from .actions import Action, Gone, Hibernate, Note, Ping, ReleaseBudget, Start, Stop, Timings
+from .actions import Action, Gone, Hibernate, Note, Ping, Recall, ReleaseBudget, Start, Stop, Timings
 from .replica import Provider, Replica
 from .states import ReplicaState, StopCause
 
-__all__ = ["NOT_THE_PROVIDERS_FAULT", "STOP_ATTEMPTS", "Lifecycle"]
+__all__ = ["NOT_THE_PROVIDERS_FAULT", "STOP_ATTEMPTS", "Lifecycle", "eviction_candidate", "replica_rows"]
 
 R = ReplicaState
 # Start failures that say nothing about the provider (its client left, the card was full, the start was
@@ -24,6 +24,10 @@ R = ReplicaState
 NOT_THE_PROVIDERS_FAULT = frozenset({"client_gone", "no_room", "admission_timeout", "start_cancelled",
                                      "pool_stopping", "pool_error"})
 STOP_ATTEMPTS = 3  # a stop that fails is tried again, with SIGKILL, this many times in all
+# What a replica waits for in each transitional state: its overdue note names it.
+_PENDING = {R.STARTING: "its start", R.CHECKING: "its liveness ping", R.HIBERNATING: "its hibernation",
+            R.STOPPING: "its stop", R.DRAINING: "the ping of its abandoned request",
+            R.LEASED: "the recall (or liveness ping) of its kept lease"}
 
 
 class Lifecycle:
@@ -49,19 +53,9 @@ class Lifecycle:
         warm = sorted(r.index for r in self.providers[replica.key].replicas.values() if self.serves_new_requests(r))
         return replica.index in warm[:keep]
 
-    def first(self, provider: Provider, state: ReplicaState) -> Replica | None:
-        """The lowest-numbered replica in ``state`` that serves new requests."""
-        found = [r for r in provider.replicas.values() if r.state is state and self.serves_new_requests(r)]
-        return min(found, key=lambda r: r.index) if found else None
-
     def live(self, provider: Provider) -> int:
         """Replicas that count against max_replicas: those that serve new requests."""
         return sum(1 for r in provider.replicas.values() if self.serves_new_requests(r))
-
-    def coming(self, provider: Provider) -> int:
-        """Replicas that will serve soon: starting, or answering a liveness ping."""
-        return sum(1 for r in provider.replicas.values()
-                   if r.state in (R.STARTING, R.CHECKING) and self.serves_new_requests(r) and r.abort is None)
 
     # -- starts ----------------------------------------------------------------------------------------
     def start(self, now: float, provider: Provider, ticket: int | None, wait: bool = True) -> Start:
@@ -85,16 +79,43 @@ class Lifecycle:
         replica.deadline = now + spec.admission_timeout_s + spec.start_timeout_s + self.timings.report_margin_s
         return Start(replica.rid, ticket, restore=restore, wait=wait)
 
-    def lease(self, replica: Replica, lease_id: int) -> bool:
-        """A ready replica is leased; True when this is its first lease since a start (a cold one)."""
+    def lease(self, replica: Replica, lease_id: int, keep: bool = False) -> tuple[bool, bool]:
+        """A ready replica is leased: whether this is its first lease since a start (a cold one), and whether
+        the client may keep it between calls (its worker can be asked to give it back, and it serves more
+        than one lease)."""
         replica.transition(R.LEASED, "leased")
         replica.lease, replica.deadline = lease_id, None
+        replica.kept = keep and replica.can_recall and self.providers[replica.key].spec.mode != "subprocess"
         cold, replica.fresh = replica.fresh, False
-        return cold
+        return cold, replica.kept
+
+    def touch(self, now: float, replica: Replica, served: int) -> None:
+        """Its kept lease served ``served`` more requests (the client says so now and then): idle from now."""
+        replica.last_used, replica.served = now, replica.served + served
+
+    def recall(self, now: float, replica: Replica) -> list[Action]:
+        """Take back a kept lease: its worker refuses later requests on it, and answers once any request in
+        flight is over; the replica is free then (``recalled``)."""
+        if not replica.kept or replica.recalling or replica.lease is None:
+            return []
+        replica.recalling = True
+        replica.deadline = now + self.providers[replica.key].spec.request_timeout_s + self.timings.report_margin_s
+        return [Recall(replica.rid, replica.lease)]
+
+    def recalled(self, now: float, replica: Replica, idle_s: float) -> list[Action]:
+        """A kept lease came back: the replica is free (or ends, or makes room for admission)."""
+        self.unlease(now, replica, 0)
+        replica.last_used, replica.deadline = now - max(0.0, idle_s), None
+        needed, replica.evict_for = replica.evict_for, None
+        actions = self.free(now, replica)
+        if needed is not None and replica.state is R.READY:
+            actions += self.evict(now, replica.rid, needed)
+        return actions
 
     def unlease(self, now: float, replica: Replica, served: int) -> None:
         """Its lease ended, after ``served`` requests: idle time counts from now."""
         replica.lease, replica.served, replica.last_used = None, replica.served + served, now
+        replica.kept = replica.recalling = replica.checking = False
 
     def admitted(self, now: float, rid: int, device: str | None) -> list[Action]:
         """Admission placed the replica's budget (on ``device``; None where it holds no GPU budget)."""
@@ -109,11 +130,14 @@ class Lifecycle:
             replica.pid = pid
         return []
 
-    def started(self, now: float, rid: int, pid: int | None) -> list[Action]:
-        """The replica answered its first ping (or its restore's): it serves, or ends if it was called off."""
+    def started(self, now: float, rid: int, pid: int | None, can_recall: bool = False) -> list[Action]:
+        """The replica answered its first ping (or its restore's): it serves, or ends if it was called off.
+
+        ``can_recall``: its worker said it answers ``recall`` (a kept lease can be taken back from it)."""
         replica = self.replicas.get(rid)
         if replica is None or replica.state is not R.STARTING:
             return []
+        replica.can_recall = can_recall
         self.providers[replica.key].breaker.succeeded()
         replica.pid, replica.hibernated, replica.for_ticket = pid or replica.pid, False, None
         replica.last_used = replica.last_checked = now
@@ -213,7 +237,9 @@ class Lifecycle:
         if replica is None:
             return []
         if purpose == "liveness":
-            return self._checked(now, replica, answered, rc, failure) if replica.state is R.CHECKING else []
+            if replica.state is R.CHECKING or (replica.state is R.LEASED and replica.checking):
+                return self._checked(now, replica, answered, rc, failure)
+            return []
         if replica.state is not R.DRAINING or replica.lease is not None:
             return []  # decided meanwhile
         provider = self.providers[replica.key]
@@ -239,10 +265,12 @@ class Lifecycle:
 
     def _checked(self, now: float, replica: Replica, answered: bool, rc: int | None, failure: str | None
                  ) -> list[Action]:
-        replica.last_checked, replica.deadline = now, None
+        replica.last_checked, replica.deadline, replica.checking = now, None, False
         if answered or failure:
             note = [Note(replica.rid, f"the pool could not ping it ({failure}); not held against it")] if failure \
                 else []
+            if replica.state is R.LEASED:
+                return note + (self.retire(now, replica, *replica.retire) if replica.retire else [])
             if replica.retire:
                 return note + self.end(now, replica, *replica.retire)
             replica.transition(R.READY, "answered its liveness ping" if answered else "ping not sent")
@@ -334,6 +362,8 @@ class Lifecycle:
             return self.end(now, replica, cause, why, kill=True)
         if state is R.READY or (at_once and state in (R.LEASED, R.DRAINING, R.CHECKING)):
             return self.end(now, replica, cause, why, kill=at_once)
+        if state is R.LEASED and replica.kept:
+            return self.recall(now, replica)  # idle between calls: taken back after at most one request
         if state is R.LEASED:
             replica.transition(R.DRAINING, f"{why}; its lease finishes first")
         elif state is R.STARTING and at_once:
@@ -342,23 +372,12 @@ class Lifecycle:
         return []
 
     # -- eviction --------------------------------------------------------------------------------------
-    def eviction_candidate(self) -> tuple[int, bool, dict[int, float]] | None:
-        """The idle replica admission may evict first (least recently used; kept-warm ones last): its id,
-        whether it is kept warm, and the budgets every idle kept-warm replica holds, per device."""
-        idle = [(self.kept_warm(r), r.last_used, r.rid, r) for r in self.replicas.values()
-                if r.state is R.READY and r.admitted]
-        if not idle:
-            return None
-        kept, _, rid, _ = min(idle, key=lambda item: item[:3])
-        freed: dict[int, float] = {}
-        for is_kept, _, _, replica in idle:
-            if is_kept and replica.device is not None and replica.device.isdigit() and replica.budget_gb:
-                freed[int(replica.device)] = freed.get(int(replica.device), 0.0) + replica.budget_gb
-        return rid, kept, freed
-
     def evict(self, now: float, rid: int, needed_gb: float) -> list[Action]:
         """Make room for a worker needing ``needed_gb``: stop (or hibernate) the idle replica ``rid``."""
         replica = self.replicas.get(rid)
+        if replica is not None and replica.kept and not replica.recalling:
+            replica.evict_for = needed_gb  # its kept lease first: it is evicted once that is back
+            return self.recall(now, replica)
         if replica is None or replica.state is not R.READY:
             return []  # leased or stopped meanwhile: admission looks again
         why = f"evicted (idle) to make room for a worker needing {needed_gb:g} GB"
@@ -382,6 +401,14 @@ class Lifecycle:
         if state is R.DRAINING and replica.deadline is not None and replica.lease is None \
                 and now >= replica.deadline + self.timings.report_margin_s:
             return self._overdue(now, replica)
+        if replica.kept_idle():
+            if 0 < spec.idle_timeout_s <= now - replica.last_used and not self.kept_warm(replica):
+                why = f"idle for {now - replica.last_used:.1f} s (idle_timeout_s = {spec.idle_timeout_s:g})"
+                return self.retire(now, replica, StopCause.IDLE, why)  # its kept lease back, then it stops
+            if now - replica.last_checked >= spec.ping_interval_s:  # alive between calls too: it answers
+                replica.checking = True
+                replica.deadline = now + self.timings.liveness_timeout_s + self.timings.report_margin_s
+                return [Ping(replica.rid, "liveness", self.timings.liveness_timeout_s)]
         idle = replica.idle_s(now)
         if state is R.HIBERNATED and 0 < spec.idle_timeout_s <= idle:
             return self.end(now, replica, StopCause.IDLE, f"hibernated and idle for {idle:.1f} s (idle_timeout_s = "
@@ -399,22 +426,39 @@ class Lifecycle:
 
     def _overdue(self, now: float, replica: Replica) -> list[Action]:
         """A transitional state outlived its deadline: the action behind it is escalated, never left half done."""
-        what = {R.STARTING: "its start", R.CHECKING: "its liveness ping", R.HIBERNATING: "its hibernation",
-                R.STOPPING: "its stop", R.DRAINING: "the ping of its abandoned request"}.get(replica.state, "it")
+        what = _PENDING.get(replica.state, "it")
         why = f"{replica.name}: {what} did not report back in time"
         replica.last_error = self.providers[replica.key].last_error = why
         if replica.state is R.STOPPING:
             return self.stopped(now, replica.rid, failure=f"{what} did not report back in time")
         return [Note(replica.rid, why), *self.end(now, replica, StopCause.OVERDUE, why, kill=True, force=True)]
 
-    def rows(self, now: float, leases: dict[int, Any]) -> list[dict[str, Any]]:
-        """Plain data per replica, for status and metrics."""
-        return [{
-            "rid": r.rid, "key": r.key, "slug": self.providers[r.key].slug, "replica": r.index,
-            "state": r.state.value, "version": r.version, "current": r.version == self.providers[r.key].version,
-            "pid": r.pid, "device": r.device, "budget_gb": r.budget_gb, "served": r.served,
-            "idle_s": round(r.idle_s(now), 1), "retiring": r.retire[1] if r.retire else None,
-            "last_error": r.last_error, "kept_warm": self.kept_warm(r),
-            "lease": None if r.lease is None or r.lease not in leases else {
-                "id": r.lease, "holder": leases[r.lease].holder, "age_s": round(now - leases[r.lease].since, 1)},
-        } for r in sorted(self.replicas.values(), key=lambda r: (r.key, r.index))]
+
+def replica_rows(lifecycle: Lifecycle, now: float, leases: dict[int, Any]) -> list[dict[str, Any]]:
+    """Plain data per replica, for status and metrics."""
+    providers = lifecycle.providers
+    return [{
+        "rid": r.rid, "key": r.key, "slug": providers[r.key].slug, "replica": r.index,
+        "state": r.state.value, "version": r.version, "current": r.version == providers[r.key].version,
+        "pid": r.pid, "device": r.device, "budget_gb": r.budget_gb, "served": r.served,
+        "idle_s": round(r.idle_s(now), 1), "retiring": r.retire[1] if r.retire else None,
+        "last_error": r.last_error, "kept_warm": lifecycle.kept_warm(r),
+        "lease": None if r.lease is None or r.lease not in leases else {
+            "id": r.lease, "holder": leases[r.lease].holder, "age_s": round(now - leases[r.lease].since, 1),
+            "kept": r.kept, "recalling": r.recalling},
+    } for r in sorted(lifecycle.replicas.values(), key=lambda r: (r.key, r.index))]
+
+
+def eviction_candidate(lifecycle: Lifecycle) -> tuple[int, bool, dict[int, float]] | None:
+    """The idle replica admission may evict first (least recently used; kept-warm ones last): its id,
+    whether it is kept warm, and the budgets every idle kept-warm replica holds, per device."""
+    idle = [(lifecycle.kept_warm(r), r.last_used, r.rid, r) for r in lifecycle.replicas.values()
+            if r.admitted and (r.state is R.READY or (r.kept and not r.recalling))]
+    if not idle:
+        return None
+    kept, _, rid, _ = min(idle, key=lambda item: item[:3])
+    freed: dict[int, float] = {}
+    for is_kept, _, _, replica in idle:
+        if is_kept and replica.device is not None and replica.device.isdigit() and replica.budget_gb:
+            freed[int(replica.device)] = freed.get(int(replica.device), 0.0) + replica.budget_gb
+    return rid, kept, freed

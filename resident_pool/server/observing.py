@@ -42,6 +42,7 @@ log = logging.getLogger("resident_pool.pool")
 # this often; a provider's transcripts are pruned at most this often after its workers stop
 # (a subprocess-mode provider starts one per request, and pruning reads /proc).
 STATS_INTERVAL_S = 1.0
+KEPT_STATS_INTERVAL_S = 5.0
 STATS_TIMEOUT_S = 2.0
 GPU_SAMPLE_S = 2.0
 PRUNE_INTERVAL_S = 5.0
@@ -124,9 +125,13 @@ class Observer:
         with self._lock:
             for row in state["replicas"]:
                 measured = self.measured.setdefault(row["rid"], Measured())
-                if (row["state"] == ReplicaState.READY and not measured.collecting
-                        and row["served"] != measured.stats_served and now - measured.stats_at >= STATS_INTERVAL_S
-                        and row["rid"] in workers):
+                # A kept lease (Pool.predict) tells the pool of its requests only now and then: its worker's
+                # counts are asked for every few seconds instead, between its requests.
+                kept = row["state"] == ReplicaState.LEASED and (row["lease"] or {}).get("kept")
+                if ((row["state"] == ReplicaState.READY and row["served"] != measured.stats_served
+                     and now - measured.stats_at >= STATS_INTERVAL_S)
+                        or (kept and now - measured.stats_at >= KEPT_STATS_INTERVAL_S)) \
+                        and not measured.collecting and row["rid"] in workers:
                     measured.collecting = True
                     due.append((workers[row["rid"]], row["served"]))
         for worker, served in due:
@@ -152,7 +157,9 @@ class Observer:
     def collect_stats(self, worker: Any, timeout: float = STATS_TIMEOUT_S, served: int | None = None) -> None:
         """Fold the worker's own counts into the metrics (it answers between requests)."""
         pid = worker.process.pid
-        answer = worker.process.stats(timeout=timeout) if pid and worker.process.returncode is None else None
+        # Never behind a request in flight: the worker answers one at a time, and a kept lease's caller waits.
+        asked = pid and worker.process.returncode is None and worker.process.in_flight_s() is None
+        answer = worker.process.stats(timeout=timeout) if asked else None
         with self._lock:
             measured = self.measured.setdefault(worker.rid, Measured())
             measured.collecting = False

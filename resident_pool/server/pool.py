@@ -20,7 +20,7 @@ from typing import Any
 from ..admission import Admission, Ledger
 from ..errors import ResidentPoolError
 from ..host import paths
-from ..messages import Acquire, LeaseGrant, Release, StopWorkers, Warm
+from ..messages import Acquire, LeaseGrant, Release, StopWorkers, Used, Warm
 from ..providers.hibernate import CudaCheckpoint, Hibernator
 from ..providers.jit_cache import JitSizes
 from ..providers.worker_process import HEARTBEAT_INTERVAL_S
@@ -83,7 +83,7 @@ class PoolServer:
             "hello": self._op_hello, "acquire": self._op_acquire, "release": self._op_release,
             "status": lambda m, conn: {"ok": True, **self.status()},
             "waiting": lambda m, conn: {"ok": True, "waiting": self.waiting()},
-            "stop": self._op_stop, "shutdown": self._op_shutdown, "warm": self._op_warm,
+            "stop": self._op_stop, "shutdown": self._op_shutdown, "warm": self._op_warm, "used": self._op_used,
             "metrics": lambda m, conn: {"ok": True, "text": self.observer.metrics.render()},
         }, frozenset({"acquire", "stop", "warm"}), self._closed, config.max_connections, config.keepalive_s,
             self.tick_s, str(paths.log_dir() / "pool.log"))
@@ -216,7 +216,7 @@ class PoolServer:
         key = self._provider(ask.slug, ask.manifests, ask.variant)
         waiter = Waiter(threading.Event(), connection.progress)
         with self.runtime.lock:
-            ticket, actions = self.core.acquire(time.monotonic(), key, connection.id, ask.holder or {})
+            ticket, actions = self.core.acquire(time.monotonic(), key, connection.id, ask.holder or {}, ask.keep)
             self.runtime.waiters[ticket] = waiter
             later = self.runtime.settle(actions)
         self.runtime.carry_out(later)
@@ -238,6 +238,11 @@ class PoolServer:
     def _op_release(self, message: dict[str, Any], connection: Connection) -> dict[str, Any] | None:
         release = Release.parse(message)
         return self.runtime.release(release, connection.id)
+
+    def _op_used(self, message: dict[str, Any], connection: Connection) -> None:
+        used = Used.parse(message)
+        self.runtime.event("used", used.lease, connection.id, used.served)
+        # no answer: the client does not wait for one
 
     def _op_stop(self, message: dict[str, Any], connection: Connection) -> dict[str, Any]:
         ask = StopWorkers.parse(message)

@@ -41,6 +41,7 @@ class Ticket:
     holder: dict[str, str]
     arrived: float
     deadline: float  # it gives up waiting for a free replica then (admission_timeout_s)
+    keep: bool = False  # Pool.predict's: the client keeps the lease between calls until the pool recalls it
 
 
 @dataclass(eq=False)
@@ -52,6 +53,7 @@ class Lease:
     connection: int
     holder: dict[str, str]
     since: float
+    kept: bool = False  # held between calls (Pool.predict): idle while no request runs, recalled when wanted
 
 
 @dataclass(eq=False)
@@ -75,6 +77,11 @@ class Replica:
     last_used: float = 0.0
     last_checked: float = 0.0
     served: int = 0
+    kept: bool = False  # its lease is a kept one: idle between calls, recalled when another needs it
+    recalling: bool = False  # its kept lease is being taken back (after the request in flight, if any)
+    checking: bool = False  # a liveness ping of its kept lease (between calls) is out
+    evict_for: float | None = None  # the GB admission needs: evicted once its kept lease is back
+    can_recall: bool = False  # its worker answers ``recall`` (every worker on our worker_base does)
     probes: int = 0  # pings of an abandoned request so far
     stop_attempts: int = 0
     pid: int | None = None
@@ -99,9 +106,14 @@ class Replica:
         """Started or starting, and not on its way out."""
         return self.state not in (ReplicaState.STOPPING, ReplicaState.STOPPED, ReplicaState.FAILED)
 
+    def kept_idle(self) -> bool:
+        """Held by a kept lease between calls, and not being taken back or checked."""
+        return self.state is ReplicaState.LEASED and self.kept and not self.recalling and not self.checking
+
     def idle_s(self, now: float) -> float:
-        """Idle time counts only while nobody holds it: ready, or hibernated."""
-        idle = self.state in (ReplicaState.READY, ReplicaState.HIBERNATED)
+        """Idle time counts only while nobody holds it (ready, hibernated), or between the calls of a kept lease."""
+        idle = self.state in (ReplicaState.READY, ReplicaState.HIBERNATED) or (
+            self.state is ReplicaState.LEASED and self.kept)
         return now - self.last_used if idle else 0.0
 
 

@@ -8,6 +8,7 @@ choice is to be made, it asks the core.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -99,14 +100,21 @@ class Runtime:
         self.by_lease: dict[int, Worker] = {}  # the worker each lease holds, kept past the replica's end
         self.waiters: dict[int, Waiter] = {}
         self.start_errors: dict[int, ResidentPoolError] = {}  # for warm-ups waiting on their starts
+        self.nonce = secrets.token_hex(8)  # lease tokens of this pool never name another pool's lease
         self.on_exit: Callable[[str], None] = lambda why: None
 
     # -- events in, actions out -----------------------------------------------------------------
-    def event(self, name: str, *args: Any, inline: bool = False) -> Any:
-        """Report ``name`` to the core under the lock, then carry out what it decided."""
+    def event(self, name: str, *args: Any, inline: bool = False, noted: Callable[[], None] | None = None) -> Any:
+        """Report ``name`` to the core under the lock, then carry out what it decided.
+
+        ``noted`` runs once the core has decided, before any waiting client hears the answer: what a client
+        reads next (the events stream) already says what happened.
+        """
         with self.lock:
             result = getattr(self.core, name)(self.clock(), *args)
             actions = result[1] if isinstance(result, tuple) else result
+            if noted is not None:
+                noted()
             later = self.settle(actions)
             self.changed.notify_all()
         self.carry_out(later, inline=inline)
@@ -142,8 +150,10 @@ class Runtime:
                 self.on_exit(action.why)
             else:
                 run = {c.Start: self._start, c.Stop: self._stop, c.Ping: self._ping,
-                       c.Hibernate: self._hibernate}[type(action)]
-                if inline:
+                       c.Hibernate: self._hibernate, c.Recall: self._recall}[type(action)]
+                if inline and isinstance(action, c.Recall):
+                    self._recall(action, inline=True)  # an eviction: the stop after it runs here too
+                elif inline:
                     run(action)
                 else:
                     self._thread(run, action)
@@ -184,18 +194,19 @@ class Runtime:
             if self._called_off(action.rid):
                 raise WorkerStartError(f"{worker.loaded.slug}: the start was called off", slug=worker.loaded.slug,
                                        reason="start_cancelled")
-            if not (action.restore and self._restored(worker)):
-                self._spawn(worker, env)
+            answer = self._restored(worker) if action.restore else None
+            if answer is None:
+                answer = self._spawn(worker, env)
         except Exception as exc:  # noqa: BLE001 - whatever ends a start, its replica hears of it and is decided again
             error = self._start_error(action.rid, worker, exc, key)
             if not action.wait and error.reason == "no_room":
                 log.info("%s: could not keep a worker warm now: %s", key, error.headline)
-            self.event("start_failed", action.rid, error)
-            if worker is not None:
-                self.observer.on_start_failed(worker, error)
+            self.event("start_failed", action.rid, error,
+                       noted=(lambda: self.observer.on_start_failed(worker, error)) if worker is not None else None)
             return
-        self.event("started", action.rid, worker.pid)
-        self.observer.on_started(worker, self.clock() - began)
+        took = self.clock() - began
+        self.event("started", action.rid, worker.pid, bool(answer.get("recall")),
+                   noted=lambda: self.observer.on_started(worker, took))
 
     def _admit(self, worker: Worker, action: c.Start, waiter: Waiter | None) -> dict[str, str]:
         manifest = worker.loaded.manifest
@@ -228,7 +239,7 @@ class Runtime:
             replica = self.core.replica(rid)
             return replica is None or replica.abort is not None
 
-    def _spawn(self, worker: Worker, env: dict[str, str]) -> None:
+    def _spawn(self, worker: Worker, env: dict[str, str]) -> dict[str, Any]:
         loaded, process = worker.loaded, worker.process
         process.device = env.get("CUDA_VISIBLE_DEVICES")
         launch = Launch.of(command_builder(loaded.manifest)(process))
@@ -242,8 +253,8 @@ class Runtime:
                 self.admission.started(worker)  # the ledger names the loading worker from now on
             self.event("spawned", worker.rid, pid)
 
-        process.start(launch, env, spawner=self.zygotes.spawner(loaded.manifest, launch), on_spawn=spawned,
-                      cancelled=lambda: self._abort_reason(worker.rid))
+        return process.start(launch, env, spawner=self.zygotes.spawner(loaded.manifest, launch), on_spawn=spawned,
+                             cancelled=lambda: self._abort_reason(worker.rid))
 
     def _abort_reason(self, rid: int) -> str | None:
         with self.lock:
@@ -252,14 +263,15 @@ class Runtime:
                 return "it was forgotten"
             return replica.abort[1] if replica.abort else None
 
-    def _restored(self, worker: Worker) -> bool:
-        """Restore a hibernated worker (admitted already); False when it is to start afresh instead."""
+    def _restored(self, worker: Worker) -> dict[str, Any] | None:
+        """Restore a hibernated worker (admitted already): its first answer; None when it starts afresh instead."""
         hibernation, worker.hibernation = worker.hibernation, None
         if hibernation is None:
-            return False
+            return None
         try:
             self.hibernator.restore(worker.process)
-            if worker.process.ping(timeout=self.core.timings.liveness_timeout_s) is None:
+            answer = worker.process.ping(timeout=self.core.timings.liveness_timeout_s)
+            if answer is None:
                 raise CheckpointError(f"it did not answer a ping within {self.core.timings.liveness_timeout_s:g} s "
                                       "of its restore")
         except CheckpointError as exc:
@@ -270,9 +282,9 @@ class Runtime:
             worker.process = WorkerProcess(worker.loaded.slug, worker.index, state_dir=self.state_dir,
                                            start_timeout_s=worker.loaded.manifest.lifecycle.start_timeout_s)
             self.event("restarted", worker.rid, f"{worker.slug}[{worker.index}]: {why}")
-            return False
+            return None
         self.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}] restored from hibernation")
-        return True
+        return answer
 
     def _start_error(self, rid: int, worker: Worker | None, exc: Exception, key: str) -> ResidentPoolError:
         if isinstance(exc, ResidentPoolError):
@@ -311,11 +323,14 @@ class Runtime:
         worker = self.workers.get(action.rid)
         if worker is None:
             return
-        try:
-            answer = worker.process.ping(timeout=action.timeout_s, raise_own=True)
+        busy = action.purpose == "liveness" and worker.process.in_flight_s() is not None
+        try:  # a request in flight (a kept lease's) answers for the worker: it is alive and computing
+            answer = {"busy": True} if busy else worker.process.ping(timeout=action.timeout_s, raise_own=True)
         except OSError as exc:
             self.event("pinged", action.rid, action.purpose, False, None, f"{type(exc).__name__}: {exc}")
             return
+        if answer is None and action.purpose == "liveness" and worker.process.in_flight_s() is not None:
+            answer = {"busy": True}  # a request began after the look and held the ping up: alive
         rc = None
         if answer is None:
             # Its socket closes a moment before it can be reaped: wait that moment, or a death reads as a hang.
@@ -323,6 +338,26 @@ class Runtime:
         elif action.purpose == "liveness":
             self.observer.collect_stats(worker)  # still checking: the worker is idle
         self.event("pinged", action.rid, action.purpose, answer is not None, rc)
+
+    def _recall(self, action: c.Recall, inline: bool = False) -> None:
+        worker = self.workers.get(action.rid)
+        if worker is None:
+            return
+        # Answered once any request in flight is over: as long as a request may run, and a little more.
+        timeout = worker.loaded.manifest.lifecycle.request_timeout_s + self.core.timings.report_margin_s
+        answer = worker.process.recall(self.token(action.lease), timeout)
+        if answer is not None:
+            idle = answer.get("idle_s")
+            self.event("recalled", action.lease, float(idle) if isinstance(idle, int | float) else 0.0, inline=inline)
+            return
+        rc = worker.process.wait_dead(DEATH_WAIT_S)
+        if rc is not None:
+            self.event("exited", action.rid, rc)
+        # else: no answer from a live worker; the core's deadline on the recall escalates it
+
+    def token(self, lease: int) -> str:
+        """What names lease ``lease`` to its worker (which refuses it once recalled)."""
+        return f"{self.nonce}-{lease}"
 
     def _hibernate(self, action: c.Hibernate) -> None:
         worker = self.workers[action.rid]
@@ -357,6 +392,8 @@ class Runtime:
         """Heartbeats, deaths between requests, and the core's clock: idle, liveness, overdue, quiet."""
         with self.lock:
             workers = list(self.workers.values())
+            for lease in [lease for lease in self.by_lease if lease not in self.core.leases]:
+                del self.by_lease[lease]  # recalled, or its client went away: its release finds nothing
         for worker in workers:
             if beat:  # a worker still loading its model counts on it too
                 worker.process.beat()
@@ -397,7 +434,8 @@ class Runtime:
                           socket=process.socket_path, cold=grant.cold, transcript=process.transcript_path,
                           request_timeout_s=manifest.lifecycle.request_timeout_s, device=process.device,
                           version=worker.loaded.version,
-                          kit=process.launch.kit if process.launch is not None else None)
+                          kit=process.launch.kit if process.launch is not None else None,
+                          token=self.token(grant.lease), kept=grant.kept)
 
     def release(self, release: Release, connection: int) -> dict[str, Any] | None:
         """A lease ends; what the client's last request saw is turned into a fact first (did the worker die?)."""
@@ -408,8 +446,8 @@ class Runtime:
                                         "only its own leases", reason="bad_request")
             worker = self.by_lease.pop(release.lease, None) if lease is not None else None
         quiet = release.outcome in ("ok", "abandoned")  # the client does not wait for an answer to these
-        if worker is None:
-            return None if quiet else {"ok": True}
+        if worker is None:  # ended already (a kept lease recalled, a stop --now): the client may acquire again
+            return None if quiet else {"ok": True, "gone": True}
         outcome, rc, answer = release.outcome, None, {"ok": True}
         book, slug = self.observer.metrics.book, worker.loaded.slug
         if outcome == "exiting":
