@@ -69,7 +69,7 @@ class Lifecycle:
         return self._starting(now, provider, replica, ticket, wait=wait)
 
     def restore(self, now: float, provider: Provider, replica: Replica, ticket: int) -> Start:
-        replica.transition(R.STARTING, "its lease restores it from hibernation")
+        replica.transition(R.STARTING, "its lease restores it from hibernation")  # a start: admission, then restore
         return self._starting(now, provider, replica, ticket, restore=True)
 
     def _starting(self, now: float, provider: Provider, replica: Replica, ticket: int | None,
@@ -125,8 +125,7 @@ class Lifecycle:
         return []
 
     def spawned(self, now: float, rid: int, pid: int) -> list[Action]:
-        replica = self.replicas.get(rid)
-        if replica is not None and replica.state is R.STARTING:
+        if (replica := self.replicas.get(rid)) is not None and replica.state is R.STARTING:
             replica.pid = pid
         return []
 
@@ -267,8 +266,7 @@ class Lifecycle:
                  ) -> list[Action]:
         replica.last_checked, replica.deadline, replica.checking = now, None, False
         if answered or failure:
-            note = [Note(replica.rid, f"the pool could not ping it ({failure}); not held against it")] if failure \
-                else []
+            note = [Note(replica.rid, f"the pool could not ping it ({failure}); not its fault")] if failure else []
             if replica.state is R.LEASED:
                 return note + (self.retire(now, replica, *replica.retire) if replica.retire else [])
             if replica.retire:

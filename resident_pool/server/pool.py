@@ -30,10 +30,11 @@ from ..version import __version__
 from . import actions as c
 from .actions import Timings
 from .core import PoolState, stopping_error
+from .handles import Waiter
 from .lifecycle import STOP_ATTEMPTS
 from .observing import Observer
 from .registry import Registry, spec_of
-from .runtime import Runtime, Waiter
+from .runtime import Runtime
 from .states import ReplicaState
 from .wire import Connection, Wire
 

@@ -12,68 +12,25 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..admission import Admission, read_devices
-from ..errors import ResidentPoolError, WorkerStartError
+from ..admission import Admission
+from ..errors import ResidentPoolError
 from ..messages import LeaseGrant, Release
-from ..providers.hibernate import CheckpointError, Hibernation, Hibernator
-from ..providers.kit_rules import stray_variables
-from ..providers.launch import command_builder
-from ..providers.supervisor import CpuOnly
-from ..providers.worker_process import DEATH_WAIT_S, Launch, WorkerProcess
+from ..providers.hibernate import CheckpointError, Hibernator
+from ..providers.worker_process import DEATH_WAIT_S
 from ..providers.zygote import Zygotes
 from . import actions as c
 from .core import PoolState
-from .registry import Loaded, Registry
+from .handles import Waiter, Worker
+from .registry import Registry
+from .starts import Starter
 from .states import ReplicaState, StopCause
 
-__all__ = ["Runtime", "Worker"]
+__all__ = ["Runtime"]
 
 log = logging.getLogger("resident_pool.pool")
-
-
-@dataclass(eq=False)
-class Worker:
-    """What the runtime holds for one replica: its process, and where its GPU budget was admitted."""
-
-    rid: int
-    slug: str
-    index: int
-    budget_gb: float | None
-    loaded: Loaded
-    process: WorkerProcess
-    admitter: Any = None  # what admitted its budget, told when it is gone
-    hibernation: Hibernation | None = None
-    stopped_on_purpose: bool = False
-
-    # Admission and the ledger know a worker by slug, replica number, budget and pid.
-    @property
-    def replica(self) -> int:
-        return self.index
-
-    @property
-    def vram_budget_gb(self) -> float | None:
-        return self.budget_gb
-
-    @property
-    def manifest(self) -> Any:
-        return self.loaded.manifest
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
-
-@dataclass
-class Waiter:
-    """A client waiting for its ticket's answer (a Grant or a Refuse), and how to tell it of a wait."""
-
-    event: threading.Event
-    progress: Callable[[dict[str, Any]], None] | None
-    answer: c.Grant | c.Refuse | None = None
 
 
 _KEPT_START_ERRORS = 64  # the last failed starts, for warm-ups that wait on them
@@ -102,6 +59,7 @@ class Runtime:
         self.start_errors: dict[int, ResidentPoolError] = {}  # for warm-ups waiting on their starts
         self.nonce = secrets.token_hex(8)  # lease tokens of this pool never name another pool's lease
         self.on_exit: Callable[[str], None] = lambda why: None
+        self.starter = Starter(self)
 
     # -- events in, actions out -----------------------------------------------------------------
     def event(self, name: str, *args: Any, inline: bool = False, noted: Callable[[], None] | None = None) -> Any:
@@ -174,132 +132,19 @@ class Runtime:
 
     # -- starting ---------------------------------------------------------------------------------
     def _start(self, action: c.Start) -> None:
+        self.starter.run(action)
+
+    def adopt(self, worker: Worker) -> None:
+        """A start made ``worker``'s process: it is the runtime's from now on."""
         with self.lock:
-            replica = self.core.replica(action.rid)
-            if replica is None:
-                return
-            key, index, budget = replica.key, replica.index, replica.budget_gb
-            worker = self.workers.get(action.rid)
-            waiter = self.waiters.get(action.ticket) if action.ticket is not None else None
-        began = self.clock()
-        try:
-            if worker is None:
-                loaded = self.registry.get(key)
-                process = WorkerProcess(loaded.slug, index, state_dir=self.state_dir,
-                                        start_timeout_s=loaded.manifest.lifecycle.start_timeout_s)
-                worker = Worker(action.rid, key, index, budget, loaded, process)
-                with self.lock:
-                    self.workers[action.rid] = worker
-            env = self._admit(worker, action, waiter)
-            if self._called_off(action.rid):
-                raise WorkerStartError(f"{worker.loaded.slug}: the start was called off", slug=worker.loaded.slug,
-                                       reason="start_cancelled")
-            answer = self._restored(worker) if action.restore else None
-            if answer is None:
-                answer = self._spawn(worker, env)
-        except Exception as exc:  # noqa: BLE001 - whatever ends a start, its replica hears of it and is decided again
-            error = self._start_error(action.rid, worker, exc, key)
-            if not action.wait and error.reason == "no_room":
-                log.info("%s: could not keep a worker warm now: %s", key, error.headline)
-            self.event("start_failed", action.rid, error,
-                       noted=(lambda: self.observer.on_start_failed(worker, error)) if worker is not None else None)
-            return
-        took = self.clock() - began
-        self.event("started", action.rid, worker.pid, bool(answer.get("recall")),
-                   noted=lambda: self.observer.on_started(worker, took))
+            self.workers[worker.rid] = worker
 
-    def _admit(self, worker: Worker, action: c.Start, waiter: Waiter | None) -> dict[str, str]:
-        manifest = worker.loaded.manifest
-        admitter = None if manifest.gpu.policy == "none" else (
-            CpuOnly() if manifest.gpu.policy == "recommended" and not read_devices()[0] else self.admission)
-        if not worker.budget_gb or admitter is None:
-            self.event("admitted", action.rid, None)
-            return {}
-        asked = self.clock()
-        device = int(worker.hibernation.device) if worker.hibernation is not None and worker.hibernation.device \
-            else None
-        def report(wait: dict[str, Any]) -> None:
-            log.info("%s waits for %g GB (%.0f s so far); free %s; held by %s", wait["slug"], wait["needs_gb"],
-                     wait["waited_s"], wait["free"], "; ".join(wait["holders"]) or "nobody in the pool")
-            if waiter is not None and waiter.progress is not None:
-                waiter.progress({"waiting_for_admission": wait})
-
-        try:
-            env = dict(admitter.admit(worker, wait=action.wait, device=device, on_wait=report,
-                                      cancelled=lambda: self._called_off(action.rid)))
-        finally:
-            if admitter is self.admission:
-                self.observer.on_admission(worker.loaded.slug, self.clock() - asked)
-        worker.admitter = admitter
-        self.event("admitted", action.rid, env.get("CUDA_VISIBLE_DEVICES"))
-        return env
-
-    def _called_off(self, rid: int) -> bool:
-        with self.lock:
-            replica = self.core.replica(rid)
-            return replica is None or replica.abort is not None
-
-    def _spawn(self, worker: Worker, env: dict[str, str]) -> dict[str, Any]:
-        loaded, process = worker.loaded, worker.process
-        process.device = env.get("CUDA_VISIBLE_DEVICES")
-        launch = Launch.of(command_builder(loaded.manifest)(process))
-        if loaded.strip_kit:  # stock without the kit: none of its variables, even under passthrough "*"
-            import os
-
-            launch = replace(launch, env={**launch.env, **stray_variables(loaded.strip_kit, os.environ, set())})
-
-        def spawned(pid: int) -> None:
-            if worker.admitter is self.admission:
-                self.admission.started(worker)  # the ledger names the loading worker from now on
-            self.event("spawned", worker.rid, pid)
-
-        return process.start(launch, env, spawner=self.zygotes.spawner(loaded.manifest, launch), on_spawn=spawned,
-                             cancelled=lambda: self._abort_reason(worker.rid))
-
-    def _abort_reason(self, rid: int) -> str | None:
-        with self.lock:
-            replica = self.core.replica(rid)
-            if replica is None:
-                return "it was forgotten"
-            return replica.abort[1] if replica.abort else None
-
-    def _restored(self, worker: Worker) -> dict[str, Any] | None:
-        """Restore a hibernated worker (admitted already): its first answer; None when it starts afresh instead."""
-        hibernation, worker.hibernation = worker.hibernation, None
-        if hibernation is None:
-            return None
-        try:
-            self.hibernator.restore(worker.process)
-            answer = worker.process.ping(timeout=self.core.timings.liveness_timeout_s)
-            if answer is None:
-                raise CheckpointError(f"it did not answer a ping within {self.core.timings.liveness_timeout_s:g} s "
-                                      "of its restore")
-        except CheckpointError as exc:
-            why = f"its restore from hibernation failed ({exc}); stopped, and a fresh worker started"
-            worker.process.note(why)
-            self.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}]: {why}")
-            worker.process.kill(grace_s=self.kill_grace_s)
-            worker.process = WorkerProcess(worker.loaded.slug, worker.index, state_dir=self.state_dir,
-                                           start_timeout_s=worker.loaded.manifest.lifecycle.start_timeout_s)
-            self.event("restarted", worker.rid, f"{worker.slug}[{worker.index}]: {why}")
-            return None
-        self.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}] restored from hibernation")
-        return answer
-
-    def _start_error(self, rid: int, worker: Worker | None, exc: Exception, key: str) -> ResidentPoolError:
-        if isinstance(exc, ResidentPoolError):
-            error = exc
-        else:
-            transcript = worker.process.transcript_path if worker is not None else None
-            error = WorkerStartError(f"{key}: could not start a worker: {type(exc).__name__}: {exc}", slug=key,
-                                     transcript=transcript)
-        if worker is not None and worker.process.proc is not None and worker.process.returncode is None:
-            worker.process.kill(grace_s=self.kill_grace_s)
+    def keep_error(self, rid: int, error: ResidentPoolError) -> None:
+        """A failed start's error, for a warm-up waiting on it (the last few only)."""
         with self.lock:
             self.start_errors[rid] = error
             while len(self.start_errors) > _KEPT_START_ERRORS:
                 del self.start_errors[next(iter(self.start_errors))]
-        return error
 
     # -- stopping, pinging, hibernating ------------------------------------------------------------
     def _stop(self, action: c.Stop) -> None:

@@ -1,0 +1,56 @@
+"""What the runtime holds beside the core's records: each replica's process, each waiting client's answer."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..providers.hibernate import Hibernation
+from ..providers.worker_process import WorkerProcess
+from . import actions as c
+from .registry import Loaded
+
+__all__ = ["Waiter", "Worker"]
+
+
+@dataclass(eq=False)
+class Worker:
+    """What the runtime holds for one replica: its process, and where its GPU budget was admitted."""
+
+    rid: int
+    slug: str
+    index: int
+    budget_gb: float | None
+    loaded: Loaded
+    process: WorkerProcess
+    admitter: Any = None  # what admitted its budget, told when it is gone
+    hibernation: Hibernation | None = None
+    stopped_on_purpose: bool = False
+
+    # Admission and the ledger know a worker by slug, replica number, budget and pid.
+    @property
+    def replica(self) -> int:
+        return self.index
+
+    @property
+    def vram_budget_gb(self) -> float | None:
+        return self.budget_gb
+
+    @property
+    def manifest(self) -> Any:
+        return self.loaded.manifest
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+
+@dataclass
+class Waiter:
+    """A client waiting for its ticket's answer (a Grant or a Refuse), and how to tell it of a wait."""
+
+    event: threading.Event
+    progress: Callable[[dict[str, Any]], None] | None
+    answer: c.Grant | c.Refuse | None = None
