@@ -27,9 +27,9 @@ JOBS ?= 4
 test: setup
 	$(PY) -m pytest -n $(JOBS) -m "not soak"
 
-# Before every commit: no pool, Prefect server, browser or stack started (about a minute).
+# Before every commit: the unit tests and the decision core, plus a few real paths through a pool (smoke).
 test-fast: setup
-	$(PY) -m pytest -n $(JOBS) -m "not e2e and not soak"
+	$(PY) -m pytest -n $(JOBS) -m "(not e2e or smoke) and not soak"
 
 # Faults, hostile input, isolation, load and soak; prints the reliability table at the end.
 reliability: setup

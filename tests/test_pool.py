@@ -60,6 +60,7 @@ def finish(proc, timeout=60):
     return json.loads(out)
 
 
+@pytest.mark.smoke
 @both_ways
 def test_a_second_process_is_served_by_the_worker_the_first_started(pool_dir, way):
     copy_echo(pool_dir)
@@ -78,6 +79,7 @@ def test_a_second_process_is_served_by_the_worker_the_first_started(pool_dir, wa
     assert state["providers"]["echo"]["start"]["way"] == way
 
 
+@pytest.mark.smoke
 def test_budgets_never_oversubscribe_and_waiters_go_in_arrival_order_after_eviction(pool_dir, monkeypatch, tmp_path):
     audit = tmp_path / "ledger-audit.jsonl"
     monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")
@@ -268,6 +270,7 @@ def test_a_warm_pool_predict_is_one_round_trip_to_the_worker_and_asks_the_pool_n
     assert worker["idle_s"] >= 0 and not worker["lease"]["recalling"]
 
 
+@pytest.mark.smoke
 def test_a_client_that_waits_takes_the_kept_lease_back_and_its_holder_acquires_again_unseen(pool_dir, monkeypatch):
     write_provider(pool_dir, "one", "")  # max_replicas = 1: the second client can only have the same worker
     with Pool() as holder:
