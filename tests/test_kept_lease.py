@@ -1,4 +1,5 @@
-"""Review r22: the kept lease of Pool.predict with real pool, client and worker processes (each fails at 94b768c)."""
+"""The kept lease of Pool.predict with real pool, client and worker processes: an outside review's findings, each
+seen failing before its fix."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from resident_pool import Pool
 from resident_pool.host.procs import pid_alive
 
 
-def test_r22_the_pool_starts_a_worker_at_all(pool_dir):
+def test_the_pool_starts_a_worker_at_all(pool_dir):
     """At 94b768c every start fails: server/starts.py line 54 writes ``self.workers[action.rid]`` on the Starter,
     which has no ``workers`` (the runtime has): AttributeError, reported as WorkerStartError "could not start a
     worker: AttributeError: 'Starter' object has no attribute 'workers'". Every Pool.predict, session, warm and
@@ -40,7 +41,7 @@ def _transcripts(slug):
     return "\n".join(p.read_text() for p in sorted(logs.glob(f"{slug}-*.log")))
 
 
-def test_r22_a_kept_lease_busy_with_a_long_request_is_not_retired_as_idle(pool_dir):
+def test_a_kept_lease_busy_with_a_long_request_is_not_retired_as_idle(pool_dir):
     """The core counts a kept lease idle from its last `used` notice, also while a request runs on it (it cannot
     know), so a request longer than idle_timeout_s gets the worker retired for idleness the moment it ends: the
     next call pays a cold start. The README: a kept lease counts as idle only "while no request is in flight"."""
@@ -55,7 +56,7 @@ def test_r22_a_kept_lease_busy_with_a_long_request_is_not_retired_as_idle(pool_d
         + "; ".join(line for line in _transcripts("slow").splitlines() if "idle" in line))
 
 
-def test_r22_admission_evicts_an_idle_worker_before_a_kept_lease_with_a_request_in_flight(pool_dir, monkeypatch):
+def test_admission_evicts_an_idle_worker_before_a_kept_lease_with_a_request_in_flight(pool_dir, monkeypatch):
     """Capacity 10 GB: a4 is busy (a kept lease, an 8 s request in flight), b4 is idle (ready, used more recently),
     c4 needs 4 GB. eviction_candidate counts every kept lease not being recalled as idle, by its last `used`
     notice, so it picks the busy a4 over the idle b4; the runtime's inline recall then holds c4's admission
@@ -80,7 +81,7 @@ def test_r22_admission_evicts_an_idle_worker_before_a_kept_lease_with_a_request_
     assert "evicted" in _transcripts("b4")
 
 
-def test_r22_a_worker_that_dies_between_kept_calls_does_not_fail_the_next_predict(pool_dir):
+def test_a_worker_that_dies_between_kept_calls_does_not_fail_the_next_predict(pool_dir):
     """A worker killed between two Pool.predict calls (the OOM killer, an operator): the next call's request never
     reached a worker, yet Pool.predict raises worker_died ("died mid-request") instead of acquiring again.
     Before the kept lease, the next call simply started a fresh worker."""
@@ -94,7 +95,7 @@ def test_r22_a_worker_that_dies_between_kept_calls_does_not_fail_the_next_predic
     assert again["echo"] == "again" and again["pid"] != first["pid"]
 
 
-def test_r22_stop_now_between_kept_calls_does_not_fail_the_next_predict(pool_dir):
+def test_stop_now_between_kept_calls_does_not_fail_the_next_predict(pool_dir):
     """`resident-pool stop SLUG --now` while a Pool.predict client is between calls: its next call raises
     worker_stopped ("was stopped while this request ran") for a request that never ran."""
     write_provider(pool_dir, "stopped", "")
@@ -106,7 +107,7 @@ def test_r22_stop_now_between_kept_calls_does_not_fail_the_next_predict(pool_dir
     assert again["echo"] == "again"
 
 
-def test_r22_a_recall_the_pool_cannot_send_does_not_kill_a_healthy_worker(pool_dir, isolated_dirs):
+def test_a_recall_the_pool_cannot_send_does_not_kill_a_healthy_worker(pool_dir, isolated_dirs):
     """The pool out of file descriptors when it recalls a kept lease: WorkerProcess.recall swallows its own EMFILE
     (raise_own=False) and Runtime._recall reports nothing, so the core waits out request_timeout_s + report
     margin and kills the healthy worker as OVERDUE; the waiting client waits that long for a cold start. A ping
@@ -161,7 +162,7 @@ LOOPER = textwrap.dedent(
 )
 
 
-def test_r22_three_clients_of_one_replica_through_pool_predict_all_get_served(pool_dir):
+def test_three_clients_of_one_replica_through_pool_predict_all_get_served(pool_dir):
     """Three processes calling Pool.predict in a loop on a max_replicas = 1 provider. Each hand-over grants the
     next waiter a kept lease and recalls it at once for the one behind (before it sent a request), so grants
     are wasted and a caller whose lease is refused five times in a row gets WorkerRequestError(lease_recalled)."""
@@ -178,7 +179,7 @@ def test_r22_three_clients_of_one_replica_through_pool_predict_all_get_served(po
     assert all(o["errors"] == [] for o in outcomes), outcomes
 
 
-def test_r22_sigterm_ends_the_pool_within_drain_grace_plus_kill_grace_with_a_busy_kept_lease(pool_dir, isolated_dirs,
+def test_sigterm_ends_the_pool_within_drain_grace_plus_kill_grace_with_a_busy_kept_lease(pool_dir, isolated_dirs,
                                                                                             monkeypatch):
     """SIGTERM with a kept lease whose request still runs (a model that ignores SIGTERM, as one stuck in a CUDA call
     does): drain_grace_s = 2, kill_grace_s = 1. Past the drain grace the core ends the replica with a plain Stop
@@ -222,7 +223,7 @@ HOLD = textwrap.dedent(
 )
 
 
-def test_r22_a_waiting_client_is_held_up_by_a_kept_lease_for_at_most_one_request(pool_dir):
+def test_a_waiting_client_is_held_up_by_a_kept_lease_for_at_most_one_request(pool_dir):
     """docs/workers.md: "a waiting client is never held up by a kept lease for more than one request". A holder
     calls Pool.predict in a loop (1 s requests) on a max_replicas = 1 provider; another client asks now and then.
     Counted: the holder's requests that STARTED after the other client asked and before it was answered. Seen
@@ -246,7 +247,7 @@ def test_r22_a_waiting_client_is_held_up_by_a_kept_lease_for_at_most_one_request
     assert all(ahead <= 1 for _, ahead in rows), f"(waited s, holder requests started meanwhile): {rows}"
 
 
-def test_r22_requests_served_on_a_recalled_kept_lease_are_counted(pool_dir):
+def test_requests_served_on_a_recalled_kept_lease_are_counted(pool_dir):
     """A kept lease tells the pool what it served at most once a second (`used`) or at its release; a recalled
     lease is never released by its client (the worker refused it: "nothing to release"), and the core's
     ``recalled`` unleases with served = 0, so those requests are lost from status and metrics for good."""
