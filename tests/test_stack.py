@@ -127,11 +127,11 @@ def test_the_stack_refuses_every_request_without_its_auth_string_and_every_job_v
     for variables in ({"command": override["job_variables"]["command"]}, {"env": {"LD_PRELOAD": "/tmp/evil.so"}},
                       {"working_dir": str(tmp_path)}):
         code, said = user.call("POST", f"/deployments/{deployment['id']}/create_flow_run",
-                               {"job_variables": variables})
+                               {"parameters": {"provider": "echo"}, "job_variables": variables})
         assert code == 422 and "Additional properties are not allowed" in json.dumps(said), (variables, said)
 
     # The worker runs what it is given: providers from its own environment, paths only under its roots.
-    ran = user.run(deployment["id"], {"provider": "echo", "inputs": [{"n": 1}]})
+    ran = user.run(deployment["id"], {"provider": "echo", "payload": {"n": 1}})
     assert ran["state"]["type"] == "COMPLETED", ran["state"]["message"] + _logs(folder)
     code, screen = user.call("GET", "/deployments/name/screen/screen")
     outside = user.run(screen["id"], {"input": "/etc/passwd", "provider": "echo"})
