@@ -126,12 +126,13 @@ def test_the_stack_refuses_every_request_without_its_auth_string_and_every_job_v
     assert deployment["job_variables"] in ({}, None)
     for variables in ({"command": override["job_variables"]["command"]}, {"env": {"LD_PRELOAD": "/tmp/evil.so"}},
                       {"working_dir": str(tmp_path)}):
+        # Parameters the form requires, so that the job variables are what is refused (a 409 names a parameter).
         code, said = user.call("POST", f"/deployments/{deployment['id']}/create_flow_run",
-                               {"job_variables": variables})
+                               {"job_variables": variables, "parameters": {"provider": "echo", "payload": {"n": 1}}})
         assert code == 422 and "Additional properties are not allowed" in json.dumps(said), (variables, said)
 
     # The worker runs what it is given: providers from its own environment, paths only under its roots.
-    ran = user.run(deployment["id"], {"provider": "echo", "inputs": [{"n": 1}]})
+    ran = user.run(deployment["id"], {"provider": "echo", "payload": {"n": 1}})
     assert ran["state"]["type"] == "COMPLETED", ran["state"]["message"] + _logs(folder)
     code, screen = user.call("GET", "/deployments/name/screen/screen")
     outside = user.run(screen["id"], {"input": "/etc/passwd", "provider": "echo"})
