@@ -6,22 +6,18 @@ tests/review_r2324/, written from the original design's three reference files al
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-from helpers import free_port, wait_until
+from helpers import wait_until
 from providers import make_kit_venv, write_provider
 
 from resident_pool.providers.worker_process import PROTOCOL_PATH, WORKER_BASE_PATH
@@ -46,82 +42,6 @@ def test_review_a_pool_starts_a_plain_worker_at_all(pool_dir):
         answer = pool.predict("echo", {"x": 1})
         pool.stop("echo")
     assert answer is not None
-
-
-# -- issue 24: the stack's auth string goes to whoever holds its port ------------------------------------------------
-
-SQUATTER = textwrap.dedent("""
-    import http.server, json, sys
-    log = open(sys.argv[2], "a", buffering=1)
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def answer(self):
-            size = int(self.headers.get("Content-Length") or 0)
-            self.rfile.read(size)
-            log.write(json.dumps({"path": self.path, "authorization": self.headers.get("Authorization")}) + "\\n")
-            body = b"true" if "health" in self.path else b"{}"
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-        do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = answer
-        def log_message(self, *args):
-            pass
-    http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
-""")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_review_stack_up_sends_its_auth_string_to_another_user_holding_its_port(other_user, isolated_dirs):
-    """Another local user takes the stack's port first (any user may bind a loopback port) with a server that
-    answers /api/health. `stack.sh up` starts its own server (which fails: the port is taken), sees a healthy
-    server, and `deploy` sends it the API's auth string in its Authorization header. The string is made once and
-    kept in .stack/auth, so the other user now holds the key to the real server whenever it runs, and with it
-    everything the API offers (the work pool's template, deployments' pull steps: code as the stack's owner).
-    Expected: the stack refuses a port another user holds (as the pool does for its metrics port) and never
-    sends its credentials to it."""
-    from conftest import SYSTEM_PYTHON
-
-    base = Path(tempfile.mkdtemp(prefix="rp-squat-"))
-    os.chmod(base, 0o755)
-    seen = base / "seen"
-    seen.mkdir()
-    shutil.chown(seen, other_user, other_user)
-    script = base / "squat.py"
-    script.write_text(SQUATTER)
-    script.chmod(0o644)
-    port = free_port()
-    squatter = subprocess.Popen(["setpriv", f"--reuid={other_user}", f"--regid={other_user}", "--clear-groups",
-                                 SYSTEM_PYTHON, str(script), str(port), str(seen / "requests.jsonl")])
-    folder = base / "stack"
-    env = {name: value for name, value in os.environ.items() if not name.startswith("PREFECT_")}
-    env.update({"PREFECT_PORT": str(port), "STACK_DIR": str(folder), "VENV": str(Path(sys.executable).parents[1]),
-                "WORK_POOL": f"rp-squat-{uuid.uuid4().hex[:6]}"})
-    try:
-        wait_until(lambda: (seen / "requests.jsonl").exists() or _answers(port), timeout=30,
-                   message="the other user's server to listen")
-        up = subprocess.run([str(STACK), "up"], env=env, capture_output=True, text=True, timeout=400, check=False)
-        auth = (folder / "auth").read_text()
-        sent = [json.loads(line)["authorization"] for line in (seen / "requests.jsonl").read_text().splitlines()]
-        leaked = [header for header in sent
-                  if header and base64.b64decode(header.split()[-1]).decode(errors="replace") == auth]
-        assert not leaked, (f"the other user's server on 127.0.0.1:{port} received the stack's auth string "
-                            f"{len(leaked)} time(s); stack.sh up said: {up.stdout}{up.stderr}")
-        assert up.returncode != 0 and "port" in (up.stdout + up.stderr).lower(), up.stdout + up.stderr
-    finally:
-        subprocess.run([str(STACK), "down"], env=env, capture_output=True, timeout=120, check=False)
-        squatter.send_signal(signal.SIGTERM)
-        squatter.wait(timeout=30)
-        shutil.rmtree(base, ignore_errors=True)
-
-
-def _answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 # -- issue 24: one bad value fails one record -----------------------------------------------------------------------
