@@ -787,6 +787,71 @@ def test_a_stored_answer_an_older_version_could_not_write_fails_its_row_and_is_c
     assert [row["embedding"][0] for row in pq.read_table(output).to_pylist()] == [float(len(t)) for t in texts]
 
 
+_NAN = _WORKER_HEAD + '''
+import numpy
+def on_predict(payload):
+    # A model's NaN (an fp16 overflow) in one input's array.
+    return {"items": [{"length": len(text), "scores": numpy.array([1.0, float("nan") if "NAN" in text else 2.0],
+                                                                  dtype=numpy.float32)}
+                      for text in payload["inputs"]]}
+worker_base.serve(slug="nans", socket_path=sys.argv[1], on_predict=on_predict)
+'''
+
+
+def _strict_json(line: str) -> dict:
+    """A line as a strict reader (jq, JSON.parse) reads it: NaN and Infinity are no JSON."""
+    def refuse(name):
+        raise ValueError(f"{name} is no JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_a_nan_in_an_answer_fails_its_record_as_bad_answer_and_is_never_stored(pool_dir, tmp_path):
+    """Python's encoder writes a NaN as `NaN`, which no strict JSON reader takes: the line was unreadable and
+    the store kept it. docs/security.md: an answer the writer cannot write fails that input's record."""
+    _inline_provider(pool_dir, "nans", _NAN)
+    inputs = _jsonl(tmp_path / "in.jsonl", [*_texts(2), "MKVNANKV", *_texts(3, salt="B")])
+    output = tmp_path / "out.jsonl"
+    for run in (1, 2):  # the second run computes the NaN again: it was never stored
+        state = _state(pool_dir, input=str(inputs), provider="nans", chunk_size=3, output=str(output),
+                       encoding="array")
+        assert state.is_completed() and state.message == "5 ok, 1 failed", state.message
+        assert state.result()["from_store"] == (5 if run == 2 else 0)
+        records = [_strict_json(line) for line in output.read_text().splitlines()]
+        assert [r["ok"] for r in records] == [True, True, False, True, True, True]
+        assert records[2]["reason"] == "bad_answer" and "a NaN or an infinity" in records[2]["error"], records[2]
+        assert records[0]["scores"] == [1.0, 2.0]
+
+
+_SIZES = _WORKER_HEAD + '''
+import base64, struct
+def on_predict(payload):
+    dims = lambda text: 3 if "ODD" in text else 4
+    return {"items": [{"length": len(text),
+                       "embedding_f32": base64.b64encode(struct.pack(f"<{dims(text)}f", *range(dims(text)))).decode()}
+                      for text in payload["inputs"]]}
+worker_base.serve(slug="sizes", socket_path=sys.argv[1], on_predict=on_predict)
+'''
+
+
+def test_a_parquet_embedding_of_another_size_fails_its_row_and_is_not_kept(pool_dir, tmp_path):
+    """The embedding column is a fixed-size list sized from the first answer: a row with 3 floats where it holds
+    4 was written ok with a null, and stayed in the store as good."""
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (pip install -e .[parquet])")
+    _inline_provider(pool_dir, "sizes", _SIZES)
+    inputs = _jsonl(tmp_path / "in.jsonl", [*_texts(4), "MKVODDKV", *_texts(1, salt="B")])
+    output = tmp_path / "out.parquet"
+    for run in (1, 2):  # the odd answer was removed from the store, so the second run computes it again
+        state = _state(pool_dir, input=str(inputs), provider="sizes", chunk_size=3, output=str(output),
+                       format="parquet")
+        assert state.is_completed() and state.message == "5 ok, 1 failed", state.message
+        assert state.result()["computed"] == (6 if run == 1 else 1)
+        rows = pq.read_table(output).to_pylist()
+        assert [row["ok"] for row in rows] == [True] * 4 + [False, True]
+        assert all(row["embedding"] == [0.0, 1.0, 2.0, 3.0] for row in rows if row["ok"]), rows
+        assert rows[4]["reason"] == "bad_answer" and "3 floats, where the output's column holds 4" in \
+            rows[4]["error"], rows[4]
+
+
 def test_a_file_over_a_record_limit_lowered_to_1000_is_refused_whole_and_the_inbox_goes_on(pool_dir, embedder,
                                                                                         tmp_path, monkeypatch):
     """The limit is lowered from 50 million so the test need not make them: a 7 kB .gz held a million."""

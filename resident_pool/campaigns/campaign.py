@@ -53,8 +53,9 @@ DEFAULT_MAX_ATTACHMENT_BYTES = 2**30
 # One encoder, made once: json.dumps with arguments builds a new one per call, a second per million results.
 _COMPACT = json.JSONEncoder(separators=(",", ":")).encode
 # A result's numpy arrays (or Array objects) go into the store and the output as nested lists of numbers,
-# bytes as base64 text: records stay JSON whatever the provider answers with.
-_RESULT = json.JSONEncoder(separators=(",", ":"), default=arrays.plain).encode
+# bytes as base64 text: records stay JSON whatever the provider answers with. A NaN or an infinity (an fp16
+# overflow) is no JSON (json.dumps would write `NaN`, which jq and JSON.parse refuse): it fails its record.
+_RESULT = json.JSONEncoder(separators=(",", ":"), allow_nan=False, default=arrays.plain).encode
 _PLAIN_ID = re.compile(r"[A-Za-z0-9_.:|/+=-]*")  # ids that are their own JSON string body
 OUTPUT_FORMATS = ("jsonl", "parquet")
 # A record's own fields. A provider's item naming one of them is stored and written whole under "result"
@@ -441,7 +442,11 @@ def _written(result: dict[str, Any], limit: int) -> tuple[str, str | None]:
                 return "", f"{name}: {problem}"
     try:
         text = _RESULT(_fields(result))
-    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+    except ValueError as exc:
+        if "not JSON compliant" in str(exc):
+            return "", "the answer holds a NaN or an infinity, which JSON cannot hold; it was not written"
+        return "", f"the answer cannot be written as JSON: {exc}"
+    except (TypeError, OverflowError, RecursionError) as exc:
         return "", f"the answer cannot be written as JSON: {exc}"
     if len(text) > limit:
         return "", (f"the answer is {len(text)} bytes as JSON, over {limit} (RESIDENT_POOL_MAX_RESULT_BYTES); it was "
@@ -577,10 +582,17 @@ def _parquet_batch(batch: list[tuple], columns: list[tuple[str, Any, str]], sche
 def _cell_reader(kind: Any, how: str, pa) -> Callable[[Any], tuple[Any, str | None]]:
     """For one column: a value (not None) as the column takes it (vectors as float32 bytes), or why it does not
     fit."""
+    if how in ("f32", "floats"):
+        def sized(blob: bytes) -> tuple[Any, str | None]:
+            # The column's size is the first answer's: a vector of another size has no place in it.
+            if len(blob) != 4 * kind.list_size:
+                return None, (f"{len(blob) // 4} floats, where the output's column holds {kind.list_size} (the "
+                              "size of the first answer's)")
+            return blob, None
     if how == "f32":
         def f32(value: Any) -> tuple[Any, str | None]:
             problem = _f32_problem(value)
-            return (None, problem) if problem else (base64.b64decode(value), None)
+            return (None, problem) if problem else sized(base64.b64decode(value))
         return f32
     if how == "floats":
         def floats(value: Any) -> tuple[Any, str | None]:
@@ -588,7 +600,7 @@ def _cell_reader(kind: Any, how: str, pa) -> Callable[[Any], tuple[Any, str | No
                                                       for x in value):
                 return None, "not a list of numbers"
             try:
-                return array.array("f", value).tobytes(), None
+                return sized(array.array("f", value).tobytes())
             except OverflowError:
                 return None, "a number too large for float32"
         return floats
@@ -609,7 +621,8 @@ def _cell_reader(kind: Any, how: str, pa) -> Callable[[Any], tuple[Any, str | No
 
 
 def _vectors(blobs: list[bytes | None], dim: int, pa):
-    """A fixed-size float32 list column built from one buffer (nulls where a row has no vector of ``dim``)."""
+    """A fixed-size float32 list column built from one buffer (nulls where a row has no vector: a failed row,
+    or one whose answer has none; one of another size failed its row in ``_parquet_batch``)."""
     zero = bytes(4 * dim)
     valid = [blob is not None and len(blob) == 4 * dim for blob in blobs]
     data = b"".join(blob if ok else zero for blob, ok in zip(blobs, valid, strict=True))
