@@ -169,6 +169,23 @@ class Array:
             raise TypeError("len() of a 0-d array")
         return self.shape[0]
 
+    def __getitem__(self, key: int | slice) -> Array:
+        """Along the first axis, as numpy's: an index gives a row (one dimension less), a slice (step 1) a run
+        of rows; either shares this array's bytes."""
+        if not self.shape:
+            raise IndexError("a 0-d array has no rows")
+        rows, row_bytes = self.shape[0], DTYPES[self.dtype] * math.prod(self.shape[1:])
+        if isinstance(key, slice):
+            start, stop, step = key.indices(rows)
+            if step != 1:
+                raise IndexError("only a slice with step 1 shares the array's bytes; take .tolist() for others")
+            stop = max(start, stop)
+            return Array(self.data[start * row_bytes:stop * row_bytes], self.dtype, (stop - start, *self.shape[1:]))
+        index = key + rows if key < 0 else key
+        if not 0 <= index < rows:
+            raise IndexError(f"index {key} is out of range for an array of {rows} rows")
+        return Array(self.data[index * row_bytes:(index + 1) * row_bytes], self.dtype, self.shape[1:])
+
     def __repr__(self) -> str:
         return f"Array(dtype={self.dtype!r}, shape={list(self.shape)}, nbytes={self.nbytes})"
 
@@ -282,14 +299,18 @@ class _Encoder:
 def _nest(flat: list[Any], shape: tuple[int, ...]) -> Any:
     if not shape:
         return flat[0]
+    if len(shape) == 1:
+        return flat  # already the list, not a copy of it
+    return _rows(flat, shape, 0)
 
-    def build(dims: tuple[int, ...], start: int) -> list[Any]:
-        if len(dims) == 1:
-            return flat[start:start + dims[0]]
-        step = math.prod(dims[1:])
-        return [build(dims[1:], start + i * step) for i in range(dims[0])]
 
-    return build(shape, 0)
+def _rows(flat: list[Any], dims: tuple[int, ...], start: int) -> list[Any]:
+    # A module function, not a closure calling itself: that is a reference cycle holding ``flat``, freed only
+    # when the cycle collector next runs (writing a 40 MB array a block at a time held some 300 MB of floats).
+    if len(dims) == 1:
+        return flat[start:start + dims[0]]
+    step = math.prod(dims[1:])
+    return [_rows(flat, dims[1:], start + i * step) for i in range(dims[0])]
 
 
 def _owner(value: Any) -> Any:
