@@ -43,8 +43,10 @@ _STRUCT = {"float16": "e", "complex64": "ff", "complex128": "dd"}
 
 
 def _load_protocol():
-    if __package__:
-        from . import protocol
+    package = sys.modules.get(__package__) if __package__ else None
+    here = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+    if any(os.path.realpath(folder) == here for folder in getattr(package, "__path__", ())):
+        from . import protocol  # imported as part of its package, not loaded by path under another name
 
         return protocol
     module = sys.modules.get("resident_pool_protocol")  # worker_base loaded it first

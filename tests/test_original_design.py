@@ -217,6 +217,68 @@ def test_a_predict_without_payload_hands_the_whole_request_to_on_predict(venvs, 
     assert carried["result"]["keys"] == ["sequence"]  # this project's own shape still means its payload
 
 
+def test_a_worker_that_loads_the_base_under_a_dotted_name_starts_under_the_pool(pool_dir, venvs):
+    """The original's worker_base finds its protocol by path whatever name it was loaded under. Loaded as
+    `tooluniverse.remote_resident.worker_base` (its name in the original's package), `protocol()` took the
+    dotted name for "imported as part of resident_pool" and raised ModuleNotFoundError: exit 1 before bind."""
+    from resident_pool import Pool
+
+    write_provider(pool_dir, "dotted", f'[env]\npython = "{venvs()}"\n', worker=ORIGINAL / "dotted_worker.py")
+    with Pool(manifests=pool_dir) as pool:
+        answer = pool.predict("dotted", {"sequence": "MKVLA"})
+        pool.stop("dotted")
+    assert answer == {"reversed": "ALVKM", "ping_op": "ping", "arrays": True}
+
+
+def test_a_worker_with_its_own_accept_loop_over_protocol_serves_a_second_client(venvs, socket_path):
+    """The original's recv_line raises ProtocolError at the end of a stream, and a loop written to it leaves a
+    connection only that way. This project's returns None there: the loop's `req.get("op")` raised
+    AttributeError and the worker died when its first client hung up."""
+    env = {**os.environ, "TOOLUNIVERSE_REMOTE_WORKER_BASE": WORKER_BASE_PATH,
+           "TOOLUNIVERSE_REMOTE_PROTOCOL": PROTOCOL_PATH}
+    worker = subprocess.Popen([str(venvs()), str(ORIGINAL / "raw_loop_worker.py"), socket_path], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: os.path.exists(socket_path) or worker.poll() is not None, message="the worker to bind")
+        # One client after another, each hanging up after its answer.
+        replies = [ask(socket_path, {"op": "ping"}) for _ in range(3)]
+        alive = worker.poll() is None
+        if alive:
+            assert ask(socket_path, {"op": "shutdown"}) == {"ok": True, "op": "shutdown"}
+            worker.wait(timeout=30)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        said = worker.communicate(timeout=30)[0]
+    assert alive and replies == [{"ok": True, "op": "ping"}] * 3, said[-1500:]
+    assert worker.returncode == 0, said[-1500:]
+
+
+def test_protocol_recv_line_raises_at_the_end_of_a_stream_and_load_protocol_s_returns_none():
+    """The original's shape for code written to it; this project's own (load_protocol, resident_pool.protocol)
+    is unchanged."""
+    import socket as sockets
+
+    from resident_pool import protocol as wire
+    from resident_pool import worker_base
+
+    original = worker_base.protocol()
+    assert original.OP_PREDICT == "predict" and original.ProtocolError is wire.ProtocolError
+    assert worker_base.load_protocol() is wire and original.__file__ == wire.__file__
+    for receive, at_end in ((original.recv_line, "raises"), (worker_base.load_protocol().recv_line, None)):
+        left, right = sockets.socketpair()
+        with left, right:
+            original.send_line(left, {"a": 1})
+            left.close()
+            buf = bytearray()
+            assert receive(right, buf) == {"a": 1}
+            if at_end is None:
+                assert receive(right, buf) is None
+            else:
+                with pytest.raises(wire.ProtocolError, match="peer closed the connection mid-message"):
+                    receive(right, buf)
+
+
 # -- the caller: ResidentWorker --------------------------------------------------------------
 
 

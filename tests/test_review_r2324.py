@@ -6,20 +6,13 @@ tests/review_r2324/, written from the original design's three reference files al
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
 from providers import make_kit_venv, write_provider
-
-from resident_pool.providers.worker_process import PROTOCOL_PATH, WORKER_BASE_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).parent / "review_r2324"
@@ -92,58 +85,6 @@ def test_review_the_originals_kit_env_takes_a_number_as_its_text(tmp_path):
                                           "[kit.env]\nPROXIED_OPT_POST_RELEASE_NTOK = 0\nPROXIED_OPT_CAP = 1.5\n")
     manifest = load_manifest(folder / "manifest.toml")
     assert manifest.kit.env == {"PROXIED_OPT_POST_RELEASE_NTOK": "0", "PROXIED_OPT_CAP": "1.5"}
-
-
-# -- issue 23: the model side ---------------------------------------------------------------------------------------
-
-
-def test_review_a_worker_that_loads_the_base_under_a_dotted_name_starts_under_the_pool(pool_dir):
-    """The original's worker_base finds its protocol by path whatever name it was loaded under. Here `protocol()`
-    (and `load_arrays()`) take `__package__` as "imported as part of resident_pool": a worker that loads the
-    base as `tooluniverse.remote_resident.worker_base` (its name in the original's package) makes `__package__`
-    "tooluniverse.remote_resident", and `from . import protocol` raises ModuleNotFoundError: the worker exits 1
-    before it binds. Expected: it serves."""
-    from resident_pool import Pool
-
-    write_provider(pool_dir, "dotted", "", worker=HERE / "dotted_worker.py")
-    with Pool(manifests=pool_dir) as pool:
-        answer = pool.predict("dotted", {"sequence": "MKVLA"})
-        pool.stop("dotted")
-    assert answer == {"reversed": "ALVKM", "ping_op": "ping"}
-
-
-def test_review_protocol_recv_line_ends_a_stream_with_protocol_error_as_the_original(tmp_path):
-    """A worker with its own loop over `protocol()`, shaped as the original's serve(): it leaves a connection when
-    `recv_line` raises ProtocolError, the original's only way out (its serve() calls recv_line again and again
-    and has no other exit). This project's `recv_line` returns None at the end of a stream instead, so the
-    loop's `req.get("op")` raises AttributeError and the worker dies when its first client hangs up. Expected:
-    a second client is answered."""
-    socket_path = str(tmp_path / "raw.sock")
-    env = {**os.environ, "TOOLUNIVERSE_REMOTE_WORKER_BASE": WORKER_BASE_PATH,
-           "TOOLUNIVERSE_REMOTE_PROTOCOL": PROTOCOL_PATH}
-    worker = subprocess.Popen(["/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable,
-                               str(HERE / "raw_loop_worker.py"), socket_path], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_until(lambda: os.path.exists(socket_path) or worker.poll() is not None, timeout=30,
-                   message="the raw worker to bind")
-        answers = []
-        for _ in range(2):
-            try:
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-                    conn.settimeout(5)
-                    conn.connect(socket_path)
-                    conn.sendall(b'{"op": "ping"}\n')
-                    answers.append(json.loads(conn.makefile().readline()))
-            except OSError as exc:
-                answers.append(repr(exc))
-            time.sleep(0.3)
-        alive = worker.poll() is None
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-        said = worker.communicate(timeout=30)[0]
-    assert alive and answers == [{"ok": True, "op": "ping"}] * 2, (answers, said[-1500:])
 
 
 # -- issue 23: a caller written to the original supervisor -----------------------------------------------------------

@@ -1,4 +1,7 @@
-"""A worker written to the original design that loads the base under its package's dotted name."""
+"""A worker written to the original design that loads the base under its package's dotted name.
+
+It also asks for ``load_arrays()`` (this project's name), which finds its file by path the same way.
+"""
 import importlib.util
 import os
 import sys
@@ -11,7 +14,7 @@ P = wb.protocol()
 
 
 def on_predict(req):
-    return {"reversed": req["sequence"][::-1], "ping_op": P.OP_PING}
+    return {"reversed": req["sequence"][::-1], "ping_op": P.OP_PING, "arrays": wb.load_arrays() is not None}
 
 
 wb.serve(slug="dotted", socket_path=sys.argv[1], on_predict=on_predict)
