@@ -7,12 +7,15 @@ the model side runs in a bare venv that holds none of this project.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -452,6 +455,61 @@ def test_resolve_is_asked_with_the_mode_alone_before_the_kit_tree(pool_dir, venv
         pool.stop("resolving")
     assert seen["env"]["RESOLVING_PROFILE"] == "default"  # not the kit tree in the profile parameter
     assert seen["env"]["RESOLVING_FUSED"] == "1" and seen["kits"] == {"resolving_opt": "ACTIVE"}
+
+
+def test_a_kit_whose_resolve_answers_a_read_only_mapping_serves_with_its_row(pool_dir, venvs, kit_home):
+    """The original's probe reads env as an attribute, else by key: any mapping answers. Here only a dict was
+    read by key, so a kit whose resolve() hands out a MappingProxyType exported an empty row and was refused."""
+    from resident_pool import Pool
+    from resident_pool.kit import ask_kit
+
+    python = venvs("proxied_opt")
+    assert ask_kit(python, "proxied_opt", "fast")["env"] == {"PROXIED_OPT_ROUTE": "triton"}
+    provider(pool_dir, "proxied", python, '[kit]\npackage = "proxied_opt"\n')
+    with Pool(manifests=pool_dir) as pool:
+        seen = report(pool, "proxied")
+        pool.stop("proxied")
+    assert seen["env"]["PROXIED_OPT_ROUTE"] == "triton" and seen["env"]["MODEL_OPT"]
+
+
+class _Exports:
+    exports = types.MappingProxyType({"B": 2})
+
+
+@pytest.mark.parametrize("answer", [
+    {"env": {"A": 1}},
+    types.MappingProxyType({"env": types.MappingProxyType({"A": 1})}),
+    collections.UserDict({"exports": collections.UserDict({"A": 1})}),
+    types.SimpleNamespace(env={"A": 1}),
+], ids=["dict", "mappingproxy", "UserDict", "object"])
+def test_a_resolve_answer_is_read_by_attribute_or_by_key_as_the_original(answer):
+    from resident_pool import kit_probe
+
+    assert kit_probe._vars(answer) == {"A": "1"}
+    assert kit_probe._vars(_Exports()) == {"B": "2"}
+    assert kit_probe._vars(["env"]) is None and kit_probe._vars({"other": {}}) is None
+
+
+def test_the_originals_kit_env_takes_a_number_as_its_text(tmp_path):
+    """The original launcher applies `[kit] env` with str(value): `POST_RELEASE_NTOK = 0` is "0". Here
+    `Kit.env` was dict[str, str] under a strict model, so a manifest the original ran was a ManifestError."""
+    from resident_pool.errors import ManifestError
+    from resident_pool.manifest import load_manifest
+
+    folder = tmp_path / "manifests" / "numbered"
+    folder.mkdir(parents=True)
+    shutil.copy(WORKER, folder / "worker.py")
+    table = '[kit]\npackage = "proxied_opt"\n[kit.env]\n'
+    (folder / "manifest.toml").write_text(f'slug = "numbered"\nworker = "worker.py"\n{table}'
+                                          "PROXIED_OPT_POST_RELEASE_NTOK = 0\nPROXIED_OPT_CAP = 1.5\n"
+                                          "PROXIED_OPT_ON = true\nPROXIED_OPT_NAME = \"x\"\n")
+    manifest = load_manifest(folder / "manifest.toml")
+    assert manifest.kit.env == {"PROXIED_OPT_POST_RELEASE_NTOK": "0", "PROXIED_OPT_CAP": "1.5",
+                                "PROXIED_OPT_ON": "True", "PROXIED_OPT_NAME": "x"}
+    (folder / "manifest.toml").write_text(f'slug = "numbered"\nworker = "worker.py"\n{table}'
+                                          "PROXIED_OPT_LIST = [1, 2]\n")
+    with pytest.raises(ManifestError, match=r"kit\.env\.PROXIED_OPT_LIST"):
+        load_manifest(folder / "manifest.toml")
 
 
 @pytest.mark.parametrize(("slug", "table", "package"), [
