@@ -341,6 +341,30 @@ def test_request_sends_the_message_as_given_and_returns_the_whole_reply(venvs):
     assert result["length"] == 5 and result["keys"] == ["sequence"]  # predict(payload): the result alone
 
 
+def test_a_build_command_whose_argv_holds_paths_starts_its_worker(venvs):
+    """The original hands build_command's argv to Popen as it is, and Popen takes path objects. Here the worker
+    was spawned, then its argv joined for the transcript's note raised a bare TypeError: the worker was killed
+    and the caller got neither a reply nor a WorkerStartError."""
+    from resident_pool.supervisor import ResidentWorker
+
+    def build(worker):
+        return [venvs(), WORKER, worker.socket_path], {"ORIGINAL_CALLER": "1"}
+
+    worker = ResidentWorker("origin", build)
+    try:
+        with worker.lock:
+            reply = worker.request({"op": "predict", "sequence": "MKV"})
+    finally:
+        worker.stop()
+    assert reply["ok"] and reply["result"]["reversed"] == "VKM"
+    unusable = ResidentWorker("origin", lambda worker: ([str(venvs()), str(WORKER), 3], {}))
+    try:
+        with pytest.raises(TypeError, match=r"the worker's argv\[2\] is 3 \(int\): give a str, bytes or path"):
+            unusable.ensure_started()
+    finally:
+        unusable.stop()
+
+
 def test_start_and_request_errors_are_runtime_errors(venvs, tmp_path):
     from resident_pool import WorkerRequestError, WorkerStartError
 
