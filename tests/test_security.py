@@ -667,6 +667,10 @@ def test_the_compose_file_binds_to_an_internal_interface_with_an_auth_string():
     compose = (ROOT / "infra" / "compose" / "docker-compose.yml").read_text()
     assert "0.0.0.0:4200" not in compose and '"${PREFECT_BIND_ADDRESS:-127.0.0.1}:4200:4200"' in compose
     assert "${PREFECT_SERVER_API_AUTH_STRING:?" in compose  # compose refuses to start without one
+    # localhost may resolve to ::1, another socket, which any local user may hold first.
+    assert "${PREFECT_UI_API_URL:-http://127.0.0.1:4200/api}" in compose and "//localhost" not in compose
+    # The workers' URL the header gives agrees with the TLS advice: no plain http for them.
+    assert "PREFECT_API_URL=https://<name>/api" in compose and "PREFECT_API_URL=http:" not in compose
 
 
 # -- 6. campaign output through a planted symlink -----------------------------------------------------------
