@@ -171,22 +171,15 @@ class Array:
             raise TypeError("len() of a 0-d array")
         return self.shape[0]
 
-    def __getitem__(self, key: int | slice) -> Array:
-        """Along the first axis, as numpy's: an index gives a row (one dimension less), a slice (step 1) a run
-        of rows; either shares this array's bytes."""
+    def rows(self, start: int, stop: int) -> Array:
+        """Rows ``start`` to ``stop`` along the first axis (numpy's ``a[start:stop]``, clamped alike), sharing
+        this array's bytes."""
         if not self.shape:
             raise IndexError("a 0-d array has no rows")
-        rows, row_bytes = self.shape[0], DTYPES[self.dtype] * math.prod(self.shape[1:])
-        if isinstance(key, slice):
-            start, stop, step = key.indices(rows)
-            if step != 1:
-                raise IndexError("only a slice with step 1 shares the array's bytes; take .tolist() for others")
-            stop = max(start, stop)
-            return Array(self.data[start * row_bytes:stop * row_bytes], self.dtype, (stop - start, *self.shape[1:]))
-        index = key + rows if key < 0 else key
-        if not 0 <= index < rows:
-            raise IndexError(f"index {key} is out of range for an array of {rows} rows")
-        return Array(self.data[index * row_bytes:(index + 1) * row_bytes], self.dtype, self.shape[1:])
+        start, stop, _ = slice(start, stop).indices(self.shape[0])
+        stop = max(start, stop)
+        row_bytes = DTYPES[self.dtype] * math.prod(self.shape[1:])
+        return Array(self.data[start * row_bytes:stop * row_bytes], self.dtype, (stop - start, *self.shape[1:]))
 
     def __repr__(self) -> str:
         return f"Array(dtype={self.dtype!r}, shape={list(self.shape)}, nbytes={self.nbytes})"

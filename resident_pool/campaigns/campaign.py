@@ -504,12 +504,25 @@ def _array_blocks(value: Any) -> Iterator[str]:
         for row in range(rows):
             if row:
                 yield ","
-            yield from _array_blocks(value[row])
+            yield from _array_blocks(_row(value, row))
     else:
         step = max(1, ARRAY_BLOCK // max(per_row, 1))
         for start in range(0, rows, step):
-            yield ("," if start else "") + _RESULT(value[start:start + step].tolist())[1:-1]
+            yield ("," if start else "") + _RESULT(_rows(value, start, start + step).tolist())[1:-1]
     yield "]"
+
+
+def _rows(value: Any, start: int, stop: int) -> Any:
+    """Rows ``start`` to ``stop`` of a numpy array or an arrays.Array, sharing its memory."""
+    return value.rows(start, stop) if isinstance(value, arrays.Array) else value[start:stop]
+
+
+def _row(value: Any, index: int) -> Any:
+    """Row ``index`` (one dimension less) of a numpy array or an arrays.Array, sharing its memory."""
+    if isinstance(value, arrays.Array):
+        run = value.rows(index, index + 1)
+        return arrays.Array(run.data, run.dtype, run.shape[1:])
+    return value[index]
 
 
 def _decoded_size(value: Any, limit: int) -> tuple[int, bool]:
