@@ -475,10 +475,19 @@ def exchange(sock: Any, inbox: Any, message: dict[str, Any]) -> dict[str, Any] |
     return complete(sock, inbox, *encode(message, inbox.peer, inbox.attach_min_bytes))
 
 
+class NotSent(OSError):
+    """The request never reached its peer whole (the connection was gone before it was sent): it did not run."""
+
+
 def complete(sock: Any, inbox: Any, raw: bytes, fds: list[int], fresh: int | None) -> dict[str, Any] | None:
-    """Send a request ``encode`` made (closing its fresh memfd) and return its reply, as ``exchange``."""
+    """Send a request ``encode`` made (closing its fresh memfd) and return its reply, as ``exchange``.
+
+    ``NotSent`` when the sending failed: a line cut short is never read as a request, so it did not run.
+    """
     try:
         protocol.send_raw(sock, raw, fds)
+    except OSError as exc:
+        raise NotSent(exc.errno, f"the request was not sent: {exc.strerror or exc}") from exc
     finally:
         if fresh is not None:
             os.close(fresh)

@@ -322,11 +322,20 @@ class Pool:
         ``max_attachment_bytes`` lowers the largest attachment this session maps from the worker's answers
         below ``RESIDENT_POOL_MAX_ATTACHMENT_BYTES`` (a campaign does).
         """
+        self._give_back_kept(slug)  # this thread is here, not in a Pool.predict: its kept lease is idle
         lease = self._acquire(slug, variant, holder or self.holder)
         session = Session(self, lease, max_attachment_bytes)
         try:
             yield session
         finally:
+            session.release()
+
+    def _give_back_kept(self, slug: str) -> None:
+        """Release this thread's kept lease of ``slug`` (a session of it would otherwise wait for it, or start
+        another worker)."""
+        link = getattr(self._local, "link", None)
+        session = link.kept.pop(slug, None) if link is not None else None
+        if session is not None:
             session.release()
 
     def _acquire(self, slug: str, variant: dict[str, Any] | None = None,
@@ -407,7 +416,7 @@ class Session:
         self.served = 0
         self._ended = False
         self._unnoticed = 0  # served since the pool last heard (a kept lease tells it now and then)
-        self._noticed_at = time.monotonic()
+        self._noticed_at = -_NOTICE_S  # the first call tells at once: a waiting client may then take it back
 
     def _worker(self) -> tuple[socket.socket, Inbox]:
         link = self.pool._link()
@@ -432,7 +441,7 @@ class Session:
                                      reason="session_ended")
         request_id = next(_request_ids)  # unique in this process: a reply to another request is never taken
         timeout = self.lease["request_timeout_s"]
-        with self._failures(timeout):
+        with self._failures(timeout, sent=False):
             sock, inbox = self._worker()
             sock.settimeout(timeout)
             if inbox.peer is None:
@@ -469,8 +478,10 @@ class Session:
         )
 
     @contextmanager
-    def _failures(self, timeout: float) -> Iterator[None]:
-        """What a broken, timed-out or interrupted exchange with the worker does to this session."""
+    def _failures(self, timeout: float, sent: bool = True) -> Iterator[None]:
+        """What a broken, timed-out or interrupted exchange with the worker does to this session.
+
+        ``sent=False``: no request has gone yet (connecting, negotiating)."""
         try:
             yield
         except PeerError as exc:
@@ -487,13 +498,14 @@ class Session:
         except (OSError, ProtocolError) as exc:
             self._forget_worker()
             answer = self._end("broken", {})
+            if self.lease.get("kept") and (not sent or isinstance(exc, arrays.NotSent)):
+                # Between calls of a kept lease the pool took it back, or its worker ended (died, stopped): the
+                # request never reached a worker, so Pool.predict acquires again and sends it there. (One that
+                # broke after it was sent may have run, or killed its worker: that is the caller's to hear.)
+                raise WorkerRequestError(f"{self.slug}: this lease's worker is gone; acquire again",
+                                         slug=self.slug, reason="lease_recalled") from exc
             if answer.get("error"):
                 raise error_from_dict(answer["error"]) from exc
-            if answer.get("gone") and self.lease.get("kept"):
-                # The pool had taken this kept lease back (and maybe stopped its worker) between calls: the
-                # request never ran there. Pool.predict acquires again.
-                raise WorkerRequestError(f"{self.slug}: the pool took this lease back; acquire again",
-                                         slug=self.slug, reason="lease_recalled") from exc
             raise
         except BaseException:
             # Interrupted with the request in flight (Ctrl-C, a cancelled task): its reply may still

@@ -348,6 +348,7 @@ class _Server:
         # Leases the pool took back: a request naming one is refused. Bounded: a lease is recalled once,
         # and a client that still names one this old has long been told.
         self.recalled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.lease_served: collections.OrderedDict[str, int] = collections.OrderedDict()  # per lease, for the pool
 
     # -- the loop ----------------------------------------------------------
     def run(self) -> None:
@@ -568,11 +569,14 @@ class _Server:
             return {"ok": True, "id": request_id, "stopping": True}
         if op == "recall":
             lease = request.get("lease")
+            served = 0
             if isinstance(lease, str) and lease:
                 self.recalled[lease] = None
                 while len(self.recalled) > _RECALLED_KEPT:
                     self.recalled.popitem(last=False)
-            return {"ok": True, "id": request_id, "idle_s": round(time.monotonic() - self.last_request, 3)}
+                served = self.lease_served.get(lease, 0)
+            return {"ok": True, "id": request_id, "idle_s": round(time.monotonic() - self.last_request, 3),
+                    "served": served}
         return {"ok": False, "id": request_id, "reason": "unknown_op",
                 "error": f"unknown op {op!r}; expected one of {', '.join(self.protocol.OPS)}"}
 
@@ -615,6 +619,11 @@ class _Server:
             self.in_flight.mark(0.0)
             freed = self._release()
             self.served += 1
+            if isinstance(lease, str) and lease:
+                self.lease_served[lease] = self.lease_served.get(lease, 0) + 1
+                self.lease_served.move_to_end(lease)
+                while len(self.lease_served) > _RECALLED_KEPT:
+                    self.lease_served.popitem(last=False)
             self.last_request = time.monotonic()
         elapsed = self.last_request - started
         self.stats.record(elapsed)

@@ -5,6 +5,7 @@ import signal
 import sys
 import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 from helpers import LONG_LIVED, TAG_VARIABLE, TEST_WORKER, describe_pids, stop_pool_in, tagged_processes, wait_until
@@ -106,12 +107,100 @@ def pool_dir(tmp_path, monkeypatch, isolated_dirs):
 
 
 @pytest.fixture(scope="session")
-def prefect_harness():
-    """A temporary Prefect server and database (Prefect's own test harness), shared by the session."""
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_harness(request):
+    """The run's one Prefect server (started at collection, shared by every xdist worker): flows and clients of
+    this worker, and the subprocesses its tests start, talk to it."""
+    from prefect.context import _temporary_global_settings_context, get_settings_context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+    url = _SHARED_PREFECT.get("url") or _start_shared_prefect(request.config)
+    previous = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = url  # subprocesses a test starts (a flow run, a CLI) reach it too
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: url}), \
+                _temporary_global_settings_context(get_settings_context()):
+            yield url
+    finally:
+        if previous is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = previous
+
+
+_SHARED_PREFECT: dict = {}
+
+
+def _start_shared_prefect(config) -> str:
+    """Start the run's Prefect server, or join the one another worker started; the last worker stops it.
+
+    Called while collecting, where no test's timeout runs: a first start (the database's migrations) can take
+    a minute on a busy 2-core machine.
+    """
+    import json
+    import subprocess
+
+    from filelock import FileLock
+
+    base = config._tmp_path_factory.getbasetemp()
+    root = base.parent if hasattr(config, "workerinput") else base
+    info, lock = root / "prefect-server.json", FileLock(str(root / "prefect-server.lock"))
+    with lock:
+        shared = json.loads(info.read_text()) if info.exists() else None
+        if shared is None:
+            port = _free_port()
+            env = {**os.environ, "PREFECT_HOME": str(root / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                   "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{root / 'prefect.db'}"}
+            env.pop("PREFECT_API_URL", None)
+            env.pop(TAG_VARIABLE, None)  # the run's, not one test's: no per-test leak check counts it
+            with open(root / "prefect-server.log", "ab") as log:
+                proc = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host",
+                                         "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=log,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+            shared = {"url": f"http://127.0.0.1:{port}/api", "pid": proc.pid, "users": 0}
+            _SHARED_PREFECT["process"] = proc  # kept: a Popen collected while it runs warns, and warnings fail
+            wait_until(lambda: _healthy(shared["url"]) or proc.poll() is not None, timeout=300,
+                       message="the shared Prefect server to answer")
+            assert proc.poll() is None, (root / "prefect-server.log").read_text()[-2000:]
+        shared["users"] += 1
+        info.write_text(json.dumps(shared))
+
+    def leave() -> None:
+        with lock:
+            now = json.loads(info.read_text())
+            now["users"] -= 1
+            if now["users"] > 0:
+                info.write_text(json.dumps(now))
+                return
+            info.unlink()
+        try:
+            os.killpg(now["pid"], signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        process = _SHARED_PREFECT.get("process")
+        if process is not None:
+            process.wait(timeout=30)
+
+    config.add_cleanup(leave)
+    _SHARED_PREFECT["url"] = shared["url"]
+    return shared["url"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
 
 
 RELIABILITY_ROWS: list[dict] = []
@@ -160,6 +249,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if E2E_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.e2e)
+
+
+def pytest_collection_finish(session):
+    """Start (or join) the run's Prefect server now, if a test that will run needs it: never inside a test."""
+    if any("prefect_harness" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_shared_prefect(session.config)
 
 
 # Unique per run, removed at the end of the session.

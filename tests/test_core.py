@@ -228,7 +228,8 @@ def test_a_client_waiting_at_max_replicas_takes_a_kept_lease_back_after_at_most_
     state = make(clock, Spec(max_replicas=1))
     kept = lease_one(state, clock, keep=True)
     ticket, actions = state.acquire(clock(), "m", OTHER, {})
-    recall = one(actions, c.Recall)
+    assert of(actions, c.Recall) == []  # just granted: its holder gets its one request first
+    recall = one(state.used(clock(), kept.lease, CONN, 1), c.Recall)
     assert recall.lease == kept.lease and of(actions, c.Start) == []
     assert of(state.tick(clock()), c.Recall) == []  # asked once, not again every tick
     grant = one(state.recalled(clock(), kept.lease), c.Grant)
@@ -280,6 +281,7 @@ def test_a_recall_that_never_reports_is_overdue_and_its_worker_killed(clock):
     state = make(clock, Spec(request_timeout_s=60))
     kept = lease_one(state, clock, keep=True)
     state.acquire(clock(), "m", OTHER, {})
+    one(state.used(clock(), kept.lease, CONN, 1), c.Recall)
     clock.advance(60 + 16)
     stop = one(state.tick(clock()), c.Stop)
     assert stop.cause is StopCause.OVERDUE and stop.kill and "of its kept lease did not report back" in stop.why
@@ -574,7 +576,7 @@ def test_a_hibernated_worker_gives_its_budget_back_and_its_next_lease_restores_i
 PACKAGE = Path(resident_pool.__file__).parent
 ALLOWED_IMPORTS = {"__future__", "itertools", "dataclasses", "typing", "enum"}
 # The decision core: its face, its two owners (replicas; the waiting line and leases), its records and actions.
-CORE = ("core.py", "lifecycle.py", "leases.py", "replica.py", "states.py", "breaker.py", "actions.py")
+CORE = ("core.py", "lifecycle.py", "drains.py", "leases.py", "replica.py", "states.py", "breaker.py", "actions.py")
 
 
 def test_the_decision_core_imports_nothing_that_starts_a_thread_opens_a_socket_or_reads_the_clock():
@@ -599,13 +601,16 @@ def _assigned(target: ast.AST) -> list[ast.Attribute]:
 
 
 RECORD_FIELDS = {"state", "lease", "retire", "abort", "deadline", "drain_by", "for_ticket", "last_used",
-                 "last_checked", "served", "stop", "leases", "tickets", "queue", "replicas", "stopping", "version"}
+                 "last_checked", "served", "stop", "leases", "tickets", "queue", "replicas", "stopping", "version",
+                 "kept", "recalling", "checking", "idle_check", "evict_for", "can_recall", "noticed", "admitted",
+                 "hibernated", "probes", "stop_attempts", "fresh", "last_error"}
+# (`pid` and `device` are left out: a WorkerProcess has them too, set by the runtime that owns it.)
 
 
 def test_only_the_decision_core_assigns_replica_and_lease_state():
     offenders = []
-    for path in PACKAGE.rglob("*.py"):
-        if path.parent.name == "server" and path.name in CORE:
+    for path in (PACKAGE / "server").glob("*.py"):  # replica records are reachable from the server alone
+        if path.name in CORE:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
@@ -626,3 +631,148 @@ def test_a_kept_lease_between_calls_is_pinged_for_liveness_and_stopped_when_it_d
     assert of(state.tick(clock()), c.Ping) == []  # one at a time
     stop = one(state.pinged(clock(), kept.rid, "liveness", answered=False), c.Stop)
     assert stop.cause is StopCause.UNRESPONSIVE and stop.kill
+
+
+# -- kept leases: the outside review's findings ------------------------------------------------------------
+def _kept_in_use(state: PoolState, clock: Clock, key: str = "m") -> c.Grant:
+    kept = lease_one(state, clock, key, keep=True)
+    state.used(clock(), kept.lease, CONN, 1)
+    return kept
+
+
+def test_a_kept_lease_busy_with_a_long_request_is_not_retired_as_idle(clock):
+    state = make(clock, Spec(idle_timeout_s=2, ping_interval_s=1000))
+    kept = _kept_in_use(state, clock)
+    clock.advance(3)  # the client said nothing for 3 s: it may be idle, or in one long request
+    one(state.tick(clock()), c.Recall)
+    actions = state.recalled(clock(), kept.lease, idle_s=0.1, served=2)  # the worker: it just finished one
+    assert of(actions, c.Stop) == [] and replica(state, kept.rid).state is R.READY
+    assert replica(state, kept.rid).served == 2  # the notice's 1, and the one more the worker counted
+
+
+def test_a_kept_lease_idle_past_its_timeout_by_its_workers_word_is_retired(clock):
+    state = make(clock, Spec(idle_timeout_s=2, ping_interval_s=1000))
+    kept = _kept_in_use(state, clock)
+    clock.advance(3)
+    one(state.tick(clock()), c.Recall)
+    assert one(state.recalled(clock(), kept.lease, idle_s=3.0, served=1), c.Stop).cause is StopCause.IDLE
+
+
+def test_a_recall_the_pool_could_not_send_keeps_the_lease_and_is_tried_again(clock):
+    state = make(clock)
+    kept = _kept_in_use(state, clock)
+    _, actions = state.acquire(clock(), "m", OTHER, {})
+    one(actions, c.Recall)
+    actions = state.recalled(clock(), kept.lease, failure="OSError: [Errno 24] Too many open files")
+    assert of(actions, c.Stop) == [] and "not its fault" in one(actions, c.Note).text
+    assert replica(state, kept.rid).state is R.LEASED and kept.lease in state.leases
+    assert one(state.tick(clock()), c.Recall).lease == kept.lease  # the next look tries again
+
+
+def test_a_recall_keeps_its_deadline_across_a_liveness_ping(clock):
+    state = make(clock, Spec(ping_interval_s=30, idle_timeout_s=0, request_timeout_s=60))
+    kept = _kept_in_use(state, clock)
+    clock.advance(30)
+    one(state.tick(clock()), c.Ping)
+    one(state.acquire(clock(), "m", OTHER, {})[1], c.Recall)
+    state.pinged(clock(), kept.rid, "liveness", answered=True)
+    assert replica(state, kept.rid).deadline is not None  # the recall's still stands
+    clock.advance(60 + 16)
+    assert one(state.tick(clock()), c.Stop).cause is StopCause.OVERDUE
+
+
+def test_an_eviction_overtaken_by_a_release_is_forgotten(clock):
+    state = PoolState(Timings(), clock())
+    state.register(clock(), "g", "g", "v", "f", _gpu())
+    _, actions = state.acquire(clock(), "g", CONN, {}, True)
+    start = one(actions, c.Start)
+    state.admitted(clock(), start.rid, "0")
+    kept = one(state.started(clock(), start.rid, 1, True), c.Grant)
+    one(state.evict(clock(), kept.rid, 4), c.Recall)
+    state.released(clock(), kept.lease, CONN, "ok")  # its client gave it back first
+    assert replica(state, kept.rid).evict_for is None
+
+
+def test_admission_skips_a_kept_lease_the_runtime_found_busy(clock):
+    state = PoolState(Timings(), clock())
+    state.register(clock(), "g", "g", "v", "f", _gpu())
+    _, actions = state.acquire(clock(), "g", CONN, {}, True)
+    start = one(actions, c.Start)
+    state.admitted(clock(), start.rid, "0")
+    kept = one(state.started(clock(), start.rid, 1, True), c.Grant)
+    assert state.eviction_candidate(frozenset({kept.rid})) is None
+
+
+def test_a_lease_still_held_after_the_drain_grace_is_killed_not_asked(clock):
+    state = make(clock, drain_grace_s=2)
+    lease_one(state, clock)
+    state.shutdown(clock(), "signal SIGTERM")
+    clock.advance(3)
+    assert one(state.tick(clock()), c.Stop).kill  # within drain_grace_s plus the kill grace
+
+
+def test_a_kept_lease_ends_with_its_replica_and_the_pool_is_idle_again(clock):
+    state = make(clock)
+    kept = _kept_in_use(state, clock)
+    one(state.stop(clock(), "m", True, "stop --now")[1], c.Stop)
+    state.stopped(clock(), kept.rid)
+    assert kept.lease not in state.leases and state.idle()
+
+
+def test_stop_and_shutdown_take_a_kept_lease_back_first(clock):
+    state = make(clock)
+    kept = _kept_in_use(state, clock)
+    assert one(state.stop(clock(), "m", False, "stopped by `resident-pool stop`")[1], c.Recall).lease == kept.lease
+    stop = one(state.recalled(clock(), kept.lease, served=1), c.Stop)
+    assert stop.cause is StopCause.STOPPED and not stop.kill
+    other = make(clock)
+    kept = _kept_in_use(other, clock)
+    assert one(other.shutdown(clock(), "signal SIGTERM"), c.Recall).lease == kept.lease
+
+
+def test_a_kept_lease_evicted_for_a_hibernating_provider_hibernates_once_back(clock):
+    state = PoolState(Timings(), clock())
+    state.register(clock(), "h", "h", "v", "f", _gpu(evict="hibernate"))
+    _, actions = state.acquire(clock(), "h", CONN, {}, True)
+    start = one(actions, c.Start)
+    state.admitted(clock(), start.rid, "0")
+    kept = one(state.started(clock(), start.rid, 1, True), c.Grant)
+    one(state.evict(clock(), kept.rid, 4), c.Recall)
+    one(state.recalled(clock(), kept.lease, served=1), c.Hibernate)
+
+
+def test_a_kept_lease_holder_that_disconnects_between_calls_frees_its_worker_after_a_ping(clock):
+    state = make(clock)
+    kept = _kept_in_use(state, clock)
+    one(state.connection_closed(clock(), CONN), c.Ping)
+    assert one(state.acquire(clock(), "m", OTHER, {})[1] + state.pinged(clock(), kept.rid, "abandon", True),
+               c.Grant).rid == kept.rid
+
+
+def test_a_used_notice_from_another_connection_changes_nothing(clock):
+    state = make(clock, Spec(idle_timeout_s=10, ping_interval_s=1000))
+    kept = lease_one(state, clock, keep=True)
+    clock.advance(9)
+    state.used(clock(), kept.lease, OTHER, 5)
+    assert replica(state, kept.rid).served == 0 and replica(state, kept.rid).idle_s(clock()) == 9
+
+
+def test_a_hibernated_worker_idle_past_its_timeout_is_killed(clock):
+    state = PoolState(Timings(), clock())
+    state.register(clock(), "h", "h", "v", "f", Spec(budget_gb=4, idle_timeout_s=60, ping_interval_s=10_000,
+                                                      evict="hibernate"))
+    rid = _admitted_ready(state, clock, "h")
+    one(state.evict(clock(), rid, 4), c.Hibernate)
+    state.hibernated(clock(), rid, True, "evicted")
+    clock.advance(61)
+    stop = one(state.tick(clock()), c.Stop)
+    assert stop.cause is StopCause.IDLE and stop.kill  # its CUDA is locked: it can only be ended
+
+
+def test_a_worker_over_its_budget_is_retired_once_its_lease_ends(clock):
+    state = make(clock)
+    grant = lease_one(state, clock)
+    assert state.retire(clock(), grant.rid, StopCause.OVER_BUDGET, "over its budget") == []
+    assert replica(state, grant.rid).state is R.DRAINING
+    assert one(state.released(clock(), grant.lease, CONN, "ok"), c.Stop).cause is StopCause.OVER_BUDGET
+

@@ -286,8 +286,9 @@ class WorkerProcess:
 
     def recall(self, lease: str, timeout: float) -> dict[str, Any] | None:
         """Take back the kept lease ``lease``: the worker refuses later requests naming it, and answers once any
-        request in flight is over (``idle_s``: how long it has been idle since); None when it gives no answer."""
-        return self._ask("recall", timeout, raise_own=False, lease=lease)
+        request in flight is over (``idle_s``: how long it has been idle since; ``served``: requests it served on
+        that lease); None when it gives no answer. An OSError of the asker's own (EMFILE) is raised."""
+        return self._ask("recall", timeout, raise_own=True, lease=lease)
 
     def _ask(self, op: str, timeout: float | None, raise_own: bool = False, **fields: Any) -> dict[str, Any] | None:
         timeout = self.connect_timeout_s if timeout is None else timeout

@@ -50,11 +50,15 @@ class Stop:
 
 @dataclass(frozen=True)
 class Ping:
-    """Ping the replica; report ``pinged``. ``purpose``: "liveness", or "abandon" (is its request over?)."""
+    """Ping the replica; report ``pinged``. ``purpose``: "liveness", or "abandon" (is its request over?).
+
+    ``lease``: the kept lease its gone client held: asked as a recall instead, which also answers how many
+    requests the worker served on it (reported as ``served``) and refuses it from then on."""
 
     rid: int
     purpose: str
     timeout_s: float
+    lease: int | None = None
 
 
 @dataclass(frozen=True)

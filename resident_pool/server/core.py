@@ -119,11 +119,15 @@ class PoolState:
         return self.leasing.released(now, lease_id, connection, outcome, served, rc) + self._assign(now, key)
 
     def used(self, now: float, lease_id: int, connection: int, served: int) -> list[Action]:
+        lease = self.leases.get(lease_id)
         self.leasing.used(now, lease_id, connection, served)
-        return []
+        return self._assign(now, self._key(lease.rid)) if lease is not None else []  # a waiter may take it now
 
-    def recalled(self, now: float, lease_id: int, idle_s: float = 0.0) -> list[Action]:
-        key, actions = self.leasing.recalled(now, lease_id, idle_s)
+    def recalled(self, now: float, lease_id: int, idle_s: float = 0.0, served: int | None = None,
+                 failure: str | None = None) -> list[Action]:
+        key, actions = self.leasing.recalled(now, lease_id, idle_s, served, failure)
+        if failure is not None:
+            return actions  # tried again at the next tick, not at once: the pool's own trouble needs a moment
         return actions + self._assign(now, key)
 
     def connection_closed(self, now: float, connection: int) -> list[Action]:
@@ -157,9 +161,9 @@ class PoolState:
         return actions + self._assign(now, key)
 
     def pinged(self, now: float, rid: int, purpose: str, answered: bool, rc: int | None = None,
-               failure: str | None = None) -> list[Action]:
+               failure: str | None = None, served: int | None = None) -> list[Action]:
         key = self._key(rid)
-        return self.lifecycle.pinged(now, rid, purpose, answered, rc, failure) + self._assign(now, key)
+        return self.lifecycle.pinged(now, rid, purpose, answered, rc, failure, served) + self._assign(now, key)
 
     def exited(self, now: float, rid: int, rc: int) -> list[Action]:
         key = self._key(rid)
@@ -172,6 +176,8 @@ class PoolState:
     def stopped(self, now: float, rid: int, failure: str | None = None) -> list[Action]:
         key = self._key(rid)
         actions = self.lifecycle.stopped(now, rid, failure)
+        if rid not in self.replicas:
+            self.leasing.drop_kept(rid)
         provider = self.providers.get(key) if key is not None else None
         if provider is not None and provider.variant and not provider.replicas and not provider.queue:
             del self.providers[key]  # a variant (a check's run) is gone with its last replica
@@ -206,8 +212,8 @@ class PoolState:
         actions = [a for p in self.providers.values() for a in self.leasing.refuse_all(p, stopping_error())]
         return actions + self.stop(now, None, at_once, f"the pool is stopping ({why})", StopCause.POOL_STOPPING)[1]
 
-    def eviction_candidate(self) -> tuple[int, bool, dict[int, float]] | None:
-        return eviction_candidate(self.lifecycle)
+    def eviction_candidate(self, skip: frozenset[int] = frozenset()) -> tuple[int, bool, dict[int, float]] | None:
+        return eviction_candidate(self.lifecycle, skip)
 
     def evict(self, now: float, rid: int, needed_gb: float) -> list[Action]:
         return self.lifecycle.evict(now, rid, needed_gb)
@@ -231,6 +237,8 @@ class PoolState:
             actions += self.lifecycle.tick(now, replica)
         for provider, ticket in self.leasing.expired(now):
             actions += self.leasing.refuse(provider, ticket.id, replica_timeout(provider, now - ticket.arrived))
+        for key in [key for key, provider in self.providers.items() if provider.queue]:
+            actions += self._assign(now, key)  # what could not be done for them earlier (a recall not sent)
         if connections or self.replicas:
             self.quiet_since = now
         elif 0 < self.timings.quiet_exit_s <= now - self.quiet_since and not self.stopping:

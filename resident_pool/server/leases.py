@@ -17,6 +17,8 @@ from .states import ReplicaState
 __all__ = ["Leasing"]
 
 R = ReplicaState
+# A kept lease just granted is left this long for its one request (its client says when it used it).
+FIRST_USE_S = 2.0
 
 
 class Leasing:
@@ -54,7 +56,7 @@ class Leasing:
                 actions.append(self.lifecycle.restore(now, provider, hibernated, ticket.id))
             elif self.lifecycle.live(provider) < provider.spec.max_replicas:
                 actions.append(self.lifecycle.start(now, provider, ticket.id))
-            elif (kept := self._first_kept(provider)) is not None:
+            elif (kept := self._first_kept(now, provider)) is not None:
                 actions += self.lifecycle.recall(now, kept)  # a kept lease is idle between calls: it yields
             else:
                 break
@@ -71,10 +73,15 @@ class Leasing:
                    if (r.state in (R.STARTING, R.CHECKING) or r.recalling) and r.abort is None
                    and self.lifecycle.serves_new_requests(r))
 
-    def _first_kept(self, provider: Provider) -> Replica | None:
-        """The kept lease used least recently, not already being recalled: the one to take back first."""
+    def _first_kept(self, now: float, provider: Provider) -> Replica | None:
+        """The kept lease used least recently, not already being recalled, that its holder has used (or has
+        held a moment without): a lease just granted is not taken back before it served its one request."""
+        def used(replica: Replica) -> bool:
+            lease = self.leases.get(replica.lease) if replica.lease is not None else None
+            return lease is not None and (lease.noticed > 0 or now - lease.since >= FIRST_USE_S)
+
         kept = [r for r in provider.replicas.values()
-                if r.kept and not r.recalling and self.lifecycle.serves_new_requests(r)]
+                if r.kept and not r.recalling and self.lifecycle.serves_new_requests(r) and used(r)]
         return min(kept, key=lambda r: (r.last_used, r.index)) if kept else None
 
     def _lease(self, now: float, ticket: Ticket, replica: Replica) -> Grant:
@@ -126,24 +133,37 @@ class Leasing:
             return self.lifecycle.ended_mid_lease(now, replica, outcome, rc)
         why = "its client gave up on a request in flight" if outcome == "abandoned" \
             else "its client's connection to it broke"
-        return self.lifecycle.abandon(now, replica, why)
+        return self.lifecycle.drains.abandon(now, replica, why)
 
     def used(self, now: float, lease_id: int, connection: int, served: int) -> None:
         """The client of a kept lease says it served ``served`` more requests (now and then, not every call)."""
         lease = self.leases.get(lease_id)
         if lease is None or lease.connection != connection or not lease.kept:
             return  # recalled meanwhile, or not its own: nothing to learn
+        lease.noticed += served
         replica = self.lifecycle.replicas.get(lease.rid)
         if replica is not None and replica.lease == lease_id:
             self.lifecycle.touch(now, replica, served)
 
-    def recalled(self, now: float, lease_id: int, idle_s: float) -> tuple[str | None, list[Action]]:
-        """A kept lease is back from its worker: the lease ends, and its replica is free."""
-        lease = self.leases.pop(lease_id, None)
+    def recalled(self, now: float, lease_id: int, idle_s: float, served: int | None,
+                 failure: str | None = None) -> tuple[str | None, list[Action]]:
+        """A kept lease is back from its worker (``served``: requests it served on it, by its own count): the
+        lease ends, and its replica is free. ``failure``: the pool could not send the recall; the lease stays."""
+        lease = self.leases.get(lease_id)
         replica = self.lifecycle.replicas.get(lease.rid) if lease is not None else None
         if replica is None or replica.lease != lease_id or not replica.recalling:
             return None, []
-        return replica.key, self.lifecycle.recalled(now, replica, idle_s)
+        if failure is not None:
+            return replica.key, self.lifecycle.recall_failed(now, replica, failure)
+        del self.leases[lease_id]
+        unheard = max(0, served - lease.noticed) if served is not None else 0
+        return replica.key, self.lifecycle.recalled(now, replica, idle_s, unheard)
+
+    def drop_kept(self, rid: int) -> None:
+        """The replica ended: a kept lease on it ends too (its client finds out on its next call and acquires
+        again); a session's lease stays until its client releases it and hears how the worker ended."""
+        for lease in [lease for lease in self.leases.values() if lease.rid == rid and lease.kept]:
+            del self.leases[lease.id]
 
     def connection_closed(self, now: float, connection: int) -> tuple[set[str], list[Action]]:
         """A client went away (a killed flow run): each wait it had is dropped, each lease abandoned."""
@@ -156,7 +176,8 @@ class Leasing:
             replica = self.lifecycle.replicas.get(lease.rid)
             if replica is not None and replica.lease == lease.id:
                 self.lifecycle.unlease(now, replica, 0)
-                actions += self.lifecycle.abandon(now, replica, "its client went away")
+                kept = (lease.id, lease.noticed) if lease.kept else None
+                actions += self.lifecycle.drains.abandon(now, replica, "its client went away", kept)
                 touched.add(replica.key)
         return touched, actions
 

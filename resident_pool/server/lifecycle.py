@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import ResidentPoolError
 from ..exits import REFUSAL_CODES, describe_exit
 from .actions import Action, Gone, Hibernate, Note, Ping, Recall, ReleaseBudget, Start, Stop, Timings
+from .drains import Drains
 from .replica import Provider, Replica
 from .states import ReplicaState, StopCause
 
@@ -38,6 +39,7 @@ class Lifecycle:
         self.timings = timings
         self.replicas: dict[int, Replica] = {}
         self._ids = itertools.count(1)
+        self.drains = Drains(self)
 
     # -- questions asked in several places ----------------------------------------------------------
     def serves_new_requests(self, replica: Replica) -> bool:
@@ -102,20 +104,32 @@ class Lifecycle:
         replica.deadline = now + self.providers[replica.key].spec.request_timeout_s + self.timings.report_margin_s
         return [Recall(replica.rid, replica.lease)]
 
-    def recalled(self, now: float, replica: Replica, idle_s: float) -> list[Action]:
-        """A kept lease came back: the replica is free (or ends, or makes room for admission)."""
-        self.unlease(now, replica, 0)
+    def recalled(self, now: float, replica: Replica, idle_s: float, served: int) -> list[Action]:
+        """A kept lease came back (``served``: requests the pool had not heard of): the replica is free, or
+        ends, or makes room for admission. The worker's own word on how long it has been idle counts here,
+        not the client's notices: a request that ran long was no idle time, and does not retire it."""
+        needed, idle_check = replica.evict_for, replica.idle_check
+        self.unlease(now, replica, served)
         replica.last_used, replica.deadline = now - max(0.0, idle_s), None
-        needed, replica.evict_for = replica.evict_for, None
-        actions = self.free(now, replica)
+        spec = self.providers[replica.key].spec
+        if idle_check and 0 < spec.idle_timeout_s <= idle_s and not self.kept_warm(replica):
+            return self.end(now, replica, StopCause.IDLE, f"idle for {idle_s:.1f} s (idle_timeout_s = "
+                                                          f"{spec.idle_timeout_s:g})")
+        actions = self.free(now, replica)  # it was busy, not idle that long: it stays
         if needed is not None and replica.state is R.READY:
             actions += self.evict(now, replica.rid, needed)
         return actions
 
+    def recall_failed(self, now: float, replica: Replica, failure: str) -> list[Action]:
+        """The pool could not send a recall (its own failure, EMFILE): the lease stays, the next look tries again."""
+        replica.recalling, replica.deadline, replica.evict_for = False, None, None
+        return [Note(replica.rid, f"the pool could not recall its kept lease ({failure}); not its fault")]
+
     def unlease(self, now: float, replica: Replica, served: int) -> None:
         """Its lease ended, after ``served`` requests: idle time counts from now."""
         replica.lease, replica.served, replica.last_used = None, replica.served + served, now
-        replica.kept = replica.recalling = replica.checking = False
+        replica.kept = replica.recalling = replica.checking = replica.idle_check = False
+        replica.evict_for = None
 
     def admitted(self, now: float, rid: int, device: str | None) -> list[Action]:
         """Admission placed the replica's budget (on ``device``; None where it holds no GPU budget)."""
@@ -207,16 +221,6 @@ class Lifecycle:
             return []
         return self.end(now, replica, *(replica.retire or (StopCause.DRAINED, "its manifest changed")))
 
-    def abandon(self, now: float, replica: Replica, why: str) -> list[Action]:
-        """Its client is gone mid-lease: free it once its request (if any) is over; never hand it out before."""
-        if replica.state not in (R.LEASED, R.DRAINING):
-            return []
-        if replica.state is R.LEASED:
-            replica.transition(R.DRAINING, f"{why}; waiting for any request in flight")
-        grace = self.providers[replica.key].spec.abandon_grace_s
-        replica.deadline, replica.probes = now + grace, 1
-        return [Ping(replica.rid, "abandon", min(self.timings.abandon_probe_s, grace) or 0.1)]
-
     def ended_mid_lease(self, now: float, replica: Replica, outcome: str, rc: int | None) -> list[Action]:
         """The lease's request ended the worker: it timed out, said it is exiting, or died."""
         provider = self.providers[replica.key]
@@ -230,7 +234,7 @@ class Lifecycle:
 
     # -- what the runtime saw -------------------------------------------------------------------------
     def pinged(self, now: float, rid: int, purpose: str, answered: bool, rc: int | None = None,
-               failure: str | None = None) -> list[Action]:
+               failure: str | None = None, served: int | None = None) -> list[Action]:
         """A ping's outcome. ``failure``: the pool could not send it (out of descriptors): not the worker's fault."""
         replica = self.replicas.get(rid)
         if replica is None:
@@ -239,32 +243,13 @@ class Lifecycle:
             if replica.state is R.CHECKING or (replica.state is R.LEASED and replica.checking):
                 return self._checked(now, replica, answered, rc, failure)
             return []
-        if replica.state is not R.DRAINING or replica.lease is not None:
-            return []  # decided meanwhile
-        provider = self.providers[replica.key]
-        grace = provider.spec.abandon_grace_s
-        if answered and self.serves_new_requests(replica):
-            replica.transition(R.READY, "the abandoned request ended")
-            replica.last_used, replica.deadline = now, None
-            return []
-        if answered or failure:
-            if failure and now < (replica.deadline or now):
-                return [Ping(rid, "abandon", max(0.1, (replica.deadline or now) - now))]
-            return self.end(now, replica, *(replica.retire or (StopCause.DRAINED, "its manifest changed")))
-        if rc is not None:
-            return self._died(now, replica, rc, "died while its abandoned request ran")
-        if replica.probes == 1 and replica.deadline is not None and now < replica.deadline:
-            replica.probes += 1
-            return [Note(rid, f"its client went away mid-request; the request may run up to abandon_grace_s = "
-                              f"{grace:g} s more, and its answer is thrown away"),
-                    Ping(rid, "abandon", max(0.1, replica.deadline - now))]
-        why = f"its abandoned request still ran after abandon_grace_s = {grace:g} s"
-        replica.last_error = provider.last_error = f"{replica.name}: {why}; stopped"
-        return self.end(now, replica, StopCause.ABANDONED, why, kill=True)
+        return self.drains.pinged(now, replica, answered, rc, failure, served)
 
     def _checked(self, now: float, replica: Replica, answered: bool, rc: int | None, failure: str | None
                  ) -> list[Action]:
-        replica.last_checked, replica.deadline, replica.checking = now, None, False
+        replica.last_checked, replica.checking = now, False
+        if not replica.recalling:  # a recall out at the same time keeps its own deadline
+            replica.deadline = None
         if answered or failure:
             note = [Note(replica.rid, f"the pool could not ping it ({failure}); not its fault")] if failure else []
             if replica.state is R.LEASED:
@@ -274,7 +259,7 @@ class Lifecycle:
             replica.transition(R.READY, "answered its liveness ping" if answered else "ping not sent")
             return note
         if rc is not None:
-            return self._died(now, replica, rc)
+            return self.died(now, replica, rc)
         why = f"{replica.name} did not answer a liveness ping within {self.timings.liveness_timeout_s:g} s; stopped"
         replica.last_error = self.providers[replica.key].last_error = why
         return self.end(now, replica, StopCause.UNRESPONSIVE, why, kill=True)
@@ -284,9 +269,9 @@ class Lifecycle:
         replica = self.replicas.get(rid)
         if replica is None or replica.state in (R.STARTING, R.STOPPING, R.STOPPED, R.FAILED):
             return []  # a start sees it itself; a stop is reported by its own action
-        return self._died(now, replica, rc)
+        return self.died(now, replica, rc)
 
-    def _died(self, now: float, replica: Replica, rc: int, how: str | None = None) -> list[Action]:
+    def died(self, now: float, replica: Replica, rc: int, how: str | None = None) -> list[Action]:
         if how is None:
             how = "exited while idle" if replica.state in (R.READY, R.CHECKING) else f"died while {replica.state}"
         why = f"{replica.name} {how}: {describe_exit(rc)}"
@@ -395,14 +380,16 @@ class Lifecycle:
                 and state in (R.LEASED, R.DRAINING, R.STARTING):
             late = f"{replica.retire[1]}: still busy after drain_grace_s = {self.timings.drain_grace_s:g} s"
             replica.drain_by = None
-            return self.end(now, replica, replica.retire[0], late, kill=state is R.STARTING)
+            return self.end(now, replica, replica.retire[0], late, kill=True)  # the grace is over: no more asking
         if state is R.DRAINING and replica.deadline is not None and replica.lease is None \
                 and now >= replica.deadline + self.timings.report_margin_s:
             return self._overdue(now, replica)
         if replica.kept_idle():
             if 0 < spec.idle_timeout_s <= now - replica.last_used and not self.kept_warm(replica):
-                why = f"idle for {now - replica.last_used:.1f} s (idle_timeout_s = {spec.idle_timeout_s:g})"
-                return self.retire(now, replica, StopCause.IDLE, why)  # its kept lease back, then it stops
+                # Its client has not said it used it for that long: taken back, and it retires if its worker
+                # says it was idle that long too (a single long request is no idle time).
+                replica.idle_check = True
+                return self.recall(now, replica)
             if now - replica.last_checked >= spec.ping_interval_s:  # alive between calls too: it answers
                 replica.checking = True
                 replica.deadline = now + self.timings.liveness_timeout_s + self.timings.report_margin_s
@@ -447,11 +434,13 @@ def replica_rows(lifecycle: Lifecycle, now: float, leases: dict[int, Any]) -> li
     } for r in sorted(lifecycle.replicas.values(), key=lambda r: (r.key, r.index))]
 
 
-def eviction_candidate(lifecycle: Lifecycle) -> tuple[int, bool, dict[int, float]] | None:
+def eviction_candidate(lifecycle: Lifecycle, skip: frozenset[int] = frozenset()
+                       ) -> tuple[int, bool, dict[int, float]] | None:
     """The idle replica admission may evict first (least recently used; kept-warm ones last): its id,
-    whether it is kept warm, and the budgets every idle kept-warm replica holds, per device."""
+    whether it is kept warm, and the budgets every idle kept-warm replica holds, per device. ``skip``: replicas
+    the runtime found busy (a request running on a kept lease)."""
     idle = [(lifecycle.kept_warm(r), r.last_used, r.rid, r) for r in lifecycle.replicas.values()
-            if r.admitted and (r.state is R.READY or (r.kept and not r.recalling))]
+            if r.admitted and r.rid not in skip and (r.state is R.READY or (r.kept and not r.recalling))]
     if not idle:
         return None
     kept, _, rid, _ = min(idle, key=lambda item: item[:3])

@@ -54,6 +54,7 @@ class Lease:
     holder: dict[str, str]
     since: float
     kept: bool = False  # held between calls (Pool.predict): idle while no request runs, recalled when wanted
+    noticed: int = 0  # requests its client said it served (kept leases tell the pool now and then)
 
 
 @dataclass(eq=False)
@@ -80,9 +81,12 @@ class Replica:
     kept: bool = False  # its lease is a kept one: idle between calls, recalled when another needs it
     recalling: bool = False  # its kept lease is being taken back (after the request in flight, if any)
     checking: bool = False  # a liveness ping of its kept lease (between calls) is out
+    idle_check: bool = False  # its kept lease is recalled for idleness: it retires if its worker was idle too
     evict_for: float | None = None  # the GB admission needs: evicted once its kept lease is back
     can_recall: bool = False  # its worker answers ``recall`` (every worker on our worker_base does)
     probes: int = 0  # pings of an abandoned request so far
+    gone_lease: int | None = None  # the kept lease of a client that went away: its abandon pings recall it
+    noticed_before: int = 0  # of that lease: the requests already counted
     stop_attempts: int = 0
     pid: int | None = None
     device: str | None = None

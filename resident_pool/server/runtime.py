@@ -170,7 +170,12 @@ class Runtime:
             return
         busy = action.purpose == "liveness" and worker.process.in_flight_s() is not None
         try:  # a request in flight (a kept lease's) answers for the worker: it is alive and computing
-            answer = {"busy": True} if busy else worker.process.ping(timeout=action.timeout_s, raise_own=True)
+            if busy:
+                answer = {"busy": True}
+            elif action.lease is not None:  # a gone client's kept lease: taken back, and what it served counted
+                answer = worker.process.recall(self.token(action.lease), action.timeout_s)
+            else:
+                answer = worker.process.ping(timeout=action.timeout_s, raise_own=True)
         except OSError as exc:
             self.event("pinged", action.rid, action.purpose, False, None, f"{type(exc).__name__}: {exc}")
             return
@@ -182,7 +187,9 @@ class Runtime:
             rc = worker.process.wait_dead(DEATH_WAIT_S)
         elif action.purpose == "liveness":
             self.observer.collect_stats(worker)  # still checking: the worker is idle
-        self.event("pinged", action.rid, action.purpose, answer is not None, rc)
+        served = answer.get("served") if answer is not None and action.lease is not None else None
+        self.event("pinged", action.rid, action.purpose, answer is not None, rc, None,
+                   served if isinstance(served, int) and not isinstance(served, bool) else None)
 
     def _recall(self, action: c.Recall, inline: bool = False) -> None:
         worker = self.workers.get(action.rid)
@@ -190,10 +197,16 @@ class Runtime:
             return
         # Answered once any request in flight is over: as long as a request may run, and a little more.
         timeout = worker.loaded.manifest.lifecycle.request_timeout_s + self.core.timings.report_margin_s
-        answer = worker.process.recall(self.token(action.lease), timeout)
+        try:
+            answer = worker.process.recall(self.token(action.lease), timeout)
+        except OSError as exc:  # the pool's own failure (out of descriptors): not the worker's, tried again later
+            self.event("recalled", action.lease, 0.0, None, f"{type(exc).__name__}: {exc}")
+            return
         if answer is not None:
-            idle = answer.get("idle_s")
-            self.event("recalled", action.lease, float(idle) if isinstance(idle, int | float) else 0.0, inline=inline)
+            idle, served = answer.get("idle_s"), answer.get("served")
+            self.event("recalled", action.lease, float(idle) if isinstance(idle, int | float) else 0.0,
+                       served if isinstance(served, int) and not isinstance(served, bool) and served >= 0 else None,
+                       inline=inline)
             return
         rc = worker.process.wait_dead(DEATH_WAIT_S)
         if rc is not None:
@@ -254,10 +267,17 @@ class Runtime:
         Workers kept warm (min_replicas) go after every other idle one, and only when giving back every idle
         kept-warm budget would let the request fit: never for nothing.
         """
-        with self.lock:
-            candidate = self.core.eviction_candidate()
-        if candidate is None:
-            return False
+        busy: set[int] = set()
+        while True:
+            with self.lock:
+                candidate = self.core.eviction_candidate(frozenset(busy))
+            if candidate is None:
+                return False
+            worker = self.workers.get(candidate[0])
+            # A kept lease is idle between calls, but a request may run on it now: a busy worker is never evicted.
+            if worker is None or worker.process.in_flight_s() is None:
+                break
+            busy.add(candidate[0])
         rid, kept, freed = candidate
         if kept and not self.admission.fits_if_freed(needed_gb, freed):
             return False
