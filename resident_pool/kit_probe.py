@@ -46,9 +46,16 @@ class _Parts:
 
 
 def _vars(row):
-    """A resolve() answer is a mapping or an object; its variables sit under env or exports (None: neither)."""
+    """A resolve() answer's variables, under env or exports (None: neither), read as the original's probe reads
+    them: the attribute, else the key, so an object, a dict or any other mapping (a read-only
+    MappingProxyType, a UserDict) answers, and so does a variables table of any of those kinds."""
     for key in ("env", "exports"):
-        value = row.get(key) if isinstance(row, dict) else getattr(row, key, None)
+        value = getattr(row, key, None)
+        if value is None:
+            try:
+                value = row[key]
+            except Exception:  # noqa: BLE001, S112 - no such key, or no subscript: the next spelling, as the original
+                continue
         if value is not None:
             return {str(k): str(v) for k, v in dict(value).items()}
     return None

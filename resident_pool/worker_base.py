@@ -28,6 +28,7 @@ import struct
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -146,13 +147,19 @@ class _InFlight:
             struct.pack_into("d", self.board, 0, started)
 
 
-def protocol():
-    """The wire protocol module (``OP_PING``, ``OP_PREDICT``, ``OP_SHUTDOWN``, ``send_line``, ``recv_line``).
+def _imported_in_package() -> bool:
+    """Whether this file was imported as a module of its own package (``resident_pool.worker_base``), so its
+    siblings import as such; loaded by path under any other name (``worker_base``, the original's
+    ``tooluniverse.remote_resident.worker_base``), they are loaded by path too."""
+    package = sys.modules.get(__package__) if __package__ else None
+    here = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+    return any(os.path.realpath(folder) == here for folder in getattr(package, "__path__", ()))
 
-    The package's when this file was imported normally; else loaded by path from
-    ``RESIDENT_POOL_PROTOCOL`` (or ``TOOLUNIVERSE_REMOTE_PROTOCOL``), else beside this file.
-    """
-    if __package__:
+
+def load_protocol():
+    """The wire protocol module: the package's when this file was imported as part of it; else loaded by path
+    from ``RESIDENT_POOL_PROTOCOL`` (or ``TOOLUNIVERSE_REMOTE_PROTOCOL``), else beside this file."""
+    if _imported_in_package():
         from . import protocol as module
 
         return module
@@ -170,7 +177,39 @@ def protocol():
     return module
 
 
-load_protocol = protocol
+def protocol():
+    """The wire module as the original design's ``protocol()`` handed it out (``OP_PING``, ``OP_PREDICT``,
+    ``OP_SHUTDOWN``, ``send_line``, ``recv_line``, ``ProtocolError``, and the rest of ``load_protocol()``'s).
+
+    One difference from ``load_protocol()``'s: its ``recv_line`` raises ProtocolError when the peer closes
+    between messages, as the original's did (the original's own accept loop leaves a connection only that
+    way), where this project's returns None. Code written for this project takes ``load_protocol()``.
+    """
+    global _original_protocol  # noqa: PLW0603 - made once per copy of this file, on first use
+    real = load_protocol()
+    view = _original_protocol
+    if view is None or view.__dict__["_real"] is not real:
+        view = types.ModuleType(f"{real.__name__}_original", real.__doc__)
+        view.__file__ = real.__file__
+        view._real = real
+        view.__getattr__ = lambda name: getattr(real, name)  # every other name is the real module's, live
+        view.recv_line = _recv_line_to_the_end(real)
+        _original_protocol = view
+    return view
+
+
+_original_protocol: types.ModuleType | None = None
+
+
+def _recv_line_to_the_end(real):
+    def recv_line(sock, buf, max_bytes=real.MAX_LINE_BYTES):
+        """One message; ``buf`` carries bytes past it. ProtocolError at the end of the stream, as the original."""
+        message = real.recv_line(sock, buf, max_bytes)
+        if message is None:
+            raise real.ProtocolError("peer closed the connection mid-message (0 bytes unterminated)")
+        return message
+
+    return recv_line
 
 
 def bootstrap(worker_file: str | os.PathLike[str] | None = None):
@@ -199,7 +238,7 @@ def load_arrays():
     None where it is not there (a container that binds only protocol.py and
     worker_base.py): the worker then speaks plain JSON, arrays as lists.
     """
-    if __package__:
+    if _imported_in_package():
         from . import arrays
 
         return arrays

@@ -129,6 +129,13 @@ def test_array_tolist_matches_numpy_for_any_shape(shape, dtype, seed):
     assert Array(value.tobytes(), dtype, shape).tolist() == value.tolist()
 
 
+@given(shape=st.lists(st.integers(0, 4), min_size=1, max_size=3), dtype=st.sampled_from(list(DTYPES)),
+       start=st.integers(-5, 5), stop=st.integers(-5, 5))
+def test_array_rows_match_numpys_slice_of_rows(shape, dtype, start, stop):
+    value = np.nan_to_num(random_array(dtype, shape, 3), nan=1.5, posinf=2.5, neginf=-2.5)
+    assert Array(value.tobytes(), dtype, shape).rows(start, stop).tolist() == value[start:stop].tolist()
+
+
 def test_received_numpy_arrays_pickle_by_value(pair):
     left, right = pair
     value = random_array("float32", (512, 512))

@@ -6,6 +6,10 @@ import gzip
 import json
 import os
 import random
+import shutil
+import subprocess
+import sys
+import textwrap
 import tracemalloc
 
 import pytest
@@ -341,6 +345,26 @@ def test_a_hard_link_in_a_folder_others_can_write_is_refused_but_one_in_your_own
     assert [r.id for r in _records(private / "again.fasta")] == ["secret-id"]
 
 
+def test_a_hard_link_in_a_folder_another_user_owns_is_refused_and_never_quoted(tmp_path, other_user):
+    """A folder owned by another user, mode 0755: nobody else may write there, but its owner may plant a second
+    name for your private file (where fs.protected_hardlinks is off; root makes the link here in their stead).
+    Read, the header-row error would quote most of the token."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    secret = home / ".git-credentials"
+    secret.write_text("https://alice:ghp_4Xb9SECRETtoken0123456789abcdefXYZ@github.com\n")
+    secret.chmod(0o600)
+    shared = tmp_path / "from-mallory"
+    shared.mkdir(mode=0o755)
+    shutil.chown(shared, other_user, other_user)
+    planted = shared / "creds.csv"
+    os.link(secret, planted)
+    with pytest.raises(InputError) as refused:
+        InputFile(planted).check()
+    assert "ghp_" not in str(refused.value), str(refused.value)
+    assert f"has 2 hard links and lies in a folder its owner ({other_user}, uid" in str(refused.value)
+
+
 def test_a_table_without_its_column_is_quoted_as_a_short_escaped_snippet_at_most(tmp_path):
     (tmp_path / "wide.csv").write_text(f"token={SECRET}\x1b[31m," + "x" * 500 + "\nvalue\n")
     with pytest.raises(InputError) as raised:
@@ -376,3 +400,44 @@ def test_record_count_is_exact_for_plain_files_and_none_for_compressed_ones(tmp_
         assert source.record_count() == count, name
         if count is not None:
             assert len(list(source.records())) == count, name
+
+
+@pytest.mark.parametrize("block", [1, 5, 1 << 20])
+def test_record_count_counts_lines_in_blocks_of_any_size(tmp_path, monkeypatch, block):
+    monkeypatch.setattr(inputs, "FASTA_BLOCK", block)
+    (tmp_path / "a.jsonl").write_text('{"sequence": "MKV"}\n \t\n\n{"sequence": "AAA"}\r\n   {"sequence": "W"}')
+    assert InputFile(tmp_path / "a.jsonl").record_count() == 3
+
+
+def test_record_count_of_a_file_past_the_byte_limit_is_none_and_the_records_refuse_it(tmp_path):
+    (tmp_path / "big.csv").write_text("sequence\n" + "MKV\n" * 1000)
+    source = InputFile(tmp_path / "big.csv", max_input_bytes=1000)
+    assert source.record_count() is None
+    with pytest.raises(InputError, match="RESIDENT_POOL_MAX_INPUT_BYTES"):
+        list(source.records())
+
+
+COUNT_UNDER_2_GIB = textwrap.dedent("""
+    import resource, sys
+    resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+    from resident_pool.campaigns.inputs import InputFile
+    source = InputFile(sys.argv[1], max_input_bytes=int(sys.argv[2]))
+    source.check()  # passes: a header, then a field longer than the sniff
+    print(source.record_count(), flush=True)
+""")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("limit", [1_000_000, 10 * 2**30])
+def test_a_sparse_input_is_counted_in_bounded_blocks_within_the_byte_limit(tmp_path, limit):
+    """A 3 GiB sparse CSV costs its author nothing (`truncate -s`): a header, one row, then zero bytes with no
+    newline. Counted line by line it was one 3 GiB line held at once: a MemoryError under a 2 GiB address
+    space, outside any handler, that ended the whole flow run. Under a 1 MB limit it is not counted at all;
+    under the default-sized one it is counted a block at a time."""
+    big = tmp_path / "big.csv"
+    big.write_bytes(b"sequence\nMKV\n")
+    os.truncate(big, 3 * 2**30)
+    done = subprocess.run([sys.executable, "-c", COUNT_UNDER_2_GIB, str(big), str(limit)], capture_output=True,
+                          text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert done.stdout.split() == (["None"] if limit < 3 * 2**30 else ["2"])

@@ -7,12 +7,15 @@ the model side runs in a bare venv that holds none of this project.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -217,6 +220,68 @@ def test_a_predict_without_payload_hands_the_whole_request_to_on_predict(venvs, 
     assert carried["result"]["keys"] == ["sequence"]  # this project's own shape still means its payload
 
 
+def test_a_worker_that_loads_the_base_under_a_dotted_name_starts_under_the_pool(pool_dir, venvs):
+    """The original's worker_base finds its protocol by path whatever name it was loaded under. Loaded as
+    `tooluniverse.remote_resident.worker_base` (its name in the original's package), `protocol()` took the
+    dotted name for "imported as part of resident_pool" and raised ModuleNotFoundError: exit 1 before bind."""
+    from resident_pool import Pool
+
+    write_provider(pool_dir, "dotted", f'[env]\npython = "{venvs()}"\n', worker=ORIGINAL / "dotted_worker.py")
+    with Pool(manifests=pool_dir) as pool:
+        answer = pool.predict("dotted", {"sequence": "MKVLA"})
+        pool.stop("dotted")
+    assert answer == {"reversed": "ALVKM", "ping_op": "ping", "arrays": True}
+
+
+def test_a_worker_with_its_own_accept_loop_over_protocol_serves_a_second_client(venvs, socket_path):
+    """The original's recv_line raises ProtocolError at the end of a stream, and a loop written to it leaves a
+    connection only that way. This project's returns None there: the loop's `req.get("op")` raised
+    AttributeError and the worker died when its first client hung up."""
+    env = {**os.environ, "TOOLUNIVERSE_REMOTE_WORKER_BASE": WORKER_BASE_PATH,
+           "TOOLUNIVERSE_REMOTE_PROTOCOL": PROTOCOL_PATH}
+    worker = subprocess.Popen([str(venvs()), str(ORIGINAL / "raw_loop_worker.py"), socket_path], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: os.path.exists(socket_path) or worker.poll() is not None, message="the worker to bind")
+        # One client after another, each hanging up after its answer.
+        replies = [ask(socket_path, {"op": "ping"}) for _ in range(3)]
+        alive = worker.poll() is None
+        if alive:
+            assert ask(socket_path, {"op": "shutdown"}) == {"ok": True, "op": "shutdown"}
+            worker.wait(timeout=30)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        said = worker.communicate(timeout=30)[0]
+    assert alive and replies == [{"ok": True, "op": "ping"}] * 3, said[-1500:]
+    assert worker.returncode == 0, said[-1500:]
+
+
+def test_protocol_recv_line_raises_at_the_end_of_a_stream_and_load_protocol_s_returns_none():
+    """The original's shape for code written to it; this project's own (load_protocol, resident_pool.protocol)
+    is unchanged."""
+    import socket as sockets
+
+    from resident_pool import protocol as wire
+    from resident_pool import worker_base
+
+    original = worker_base.protocol()
+    assert original.OP_PREDICT == "predict" and original.ProtocolError is wire.ProtocolError
+    assert worker_base.load_protocol() is wire and original.__file__ == wire.__file__
+    for receive, at_end in ((original.recv_line, "raises"), (worker_base.load_protocol().recv_line, None)):
+        left, right = sockets.socketpair()
+        with left, right:
+            original.send_line(left, {"a": 1})
+            left.close()
+            buf = bytearray()
+            assert receive(right, buf) == {"a": 1}
+            if at_end is None:
+                assert receive(right, buf) is None
+            else:
+                with pytest.raises(wire.ProtocolError, match="peer closed the connection mid-message"):
+                    receive(right, buf)
+
+
 # -- the caller: ResidentWorker --------------------------------------------------------------
 
 
@@ -274,6 +339,30 @@ def test_request_sends_the_message_as_given_and_returns_the_whole_reply(venvs):
     assert reply["result"]["keys"] == ["op", "sequence"]  # the message as given: no payload wrapped around it
     assert pong["ok"] and pong["model"] == "original" and "releases" in pong
     assert result["length"] == 5 and result["keys"] == ["sequence"]  # predict(payload): the result alone
+
+
+def test_a_build_command_whose_argv_holds_paths_starts_its_worker(venvs):
+    """The original hands build_command's argv to Popen as it is, and Popen takes path objects. Here the worker
+    was spawned, then its argv joined for the transcript's note raised a bare TypeError: the worker was killed
+    and the caller got neither a reply nor a WorkerStartError."""
+    from resident_pool.supervisor import ResidentWorker
+
+    def build(worker):
+        return [venvs(), WORKER, worker.socket_path], {"ORIGINAL_CALLER": "1"}
+
+    worker = ResidentWorker("origin", build)
+    try:
+        with worker.lock:
+            reply = worker.request({"op": "predict", "sequence": "MKV"})
+    finally:
+        worker.stop()
+    assert reply["ok"] and reply["result"]["reversed"] == "VKM"
+    unusable = ResidentWorker("origin", lambda worker: ([str(venvs()), str(WORKER), 3], {}))
+    try:
+        with pytest.raises(TypeError, match=r"the worker's argv\[2\] is 3 \(int\): give a str, bytes or path"):
+            unusable.ensure_started()
+    finally:
+        unusable.stop()
 
 
 def test_start_and_request_errors_are_runtime_errors(venvs, tmp_path):
@@ -390,6 +479,61 @@ def test_resolve_is_asked_with_the_mode_alone_before_the_kit_tree(pool_dir, venv
         pool.stop("resolving")
     assert seen["env"]["RESOLVING_PROFILE"] == "default"  # not the kit tree in the profile parameter
     assert seen["env"]["RESOLVING_FUSED"] == "1" and seen["kits"] == {"resolving_opt": "ACTIVE"}
+
+
+def test_a_kit_whose_resolve_answers_a_read_only_mapping_serves_with_its_row(pool_dir, venvs, kit_home):
+    """The original's probe reads env as an attribute, else by key: any mapping answers. Here only a dict was
+    read by key, so a kit whose resolve() hands out a MappingProxyType exported an empty row and was refused."""
+    from resident_pool import Pool
+    from resident_pool.kit import ask_kit
+
+    python = venvs("proxied_opt")
+    assert ask_kit(python, "proxied_opt", "fast")["env"] == {"PROXIED_OPT_ROUTE": "triton"}
+    provider(pool_dir, "proxied", python, '[kit]\npackage = "proxied_opt"\n')
+    with Pool(manifests=pool_dir) as pool:
+        seen = report(pool, "proxied")
+        pool.stop("proxied")
+    assert seen["env"]["PROXIED_OPT_ROUTE"] == "triton" and seen["env"]["MODEL_OPT"]
+
+
+class _Exports:
+    exports = types.MappingProxyType({"B": 2})
+
+
+@pytest.mark.parametrize("answer", [
+    {"env": {"A": 1}},
+    types.MappingProxyType({"env": types.MappingProxyType({"A": 1})}),
+    collections.UserDict({"exports": collections.UserDict({"A": 1})}),
+    types.SimpleNamespace(env={"A": 1}),
+], ids=["dict", "mappingproxy", "UserDict", "object"])
+def test_a_resolve_answer_is_read_by_attribute_or_by_key_as_the_original(answer):
+    from resident_pool import kit_probe
+
+    assert kit_probe._vars(answer) == {"A": "1"}
+    assert kit_probe._vars(_Exports()) == {"B": "2"}
+    assert kit_probe._vars(["env"]) is None and kit_probe._vars({"other": {}}) is None
+
+
+def test_the_originals_kit_env_takes_a_number_as_its_text(tmp_path):
+    """The original launcher applies `[kit] env` with str(value): `POST_RELEASE_NTOK = 0` is "0". Here
+    `Kit.env` was dict[str, str] under a strict model, so a manifest the original ran was a ManifestError."""
+    from resident_pool.errors import ManifestError
+    from resident_pool.manifest import load_manifest
+
+    folder = tmp_path / "manifests" / "numbered"
+    folder.mkdir(parents=True)
+    shutil.copy(WORKER, folder / "worker.py")
+    table = '[kit]\npackage = "proxied_opt"\n[kit.env]\n'
+    (folder / "manifest.toml").write_text(f'slug = "numbered"\nworker = "worker.py"\n{table}'
+                                          "PROXIED_OPT_POST_RELEASE_NTOK = 0\nPROXIED_OPT_CAP = 1.5\n"
+                                          "PROXIED_OPT_ON = true\nPROXIED_OPT_NAME = \"x\"\n")
+    manifest = load_manifest(folder / "manifest.toml")
+    assert manifest.kit.env == {"PROXIED_OPT_POST_RELEASE_NTOK": "0", "PROXIED_OPT_CAP": "1.5",
+                                "PROXIED_OPT_ON": "True", "PROXIED_OPT_NAME": "x"}
+    (folder / "manifest.toml").write_text(f'slug = "numbered"\nworker = "worker.py"\n{table}'
+                                          "PROXIED_OPT_LIST = [1, 2]\n")
+    with pytest.raises(ManifestError, match=r"kit\.env\.PROXIED_OPT_LIST"):
+        load_manifest(folder / "manifest.toml")
 
 
 @pytest.mark.parametrize(("slug", "table", "package"), [

@@ -79,6 +79,16 @@ def test_a_second_process_is_served_by_the_worker_the_first_started(pool_dir, wa
     assert state["providers"]["echo"]["start"]["way"] == way
 
 
+def test_a_pool_starts_a_plain_worker_and_it_answers(pool_dir):
+    """The first start of a replica once failed with AttributeError on every path (a start's record written on
+    the wrong object): the simplest provider, one request."""
+    write_provider(pool_dir, "echo", "")
+    with Pool(manifests=pool_dir) as pool:
+        answer = pool.predict("echo", {"x": 1})
+        pool.stop("echo")
+    assert answer is not None
+
+
 @pytest.mark.smoke
 def test_budgets_never_oversubscribe_and_waiters_go_in_arrival_order_after_eviction(pool_dir, monkeypatch, tmp_path):
     audit = tmp_path / "ledger-audit.jsonl"

@@ -667,6 +667,10 @@ def test_the_compose_file_binds_to_an_internal_interface_with_an_auth_string():
     compose = (ROOT / "infra" / "compose" / "docker-compose.yml").read_text()
     assert "0.0.0.0:4200" not in compose and '"${PREFECT_BIND_ADDRESS:-127.0.0.1}:4200:4200"' in compose
     assert "${PREFECT_SERVER_API_AUTH_STRING:?" in compose  # compose refuses to start without one
+    # localhost may resolve to ::1, another socket, which any local user may hold first.
+    assert "${PREFECT_UI_API_URL:-http://127.0.0.1:4200/api}" in compose and "//localhost" not in compose
+    # The workers' URL the header gives agrees with the TLS advice: no plain http for them.
+    assert "PREFECT_API_URL=https://<name>/api" in compose and "PREFECT_API_URL=http:" not in compose
 
 
 # -- 6. campaign output through a planted symlink -----------------------------------------------------------
@@ -1058,8 +1062,8 @@ def test_validate_and_check_take_only_a_whole_provider_name(pool_dir, tmp_path, 
     copy_echo(pool_dir)
     name = "../elsewhere/echo"
     assert (pool_dir / name / "manifest.toml").exists()  # the path would reach it
-    state = validate(providers=[name], smoke=True, return_state=True)  # the providers of RESIDENT_POOL_MANIFESTS
-    assert state.is_failed() and f"unknown provider(s) {name!r}" in str(state.message), state.message
+    state = validate(providers=[name], smoke=True, return_state=True)  # the providers: pool_dir, the worker host's
+    assert state.is_failed() and "unknown provider(s) '../elsewhere/echo'" in str(state.message), state.message
     done = subprocess.run([str(Path(sys.executable).with_name("resident-pool")), "check", "--smoke",
                            "--manifests", str(pool_dir), name], capture_output=True, text=True, timeout=120,
                           check=False)
@@ -1148,7 +1152,7 @@ def test_links_planted_in_a_shared_inbox_leak_nothing_and_the_outputs_stay_ours(
         assert done.returncode == 0, done.stderr
     os.link(home / "private.fasta", inbox / "hard.fasta")  # where protected_hardlinks is off, mallory can
     with pytest.raises(CampaignFailed) as failed:
-        screen(input=str(inbox), provider="embedder")  # its providers: the worker host's RESIDENT_POOL_MANIFESTS
+        screen(input=str(inbox), provider="embedder")
     said = str(failed.value) + json.dumps(failed.value.details)
     assert secret not in said and "PATH=" not in said and "unpublished" not in said
     for name in ("creds.csv", "private.fasta"):
@@ -1163,8 +1167,9 @@ def test_links_planted_in_a_shared_inbox_leak_nothing_and_the_outputs_stay_ours(
     summary = again.value.details["summary"]
     assert summary["ok"] == 1 and [Path(f["file"]).name for f in summary["files"]] == ["colleague.fasta"]
     assert len(summary["refused"]) == 4 and secret not in json.dumps(summary)
+    # Only the colleague's file was screened: its output and its report, nothing for a refused one.
     assert sorted(p.name for p in outbox.iterdir()) == ["colleague.fasta.embedder.jsonl",
-                                                      "colleague.fasta.embedder.jsonl.report.html"]
+                                                        "colleague.fasta.embedder.jsonl.report.html"]
     security_row("links planted in a shared inbox: ~/.git-credentials, /proc/self/environ, a 0600 file, "
                  "a hard link, the output folder", "each refused by name and listed; only the colleague's file "
                  "is screened; nothing quoted")

@@ -11,6 +11,8 @@
 # flow runs read inputs only under $INPUT_ROOT (default the inbox), write outputs under $OUTPUT_ROOT
 # (default: beside the inputs) and take providers from $MANIFESTS: the worker's own environment, which
 # no flow run can change (docs/security.md).
+# Any local user may also bind the port first and answer /api/health: nothing gets the auth string (deploy,
+# the worker, the relay) until the port's listener is yours, and for `up` the server this script started.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=${VENV:-.venv}
@@ -56,6 +58,54 @@ worker_env() {
   if [ -n "$OUTPUT_ROOT" ]; then export RESIDENT_POOL_OUTPUT_ROOT="$OUTPUT_ROOT"; fi
 }
 
+# Whose socket answers on 127.0.0.1:$PORT (resident_pool/host/listeners.py): 0 yours, 1 another's, 3 nobody's.
+holder() { "$VENV/bin/python" -m resident_pool.host.listeners "$PORT" "$@"; }
+
+port_free_or_ours() {  # before starting the server: a port another user holds is refused, never shared
+  local said code=0
+  said=$(holder 2>&1) || code=$?
+  if [ "$code" = 1 ]; then
+    echo "port $PORT: $said; the stack will not start there, nor send its auth string to it: stop that" \
+      "process, or set PREFECT_PORT to a free port" >&2
+    exit 1
+  fi
+}
+
+server_is_ours() {  # before anything gets the auth string: the listener is yours (with a pid file: that server's)
+  local said code=0 session=()
+  if [ -f "$STACK_DIR/server.pid" ] && kill -0 "$(cat "$STACK_DIR/server.pid")" 2>/dev/null; then
+    session=(--session "$(cat "$STACK_DIR/server.pid")")
+  fi
+  said=$(holder "${session[@]}" 2>&1) || code=$?
+  case $code in
+    0) return 0 ;;
+    3) echo "port $PORT: nothing listens there; start the server first (make stack-up, or make server)" >&2 ;;
+    *) echo "port $PORT: $said; the auth string is not sent to it: stop that process, or set PREFECT_PORT to" \
+         "the port of your server" >&2 ;;
+  esac
+  exit 1
+}
+
+wait_for_our_server() {  # the server this script started, listening, or why not
+  local pid said code
+  pid=$(cat "$STACK_DIR/server.pid")
+  for _ in $(seq 1 300); do
+    code=0; said=$(holder --session "$pid" 2>&1) || code=$?
+    if [ "$code" = 0 ]; then
+      curl -fsS "http://127.0.0.1:${PORT}/api/health" >/dev/null 2>&1 && return 0
+    elif [ "$code" = 1 ]; then
+      stop server >/dev/null
+      echo "port $PORT: $said; the stack's server could not take it (see $STACK_DIR/server.log) and nothing" \
+        "was sent there: stop that process, or set PREFECT_PORT to a free port" >&2
+      exit 1
+    fi
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.5
+  done
+  echo "server did not come up; see $STACK_DIR/server.log" >&2
+  exit 1
+}
+
 SERVER=("$VENV/bin/prefect" server start --host 127.0.0.1 --port "$PORT")
 WORKER=("$VENV/bin/prefect" worker start --pool "$POOL" --type process)
 RELAY=("$VENV/bin/resident-pool" events --to-prefect)
@@ -94,15 +144,16 @@ deploy() {  # the deployments, registered as the worker will run them
 case "${1:-}" in
   up)
     auth_string
+    if ! { [ -f "$STACK_DIR/server.pid" ] && kill -0 "$(cat "$STACK_DIR/server.pid")" 2>/dev/null; }; then
+      port_free_or_ours
+    fi
     (server_env; start server "${SERVER[@]}")
-    for _ in $(seq 1 300); do
-      curl -fsS "http://127.0.0.1:${PORT}/api/health" >/dev/null 2>&1 && break; sleep 0.5
-    done
-    curl -fsS "http://127.0.0.1:${PORT}/api/health" >/dev/null || { echo "server did not come up; see $STACK_DIR/server.log"; exit 1; }
+    wait_for_our_server
     mkdir -p "$INBOX"
     (deploy >>"$STACK_DIR/deploy.log" 2>&1) || { echo "deploy failed; see $STACK_DIR/deploy.log"; exit 1; }
     echo "deployments registered on work pool $POOL; the nightly screen of $INBOX and validate are registered"
     echo "  paused: on each one's page, the toggle beside the Schedules heading (the deployment's own) runs them"
+    server_is_ours
     (worker_env; start worker "${WORKER[@]}")
     (worker_env; start relay "${RELAY[@]}")
     echo "flow runs read under $INPUT_ROOT, write under ${OUTPUT_ROOT:-the folders of the inputs}, use providers of $MANIFESTS"
@@ -134,8 +185,8 @@ except (OSError, ResidentPoolError):
     print("pool: stopped")
 EOF
     ;;
-  server) auth_string; server_env; exec "${SERVER[@]}" ;;
-  worker) auth_string; worker_env; exec "${WORKER[@]}" ;;
-  deploy) auth_string; mkdir -p "$INBOX"; shift; deploy "$@" ;;
+  server) auth_string; port_free_or_ours; server_env; exec "${SERVER[@]}" ;;
+  worker) auth_string; server_is_ours; worker_env; exec "${WORKER[@]}" ;;
+  deploy) auth_string; server_is_ours; mkdir -p "$INBOX"; shift; deploy "$@" ;;
   *) echo "usage: $0 up|down|status|server|worker|deploy" >&2; exit 2 ;;
 esac

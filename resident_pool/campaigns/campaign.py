@@ -15,10 +15,12 @@ import base64
 import binascii
 import fcntl
 import json
+import math
 import os
 import re
 import stat
 import statistics
+import sys
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -45,7 +47,8 @@ __all__ = [
 
 BLOCK = 1024  # records looked up in the store at once
 # One result (one input's answer) as decoded, and once written: over it, the record fails as bad_answer. A
-# worker's 40 MB sparse attachment cost nothing to send and 463 MB of the client's memory to write as JSON.
+# worker's 40 MB sparse attachment costs nothing to send; writing an answer costs about three times its JSON
+# text (arrays by blocks, ARRAY_BLOCK), so this bounds what one answer in flight costs the client.
 DEFAULT_MAX_RESULT_BYTES = 64 * 2**20
 # The campaign maps less of a worker's answer than a direct call may (4 GiB): a chunk's rows, each at most
 # DEFAULT_MAX_RESULT_BYTES, rarely add up to a gigabyte, and one that does is retried input by input.
@@ -53,8 +56,12 @@ DEFAULT_MAX_ATTACHMENT_BYTES = 2**30
 # One encoder, made once: json.dumps with arguments builds a new one per call, a second per million results.
 _COMPACT = json.JSONEncoder(separators=(",", ":")).encode
 # A result's numpy arrays (or Array objects) go into the store and the output as nested lists of numbers,
-# bytes as base64 text: records stay JSON whatever the provider answers with.
-_RESULT = json.JSONEncoder(separators=(",", ":"), default=arrays.plain).encode
+# bytes as base64 text: records stay JSON whatever the provider answers with. A NaN or an infinity (an fp16
+# overflow) is no JSON (json.dumps would write `NaN`, which jq and JSON.parse refuse): it fails its record.
+_RESULT = json.JSONEncoder(separators=(",", ":"), allow_nan=False, default=arrays.plain).encode
+# An array larger than this many numbers becomes JSON a block of rows at a time: as one Python list, a 40 MB
+# float32 array cost the campaign about 460 MB (a 24-byte float per number, plus the list) before any text.
+ARRAY_BLOCK = 1 << 16
 _PLAIN_ID = re.compile(r"[A-Za-z0-9_.:|/+=-]*")  # ids that are their own JSON string body
 OUTPUT_FORMATS = ("jsonl", "parquet")
 # A record's own fields. A provider's item naming one of them is stored and written whole under "result"
@@ -430,8 +437,12 @@ def _fields(result: dict[str, Any]) -> dict[str, Any]:
 
 def _written(result: dict[str, Any], limit: int) -> tuple[str, str | None]:
     """The result as the store and the output hold it (compact JSON), or why it cannot be: over ``limit``
-    decoded or written, a ``*_f32`` field that is not base64 float32, a value JSON cannot hold."""
-    size = _decoded_size(result, limit)
+    decoded or written, a ``*_f32`` field that is not base64 float32, a value JSON cannot hold.
+
+    What it costs: about twice the text (at most ``limit``) while it is built, plus one block of an
+    array's numbers; the campaign then holds about as much again to store and journal it.
+    """
+    size, large = _decoded_size(result, limit)
     if size > limit:
         return "", f"the answer is over {limit} bytes decoded (RESIDENT_POOL_MAX_RESULT_BYTES); it was not written"
     for name, value in result.items():
@@ -440,19 +451,84 @@ def _written(result: dict[str, Any], limit: int) -> tuple[str, str | None]:
             if problem is not None:
                 return "", f"{name}: {problem}"
     try:
-        text = _RESULT(_fields(result))
-    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        text = _by_blocks(_fields(result), limit) if large else _RESULT(_fields(result))
+    except ValueError as exc:
+        if "not JSON compliant" in str(exc):
+            return "", "the answer holds a NaN or an infinity, which JSON cannot hold; it was not written"
         return "", f"the answer cannot be written as JSON: {exc}"
-    if len(text) > limit:
-        return "", (f"the answer is {len(text)} bytes as JSON, over {limit} (RESIDENT_POOL_MAX_RESULT_BYTES); it was "
-                    "not written")
+    except (TypeError, OverflowError, RecursionError) as exc:
+        return "", f"the answer cannot be written as JSON: {exc}"
+    if text is None or len(text) > limit:
+        return "", (f"the answer is more than {limit} bytes as JSON (RESIDENT_POOL_MAX_RESULT_BYTES); it was not "
+                    "written")
     return text, None
 
 
-def _decoded_size(value: Any, limit: int) -> int:
+def _by_blocks(fields: dict[str, Any], limit: int) -> str | None:
+    """``fields`` as compact JSON, each array of more than ARRAY_BLOCK numbers written a block of rows at a time
+    (the same text as whole); None once the text passes ``limit``."""
+    found: list[Any] = []
+    marker = f"rp-array-{uuid.uuid4().hex}-"  # unguessable: no string of the answer can be one
+
+    def default(value: Any) -> Any:
+        if _large_array(value):
+            found.append(value)
+            return f"{marker}{len(found) - 1}"
+        return arrays.plain(value)
+
+    skeleton = json.JSONEncoder(separators=(",", ":"), allow_nan=False, default=default).encode(fields)
+    pieces = skeleton.split(f'"{marker}')
+    parts, size = [pieces[0]], len(pieces[0])
+    for piece in pieces[1:]:
+        number, _, rest = piece.partition('"')
+        for block in (*_array_blocks(found[int(number)]), rest):
+            size += len(block)
+            if size > limit:
+                return None
+            parts.append(block)
+    return "".join(parts)
+
+
+def _large_array(value: Any) -> bool:
+    """A numpy array or an arrays.Array of more than ARRAY_BLOCK numbers, with at least one dimension."""
+    numpy = sys.modules.get("numpy")  # an ndarray can only exist if numpy was imported
+    is_array = isinstance(value, arrays.Array) or (numpy is not None and isinstance(value, numpy.ndarray))
+    return is_array and value.ndim >= 1 and value.size > ARRAY_BLOCK
+
+
+def _array_blocks(value: Any) -> Iterator[str]:
+    """An array's JSON text (nested lists), in pieces of about ARRAY_BLOCK numbers each."""
+    rows, per_row = value.shape[0], math.prod(value.shape[1:])
+    yield "["
+    if per_row > ARRAY_BLOCK:  # each row is large itself: one at a time
+        for row in range(rows):
+            if row:
+                yield ","
+            yield from _array_blocks(_row(value, row))
+    else:
+        step = max(1, ARRAY_BLOCK // max(per_row, 1))
+        for start in range(0, rows, step):
+            yield ("," if start else "") + _RESULT(_rows(value, start, start + step).tolist())[1:-1]
+    yield "]"
+
+
+def _rows(value: Any, start: int, stop: int) -> Any:
+    """Rows ``start`` to ``stop`` of a numpy array or an arrays.Array, sharing its memory."""
+    return value.rows(start, stop) if isinstance(value, arrays.Array) else value[start:stop]
+
+
+def _row(value: Any, index: int) -> Any:
+    """Row ``index`` (one dimension less) of a numpy array or an arrays.Array, sharing its memory."""
+    if isinstance(value, arrays.Array):
+        run = value.rows(index, index + 1)
+        return arrays.Array(run.data, run.dtype, run.shape[1:])
+    return value[index]
+
+
+def _decoded_size(value: Any, limit: int) -> tuple[int, bool]:
     """Roughly the bytes ``value`` holds (arrays by their nbytes, text by its length), counted until past
-    ``limit``; never encodes anything."""
-    size, todo = 0, [value]
+    ``limit``, and whether it holds an array large enough to be written by blocks; never encodes anything."""
+    size, large, todo = 0, False, [value]
     while todo and size <= limit:
         item = todo.pop()
         if isinstance(item, str | bytes | bytearray):
@@ -467,7 +543,8 @@ def _decoded_size(value: Any, limit: int) -> int:
         else:
             nbytes = getattr(item, "nbytes", None)
             size += nbytes if isinstance(nbytes, int) else 8
-    return size
+            large = large or _large_array(item)
+    return size, large
 
 
 def _f32_problem(value: Any) -> str | None:
@@ -577,10 +654,17 @@ def _parquet_batch(batch: list[tuple], columns: list[tuple[str, Any, str]], sche
 def _cell_reader(kind: Any, how: str, pa) -> Callable[[Any], tuple[Any, str | None]]:
     """For one column: a value (not None) as the column takes it (vectors as float32 bytes), or why it does not
     fit."""
+    if how in ("f32", "floats"):
+        def sized(blob: bytes) -> tuple[Any, str | None]:
+            # The column's size is the first answer's: a vector of another size has no place in it.
+            if len(blob) != 4 * kind.list_size:
+                return None, (f"{len(blob) // 4} floats, where the output's column holds {kind.list_size} (the "
+                              "size of the first answer's)")
+            return blob, None
     if how == "f32":
         def f32(value: Any) -> tuple[Any, str | None]:
             problem = _f32_problem(value)
-            return (None, problem) if problem else (base64.b64decode(value), None)
+            return (None, problem) if problem else sized(base64.b64decode(value))
         return f32
     if how == "floats":
         def floats(value: Any) -> tuple[Any, str | None]:
@@ -588,7 +672,7 @@ def _cell_reader(kind: Any, how: str, pa) -> Callable[[Any], tuple[Any, str | No
                                                       for x in value):
                 return None, "not a list of numbers"
             try:
-                return array.array("f", value).tobytes(), None
+                return sized(array.array("f", value).tobytes())
             except OverflowError:
                 return None, "a number too large for float32"
         return floats
@@ -609,7 +693,8 @@ def _cell_reader(kind: Any, how: str, pa) -> Callable[[Any], tuple[Any, str | No
 
 
 def _vectors(blobs: list[bytes | None], dim: int, pa):
-    """A fixed-size float32 list column built from one buffer (nulls where a row has no vector of ``dim``)."""
+    """A fixed-size float32 list column built from one buffer (nulls where a row has no vector: a failed row,
+    or one whose answer has none; one of another size failed its row in ``_parquet_batch``)."""
     zero = bytes(4 * dim)
     valid = [blob is not None and len(blob) == 4 * dim for blob in blobs]
     data = b"".join(blob if ok else zero for blob, ok in zip(blobs, valid, strict=True))

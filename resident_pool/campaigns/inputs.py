@@ -16,6 +16,7 @@ import io
 import itertools
 import json
 import os
+import pwd
 import stat
 import string
 import zlib
@@ -163,7 +164,11 @@ class InputFile:
                                  details={"path": str(self.path)})
 
     def size(self) -> int:
-        return os.lstat(self.path).st_size
+        """The file's size in bytes; 0 when it cannot be read (records() then says why)."""
+        try:
+            return os.lstat(self.path).st_size
+        except OSError:
+            return 0
 
     def bytes_read(self) -> int:
         """How far into the file (compressed bytes, for .gz) records() has read: never less than it said
@@ -181,13 +186,18 @@ class InputFile:
         """How many records the file holds, by a quick pass over its bytes; None for a compressed file.
 
         Exact for a well-formed file (a line the reader skips, such as a row of empty cells, makes it an
-        overcount by that much); a campaign's progress uses it as the number of inputs to expect.
+        overcount by that much); a campaign's progress uses it as the number of inputs to expect. Read a
+        megabyte at a time and never past the operator's byte limit (a sparse 3 GiB file with no newline
+        costs a block, not 3 GiB); a file it cannot count is None, and records() refuses it alone.
         """
         if self.compressed:
             return None  # counting would cost a whole decompression: estimate from bytes_read instead
         try:
             with self._open() as raw:  # opened as records() opens it, so refused alike
-                lines = _count_headers(raw) if self.format == "fasta" else _count_lines(raw)
+                if os.fstat(raw.fileno()).st_size > self.max_input_bytes:
+                    return None  # records() refuses it by the limit, before reading that far
+                bounded = _Bounded(raw, self)
+                lines = _count_headers(bounded) if self.format == "fasta" else _count_lines(bounded)
         except (InputError, OSError):
             return None  # records() will say what is wrong with it
         finally:
@@ -244,6 +254,9 @@ class InputFile:
             except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
                 raise InputError(f"{self.path}: the compressed data is damaged ({exc}); the records before the "
                                  "damage were read", details={"path": str(self.path)}) from None
+            except OSError as exc:  # an I/O error, a file on a mount gone away: this file fails, not the run
+                raise InputError(f"{self.path}: cannot be read ({exc.strerror or exc}); no output is written for "
+                                 "it", details={"path": str(self.path)}) from None
             self._read_to = os.fstat(self._raw.fileno()).st_size if self._raw is not None else self._read_to
 
     def _parse(self, stream: IO[bytes], truncated: bool = False) -> Iterator[Record]:
@@ -521,7 +534,8 @@ def open_input(path: Path) -> int:
     ``/proc/self/environ``, so: a symlink as the last component is refused (O_NOFOLLOW), as are
     every special file (checked on the opened file, so a swap after the check changes nothing),
     anything under /proc, /sys or /dev by name and by filesystem, and a file with more than one hard
-    link in a folder others can write (a planted hard link to your file). Its owner does not matter:
+    link in a folder others can write, or that another user owns (a planted hard link to your file: where
+    fs.protected_hardlinks is off, anyone may link to a file they cannot read). The file's owner does not matter:
     a colleague's file in a group inbox is fine. A refusal names the file and never quotes it.
     """
     where = {"path": str(path)}
@@ -552,6 +566,8 @@ def open_input(path: Path) -> int:
         if info.st_nlink > 1:
             folder = os.stat(os.path.dirname(spelled))
             writable = others_may_write(folder)
+            if folder.st_uid not in (os.getuid(), 0):  # its owner may plant a link as well as any writer
+                writable.insert(0, f"its owner ({_user_name(folder.st_uid)})")
             if writable:
                 raise InputError(
                     f"{path}: has {info.st_nlink} hard links and lies in a folder {' and '.join(writable)} can write "
@@ -562,6 +578,13 @@ def open_input(path: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name}, uid {uid}"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _special_devices() -> set[int]:
@@ -577,7 +600,9 @@ def _special_devices() -> set[int]:
 def snippet(text: str, limit: int = 40) -> str:
     """At most ``limit`` characters of ``text`` quoted with escapes: what an error may show of an input."""
     return repr(text[:limit]) + ("..." if len(text) > limit else "")
-def _count_headers(raw: IO[bytes]) -> int:
+
+
+def _count_headers(raw: IO[bytes] | _Bounded) -> int:
     """FASTA records: lines that start with '>' (after a BOM), counted a megabyte at a time."""
     count, previous, first = 0, b"\n", True
     while block := raw.read(FASTA_BLOCK):
@@ -588,9 +613,17 @@ def _count_headers(raw: IO[bytes]) -> int:
     return count
 
 
-def _count_lines(raw: IO[bytes]) -> int:
-    """Lines that hold more than whitespace, as the JSONL and table readers skip blank ones."""
-    return sum(1 for line in raw if line.strip())
+def _count_lines(raw: IO[bytes] | _Bounded) -> int:
+    """Lines that hold more than whitespace, as the JSONL and table readers skip blank ones, counted a
+    megabyte at a time: a line of any length costs one block."""
+    count, filled = 0, False  # filled: the line read so far holds more than whitespace
+    while block := raw.read(FASTA_BLOCK):
+        *complete, rest = block.split(b"\n")
+        for line in complete:
+            count += filled or bool(line.strip())
+            filled = False
+        filled = filled or bool(rest.strip())
+    return count + filled
 
 
 def _text_so_far(data: bytes) -> bool:

@@ -15,12 +15,10 @@ import errno
 import logging
 import math
 import os
-import pwd
 import re
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -28,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from ..errors import ResidentPoolError
+from ..host.listeners import listeners, socket_pids, user_name
 from ..worker_base import LATENCY_BUCKETS_S
 
 __all__ = ["METRIC_NAMES", "PoolMetrics", "StatsBook", "WorkerCounts", "no_pool_text", "port_holder", "serve_http"]
@@ -304,38 +303,14 @@ def serve_http(port: int, registry: CollectorRegistry) -> Any:
 
 
 def port_holder(port: int) -> str | None:
-    """Who listens on TCP ``port`` on any local address, from /proc/net/tcp{,6}: "uid N (name)", with the pid
-    where it is one of ours (another user's sockets show their uid, never their pid)."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode; 0A is LISTEN
-            if len(fields) < 10 or fields[3] != "0A" or int(fields[1].rsplit(":", 1)[1], 16) != port:
-                continue
-            uid = int(fields[7])
-            try:
-                name = pwd.getpwuid(uid).pw_name
-            except KeyError:
-                name = "no name"
-            pid = _socket_pid(fields[9]) if uid == os.getuid() else None
-            mine = f"another process of yours (pid {pid})" if pid else "another process of yours"
-            return f"{mine}, uid {uid} ({name})" if uid == os.getuid() else f"uid {uid} ({name})"
-    return None
-
-
-def _socket_pid(inode: str) -> int | None:
-    """The pid of one of our processes holding socket ``inode``, if one can be found."""
-    target = f"socket:[{inode}]"
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if any(os.readlink(fd) == target for fd in (entry / "fd").iterdir()):
-                return int(entry.name)
-        except OSError:
-            continue
-    return None
+    """Who listens on TCP ``port`` on any local address: "uid N (name)", with the pid where it is one of ours
+    (another user's sockets show their uid, never their pid)."""
+    found = listeners(port)
+    if not found:
+        return None
+    uid = found[0].uid
+    if uid != os.getuid():
+        return user_name(uid)
+    pids = socket_pids(found[0].inode)
+    mine = f"another process of yours (pid {pids[0]})" if pids else "another process of yours"
+    return f"{mine}, {user_name(uid)}"

@@ -226,7 +226,16 @@ class Kit(_Strict):
         None, description="The kit tree (MODEL_OPT), for a kit installed without its checkout; "
         "else $MODEL_OPT, else two levels above the kit's package directory."
     )
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Variables the worker gets; a number or a boolean is taken as its text "
+        '(0 is "0", true is "True"), as the original launcher\'s str(value) took it.')
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _scalars_as_text(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        return {name: str(value) if isinstance(value, int | float) else value for name, value in values.items()}
 
     @field_validator("env")
     @classmethod

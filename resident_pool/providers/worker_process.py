@@ -74,6 +74,14 @@ class Launch:
     # None: its own run folder.
     cwd: str | None = None
 
+    def __post_init__(self) -> None:
+        # A builder may give path objects (or bytes), as Popen takes them: each item is text from here on, so
+        # every place that joins or passes an argv (the transcript's note, a fork) takes it as Popen would.
+        for name in ("argv", "stop", "kill"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, [_argument(item, name, at) for at, item in enumerate(value)])
+
     def __iter__(self):
         """``argv, extra_env = launch``: the original design's ``(argv, extra_env)`` pair."""
         return iter((self.argv, self.env))
@@ -85,6 +93,15 @@ class Launch:
             return built
         argv, env = built
         return cls(list(argv), dict(env))
+
+
+def _argument(item: Any, name: str, at: int) -> str:
+    """One argv item as text: a str, bytes or os.PathLike (a pathlib.Path), as Popen takes them."""
+    try:
+        return os.fsdecode(item)
+    except TypeError:
+        raise TypeError(f"the worker's {name}[{at}] is {item!r} ({type(item).__name__}): give a str, bytes or "
+                        "path, as Popen takes them (str(value) for a number)") from None
 
 
 class WorkerProcess:

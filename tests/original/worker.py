@@ -55,7 +55,7 @@ def main():
             "kits": kits,
             "argv": sys.argv,
             "env": {k: v for k, v in os.environ.items() if k.startswith(("MODEL_OPT", "TOOLUNIVERSE_", "STACKLESS",
-                                                                         "RESOLVING", "LAUNCHING"))},
+                                                                         "RESOLVING", "LAUNCHING", "PROXIED"))},
             "resident_pool_importable": importlib.util.find_spec("resident_pool") is not None,
         }
 
