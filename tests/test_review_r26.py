@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cli(*args, cwd=None, env=None):
-    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in ("COLUMNS", "LINES")}
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in {"COLUMNS", "LINES"} - set(env or {})}
     return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=180, check=False, cwd=cwd, env=env)
 
 
@@ -126,3 +126,108 @@ def test_screen_py_with_a_relative_output_ends_completed(prefect_harness, pool_d
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "out" / "in.embedder.jsonl").exists()
+
+
+def _full_sample():
+    import base64
+    import json as _json
+    import random
+    import struct
+
+    from resident_pool.campaigns.report import VectorSample
+
+    sample = VectorSample()
+    rnd = random.Random(1)
+    for n in range(12_000):
+        values = [rnd.gauss(0, 1) for _ in range(384)]
+        sample.offer(f"seq{n}", _json.dumps({"embedding_f32": base64.b64encode(struct.pack("<384f", *values)).decode()}))
+    return sample
+
+
+def test_the_report_of_an_embedding_campaign_costs_under_20_mb(tmp_path):
+    """The issue: a campaign's peak memory grows by under 20 MB with the report on. For an embedding provider (the
+    case with a map) the sample holds 7.7 MB and the PCA makes a float64 copy (30 MB) and more: about 45 MB at once.
+    (`make bench` measures the report's cost with a provider that answers no vectors, so it never draws a map.)
+    Measured end to end, 100,000 inputs of a 384-d provider: peak RSS 147 MB without the report, 205 MB with it."""
+    import tracemalloc
+
+    from resident_pool.campaigns.report import write_report
+
+    sample = _full_sample()
+    held = sum(map(len, sample.vectors))
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        write_report(tmp_path / "r.html", title="t", summary={"inputs": 12_000}, timeline=[(0.0, 0, 0), (1.0, 12_000, 0)],
+                     sample=sample, failures=[])
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert held + peak < 20 * 2**20, f"sample {held / 2**20:.1f} MiB + writing the report {peak / 2**20:.1f} MiB"
+
+
+def _chart_ticks(page: str, name: str) -> list[float]:
+    import re
+
+    svg = page.split(f'data-chart="{name}"', 1)[1].split("</svg>", 1)[0]
+    return [float(text.replace(",", "")) for text in re.findall(r"text-anchor=end>([-0-9.,e]+)</text>", svg)]
+
+
+def test_the_throughput_chart_shows_the_campaigns_rate_not_the_gap_between_two_updates(tmp_path):
+    """A steady 400 inputs/s campaign (two replicas, each finishing 50 inputs every 0.25 s, a few ms apart): the
+    chart divides 50 inputs by the 2 ms between two updates and draws 25,000 inputs/s. Seen live: a screen whose
+    summary says 277.6 inputs/s drew a throughput chart peaking at 12,500."""
+    from resident_pool.campaigns.report import write_report
+
+    timeline, done = [(0.0, 0, 0)], 0
+    for step in range(1, 40):
+        for offset in (0.0, 0.002):
+            done += 50
+            timeline.append((round(step * 0.25 + offset, 3), done, 0))
+    path = write_report(tmp_path / "r.html", title="t", summary={"inputs": done}, timeline=timeline, sample=None,
+                        failures=[])
+    top = max(_chart_ticks(path.read_text(), "throughput"))
+    assert top <= 2_000, f"the throughput axis runs to {top:,.0f} inputs/s for a steady 400 inputs/s"
+
+
+def test_the_failed_inputs_chart_of_a_campaign_without_failures_has_no_1e_09_axis(tmp_path):
+    from resident_pool.campaigns.report import write_report
+
+    path = write_report(tmp_path / "r.html", title="t", summary={"inputs": 100},
+                        timeline=[(0.0, 0, 0), (1.0, 50, 0), (2.0, 100, 0)], sample=None, failures=[])
+    ticks = _chart_ticks(path.read_text(), "failed inputs")
+    assert all(tick == 0 or abs(tick) >= 1 for tick in ticks), f"the failed-inputs axis is labelled {ticks}"
+
+
+def test_status_at_80_columns_keeps_each_transcript_name_on_one_line(pool_dir):
+    """The transcript column may shrink to 30 characters, and a transcript's name is its slug plus 29: at 80
+    columns `vecfast-0-20261201-234633-0c2779.log` printed as `vecfast-0-20261201-234633-0c277` / `9.log`."""
+    from providers import EMBEDDER_ENV, write_provider
+
+    write_provider(pool_dir, "embedder", EMBEDDER_ENV, worker="embedder.py")
+    warmed = _cli("warm", "embedder", "--manifests", str(pool_dir))
+    assert warmed.returncode == 0, warmed.stdout + warmed.stderr
+    shown = _cli("status", "--manifests", str(pool_dir), env={"COLUMNS": "80"})
+    data = json.loads(_cli("status", "--json", "--manifests", str(pool_dir)).stdout)
+    (name,) = [os.path.basename(worker["transcript"]) for worker in data["workers"]]
+    assert name in shown.stdout, shown.stdout
+
+
+def _readme_ui_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    return text.split("## From the Prefect UI", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_readmes_ui_path_says_how_to_get_past_the_login_page():
+    """`make stack-up` starts the server with an auth string, so the UI opens on a Login page ("admin:pass");
+    the README's UI path says to open the UI and choose Deployments, and never where the string is."""
+    assert "auth" in _readme_ui_section()
+
+
+def test_the_readmes_stack_up_output_is_what_stack_up_prints():
+    """The README shows stack-up's "real output", but stack.sh now also prints the relay, the auth string's file and
+    where flow runs read and write; the README's lines come from an older stack.sh."""
+    script = (ROOT / "infra" / "local" / "stack.sh").read_text()
+    shown = _readme_ui_section().split("```console", 1)[1].split("```", 1)[0]
+    assert "relay started" in shown and "relay" in script
+    assert "registered paused (resume it in the UI)" not in shown, "a line stack.sh no longer prints"
