@@ -20,6 +20,7 @@ from resident_pool.cli.status import breaker_words
 from resident_pool.version import __version__
 
 CLI = str(Path(sys.executable).with_name("resident-pool"))
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cli(*args, cwd=None, env=None, unset=()):
@@ -38,6 +39,13 @@ def test_version_prints_the_packages_version():
     done = _cli("--version")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"resident-pool {__version__}"
+
+
+def test_the_shipped_echo_provider_answers_through_the_console_script(isolated_dirs):
+    """A worker start failed at 94b768c (Starter.run wrote self.workers, an attribute Starter did not have)."""
+    done = _cli("predict", "echo", "--payload", '{"ping": "hello"}', "--manifests", str(ROOT / "manifests"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout)["echo"] == {"ping": "hello"}
 
 
 def test_predict_takes_its_payload_as_payload_or_input_and_json_text_still_works_with_a_warning(pool_dir, tmp_path):
