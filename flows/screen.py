@@ -377,6 +377,8 @@ def screen(
     started = time.monotonic()
     logger = get_run_logger()
     output, column, id_column = output or None, column or None, id_column or None  # a form's empty field: unset
+    if output is not None:  # relative to where the run runs (`make run` gives out/...): named whole from here on
+        output = os.path.abspath(os.path.expanduser(output))
     manifests_dir = str(default_manifests())  # the worker host's configuration, never a parameter
     try:  # everything that can be wrong before any work: one sentence on the run, no traceback
         input = _check_roots(input, output)
@@ -507,10 +509,10 @@ def _outputs(total: dict[str, Any]) -> str:
     lines = [f"## {escape_markdown(total['provider'])}: outputs on host `{host}`", "",
              "| input | output | records | ok | failed | report |", "|---|---|---|---|---|---|"]
     for s in total["files"]:
-        report = s["report"]
-        shown = f"[{escape_markdown(report)}]({Path(report).as_uri()})" if report else "none"
+        # Paths on the host, not file:// links: a link opens the reader's own disk, where nothing is.
+        report = escape_markdown(s["report"]) if s["report"] else "none"
         lines.append(f"| {escape_markdown(s['file'])} | {escape_markdown(s['output'])} | {s['inputs']:,} | "
-                     f"{s['ok']:,} | {s['failed']:,} | {shown} |")
+                     f"{s['ok']:,} | {s['failed']:,} | {report} |")
     lines += ["", f"The paths are on `{host}`, where the flow ran; the report opens in a browser there, or copied "
                   "anywhere (one file, nothing fetched)."]
     return "\n".join(lines)

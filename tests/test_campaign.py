@@ -321,6 +321,36 @@ def test_the_outputs_artifact_is_keyed_and_names_path_host_and_counts_not_a_file
     assert not [a for a in _artifacts(state) if a.type == "markdown" and not a.key]  # every artifact is keyed
 
 
+def test_the_outputs_artifact_names_a_relative_output_and_its_report_by_path_never_as_a_url():
+    """`make run` passes `--output out/uniprot-500.fasta.minilm.jsonl`: Path.as_uri() raised on the relative
+    report path, and the flow failed after writing every output. The report is a path on the host, as the output is."""
+    from screen import _outputs
+
+    total = {"provider": "minilm", "host": "vm", "files": [
+        {"file": "data/uniprot-500.fasta", "output": "out/uniprot-500.fasta.minilm.jsonl", "inputs": 500, "ok": 500,
+         "failed": 0, "report": "out/uniprot-500.fasta.minilm.jsonl.report.html"}]}
+    text = _outputs(total)
+    assert "uniprot-500.fasta.minilm.jsonl.report.html" in text and "file:" not in text and "](" not in text
+
+
+def test_screen_py_with_an_output_relative_to_its_folder_completes_and_names_it_whole(pool_dir, tmp_path):
+    """The command `make run` runs, with a fast provider and an output relative to the working folder."""
+    from prefect.settings import PREFECT_API_URL
+
+    write_provider(pool_dir, "embedder", EMBEDDER_ENV, worker="embedder.py")
+    inputs = tmp_path / "in.fasta"
+    inputs.write_text("".join(f">s{n}\nMKV{text}\n" for n, text in enumerate(_texts(20))))
+    done = subprocess.run([sys.executable, str(ROOT / "flows" / "screen.py"), "--input", str(inputs), "--provider",
+                           "embedder", "--manifests", str(pool_dir), "--output", "out/in.embedder.jsonl"],
+                          cwd=tmp_path, env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    output = tmp_path / "out" / "in.embedder.jsonl"
+    assert len(_records(output)) == 20
+    summary = json.loads(done.stdout[done.stdout.index("{"):])
+    assert summary["output"] == str(output) and summary["report"] == f"{output}.report.html"
+
+
 def test_the_report_beside_the_output_charts_the_run_and_maps_the_vectors_offline(pool_dir, embedder, tmp_path):
     state = _state(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", [*_texts(300), "", "RAISE"])),
                    output=str(tmp_path / "out.jsonl"), chunk_size=16)

@@ -95,32 +95,6 @@ def test_a_gzip_inputs_progress_is_an_honest_estimate(tmp_path):
                                           f"{worst[1]} %; every update: {shown}")
 
 
-def test_the_outputs_artifact_takes_a_relative_output_as_make_run_gives_it():
-    """`make run` passes `--output out/uniprot-500.fasta.minilm.jsonl`: the report's path is relative, and
-    Path.as_uri() raises on it, so the flow fails after writing every output."""
-    screen = _screen_module()
-    total = {"provider": "minilm", "host": "vm", "files": [
-        {"file": "data/uniprot-500.fasta", "output": "out/uniprot-500.fasta.minilm.jsonl", "inputs": 500, "ok": 500,
-         "failed": 0, "report": "out/uniprot-500.fasta.minilm.jsonl.report.html"}]}
-    assert "uniprot-500.fasta.minilm.jsonl.report.html" in screen._outputs(total)
-
-
-def test_screen_py_with_a_relative_output_ends_completed(prefect_harness, pool_dir, tmp_path):
-    """The command `make run` runs, with a fast provider and an output relative to the working folder."""
-    from prefect.settings import PREFECT_API_URL
-    from providers import EMBEDDER_ENV, write_provider
-
-    write_provider(pool_dir, "embedder", EMBEDDER_ENV, worker="embedder.py")
-    inputs = tmp_path / "in.fasta"
-    inputs.write_text("".join(f">s{n}\nMKV{_letters(n)}\n" for n in range(20)))
-    done = subprocess.run([sys.executable, str(ROOT / "flows" / "screen.py"), "--input", str(inputs), "--provider",
-                           "embedder", "--manifests", str(pool_dir), "--output", "out/in.embedder.jsonl"],
-                          cwd=tmp_path, env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert (tmp_path / "out" / "in.embedder.jsonl").exists()
-
-
 def _full_sample():
     import base64
     import json as _json
