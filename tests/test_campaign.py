@@ -830,7 +830,7 @@ def test_a_file_over_a_record_limit_lowered_to_1000_is_refused_whole_and_the_inb
     assert state.is_failed() and state.message.startswith("5 ok, 0 failed"), state.message
     assert "bomb.fasta.gz: more than 1,000 records (RESIDENT_POOL_MAX_INPUT_RECORDS)" in state.message
     assert sorted(p.name for p in (inbox / "screened").iterdir() if not p.name.endswith(".partial")) == [
-        "fine.fasta.embedder.jsonl"]
+        "fine.fasta.embedder.jsonl", "fine.fasta.embedder.jsonl.report.html"]  # nothing of the refused file
 
 
 def test_a_file_that_decompresses_past_a_byte_limit_lowered_to_100_kb_is_refused(pool_dir, embedder, tmp_path,
