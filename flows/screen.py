@@ -171,7 +171,6 @@ class _FileRun:
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight: dict[Any, Chunk] = {}
         self.settled = 0
-        self.size = max(source.size(), 1)
 
     def run(self) -> None:
         try:
@@ -233,7 +232,7 @@ class _FileRun:
         return {"seen": seen, "done": done, "failed": counts["bad_input"] + self.campaign.failed_computing}
 
     def report(self) -> None:
-        self.progress.update(self.entry, **self.counts(), fraction_read=self.source.bytes_read() / self.size)
+        self.progress.update(self.entry, **self.counts(), fraction_read=self.source.fraction_read())
 
 
 def _screen_file(source: InputFile, output: Path, entry: FileProgress, *, store: ResultStore, version: str,

@@ -18,81 +18,8 @@ def _cli(*args, cwd=None, env=None):
 
 
 def _letters(n: int) -> str:
-    """A distinct protein-like word per number."""
     letters = "ACDEFGHIKLMNPQRSTVWY"
     return "".join(letters[n // 20 ** k % 20] for k in range(4))
-
-
-def _screen_module():
-    sys.path.insert(0, str(ROOT / "flows"))
-    import screen
-
-    return screen
-
-
-class _Recorder:
-    """What flows/screen.py's _Progress does with each update, without Prefect: the percentage it would show."""
-
-    def __init__(self):
-        from resident_pool.campaigns.progress import Progress
-
-        self.tally = Progress()
-        self.shown = []
-
-    def update(self, entry, **counts):
-        self.tally.update(entry, **counts)
-        self.shown.append((self.tally.done, round(self.tally.percent(), 1)))
-
-
-def _run_file(tmp_path, source, chunk_size=64, window=4):
-    """One input file through screen's own _FileRun, each chunk answered by a thread: the percentages shown."""
-    import concurrent.futures
-
-    from resident_pool.campaigns.campaign import Campaign, CampaignSettings
-    from resident_pool.campaigns.results import ResultStore
-
-    screen = _screen_module()
-    progress = _Recorder()
-    entry = progress.tally.add_file(str(source.path), source.record_count(), source.size())
-    progress.tally.begin(entry)
-    store = ResultStore.for_provider("fake", tmp_path / "results")
-    campaign = Campaign(store, "v1", {}, chunk_size, tmp_path / "out.jsonl")
-    pool = concurrent.futures.ThreadPoolExecutor(2)
-
-    def submit(_task, params):
-        def answer():
-            import time
-
-            time.sleep(0.002)
-            return {"results": [{"n": len(t)} for t in params["texts"]], "failed": {}, "cold": False, "pid": 1,
-                    "version": "v1", "latency_s": 0.0}
-        return pool.submit(answer)
-
-    run = screen._FileRun(source, campaign, entry, provider="fake", manifests=str(tmp_path), options={},
-                          submit=submit, window=window, progress=progress,
-                          limits=CampaignSettings(results_dir=tmp_path / "results"))
-    run.run()
-    campaign.close()
-    store.close()
-    pool.shutdown()
-    return progress.shown
-
-
-def test_a_gzip_inputs_progress_is_an_honest_estimate(tmp_path):
-    """A .gz input is estimated from bytes_read(), which for a small .gz (under the gzip reader's 128 KiB read)
-    is the whole compressed size from the first record on: the estimate is "inputs read so far", so a
-    2,000-input file shows 75 % with 768 inputs (38 %) done, then stands still at 75 % until 1,500 are done."""
-    import gzip
-
-    from resident_pool.campaigns.inputs import InputFile
-
-    path = tmp_path / "in.fasta.gz"
-    with gzip.open(path, "wt") as out:
-        out.write("".join(f">s{n}\nMKV{_letters(n)}ACDEFGHIKLMNPQRSTVWY\n" for n in range(2000)))
-    shown = _run_file(tmp_path, InputFile(path))
-    worst = max(shown, key=lambda pair: pair[1] - pair[0] / 20)
-    assert worst[1] - worst[0] / 20 < 20, (f"{worst[0]} of 2,000 inputs done ({worst[0] / 20:.1f} %) was shown as "
-                                          f"{worst[1]} %; every update: {shown}")
 
 
 def _full_sample():
