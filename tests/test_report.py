@@ -139,3 +139,38 @@ def test_the_report_of_an_embedding_campaign_costs_under_20_mb_with_its_sample(t
         tracemalloc.stop()
     assert (tmp_path / "r.html").read_text().count("<circle") == SAMPLE_LIMIT
     assert held + peak < 20 * 2**20, f"sample {held / 2**20:.1f} MiB + writing the report {peak / 2**20:.1f} MiB"
+
+
+def _chart_ticks(page: str, name: str) -> list[float]:
+    svg = page.split(f'data-chart="{name}"', 1)[1].split("</svg>", 1)[0]
+    return [float(text.replace(",", "")) for text in re.findall(r"text-anchor=end>([-0-9.,e]+)</text>", svg)]
+
+
+def test_the_throughput_chart_shows_the_campaigns_rate_not_the_gap_between_two_updates(tmp_path):
+    """A steady 400 inputs/s campaign (two replicas, each finishing 50 inputs every 0.25 s, 2 ms apart): the chart
+    divided 50 inputs by the 2 ms between two updates and drew 25,000 inputs/s. Seen live: a screen whose summary
+    said 277.6 inputs/s drew a throughput chart peaking at 12,500."""
+    timeline, done = [(0.0, 0, 0)], 0
+    for step in range(1, 40):
+        for offset in (0.0, 0.002):
+            done += 50
+            timeline.append((round(step * 0.25 + offset, 3), done, 0))
+    path = write_report(tmp_path / "r.html", title="t", summary={"inputs": done}, timeline=timeline, sample=None,
+                        failures=[])
+    ticks = _chart_ticks(path.read_text(), "throughput")
+    assert 400 <= max(ticks) <= 1_000, f"the throughput axis runs to {max(ticks):,.0f} inputs/s for a steady 400"
+
+
+def test_a_slow_models_throughput_under_one_input_a_second_is_still_charted(tmp_path):
+    timeline = [(float(t), t // 4, 0) for t in range(0, 400, 4)]  # one input every 4 s: 0.25 inputs/s
+    page = write_report(tmp_path / "r.html", title="t", summary={"inputs": 99}, timeline=timeline, sample=None,
+                        failures=[]).read_text()
+    ticks = _chart_ticks(page, "throughput")
+    assert 0.2 <= max(ticks) <= 0.25 and ticks[0] == 0, ticks
+
+
+def test_the_failed_inputs_chart_of_a_campaign_without_failures_has_no_1e_09_axis(tmp_path):
+    path = write_report(tmp_path / "r.html", title="t", summary={"inputs": 100},
+                        timeline=[(0.0, 0, 0), (1.0, 50, 0), (2.0, 100, 0)], sample=None, failures=[])
+    ticks = _chart_ticks(path.read_text(), "failed inputs")
+    assert ticks == [0.0, 1.0], f"the failed-inputs axis is labelled {ticks}"

@@ -22,36 +22,6 @@ def _letters(n: int) -> str:
     return "".join(letters[n // 20 ** k % 20] for k in range(4))
 
 
-def _chart_ticks(page: str, name: str) -> list[float]:
-    import re
-
-    svg = page.split(f'data-chart="{name}"', 1)[1].split("</svg>", 1)[0]
-    return [float(text.replace(",", "")) for text in re.findall(r"text-anchor=end>([-0-9.,e]+)</text>", svg)]
-
-
-def test_the_throughput_chart_shows_the_campaigns_rate_not_the_gap_between_two_updates(tmp_path):
-    from resident_pool.campaigns.report import write_report
-
-    timeline, done = [(0.0, 0, 0)], 0
-    for step in range(1, 40):
-        for offset in (0.0, 0.002):
-            done += 50
-            timeline.append((round(step * 0.25 + offset, 3), done, 0))
-    path = write_report(tmp_path / "r.html", title="t", summary={"inputs": done}, timeline=timeline, sample=None,
-                        failures=[])
-    top = max(_chart_ticks(path.read_text(), "throughput"))
-    assert top <= 2_000, f"the throughput axis runs to {top:,.0f} inputs/s for a steady 400 inputs/s"
-
-
-def test_the_failed_inputs_chart_of_a_campaign_without_failures_has_no_1e_09_axis(tmp_path):
-    from resident_pool.campaigns.report import write_report
-
-    path = write_report(tmp_path / "r.html", title="t", summary={"inputs": 100},
-                        timeline=[(0.0, 0, 0), (1.0, 50, 0), (2.0, 100, 0)], sample=None, failures=[])
-    ticks = _chart_ticks(path.read_text(), "failed inputs")
-    assert all(tick == 0 or abs(tick) >= 1 for tick in ticks), f"the failed-inputs axis is labelled {ticks}"
-
-
 def test_status_at_80_columns_keeps_each_transcript_name_on_one_line(pool_dir):
     """The transcript column may shrink to 30 characters, and a transcript's name is its slug plus 29: at 80
     columns `vecfast-0-20261201-234633-0c2779.log` printed as `vecfast-0-20261201-234633-0c277` / `9.log`."""
