@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers import wait_until
-from providers import write_provider
+from providers import EMBEDDER_ENV, write_provider
 
 from resident_pool import Pool, WorkerStartError
 from resident_pool.cli.status import breaker_words
@@ -184,6 +184,18 @@ def test_status_at_100_columns_keeps_the_error_readable_instead_of_one_word_per_
     assert "exit code 2" in " ".join(cells)
     assert len(cells[0].split()) >= 4 and max(len(cell) for cell in cells) >= 35, cells  # not a word a line
     assert "left out at 100 columns" in shown.stdout  # and it says what it left out
+
+
+def test_status_at_80_columns_keeps_each_transcript_name_on_one_line(pool_dir):
+    """The transcript column could shrink to 30 characters, and a transcript's name is its slug plus 29: at 80
+    columns `vecfast-0-20261201-234633-0c2779.log` printed as `vecfast-0-20261201-234633-0c277` / `9.log`."""
+    write_provider(pool_dir, "embedder", EMBEDDER_ENV, worker="embedder.py")
+    warmed = _cli("warm", "embedder")
+    assert warmed.returncode == 0, warmed.stdout + warmed.stderr
+    shown = _cli("status", env={"COLUMNS": "80"})
+    (worker,) = json.loads(_cli("status", "--json").stdout)["workers"]
+    assert os.path.basename(worker["transcript"]) in shown.stdout, shown.stdout
+    assert max(len(line) for line in shown.stdout.splitlines()) <= 80, shown.stdout
 
 
 def test_logs_follow_prints_what_the_transcript_gains_and_moves_to_a_newer_one_until_ctrl_c(pool_dir, isolated_dirs):

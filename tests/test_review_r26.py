@@ -22,20 +22,6 @@ def _letters(n: int) -> str:
     return "".join(letters[n // 20 ** k % 20] for k in range(4))
 
 
-def test_status_at_80_columns_keeps_each_transcript_name_on_one_line(pool_dir):
-    """The transcript column may shrink to 30 characters, and a transcript's name is its slug plus 29: at 80
-    columns `vecfast-0-20261201-234633-0c2779.log` printed as `vecfast-0-20261201-234633-0c277` / `9.log`."""
-    from providers import EMBEDDER_ENV, write_provider
-
-    write_provider(pool_dir, "embedder", EMBEDDER_ENV, worker="embedder.py")
-    warmed = _cli("warm", "embedder", "--manifests", str(pool_dir))
-    assert warmed.returncode == 0, warmed.stdout + warmed.stderr
-    shown = _cli("status", "--manifests", str(pool_dir), env={"COLUMNS": "80"})
-    data = json.loads(_cli("status", "--json", "--manifests", str(pool_dir)).stdout)
-    (name,) = [os.path.basename(worker["transcript"]) for worker in data["workers"]]
-    assert name in shown.stdout, shown.stdout
-
-
 def _readme_ui_section() -> str:
     text = (ROOT / "README.md").read_text()
     return text.split("## From the Prefect UI", 1)[1].split("\n## ", 1)[0]
