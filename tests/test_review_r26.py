@@ -45,21 +45,3 @@ def test_the_readme_says_which_toggle_runs_the_schedules():
     """The issue: "the README says which toggle runs them". The README says only "registered paused (resume it in
     the UI)"; which of the deployment page's two toggles is meant is in docs/prefect-ui.md alone."""
     assert "toggle" in (ROOT / "README.md").read_text().lower()
-
-
-def test_a_breaker_opened_outside_a_prefect_task_still_reaches_prefect_as_breaker_open():
-    """The shipped automation (infra/prefect/automations.yaml) fires on `resident-pool.breaker.open`, which only the
-    Prefect task helpers emit. A breaker opened by `resident-pool warm`, a plain Pool client or the pool's own
-    min_replicas start reaches Prefect through the relay as `resident-pool.worker.start-failed` with
-    `breaker_opened: true` in its payload, and no `breaker.open` event is ever sent for that opening."""
-    from resident_pool.prefect import _prefect_event
-
-    record = {"id": "c5305d60-5267-4d77-8d1d-0d5236aba503", "occurred": "2026-12-01T23:25:33.934720+00:00",
-              "event": "resident-pool.worker.start-failed", "host": "vm", "pool_pid": 26280, "slug": "refuser",
-              "replica": 0, "payload": {"reason": "start_failed", "exit_code": 3, "breaker_opened": True,
-                                        "error": "refuser: the worker exited before it answered: exit code 3"}}
-    automations = (ROOT / "infra" / "prefect" / "automations.yaml").read_text()
-    assert '"resident-pool.breaker.open"' in automations
-    relayed = _prefect_event(record)
-    assert relayed.event == "resident-pool.breaker.open" or relayed.payload.get("breaker_opened") is None, (
-        "the relay forwards this opening only as " + relayed.event)
