@@ -459,12 +459,69 @@ sys.path.insert(0, sys.argv[1])
 os.environ["RESIDENT_POOL_MANIFESTS"] = sys.argv[4]  # the flow's host configuration names the providers
 from screen import screen
 started = time.perf_counter()
-summary = screen(input=sys.argv[2], provider="trivial", chunk_size=1024, output=sys.argv[3], encoding="json",
-                 report=len(sys.argv) < 6 or sys.argv[5] != "no-report")
+summary = screen(input=sys.argv[2], provider=sys.argv[6] if len(sys.argv) > 6 else "trivial", chunk_size=1024,
+                 output=sys.argv[3], encoding="json", report=len(sys.argv) < 6 or sys.argv[5] != "no-report")
 print("RESULT " + json.dumps({"wall_s": time.perf_counter() - started, "computed": summary["computed"],
                               "ok": summary["ok"], "inputs": summary["inputs"],
                               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
+
+
+VECTOR_WORKER = '''"""As minilm answers, cheaply: 384 float32 values an input, base64, in embedding_f32."""
+import base64, importlib.util, os, random, struct, sys, zlib
+
+spec = importlib.util.spec_from_file_location("worker_base", os.environ["RESIDENT_POOL_WORKER_BASE"])
+worker_base = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(worker_base)
+rng = random.Random(5)
+# 256 directions, each input one of them by its text's checksum: a map with structure, at no model's cost.
+VECTORS = [base64.b64encode(struct.pack("<384f", *(rng.gauss(0, 1) for _ in range(384)))).decode() for _ in range(256)]
+worker_base.serve(slug="vectors", socket_path=sys.argv[1], on_predict=lambda payload: {"items": [
+    {"embedding_f32": VECTORS[zlib.crc32(text.encode()) % 256], "tokens": len(text)} for text in payload["inputs"]]})
+'''
+
+
+def _flow_runs(env: Env, fasta: Path, provider: str, runs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """``screen`` over ``fasta`` in a process of its own per (store, report) in ``runs``: what each printed."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    results = []
+    with prefect_test_harness(server_startup_timeout=120):
+        child = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_LOGGING_LEVEL": "WARNING"}
+        for store, report in runs:
+            done = subprocess.run([sys.executable, "-c", FLOW_PROCESS, str(ROOT / "flows"), str(fasta),
+                                   str(env.tmp / f"{provider}.{report}.jsonl"), str(env.manifests), report, provider],
+                                  env={**child, "RESIDENT_POOL_RESULTS_DIR": str(env.tmp / store)},
+                                  capture_output=True, text=True, check=False)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode or not lines:
+                raise RuntimeError(f"the {provider} campaign failed: {done.stderr[-3000:]}")
+            results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    return results
+
+
+def case_report_cost(table: Table, env: Env, quick: bool) -> None:
+    """The HTML report's cost for an embedding provider (the case with a map): the same campaign with and
+    without it, each flow run in a process of its own, peak RSS compared. From 10,000 results on the sample
+    is full, so its cost is at its most; a larger campaign adds nothing to it."""
+    n = 12_000 if quick else 30_000
+    folder = env.manifests / "vectors"
+    folder.mkdir(exist_ok=True)
+    (folder / "worker.py").write_text(VECTOR_WORKER)
+    (folder / "manifest.toml").write_text('slug = "vectors"\nworker = "worker.py"\n[lifecycle]\nmax_replicas = 2\n'
+                                          "start_timeout_s = 60\n")
+    fasta = env.tmp / "vectors.fasta"
+    write_fasta(fasta, n)
+    bare, with_report = _flow_runs(env, fasta, "vectors", [("store-vectors-bare", "no-report"),
+                                                           ("store-vectors", "report")])
+    cost = with_report["peak_rss_mb"] - bare["peak_rss_mb"]
+    page = env.tmp / "vectors.report.jsonl.report.html"
+    table.add(f"report cost ({n:,} inputs, 384-d vectors)", "the HTML report's cost in flow process peak RSS", cost,
+              "MB", "< 20", cost < 20,
+              note=f"{with_report['peak_rss_mb']:.0f} MB with it, {bare['peak_rss_mb']:.0f} MB without; report "
+                   f"{page.stat().st_size / 1024:.0f} KiB, {page.read_text().count('<circle'):,} points mapped")
+    fasta.unlink()
 
 
 def write_fasta(path: Path, n: int, shortest: int = 50, longest: int = 500, seed: int = 15) -> None:
@@ -478,9 +535,6 @@ def write_fasta(path: Path, n: int, shortest: int = 50, longest: int = 500, seed
 
 def case_campaign_scale(table: Table, env: Env, quick: bool) -> None:
     """A million inputs through a trivial provider, chunk 1024: throughput and the flow process's peak memory."""
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
     n = 100_000 if quick else 1_000_000
     folder = env.manifests / "trivial"
     folder.mkdir(exist_ok=True)
@@ -490,25 +544,14 @@ def case_campaign_scale(table: Table, env: Env, quick: bool) -> None:
     fasta = env.tmp / "scale.fasta"
     write_fasta(fasta, n)
     case = f"campaign at scale ({n:,} inputs, trivial provider, chunk 1024)"
-    with prefect_test_harness(server_startup_timeout=120):
-        # The flow run gets a process of its own, so its peak memory is its own.
-        child = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_LOGGING_LEVEL": "WARNING"}
-        runs = []
-        # The same campaign without its HTML report, into a store of its own: the report's cost is the difference.
-        for store, report in (("store-scale-bare", "no-report"), ("store-scale", "report"), ("store-scale", "report")):
-            done = subprocess.run([sys.executable, "-c", FLOW_PROCESS, str(ROOT / "flows"), str(fasta),
-                                   str(env.tmp / f"scale.{report}.jsonl"), str(env.manifests), report],
-                                  env={**child, "RESIDENT_POOL_RESULTS_DIR": str(env.tmp / store)},
-                                  capture_output=True, text=True, check=False)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if done.returncode or not lines:
-                raise RuntimeError(f"the scale campaign failed: {done.stderr[-3000:]}")
-            runs.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    # The same campaign without its HTML report, into a store of its own: the report's cost is the difference.
+    runs = _flow_runs(env, fasta, "trivial", [("store-scale-bare", "no-report"), ("store-scale", "report"),
+                                              ("store-scale", "report")])
     bare, first, again = runs
     cost = first["peak_rss_mb"] - bare["peak_rss_mb"]
     table.add(case, "the HTML report's cost in flow process peak RSS", cost, "MB", "< 20", cost < 20,
               note=f"{first['peak_rss_mb']:.0f} MB with it, {bare['peak_rss_mb']:.0f} MB without; "
-                   f"report {(env.tmp / 'scale.report.jsonl.report.html').stat().st_size / 1024:.0f} KiB")
+                   f"report {(env.tmp / 'trivial.report.jsonl.report.html').stat().st_size / 1024:.0f} KiB")
     rate = n / first["wall_s"]
     table.add(case, "first run: inputs/s (flow run start included)", rate, "/s", ">= 10000", rate >= 10_000,
               note=f"{first['wall_s']:.1f} s, computed {first['computed']:,}, ok {first['ok']:,}")
@@ -845,6 +888,7 @@ CASES = {
     "admission": case_admission,
     "campaign": case_campaign,
     "campaign_scale": case_campaign_scale,
+    "report_cost": case_report_cost,
     "start_cost_zygote": case_start_cost_zygote,
     "admission_start_zygote": case_admission_start_zygote,
 }

@@ -63,6 +63,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_INPUT = str(ROOT / "data" / "uniprot-500.fasta")
 PROGRESS_EVERY_S = 2.0  # a progress update is an API call: a million-input campaign must not make thousands
 LOG_EVERY_S = 5.0  # a line in the run's log: done, rate, ETA
+# Failure reasons that say the provider's worker could not be had at all (not an input's fault): a run whose
+# inputs all failed with one of these screened nothing, and ends Failed however it was asked to treat inputs.
+NOT_STARTED = frozenset({"start_failed", "breaker_open", "admission_refused", "admission_timeout", "kit_unavailable",
+                         "weights_mismatch", "bad_manifest", "interpreter_missing"})
 # How each vector comes back (minilm's "encoding"; other providers ignore it): the key of every stored result.
 Encoding = Literal["float32-base64", "array", "json"]
 
@@ -171,7 +175,6 @@ class _FileRun:
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight: dict[Any, Chunk] = {}
         self.settled = 0
-        self.size = max(source.size(), 1)
 
     def run(self) -> None:
         try:
@@ -233,7 +236,7 @@ class _FileRun:
         return {"seen": seen, "done": done, "failed": counts["bad_input"] + self.campaign.failed_computing}
 
     def report(self) -> None:
-        self.progress.update(self.entry, **self.counts(), fraction_read=self.source.bytes_read() / self.size)
+        self.progress.update(self.entry, **self.counts(), fraction_read=self.source.fraction_read())
 
 
 def _screen_file(source: InputFile, output: Path, entry: FileProgress, *, store: ResultStore, version: str,
@@ -377,6 +380,8 @@ def screen(
     started = time.monotonic()
     logger = get_run_logger()
     output, column, id_column = output or None, column or None, id_column or None  # a form's empty field: unset
+    if output is not None:  # relative to where the run runs (`make run` gives out/...): named whole from here on
+        output = os.path.abspath(os.path.expanduser(output))
     manifests_dir = str(default_manifests())  # the worker host's configuration, never a parameter
     try:  # everything that can be wrong before any work: one sentence on the run, no traceback
         input = _check_roots(input, output)
@@ -454,6 +459,13 @@ def _final_state(summaries: list[dict[str, Any]], refused: list[str], *, provide
         logger.warning("%d of %d input(s) failed (%s); the failed-inputs artifact lists them, and each output holds "
                        "every one with its reason: %s", failed, inputs, _reasons(reasons),
                        ", ".join(s["output"] for s in summaries if s["failed"]))
+    never = None if ok else _never_started(summaries)
+    if never is not None:  # a broken model, not bad inputs: red in the UI and in cron, with the reason why
+        reason, error = never
+        logger.error("%s never started, so no input was screened: %s", provider, error)
+        return Failed(message=f"{message}: {provider} never started: {error}",
+                      data=CampaignFailed(f"{message}: {provider} never started: {error}", reason=reason,
+                                          details={"summary": total}))
     if refused:
         return Failed(message=f"{message}; {len(refused)} file(s) refused: {refused[0]}",
                       data=CampaignFailed(f"{message}; refused: " + "; ".join(refused), reason="bad_input_file",
@@ -463,6 +475,16 @@ def _final_state(summaries: list[dict[str, Any]], refused: list[str], *, provide
                       data=CampaignFailed(f"{message}: the campaign was asked to fail on failed inputs",
                                           details={"summary": total}))
     return Completed(message=message, data=total)
+
+
+def _never_started(summaries: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(reason, error) when the provider could not be started for any input: the start failure itself where one is
+    listed (a breaker's refusal quotes it too), else the first such failure; None otherwise."""
+    found = [f for s in summaries for f in s["failures"] if f["reason"] in NOT_STARTED]
+    if not found:
+        return None
+    first = next((f for f in found if f["reason"] == "start_failed"), found[0])
+    return first["reason"], first["error"]
 
 
 def _artifacts(total: dict[str, Any], input: str) -> None:
@@ -507,10 +529,10 @@ def _outputs(total: dict[str, Any]) -> str:
     lines = [f"## {escape_markdown(total['provider'])}: outputs on host `{host}`", "",
              "| input | output | records | ok | failed | report |", "|---|---|---|---|---|---|"]
     for s in total["files"]:
-        report = s["report"]
-        shown = f"[{escape_markdown(report)}]({Path(report).as_uri()})" if report else "none"
+        # Paths on the host, not file:// links: a link opens the reader's own disk, where nothing is.
+        report = escape_markdown(s["report"]) if s["report"] else "none"
         lines.append(f"| {escape_markdown(s['file'])} | {escape_markdown(s['output'])} | {s['inputs']:,} | "
-                     f"{s['ok']:,} | {s['failed']:,} | {shown} |")
+                     f"{s['ok']:,} | {s['failed']:,} | {report} |")
     lines += ["", f"The paths are on `{host}`, where the flow ran; the report opens in a browser there, or copied "
                   "anywhere (one file, nothing fetched)."]
     return "\n".join(lines)

@@ -154,7 +154,7 @@ class RefusingClient:
     def __init__(self, error, manifests):
         self.error, self.manifests, self.on_wait = error, manifests, None
 
-    def session(self, slug, holder=None, **options):
+    def session(self, slug, holder=None, **options):  # options: what pool_session passes (max_attachment_bytes)
         raise self.error
 
 

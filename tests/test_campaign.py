@@ -321,6 +321,63 @@ def test_the_outputs_artifact_is_keyed_and_names_path_host_and_counts_not_a_file
     assert not [a for a in _artifacts(state) if a.type == "markdown" and not a.key]  # every artifact is keyed
 
 
+def test_the_outputs_artifact_names_a_relative_output_and_its_report_by_path_never_as_a_url():
+    """`make run` passes `--output out/uniprot-500.fasta.minilm.jsonl`: Path.as_uri() raised on the relative
+    report path, and the flow failed after writing every output. The report is a path on the host, as the output is."""
+    from screen import _outputs
+
+    total = {"provider": "minilm", "host": "vm", "files": [
+        {"file": "data/uniprot-500.fasta", "output": "out/uniprot-500.fasta.minilm.jsonl", "inputs": 500, "ok": 500,
+         "failed": 0, "report": "out/uniprot-500.fasta.minilm.jsonl.report.html"}]}
+    text = _outputs(total)
+    assert "uniprot-500.fasta.minilm.jsonl.report.html" in text and "file:" not in text and "](" not in text
+
+
+def test_screen_py_with_an_output_relative_to_its_folder_completes_and_names_it_whole(pool_dir, tmp_path):
+    """The command `make run` runs, with a fast provider and an output relative to the working folder."""
+    from prefect.settings import PREFECT_API_URL
+
+    write_provider(pool_dir, "embedder", EMBEDDER_ENV, worker="embedder.py")
+    inputs = tmp_path / "in.fasta"
+    inputs.write_text("".join(f">s{n}\nMKV{text}\n" for n, text in enumerate(_texts(20))))
+    done = subprocess.run([sys.executable, str(ROOT / "flows" / "screen.py"), "--input", str(inputs), "--provider",
+                           "embedder", "--manifests", str(pool_dir), "--output", "out/in.embedder.jsonl"],
+                          cwd=tmp_path, env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    output = tmp_path / "out" / "in.embedder.jsonl"
+    assert len(_records(output)) == 20
+    summary = json.loads(done.stdout[done.stdout.index("{"):])
+    assert summary["output"] == str(output) and summary["report"] == f"{output}.report.html"
+
+
+def test_a_screen_whose_provider_never_starts_ends_failed_naming_why_and_screen_py_exits_1(pool_dir, tmp_path):
+    """Every input failed because the model never started (start_failed, then breaker_open): that is not a batch
+    of bad inputs, yet the run ended Completed('0 ok, 200 failed') and flows/screen.py exited 0, so a nightly
+    screen of a broken model was green in the UI and in cron."""
+    from prefect.settings import PREFECT_API_URL
+
+    write_provider(pool_dir, "refuses", 'worker_args = ["{socket}", "--exit-before-bind", "3"]\n')
+    inputs = tmp_path / "in.fasta"
+    inputs.write_text("".join(f">s{n}\nMKV{text}\n" for n, text in enumerate(_texts(200))))
+    done = subprocess.run([sys.executable, str(ROOT / "flows" / "screen.py"), "--input", str(inputs), "--provider",
+                           "refuses", "--manifests", str(pool_dir), "--output", str(tmp_path / "out.jsonl")],
+                          env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert '"ok": 0' in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.returncode == 1, "0 ok of 200, the provider never started, and the command exited 0"
+    said = done.stderr[done.stderr.index("error: "):]
+    assert "0 ok, 200 failed: refuses never started: " in said and "exit code 3" in said, said
+    assert len(_records(tmp_path / "out.jsonl")) == 200  # every input still has its record, with its reason
+
+
+def test_a_run_whose_inputs_are_all_bad_still_completes_with_a_warning(pool_dir, embedder, tmp_path):
+    state = _state(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", ["RAISE", "", "RAISE"])))
+    assert state.is_completed() and state.message == "0 ok, 3 failed", state.message
+    (warning,) = _log_lines(state, level=30)
+    assert "3 of 3 input(s) failed (request_failed: 2, bad_input: 1)" in warning, warning
+
+
 def test_the_report_beside_the_output_charts_the_run_and_maps_the_vectors_offline(pool_dir, embedder, tmp_path):
     state = _state(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", [*_texts(300), "", "RAISE"])),
                    output=str(tmp_path / "out.jsonl"), chunk_size=16)
@@ -930,7 +987,7 @@ def test_a_file_over_a_record_limit_lowered_to_1000_is_refused_whole_and_the_inb
     assert state.is_failed() and state.message.startswith("5 ok, 0 failed"), state.message
     assert "bomb.fasta.gz: more than 1,000 records (RESIDENT_POOL_MAX_INPUT_RECORDS)" in state.message
     assert sorted(p.name for p in (inbox / "screened").iterdir() if not p.name.endswith(".partial")) == [
-        "fine.fasta.embedder.jsonl", "fine.fasta.embedder.jsonl.report.html"]  # nothing for the refused file
+        "fine.fasta.embedder.jsonl", "fine.fasta.embedder.jsonl.report.html"]  # nothing of the refused file
 
 
 def test_a_file_that_decompresses_past_a_byte_limit_lowered_to_100_kb_is_refused(pool_dir, embedder, tmp_path,
@@ -997,7 +1054,8 @@ def test_inputs_an_open_breaker_refused_are_recorded_with_what_opened_it_and_how
 
     monkeypatch.setattr(face, "_client", lambda manifests: RefusingClient(breaker_open("embedder"), pool_dir))
     state = _state(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", _texts(5))), output=str(tmp_path / "out.jsonl"))
-    assert state.message == "0 ok, 5 failed"
+    assert state.is_failed() and state.message.startswith("0 ok, 5 failed: embedder never started: "), state.message
+    assert "closes in 157 s" in state.message  # the breaker's own words, with the start failure they quote
     (run,) = _task_runs(state)
     assert run.run_count == 1  # not retried
     records = _records(tmp_path / "out.jsonl")

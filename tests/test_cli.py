@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 from helpers import wait_until
-from providers import write_provider
+from providers import EMBEDDER_ENV, write_provider
 
 from resident_pool import Pool, WorkerStartError
 from resident_pool.cli.status import breaker_words
 from resident_pool.version import __version__
 
 CLI = str(Path(sys.executable).with_name("resident-pool"))
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cli(*args, cwd=None, env=None, unset=()):
@@ -38,6 +39,13 @@ def test_version_prints_the_packages_version():
     done = _cli("--version")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"resident-pool {__version__}"
+
+
+def test_the_shipped_echo_provider_answers_through_the_console_script(isolated_dirs):
+    """A worker start failed at 94b768c (Starter.run wrote self.workers, an attribute Starter did not have)."""
+    done = _cli("predict", "echo", "--payload", '{"ping": "hello"}', "--manifests", str(ROOT / "manifests"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout)["echo"] == {"ping": "hello"}
 
 
 def test_predict_takes_its_payload_as_payload_or_input_and_json_text_still_works_with_a_warning(pool_dir, tmp_path):
@@ -176,6 +184,18 @@ def test_status_at_100_columns_keeps_the_error_readable_instead_of_one_word_per_
     assert "exit code 2" in " ".join(cells)
     assert len(cells[0].split()) >= 4 and max(len(cell) for cell in cells) >= 35, cells  # not a word a line
     assert "left out at 100 columns" in shown.stdout  # and it says what it left out
+
+
+def test_status_at_80_columns_keeps_each_transcript_name_on_one_line(pool_dir):
+    """The transcript column could shrink to 30 characters, and a transcript's name is its slug plus 29: at 80
+    columns `vecfast-0-20261201-234633-0c2779.log` printed as `vecfast-0-20261201-234633-0c277` / `9.log`."""
+    write_provider(pool_dir, "embedder", EMBEDDER_ENV, worker="embedder.py")
+    warmed = _cli("warm", "embedder")
+    assert warmed.returncode == 0, warmed.stdout + warmed.stderr
+    shown = _cli("status", env={"COLUMNS": "80"})
+    (worker,) = json.loads(_cli("status", "--json").stdout)["workers"]
+    assert os.path.basename(worker["transcript"]) in shown.stdout, shown.stdout
+    assert max(len(line) for line in shown.stdout.splitlines()) <= 80, shown.stdout
 
 
 def test_logs_follow_prints_what_the_transcript_gains_and_moves_to_a_newer_one_until_ctrl_c(pool_dir, isolated_dirs):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,38 @@ def test_the_pool_writes_started_and_stopped_with_why_to_its_stream_with_a_half_
         json.loads(line)["id"] for line in stream.read_text().splitlines()]
 
 
+def _stream(isolated_dirs) -> list[dict]:
+    return [json.loads(line) for line in (Path(isolated_dirs["logs"]) / EVENTS_FILE).read_text().splitlines()]
+
+
+def test_a_breaker_opened_outside_a_prefect_task_is_one_breaker_open_on_its_provider_in_the_pools_stream(
+        pool_dir, isolated_dirs):
+    """The shipped automation fires on `resident-pool.breaker.open` about `resident-pool.provider.*`, which only the
+    Prefect task helpers emitted: a breaker opened by `resident-pool warm`, a plain Pool client or the pool's own
+    min_replicas start reached Prefect only as `worker.start-failed` with `breaker_opened: true` in its payload."""
+    from resident_pool import WorkerStartError
+    from resident_pool.errors import BreakerOpen
+    from resident_pool.prefect import _prefect_event
+
+    write_provider(pool_dir, "refuser", 'worker_args = ["{socket}", "--exit-before-bind", "3"]\n')
+    with Pool() as pool:
+        with pytest.raises(WorkerStartError) as opened:
+            pool.predict("refuser", {"action": "echo"})
+        with pytest.raises(BreakerOpen):
+            pool.predict("refuser", {"action": "echo"})  # refused by the open breaker: no second opening
+    (record,) = [r for r in _stream(isolated_dirs) if r["event"] == "resident-pool.breaker.open"]
+    assert record["slug"] == "refuser" and record["replica"] is None
+    assert record["payload"]["exit_code"] == 3 and "refusal" in record["payload"]["exit"]
+    assert opened.value.details["breaker_event"] == {"id": record["id"], "occurred": record["occurred"]}
+    relayed = _prefect_event(record)
+    assert relayed.event == "resident-pool.breaker.open" and relayed.id == uuid.UUID(record["id"])
+    assert relayed.resource.id == "resident-pool.provider.refuser"  # what the automation matches
+    automations = (Path(__file__).resolve().parents[1] / "infra" / "prefect" / "automations.yaml").read_text()
+    assert '"resident-pool.breaker.open"' in automations and '"resident-pool.provider.*"' in automations
+    (failed,) = [r for r in _stream(isolated_dirs) if r["event"] == "resident-pool.worker.start-failed"]
+    assert "breaker_opened" not in _prefect_event(failed).payload  # the opening is its own event, not a flag
+
+
 # -- Prefect: the helpers' events and the relay --------------------------------------------------
 def _events(prefix: str, related: str | None = None):
     from prefect.client.orchestration import get_client
@@ -104,7 +137,8 @@ def _events(prefix: str, related: str | None = None):
 
 
 @pytest.mark.usefixtures("prefect_harness")
-def test_a_failing_start_in_a_flow_emits_request_failed_and_breaker_open_related_to_that_flow_run(pool_dir):
+def test_a_failing_start_in_a_flow_emits_request_failed_and_breaker_open_related_to_that_flow_run(pool_dir,
+                                                                                                isolated_dirs):
     from prefect import flow, task
 
     from resident_pool.prefect import predict
@@ -145,6 +179,19 @@ def test_a_failing_start_in_a_flow_emits_request_failed_and_breaker_open_related
                          interval=0.5, message="the refused run's request.failed")
     assert refused[0].payload["breaker_refused"] is True
     assert not _events("resident-pool.breaker.open", related=second)  # once per opening, not per refusal
+
+    # The relay forwards the pool's own line for the same opening: under the same id, still one event in Prefect.
+    from resident_pool.prefect import relay_events
+
+    (line,) = [r for r in _stream(isolated_dirs) if r["event"] == "resident-pool.breaker.open"]
+    marker = EventLog(Path(isolated_dirs["logs"]) / EVENTS_FILE).emit("test.marker")  # relayed after the opening
+    relay = threading.Thread(target=relay_events, kwargs={"from_start": True, "follow": False, "say": lambda _: None})
+    relay.start()
+    relay.join(timeout=60)
+    wait_until(lambda: [e for e in _events("resident-pool.test.marker") if str(e.id) == marker["id"]], timeout=60,
+               interval=0.5, message="the relayed line after the opening")
+    opened = [e for e in _events("resident-pool.breaker.open") if e.resource.id == "resident-pool.provider.refusing"]
+    assert [str(e.id) for e in opened] == [line["id"]], opened
 
 
 @pytest.mark.slow

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import gzip
+import sys
+import time
+from pathlib import Path
+
+from resident_pool.campaigns.campaign import Campaign, CampaignSettings
+from resident_pool.campaigns.inputs import InputFile
 from resident_pool.campaigns.progress import Progress, Timeline
+from resident_pool.campaigns.results import ResultStore
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Clock:
@@ -90,3 +101,61 @@ def test_a_timeline_keeps_a_bounded_evenly_thinned_record_and_its_end():
     gaps = {b[0] - a[0] for a, b in zip(timeline.points, timeline.points[1:-1], strict=False)}
     assert len(gaps) == 1  # evenly spaced
     assert timeline.points[0][0] == 0 and timeline.points[-1] == (1_000_000.5, 1_000_000, 3)
+
+
+class _Shown:
+    """What flows/screen.py's _Progress does with each update, without Prefect: (inputs done, the percent shown)."""
+
+    def __init__(self):
+        self.tally = Progress()
+        self.shown = []
+
+    def update(self, entry, **counts):
+        self.tally.update(entry, **counts)
+        self.shown.append((self.tally.done, round(self.tally.percent(), 1)))
+
+
+def _screened(tmp_path, source, chunk_size=64, window=4):
+    """One input file through screen's own _FileRun, each chunk answered by a thread: every update shown."""
+    sys.path.insert(0, str(ROOT / "flows"))
+    import screen
+
+    progress = _Shown()
+    entry = progress.tally.add_file(str(source.path), source.record_count(), source.size())
+    progress.tally.begin(entry)
+    store = ResultStore.for_provider("fake", tmp_path / "results")
+    campaign = Campaign(store, "v1", {}, chunk_size, tmp_path / "out.jsonl")
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+
+    def submit(_task, params):
+        def answer():
+            time.sleep(0.002)  # a chunk takes a moment, as a model's does: the reading runs ahead of it
+            return {"results": [{"n": len(t)} for t in params["texts"]], "failed": {}, "cold": False, "pid": 1,
+                    "version": "v1", "latency_s": 0.0}
+        return pool.submit(answer)
+
+    run = screen._FileRun(source, campaign, entry, provider="fake", manifests=str(tmp_path), options={},
+                          submit=submit, window=window, progress=progress,
+                          limits=CampaignSettings(results_dir=tmp_path / "results"))
+    try:
+        run.run()
+    finally:
+        campaign.close()
+        store.close()
+        pool.shutdown()
+    return progress.shown
+
+
+def test_a_small_gzip_inputs_progress_is_an_estimate_within_20_points_of_the_inputs_done(tmp_path):
+    """The reviewer's run: the .gz estimate took the whole compressed size as read from the first record on (under
+    gzip's own 128 KiB read), so 768 of 2,000 inputs done (38 %) was shown as 75 %, then stood still at 75 %."""
+    letters = "ACDEFGHIKLMNPQRSTVWY"
+    path = tmp_path / "in.fasta.gz"
+    with gzip.open(path, "wt") as out:
+        out.write("".join(f">s{n}\nMKV{''.join(letters[n // 20 ** k % 20] for k in range(4))}ACDEFGHIKLMNPQRSTVWY\n"
+                          for n in range(2000)))
+    shown = _screened(tmp_path, InputFile(path))
+    assert shown == sorted(shown) and shown[-1] == (2000, 99.9)  # 100 is said when the file is finished
+    worst = max(shown, key=lambda pair: abs(pair[1] - pair[0] / 20))
+    assert abs(worst[1] - worst[0] / 20) < 20, (f"{worst[0]} of 2,000 inputs done ({worst[0] / 20:.1f} %) was shown "
+                                               f"as {worst[1]} %; every update: {shown}")

@@ -71,6 +71,9 @@ _SEQUENCE_BYTES = (string.ascii_letters + "*-.").encode()
 _WHITESPACE = b" \t\r\n\v\f"
 _BOM = b"\xef\xbb\xbf"  # Notepad and Excel save UTF-8 with one
 FASTA_BLOCK = 1 << 20
+# gzip asks its file for 128 KiB at a time: a .gz under that is "read whole" at its first record. Fed this much at
+# a time, how far it has read says how far it has got, for the progress of a file whose records were not counted.
+GZIP_STEP = 16 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +113,7 @@ class _Lines:
         self.stream = stream
         self.limit = limit
         self.number = 0
+        self.position = 0  # bytes of the stream up to the end of the last line yielded
 
     def __iter__(self) -> Iterator[tuple[int, bytes, bool]]:
         readline, limit = self.stream.readline, self.limit
@@ -118,10 +122,12 @@ class _Lines:
             if not line:
                 return
             self.number += 1
+            self.position += len(line)
             if len(line) > limit and not line.endswith(b"\n"):
                 rest = line
                 while rest and not rest.endswith(b"\n"):
                     rest = readline(limit + 1)
+                    self.position += len(rest)
                 yield self.number, line[:limit], True
                 continue
             yield self.number, line.rstrip(b"\r\n"), False
@@ -141,7 +147,12 @@ class InputFile:
         self.max_input_bytes = max_input_bytes
         self.max_input_records = max_input_records
         self._raw: IO[bytes] | None = None
-        self._read_to = 0  # the furthest position seen; the whole size once records() has read to the end
+        # Of the current records() pass, for fraction_read(): its parser, what came out of the (decompressed)
+        # stream, the file's size, and the fraction said so far (1 once it read to the end).
+        self._reader: _Lines | _FastaBlocks | None = None
+        self._bounded: _Bounded | None = None
+        self._size = 0
+        self._fraction = 0.0
 
     # -- opening -------------------------------------------------------------------
     @contextmanager
@@ -153,7 +164,7 @@ class InputFile:
             if not self.compressed:
                 yield raw
             else:
-                with gzip.GzipFile(fileobj=raw, mode="rb") as unpacked:
+                with gzip.GzipFile(fileobj=_Metered(raw), mode="rb") as unpacked:
                     yield unpacked
             now = os.fstat(raw.fileno())
             if (now.st_size, now.st_mtime_ns) != (opened.st_size, opened.st_mtime_ns):
@@ -170,17 +181,35 @@ class InputFile:
         except OSError:
             return 0
 
-    def bytes_read(self) -> int:
-        """How far into the file (compressed bytes, for .gz) records() has read: never less than it said
-        before, and the whole size once it has read to the end. Reads go a megabyte at a time, so a small
-        file is read whole at its first record: count records for progress, not bytes."""
+    def fraction_read(self) -> float:
+        """How far records() has got, from 0 to 1: the bytes up to the last record it handed out over the file's
+        bytes (for a .gz, decompressed). Never less than it said before, and 1 once it has read to the end.
+
+        A .gz's decompressed size is known only at its end: until then it is estimated from the compression
+        ratio of what was decompressed so far (gzip is fed GZIP_STEP bytes at a time, so the ratio is measured
+        from the first record on, whatever the file's size). Records are read a megabyte at a time, so the
+        position is the parser's, not the reader's.
+        """
+        reader, bounded = self._reader, self._bounded
+        if reader is None or bounded is None or self._fraction >= 1.0:
+            return self._fraction
+        if not self.compressed:
+            total = float(self._size)
+        elif bounded.ended:
+            total = float(bounded.produced)
+        else:
+            consumed = self._compressed_read()
+            total = bounded.produced * self._size / consumed if consumed else 0.0
+        if total > 0:
+            self._fraction = max(self._fraction, min(1.0, reader.position / total))
+        return self._fraction
+
+    def _compressed_read(self) -> int:
         raw = self._raw
-        if raw is not None and not raw.closed:
-            try:
-                self._read_to = max(self._read_to, raw.tell())
-            except (OSError, ValueError):
-                pass  # closed between the check and the call: what was said stands
-        return self._read_to
+        try:
+            return raw.tell() if raw is not None else self._size
+        except (OSError, ValueError):  # closed as the pass ended
+            return self._size
 
     def record_count(self) -> int | None:
         """How many records the file holds, by a quick pass over its bytes; None for a compressed file.
@@ -191,7 +220,7 @@ class InputFile:
         costs a block, not 3 GiB); a file it cannot count is None, and records() refuses it alone.
         """
         if self.compressed:
-            return None  # counting would cost a whole decompression: estimate from bytes_read instead
+            return None  # counting would cost a whole decompression: estimate from fraction_read instead
         try:
             with self._open() as raw:  # opened as records() opens it, so refused alike
                 if os.fstat(raw.fileno()).st_size > self.max_input_bytes:
@@ -241,11 +270,12 @@ class InputFile:
         Past the operator's limits (records, or bytes once decompressed) it raises InputError: the file
         is refused as a whole, never cut short into an output that looks complete.
         """
-        self._read_to = 0
+        self._fraction, self._size = 0.0, self.size()
         with self._open() as stream:
             limit = self.max_input_records
+            self._bounded = _Bounded(stream, self)
             try:
-                for count, record in enumerate(self._parse(_Bounded(stream, self)), 1):
+                for count, record in enumerate(self._parse(self._bounded), 1):
                     if count > limit:
                         raise InputError(f"{self.path}: more than {limit:,} records (RESIDENT_POOL_MAX_INPUT_RECORDS); "
                                          "no output is written for it: split the file, or raise the limit",
@@ -257,12 +287,12 @@ class InputFile:
             except OSError as exc:  # an I/O error, a file on a mount gone away: this file fails, not the run
                 raise InputError(f"{self.path}: cannot be read ({exc.strerror or exc}); no output is written for "
                                  "it", details={"path": str(self.path)}) from None
-            self._read_to = os.fstat(self._raw.fileno()).st_size if self._raw is not None else self._read_to
+            self._fraction = 1.0
 
     def _parse(self, stream: IO[bytes], truncated: bool = False) -> Iterator[Record]:
         if self.format == "fasta":
             return self._fasta(stream, truncated)
-        lines = _Lines(stream, self.max_record_bytes)
+        lines = self._reader = _Lines(stream, self.max_record_bytes)
         if self.format == "jsonl":
             return self._jsonl(lines)
         return self._table(lines, "\t" if self.format == "tsv" else ",")
@@ -272,7 +302,8 @@ class InputFile:
 
     # FASTA ---------------------------------------------------------------------------
     def _fasta(self, stream: IO[bytes], truncated: bool) -> Iterator[Record]:
-        return _FastaBlocks(self, stream, truncated).records()
+        self._reader = _FastaBlocks(self, stream, truncated)
+        return self._reader.records()
 
     def fasta_record(self, index: int, line: int, record: bytes, over: bool = False, last: bool = False) -> Record:
         """One record's bytes, from its '>' to the end of its last sequence line."""
@@ -412,9 +443,13 @@ class _Bounded:
     def __init__(self, stream: IO[bytes], source: InputFile) -> None:
         self.stream, self.source = stream, source
         self.left = source.max_input_bytes
+        self.produced = 0  # bytes that came out so far
+        self.ended = False  # a read came back empty: ``produced`` is the whole (decompressed) size
 
     def _count(self, data: bytes) -> bytes:
         self.left -= len(data)
+        self.produced += len(data)
+        self.ended = self.ended or not data
         if self.left < 0:
             what = "decompressed" if self.source.compressed else "read"
             raise InputError(f"{self.source.path}: more than {self.source.max_input_bytes:,} bytes {what} "
@@ -429,6 +464,17 @@ class _Bounded:
         return self._count(self.stream.readline(size if size >= 0 else self.left + 1))
 
 
+class _Metered:
+    """The compressed file as gzip reads it: at most GZIP_STEP bytes a read, so its position says how far the
+    decompression has got (gzip's own reads are 128 KiB)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw = raw
+
+    def read(self, size: int = -1) -> bytes:
+        return self.raw.read(GZIP_STEP if size < 0 else min(size, GZIP_STEP))
+
+
 class _FastaBlocks:
     """FASTA read a megabyte at a time and split on '\\n>': a million records in seconds, not minutes.
 
@@ -440,6 +486,8 @@ class _FastaBlocks:
         self.source, self.stream, self.truncated = source, stream, truncated
         self.limit = source.max_record_bytes
         self.buffer = b""
+        self.dropped = 0  # bytes of the stream before the buffer's start
+        self.position = 0  # bytes of the stream up to the end of the last record yielded
         self.line = 1  # the line the buffer starts on
         self.index = 0
         self.eof = False
@@ -457,7 +505,9 @@ class _FastaBlocks:
             if not self.bom_checked:  # a BOM is the file's first bytes: wait for all three of them
                 if self.buffer and _BOM.startswith(self.buffer) and not self.eof:
                     continue
-                self.buffer, self.bom_checked = self.buffer.removeprefix(_BOM), True
+                if self.buffer.startswith(_BOM):
+                    self._advance(len(_BOM))
+                self.bom_checked = True
             if not started:
                 started = yield from self._preamble()
                 if not started or not self.buffer:
@@ -468,6 +518,7 @@ class _FastaBlocks:
         """Drop the buffer up to ``to``, counting its lines."""
         self.line += self.buffer.count(b"\n", 0, to)
         self.buffer = self.buffer[to:]
+        self.dropped += to
 
     def _skip(self) -> bool:
         """Inside a record over the limit: True once the next header is at the buffer's start."""
@@ -501,6 +552,7 @@ class _FastaBlocks:
             end = buffer.find(b"\n>", at + 1)
             if end < 0 and not self.eof:
                 if len(buffer) - at > self.limit:  # over the limit and still going: report it, skip the rest
+                    self.position = self.dropped + len(buffer)
                     yield self._record(buffer[at:at + self.limit], over=True)
                     self.line += buffer.count(b"\n", at, len(buffer) - 1)
                     at, skipping = len(buffer) - 1, True
@@ -508,6 +560,7 @@ class _FastaBlocks:
             last = end < 0
             end = len(buffer) if last else end
             if at < end:
+                self.position = self.dropped + end
                 yield self._record(buffer[at:end], over=end - at > self.limit, last=last and self.truncated)
             if last:
                 at = end
@@ -515,6 +568,7 @@ class _FastaBlocks:
             self.line += buffer.count(b"\n", at, end) + 1
             at = end + 1
         self.buffer = buffer[at:]
+        self.dropped += at
         return skipping
 
     def _record(self, data: bytes, over: bool, last: bool = False) -> Record:

@@ -2,8 +2,9 @@
 
 No Prefect here: ``flows/screen.py`` turns it into a progress artifact and log lines. Inputs known are
 exact where each file's records were counted before the campaign read them (an uncompressed file), and
-an estimate otherwise (a .gz file: the records seen so far over the fraction of its bytes read). The
-percentage never goes down, and reaches 100 only when every file is done.
+an estimate otherwise (a .gz file: the records seen so far over the fraction of its decompressed bytes
+they reach, ``InputFile.fraction_read()``). The percentage never goes down, and reaches 100 only when
+every file is done.
 """
 
 from __future__ import annotations

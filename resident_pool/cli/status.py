@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from typing import Annotated, Any
 
 import typer
@@ -20,7 +21,7 @@ WORKER_COLUMNS = [
     Column("slug", 100), Column("replica", 90), Column("pid", 60), Column("state", 95), Column("version", 30),
     Column("fingerprint", 20), Column("device", 50), Column("gpu_gb", 70), Column("served", 55),
     Column("idle_s", 65), Column("in_flight", 45), Column("uptime_s", 35), Column("lease", 40),
-    Column("transcript", text=True, min_text=30),
+    Column("transcript", text=True, whole=True),  # a file name: the folder is said once, below the table
 ]
 PROVIDER_COLUMNS = [
     Column("provider", 100), Column("running", 90), Column("min/max", 50), Column("budget_gb", 60),
@@ -56,7 +57,9 @@ def status(
         # One folder holds every transcript: said once below the table, each row names its file.
         folders = {os.path.dirname(w["transcript"]) for w in state["workers"] if w.get("transcript")}
         folder = folders.pop() if len(folders) == 1 else None
-        _print(title, WORKER_COLUMNS, [_worker_row(worker, folder) for worker in state["workers"]])
+        # A whole path per row (transcripts in several folders) may fold; a bare file name never does.
+        columns = WORKER_COLUMNS if folder else [replace(c, whole=False) for c in WORKER_COLUMNS]
+        _print(title, columns, [_worker_row(worker, folder) for worker in state["workers"]])
         if folder:
             console.print(f"transcripts in {safe(folder)}", highlight=False)
     else:

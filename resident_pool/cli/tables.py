@@ -22,12 +22,14 @@ _PER_COLUMN = 3
 @dataclass(frozen=True)
 class Column:
     """``priority``: higher is kept longer; ``text``: a column that wraps (an error, a path), kept whatever the
-    width with at least ``min_text`` characters; every other column stays on one line."""
+    width with at least ``min_text`` characters; ``whole``: a text column whose cells never break (file names:
+    one cut in two cannot be copied), as wide as its widest cell; every other column stays on one line."""
 
     name: str
     priority: int = 0
     text: bool = False
     min_text: int = 40
+    whole: bool = False
 
 
 def fit_table(console: Console, title: str, columns: list[Column], rows: list[list[str]]) -> tuple[Table, list[str]]:
@@ -42,7 +44,7 @@ def fit_table(console: Console, title: str, columns: list[Column], rows: list[li
         total = 1
         for index in kept:
             column = columns[index]
-            width = min(natural(index), column.min_text) if column.text else natural(index)
+            width = min(natural(index), column.min_text) if column.text and not column.whole else natural(index)
             total += width + _PER_COLUMN
         return total
 
@@ -56,7 +58,9 @@ def fit_table(console: Console, title: str, columns: list[Column], rows: list[li
     table = Table(title=title)
     for index in kept:
         column = columns[index]
-        if column.text:
+        if column.whole:
+            table.add_column(column.name, no_wrap=True, overflow="fold", min_width=natural(index))
+        elif column.text:
             table.add_column(column.name, overflow="fold", min_width=min(natural(index), column.min_text))
         else:
             table.add_column(column.name, no_wrap=True, overflow="ellipsis")

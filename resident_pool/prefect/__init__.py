@@ -266,14 +266,18 @@ def _holder() -> dict[str, str]:
 
 
 # -- events: what a lease saw, related to the flow and task run it ran in ----------------------------
-def _emit(name: str, slug: str, **payload: Any) -> None:
+def _emit(name: str, slug: str, *, event_id: str | None = None, occurred: str | None = None, **payload: Any) -> None:
     """Emit ``resident-pool.<name>`` about provider ``slug``; Prefect relates it to the current run.
 
-    An event that cannot be sent is logged, never raised: the task's own work comes first.
+    ``event_id``, ``occurred``: those of the pool's own record of the same happening (its events stream), so that
+    the two reach the Prefect server as one event. An event that cannot be sent is logged, never raised: the
+    task's own work comes first.
     """
     try:
         emit_event(event=f"resident-pool.{name}", resource=_provider_resource(slug),
-                   related=[_host_resource()], payload={"host": HOST, **payload})
+                   related=[_host_resource()], payload={"host": HOST, **payload},
+                   id=uuid.UUID(event_id) if event_id else None,
+                   occurred=datetime.fromisoformat(occurred) if occurred else None)
     except Exception as exc:  # noqa: BLE001 - events are best effort; EventTooLarge and client errors alike
         log.warning("could not emit resident-pool.%s for %s: %s", name, slug, exc)
 
@@ -302,8 +306,14 @@ def _emit_failure(error: ResidentPoolError) -> None:
         _emit("admission.timeout", slug, needs_gb=error.details.get("needs_gb"),
               waited_s=error.details.get("waited_s"), holders=error.details.get("holders"))
     refused = error.reason == BREAKER_OPEN or bool(error.details.get("breaker"))
-    if error.details.get("breaker_opened") and not refused:  # once per opening: the start that opened it
-        _emit("breaker.open", slug, reason=error.reason, exit_code=error.exit_code, error=error.headline)
+    opening = error.details.get("breaker_event")
+    if isinstance(opening, dict) and not refused:  # once per opening: the start that opened it
+        # The pool wrote this opening to its events stream under this id: sent with it, the relay's copy and this
+        # one are one event to the Prefect server, whichever arrives first.
+        _emit("breaker.open", slug, event_id=opening.get("id"), occurred=opening.get("occurred"),
+              reason=error.reason, exit_code=error.exit_code,
+              exit=None if error.exit_code is None else describe_exit(error.exit_code), error=error.headline,
+              transcript=error.transcript)
     _emit("request.failed", slug, reason=error.reason, exit_code=error.exit_code,
           exit=None if error.exit_code is None else describe_exit(error.exit_code), error_type=type(error).__name__,
           error=error.headline, transcript=error.transcript, breaker_refused=refused)
@@ -517,7 +527,10 @@ async def _relay(from_start: bool, follow: bool, poll_s: float, stop: threading.
 def _prefect_event(record: dict[str, Any]) -> Event:
     """One line of the pool's stream as a Prefect event: the worker (or the pool) as its resource."""
     slug, replica, host = record.get("slug"), record.get("replica"), str(record.get("host") or HOST)
-    if slug is not None:
+    if slug is not None and replica is None:  # about the provider itself (its breaker), as a task names it
+        resource = _provider_resource(str(slug))
+        related = []
+    elif slug is not None:
         resource = {"prefect.resource.id": f"resident-pool.worker.{host}.{slug}.{replica}",
                     "prefect.resource.name": f"{slug}[{replica}] on {host}", "resident-pool.provider": str(slug),
                     "resident-pool.replica": str(replica)}

@@ -229,14 +229,24 @@ class Observer:
                          budget_gb=worker.budget_gb, version=worker.loaded.version, start_s=round(start_s, 3))
 
     def on_start_failed(self, worker: Any, error: ResidentPoolError) -> None:
+        """Count and tell the failed start; a start that opened the breaker is also ``breaker.open``, once.
+
+        Runs before the waiting client hears the error, so the error carries that event's id and time: a Prefect
+        task that saw it emits the same event (a Prefect server keeps one event per id), related to its run,
+        and the relay's copy of the line, or the task's, whichever arrives second, is not a second opening.
+        """
         slug = worker.loaded.slug
         reason = error.reason if SLUG.fullmatch(error.reason or "") else "other"
         self.metrics.start_failures.labels(slug, reason).inc()
         rc = error.exit_code
-        opened = bool(error.details.get("breaker_opened"))
+        exit_words = None if rc is None else describe_exit(rc)
         self.events.emit("worker.start-failed", slug, worker.index, reason=error.reason, exit_code=rc,
-                         exit=None if rc is None else describe_exit(rc), breaker_opened=opened, error=error.headline,
-                         transcript=error.transcript)
+                         exit=exit_words, error=error.headline, transcript=error.transcript)
+        if error.details.get("breaker_opened"):
+            # The provider's, not a replica's: replica None makes the relay name the provider as its resource.
+            record = self.events.emit("breaker.open", slug, None, reason=error.reason, exit_code=rc, exit=exit_words,
+                                      error=error.headline, transcript=error.transcript)
+            error.details["breaker_event"] = {"id": record["id"], "occurred": record["occurred"]}
 
     def on_evicted(self, slug: str) -> None:
         self.metrics.evictions.labels(slug).inc()
