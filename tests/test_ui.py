@@ -10,6 +10,7 @@ its model workers included.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -62,13 +63,14 @@ TERMINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 class Api:
     """The stack's Prefect REST API, read as the UI reads it (no client library: it answers in milliseconds)."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, auth: str) -> None:
+        self.url, self.auth = url, auth
 
     def call(self, method: str, path: str, body: dict | None = None):
         request = urllib.request.Request(f"{self.url}/api{path}", method=method,
                                          data=None if body is None else json.dumps(body).encode(),
-                                         headers={"content-type": "application/json"})
+                                         headers={"content-type": "application/json",
+                                                  "authorization": "Basic " + _basic(self.auth)})
         try:
             with urllib.request.urlopen(request, timeout=30) as response:
                 return json.load(response)
@@ -98,11 +100,17 @@ class Api:
                                                   "sort": "TIMESTAMP_ASC"})
 
 
+def _basic(auth: str) -> str:
+    """The auth string as the UI and Prefect's client send it: HTTP Basic, the string base64-encoded whole."""
+    return base64.b64encode(auth.encode()).decode()
+
+
 class Stack:
     def __init__(self, env: dict[str, str], root: Path) -> None:
         self.env, self.root = env, root
         self.url = f"http://127.0.0.1:{env['PREFECT_PORT']}"
-        self.api = Api(self.url)
+        self.auth_file = root / "stack" / "auth"  # made by stack.sh up, 0600: what the UI's login page asks for
+        self.api: Api | None = None
         self.tag = env[TAG_VARIABLE]
         self.down_done = False
 
@@ -130,7 +138,8 @@ def stack(tmp_path_factory):
     state = tempfile.mkdtemp(prefix="rp-ui-")  # short: AF_UNIX paths
     env = {name: value for name, value in os.environ.items() if not name.startswith(("RESIDENT_POOL_", "PREFECT_"))}
     env.update({
-        "STACK_DIR": str(root / "stack"), "PREFECT_PORT": str(free_port()), "WORK_POOL": "rp-ui", "VENV": sys.prefix,
+        "STACK_DIR": str(root / "stack"), "INPUT_ROOT": str(root),  # flow runs read only under it
+        "PREFECT_PORT": str(free_port()), "WORK_POOL": "rp-ui", "VENV": sys.prefix,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RESIDENT_POOL_MANIFESTS": str(manifests),
         "RESIDENT_POOL_STATE_DIR": os.path.join(state, "s"), "RESIDENT_POOL_LOG_DIR": os.path.join(state, "logs"),
         "RESIDENT_POOL_RESULTS_DIR": os.path.join(state, "results"), "RESIDENT_POOL_GPU_HEADROOM_GB": "0",
@@ -142,6 +151,7 @@ def stack(tmp_path_factory):
     up = started.script("up")
     try:
         assert up.returncode == 0, up.stdout + up.stderr + _tail(root / "stack" / "server.log")
+        started.api = Api(started.url, started.auth_file.read_text())
         yield started
     finally:
         if not started.down_done:
@@ -180,8 +190,10 @@ def browser(stack):
 
 
 @pytest.fixture
-def page(browser):
+def page(browser, stack):
+    """A page already past the login page: the auth string where the UI keeps it after a login."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context.add_init_script(f"localStorage.setItem('prefect-password', {_basic(stack.api.auth)!r})")
     opened = context.new_page()
     opened.set_default_timeout(60_000)  # each wait below polls until its element appears
     yield opened
@@ -222,9 +234,31 @@ def screened(stack):
     return {"run": run_id, "state": final, "progress": seen, "output": output}
 
 
+def test_the_ui_asks_for_the_auth_string_and_a_user_who_pastes_it_reaches_the_deployments(stack, browser):
+    """The README's UI path: the server has an auth string, so the UI opens on its login page; pasting the
+    contents of .stack/auth gets past it. A wrong string does not."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    try:
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(f"{stack.url}/deployments")
+        field = page.locator("input[type=password]")
+        field.wait_for()
+        field.fill("admin:wrong")
+        page.get_by_role("button", name="Login").click()
+        page.get_by_text("Authentication failed", exact=False).first.wait_for()
+        field.fill(stack.auth_file.read_text())
+        page.get_by_role("button", name="Login").click()
+        page.goto(f"{stack.url}/deployments")
+        page.get_by_role("link", name="predict").first.wait_for()
+        assert not page.locator("input[type=password]").count()
+    finally:
+        context.close()
+
+
 def test_the_failed_task_runs_page_shows_the_exit_hint_and_the_transcript(stack, page, pool_dir):
     write_provider(pool_dir, "kernels", 'worker_args = ["{socket}", "--exit-before-bind", "5"]\n')
-    env = {**os.environ, "PREFECT_API_URL": f"{stack.url}/api"}
+    env = {**os.environ, "PREFECT_API_URL": f"{stack.url}/api", "PREFECT_API_AUTH_STRING": stack.api.auth}
     done = subprocess.run([sys.executable, "-c", FAILING_FLOW], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

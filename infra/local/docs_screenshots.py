@@ -77,7 +77,7 @@ def shoot(page, name: str) -> None:
     say(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size // 1024} KiB)")
 
 
-def take(env: dict[str, str], ui: str, chromium: str) -> None:
+def take(env: dict[str, str], ui: str, chromium: str, auth: str) -> None:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -85,6 +85,11 @@ def take(env: dict[str, str], ui: str, chromium: str) -> None:
         try:
             page = browser.new_page(viewport=VIEWPORT)
             page.set_default_timeout(WAIT_MS)
+            page.goto(f"{ui}/deployments")
+            page.locator("input[type=password]").wait_for()  # the server has an auth string: its login page
+            shoot(page, "ui-login")
+            page.locator("input[type=password]").fill(auth)
+            page.get_by_role("button", name="Login").click()
             page.goto(f"{ui}/deployments")
             page.get_by_role("link", name="predict").first.wait_for()
             shoot(page, "ui-deployments")
@@ -143,7 +148,9 @@ def main() -> int:
             say(f"the local stack did not come up (exit {up.returncode}); its logs are in {scratch / 'stack'}; "
                 "no screenshot was taken")
             return 1
-        take(env, f"http://127.0.0.1:{port}", chromium)
+        auth = (scratch / "stack" / "auth").read_text()  # what the UI's login page asks for
+        env["PREFECT_API_AUTH_STRING"] = auth
+        take(env, f"http://127.0.0.1:{port}", chromium, auth)
     finally:
         subprocess.run([*stack, "down"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
         subprocess.run([sys.executable, "-c", "from resident_pool.client import shutdown_pool; shutdown_pool()"],
