@@ -11,6 +11,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
+from . import priority as order
 from .errors import ResidentPoolError
 
 __all__ = ["KEY", "RELEASE_OUTCOMES", "SLUG", "Acquire", "LeaseGrant", "Release", "StopWorkers", "Variant", "Warm",
@@ -51,6 +52,14 @@ def _holder(raw: Any) -> dict[str, str]:
     return dict(raw)
 
 
+def _priority(value: Any) -> str:
+    if value is None:
+        return order.DEFAULT
+    if not order.is_class(value):
+        raise bad_request(f"priority {value!r} is not a class: one of {', '.join(order.CLASSES)}")
+    return value
+
+
 def _count(value: Any, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise bad_request(f"{what} must be a count, not {value!r}")
@@ -88,14 +97,16 @@ class Acquire:
     manifests: str | None = None
     holder: dict[str, str] | None = None
     variant: Variant | None = None
+    priority: str = order.DEFAULT  # interactive, normal or batch: where it waits (priority.py says the order)
 
     @classmethod
     def parse(cls, message: dict[str, Any]) -> Acquire:
         return cls(_slug(message.get("slug")), _folder(message.get("manifests")), _holder(message.get("holder")),
-                   Variant.parse(message.get("variant")))
+                   Variant.parse(message.get("variant")), _priority(message.get("priority")))
 
     def to_message(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"op": self.op, "slug": self.slug, "manifests": self.manifests}
+        message: dict[str, Any] = {"op": self.op, "slug": self.slug, "manifests": self.manifests,
+                                   "priority": self.priority}
         if self.holder:
             message["holder"] = self.holder
         if self.variant is not None:
@@ -187,6 +198,8 @@ class LeaseGrant:
     device: str | None = None
     version: str | None = None
     kit: dict[str, Any] | None = None
+    priority: str = order.DEFAULT  # the class it was granted in (a class the pool may not claim is capped)
+    backfilled: bool = False  # placed ahead of a waiting request: recalled after a request when that one could start
 
     def to_message(self) -> dict[str, Any]:
         return {"ok": True, **asdict(self)}

@@ -1,15 +1,18 @@
 """The decision core's waiting line and leases: who waits for a replica, in which order, and who holds one.
 
 It owns the tickets (requests waiting for a replica), each provider's queue of them, and
-the leases; the replicas themselves move only through ``lifecycle.Lifecycle``.
+the leases; the replicas themselves move only through ``lifecycle.Lifecycle``. The order
+is ``priority.in_order``'s (class, first come first served within one, ageing), the same
+the GPU line (``admitting``) and the host admission service keep.
 """
 
 from __future__ import annotations
 
 import itertools
 
+from .. import priority as order
 from ..errors import ResidentPoolError
-from .actions import Action, Grant, Refuse, Timings
+from .actions import Action, Announce, Grant, Policy, Recall, Refuse, Timings
 from .lifecycle import Lifecycle
 from .replica import Lease, Provider, Ticket
 from .states import ReplicaState
@@ -22,25 +25,50 @@ R = ReplicaState
 class Leasing:
     """Tickets in line per provider, and the leases that end their wait."""
 
-    def __init__(self, providers: dict[str, Provider], lifecycle: Lifecycle, timings: Timings) -> None:
+    def __init__(self, providers: dict[str, Provider], lifecycle: Lifecycle, timings: Timings,
+                 policy: Policy | None = None) -> None:
         self.providers = providers  # the core's registry; this class owns each provider's ``queue``
         self.lifecycle = lifecycle
         self.timings = timings
+        self.policy = policy or Policy()
         self.tickets: dict[int, Ticket] = {}
         self.leases: dict[int, Lease] = {}
         self._ids = itertools.count(1)
 
-    def new_ticket(self, now: float, provider: Provider, connection: int, holder: dict[str, str]) -> Ticket:
-        return Ticket(next(self._ids), provider.key, connection, holder, now, now + provider.spec.admission_timeout_s)
+    def new_ticket(self, now: float, provider: Provider, connection: int, holder: dict[str, str],
+                   priority: str = order.DEFAULT) -> Ticket:
+        """A request in class ``priority``, capped to the classes this pool may claim (``Policy.classes``)."""
+        granted = order.cap(priority, self.policy.classes)
+        return Ticket(next(self._ids), provider.key, connection, holder, now, now + provider.spec.admission_timeout_s,
+                      priority=granted, asked=priority, rank=order.rank(granted))
 
     def wait(self, ticket: Ticket) -> None:
-        """Put ``ticket`` in its provider's line (served in arrival order)."""
+        """Put ``ticket`` in its provider's line (``in_order`` says where)."""
         self.tickets[ticket.id] = ticket
         self.providers[ticket.key].queue.append(ticket)
+
+    def in_order(self, now: float, provider: Provider) -> list[Ticket]:
+        """``provider``'s waiting requests in the order they are served: class, then arrival, with ageing."""
+        provider.queue[:] = order.in_order(provider.queue, now, self.policy.aging_s, lambda t: t.priority,
+                                           lambda t: t.arrived)
+        return provider.queue
+
+    def aged(self, now: float) -> list[Action]:
+        """Announce each waiting request that ageing raised a class since it was last looked at."""
+        actions: list[Action] = []
+        for ticket in self.tickets.values():
+            now_rank = order.effective(ticket.priority, now - ticket.arrived, self.policy.aging_s)
+            if now_rank < ticket.rank:
+                ticket.rank = now_rank
+                actions.append(Announce("request.aged", self.providers[ticket.key].slug, (
+                    ("ticket", ticket.id), ("priority", ticket.priority), ("ranks_as", order.CLASSES[now_rank]),
+                    ("waited_s", round(now - ticket.arrived, 3)))))
+        return actions
 
     def assign(self, now: float, provider: Provider) -> list[Action]:
         """Hand free replicas to waiting requests in order; start (or restore) more where they may."""
         actions: list[Action] = []
+        self.in_order(now, provider)
         while provider.queue:
             free = self.lifecycle.first(provider, R.READY)
             if free is None:
@@ -58,7 +86,8 @@ class Leasing:
 
     def _lease(self, now: float, ticket: Ticket, replica) -> Grant:
         self.tickets.pop(ticket.id, None)
-        lease = Lease(next(self._ids), replica.rid, ticket.connection, ticket.holder, now)
+        lease = Lease(next(self._ids), replica.rid, ticket.connection, ticket.holder, now, ticket.priority,
+                      backfilled=replica.backfilled)
         self.leases[lease.id] = lease
         cold = self.lifecycle.lease(replica, lease.id)
         return Grant(ticket.id, lease.id, replica.rid, cold)
@@ -106,6 +135,17 @@ class Leasing:
         why = "its client gave up on a request in flight" if outcome == "abandoned" \
             else "its client's connection to it broke"
         return self.lifecycle.abandon(now, replica, why)
+
+    def recall(self, now: float, lease_id: int, why: str) -> list[Action]:
+        """Ask the client of a backfilled lease to give it back after its current request (once)."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.recalled is not None:
+            return []
+        lease.recalled = why
+        replica = self.lifecycle.replicas[lease.rid]
+        return [Recall(lease.id, lease.rid, why),
+                Announce("admission.recalled", self.providers[replica.key].slug,
+                         (("replica", replica.index), ("lease", lease.id), ("why", why)))]
 
     def connection_closed(self, now: float, connection: int) -> tuple[set[str], list[Action]]:
         """A client went away (a killed flow run): each wait it had is dropped, each lease abandoned."""

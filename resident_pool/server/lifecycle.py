@@ -96,12 +96,19 @@ class Lifecycle:
         """Its lease ended, after ``served`` requests: idle time counts from now."""
         replica.lease, replica.served, replica.last_used = None, replica.served + served, now
 
-    def admitted(self, now: float, rid: int, device: str | None) -> list[Action]:
-        """Admission placed the replica's budget (on ``device``; None where it holds no GPU budget)."""
+    def admitted(self, now: float, rid: int, device: str | None, backfilled: bool = False) -> list[Action]:
+        """Admission placed the replica's budget (on ``device``; None where it holds no GPU budget), ahead of a
+        waiting request if ``backfilled``."""
         replica = self.replicas.get(rid)
         if replica is not None and replica.state is R.STARTING:
             replica.device, replica.admitted = device, replica.budget_gb is not None and device is not None
+            replica.backfilled = backfilled and replica.admitted
         return []
+
+    def settle_backfill(self) -> None:
+        """Nobody waits for memory any more: no worker holds memory ahead of anyone."""
+        for replica in self.replicas.values():
+            replica.backfilled = False
 
     def spawned(self, now: float, rid: int, pid: int) -> list[Action]:
         replica = self.replicas.get(rid)
@@ -342,26 +349,12 @@ class Lifecycle:
         return []
 
     # -- eviction --------------------------------------------------------------------------------------
-    def eviction_candidate(self) -> tuple[int, bool, dict[int, float]] | None:
-        """The idle replica admission may evict first (least recently used; kept-warm ones last): its id,
-        whether it is kept warm, and the budgets every idle kept-warm replica holds, per device."""
-        idle = [(self.kept_warm(r), r.last_used, r.rid, r) for r in self.replicas.values()
-                if r.state is R.READY and r.admitted]
-        if not idle:
-            return None
-        kept, _, rid, _ = min(idle, key=lambda item: item[:3])
-        freed: dict[int, float] = {}
-        for is_kept, _, _, replica in idle:
-            if is_kept and replica.device is not None and replica.device.isdigit() and replica.budget_gb:
-                freed[int(replica.device)] = freed.get(int(replica.device), 0.0) + replica.budget_gb
-        return rid, kept, freed
-
-    def evict(self, now: float, rid: int, needed_gb: float) -> list[Action]:
+    def evict(self, now: float, rid: int, needed_gb: float, why: str | None = None) -> list[Action]:
         """Make room for a worker needing ``needed_gb``: stop (or hibernate) the idle replica ``rid``."""
         replica = self.replicas.get(rid)
         if replica is None or replica.state is not R.READY:
             return []  # leased or stopped meanwhile: admission looks again
-        why = f"evicted (idle) to make room for a worker needing {needed_gb:g} GB"
+        why = why or f"evicted (idle) to make room for a worker needing {needed_gb:g} GB"
         if self.providers[replica.key].spec.evict == "hibernate":
             replica.transition(R.HIBERNATING, why)
             replica.deadline = now + self.timings.hibernate_overdue_s
@@ -414,7 +407,8 @@ class Lifecycle:
             "state": r.state.value, "version": r.version, "current": r.version == self.providers[r.key].version,
             "pid": r.pid, "device": r.device, "budget_gb": r.budget_gb, "served": r.served,
             "idle_s": round(r.idle_s(now), 1), "retiring": r.retire[1] if r.retire else None,
-            "last_error": r.last_error, "kept_warm": self.kept_warm(r),
+            "last_error": r.last_error, "kept_warm": self.kept_warm(r), "backfilled": r.backfilled,
             "lease": None if r.lease is None or r.lease not in leases else {
-                "id": r.lease, "holder": leases[r.lease].holder, "age_s": round(now - leases[r.lease].since, 1)},
+                "id": r.lease, "holder": leases[r.lease].holder, "age_s": round(now - leases[r.lease].since, 1),
+                "priority": leases[r.lease].priority, "recalled": leases[r.lease].recalled},
         } for r in sorted(self.replicas.values(), key=lambda r: (r.key, r.index))]

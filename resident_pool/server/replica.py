@@ -41,6 +41,9 @@ class Ticket:
     holder: dict[str, str]
     arrived: float
     deadline: float  # it gives up waiting for a free replica then (admission_timeout_s)
+    priority: str = "normal"  # the class it waits in (``asked``, capped to what this pool may claim)
+    asked: str = "normal"  # the class its client asked for
+    rank: int = 1  # the rank it last held (ageing raises it; each rise is announced once)
 
 
 @dataclass(eq=False)
@@ -52,6 +55,9 @@ class Lease:
     connection: int
     holder: dict[str, str]
     since: float
+    priority: str = "normal"
+    backfilled: bool = False  # its worker's memory was placed ahead of a waiting request: it may be recalled
+    recalled: str | None = None  # why it was recalled: its client gives it back after its current request
 
 
 @dataclass(eq=False)
@@ -80,6 +86,7 @@ class Replica:
     pid: int | None = None
     device: str | None = None
     admitted: bool = False  # holds a GPU budget in the ledger
+    backfilled: bool = False  # its budget was placed ahead of a request that waits for memory still
     hibernated: bool = False
     last_error: str | None = None
     stop: tuple[StopCause, str] | None = None  # why it moved to STOPPING

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..admission import Admission, read_devices
-from ..errors import ResidentPoolError, WorkerStartError
+from ..errors import AdmissionTimeout, ResidentPoolError, WorkerStartError
 from ..messages import LeaseGrant, Release
 from ..providers.hibernate import CheckpointError, Hibernation, Hibernator
 from ..providers.kit_rules import stray_variables
@@ -47,6 +47,10 @@ class Worker:
     admitter: Any = None  # what admitted its budget, told when it is gone
     hibernation: Hibernation | None = None
     stopped_on_purpose: bool = False
+    env: dict[str, str] | None = None  # what admission gave it (CUDA_VISIBLE_DEVICES)
+    asked: float = 0.0  # when its start began to wait for memory (monotonic)
+    reported: float = 0.0  # when its client last heard what the wait is for
+    waits_for: str | None = None  # the last placement's words for what it waits for
 
     # Admission and the ledger know a worker by slug, replica number, budget and pid.
     @property
@@ -73,9 +77,12 @@ class Waiter:
     event: threading.Event
     progress: Callable[[dict[str, Any]], None] | None
     answer: c.Grant | c.Refuse | None = None
+    tell: Callable[[dict[str, Any]], None] | None = None  # a line to its connection (a recall of its lease)
+    connection: int | None = None
 
 
 _KEPT_START_ERRORS = 64  # the last failed starts, for warm-ups that wait on them
+WAIT_REPORT_S = 5.0  # how often a request waiting for memory hears what it waits for
 
 
 class Runtime:
@@ -99,6 +106,7 @@ class Runtime:
         self.by_lease: dict[int, Worker] = {}  # the worker each lease holds, kept past the replica's end
         self.waiters: dict[int, Waiter] = {}
         self.start_errors: dict[int, ResidentPoolError] = {}  # for warm-ups waiting on their starts
+        self.tell_lease: dict[int, tuple[int, Callable[[dict[str, Any]], None]]] = {}  # lease: (connection, tell)
         self.on_exit: Callable[[str], None] = lambda why: None
 
     # -- events in, actions out -----------------------------------------------------------------
@@ -121,6 +129,8 @@ class Runtime:
                 if isinstance(action, c.Grant):
                     worker = self.workers[action.rid]
                     self.by_lease[action.lease] = worker
+                    if waiter is not None and waiter.tell is not None and waiter.connection is not None:
+                        self.tell_lease[action.lease] = (waiter.connection, waiter.tell)
                 if waiter is not None:
                     waiter.answer = action
                     waiter.event.set()
@@ -140,8 +150,13 @@ class Runtime:
                 self._gone(action)
             elif isinstance(action, c.Exit):
                 self.on_exit(action.why)
+            elif isinstance(action, c.Announce):
+                self.observer.events.emit(action.event, action.slug, **dict(action.fields))
+            elif isinstance(action, c.Recall):
+                self._recall(action)
             else:
-                run = {c.Start: self._start, c.Stop: self._stop, c.Ping: self._ping,
+                run = {c.Start: self._start, c.Place: self._place, c.Withdraw: self._withdraw,
+                       c.Spawn: self._spawn_placed, c.Stop: self._stop, c.Ping: self._ping,
                        c.Hibernate: self._hibernate}[type(action)]
                 if inline:
                     run(action)
@@ -156,22 +171,23 @@ class Runtime:
             log.warning("cannot start a thread for %s (%s)", action, exc)
             if isinstance(action, c.Ping):
                 self.event("pinged", action.rid, action.purpose, False, None, f"no thread: {exc}")
-            elif isinstance(action, c.Start):
+            elif isinstance(action, c.Place):
+                self.event("not_placed", action.rid, {})  # tried again at the next reading
+            elif isinstance(action, (c.Start, c.Spawn)):
                 self.event("start_failed", action.rid, ResidentPoolError(
                     f"the pool could not start a thread for a worker start ({exc})", reason="pool_error"))
             else:
                 run(action)  # a stop or a hibernation runs here rather than leave a replica half done
 
-    # -- starting ---------------------------------------------------------------------------------
+    # -- starting: prepare, wait for memory (the core's GPU line), place, spawn --------------------------
     def _start(self, action: c.Start) -> None:
+        """Prepare a start: its worker record, and the GPU memory it needs (refused at once if none could hold it)."""
         with self.lock:
             replica = self.core.replica(action.rid)
             if replica is None:
                 return
             key, index, budget = replica.key, replica.index, replica.budget_gb
             worker = self.workers.get(action.rid)
-            waiter = self.waiters.get(action.ticket) if action.ticket is not None else None
-        began = self.clock()
         try:
             if worker is None:
                 loaded = self.registry.get(key)
@@ -180,48 +196,106 @@ class Runtime:
                 worker = Worker(action.rid, key, index, budget, loaded, process)
                 with self.lock:
                     self.workers[action.rid] = worker
-            env = self._admit(worker, action, waiter)
+            need = self._need(worker)
+        except Exception as exc:  # noqa: BLE001 - whatever ends a start, its replica hears of it and is decided again
+            self._failed(action.rid, worker, exc, key)
+            return
+        device = int(worker.hibernation.device) if worker.hibernation is not None and worker.hibernation.device \
+            else None
+        worker.asked = worker.reported = self.clock()
+        self.event("prepared", action.rid, need, device, action.wait)
+
+    def _need(self, worker: Worker) -> float | None:
+        """The GPU memory a start needs placed first: None where it holds no GPU budget."""
+        manifest = worker.loaded.manifest
+        if manifest.gpu.policy == "none" or not worker.budget_gb:
+            worker.env = {}
+            return None
+        if manifest.gpu.policy == "recommended" and not read_devices()[0]:
+            worker.admitter, worker.env = CpuOnly(), {"CUDA_VISIBLE_DEVICES": ""}
+            return None
+        self.admission.check(worker.loaded.slug, float(worker.budget_gb))
+        return float(worker.budget_gb)
+
+    def _place(self, action: c.Place) -> None:
+        """One placement try, as the core decided; its outcome (and the room read) goes back to the core."""
+        worker = self.workers.get(action.rid)
+        if worker is None:
+            self.event("not_placed", action.rid, {})
+            return
+        try:
+            placement = self.admission.place(worker, action.need_gb, action.device, action.priority, action.backfill,
+                                             action.waited_s, action.once)
+        except Exception as exc:  # noqa: BLE001 - a refusal from the host service, a ledger that cannot be written
+            self._failed(action.rid, worker, exc, worker.slug)
+            return
+        if placement.device is None and action.once:
+            self.event("start_failed", action.rid, AdmissionTimeout(
+                f"{worker.loaded.slug}: no room now for {action.need_gb:g} GB of GPU memory ({placement.why}); a "
+                "warm-up does not wait, queue or evict: it tries again later", slug=worker.loaded.slug,
+                reason="no_room"))
+            return
+        if placement.device is None:
+            worker.waits_for = placement.why
+            self.event("not_placed", action.rid, placement.rooms)
+            return
+        worker.admitter, worker.env = self.admission, {"CUDA_VISIBLE_DEVICES": str(placement.device)}
+        self.observer.on_admission(worker.loaded.slug, action.priority, self.clock() - worker.asked)
+        self.event("placed", action.rid, placement.device, placement.backfilled)
+
+    def _withdraw(self, action: c.Withdraw) -> None:
+        """The wait for memory ended unplaced: the error its request hears."""
+        worker = self.workers.get(action.rid)
+        slug = worker.loaded.slug if worker is not None else str(action.rid)
+        if worker is not None and worker.admitter is None:
+            try:
+                self.admission.withdraw(worker)
+            except (OSError, ResidentPoolError) as exc:  # the host service forgets an ask whose pool went quiet
+                log.warning("%s: could not withdraw its admission ask: %s", slug, exc)
+        if action.reason == "admission_timeout" and worker is not None:
+            error: ResidentPoolError = self.admission.timeout_error(slug, float(worker.budget_gb or 0),
+                                                                    action.waited_s, self._ahead(action.rid))
+        elif action.reason == "no_room":
+            error = AdmissionTimeout(f"{slug}: no room now for {worker.budget_gb if worker else 0:g} GB of GPU "
+                                     "memory; a warm-up does not wait, queue or evict: it tries again later",
+                                     slug=slug, reason="no_room")
+            log.info("%s: could not keep a worker warm now: %s", slug, error.headline)
+        else:
+            error = WorkerStartError(f"{slug}: the start was called off", slug=slug, reason="start_cancelled")
+        self.event("start_failed", action.rid, error)
+        if worker is not None and action.reason != "start_cancelled":
+            self.observer.on_start_failed(worker, error)
+
+    def _ahead(self, rid: int) -> list[str]:
+        with self.lock:
+            rows = self.core.admitting.rows(self.clock())
+        names = [f"{r['key']}[{r['replica']}] ({r['needs_gb']:g} GB, {r['priority']})" for r in rows]
+        mine = next((n for n, r in enumerate(rows) if r["rid"] == rid), len(rows))
+        return names[:mine]
+
+    def _spawn_placed(self, action: c.Spawn) -> None:
+        """Spawn (or restore) a replica whose memory is placed."""
+        worker = self.workers.get(action.rid)
+        if worker is None:
+            return
+        began = self.clock()
+        try:
             if self._called_off(action.rid):
                 raise WorkerStartError(f"{worker.loaded.slug}: the start was called off", slug=worker.loaded.slug,
                                        reason="start_cancelled")
-            if not (action.restore and self._restored(worker)):
-                self._spawn(worker, env)
+            if not self._restored(worker):
+                self._spawn(worker, worker.env or {})
         except Exception as exc:  # noqa: BLE001 - whatever ends a start, its replica hears of it and is decided again
-            error = self._start_error(action.rid, worker, exc, key)
-            if not action.wait and error.reason == "no_room":
-                log.info("%s: could not keep a worker warm now: %s", key, error.headline)
-            self.event("start_failed", action.rid, error)
-            if worker is not None:
-                self.observer.on_start_failed(worker, error)
+            self._failed(action.rid, worker, exc, worker.slug)
             return
         self.event("started", action.rid, worker.pid)
         self.observer.on_started(worker, self.clock() - began)
 
-    def _admit(self, worker: Worker, action: c.Start, waiter: Waiter | None) -> dict[str, str]:
-        manifest = worker.loaded.manifest
-        admitter = None if manifest.gpu.policy == "none" else (
-            CpuOnly() if manifest.gpu.policy == "recommended" and not read_devices()[0] else self.admission)
-        if not worker.budget_gb or admitter is None:
-            self.event("admitted", action.rid, None)
-            return {}
-        asked = self.clock()
-        device = int(worker.hibernation.device) if worker.hibernation is not None and worker.hibernation.device \
-            else None
-        def report(wait: dict[str, Any]) -> None:
-            log.info("%s waits for %g GB (%.0f s so far); free %s; held by %s", wait["slug"], wait["needs_gb"],
-                     wait["waited_s"], wait["free"], "; ".join(wait["holders"]) or "nobody in the pool")
-            if waiter is not None and waiter.progress is not None:
-                waiter.progress({"waiting_for_admission": wait})
-
-        try:
-            env = dict(admitter.admit(worker, wait=action.wait, device=device, on_wait=report,
-                                      cancelled=lambda: self._called_off(action.rid)))
-        finally:
-            if admitter is self.admission:
-                self.observer.on_admission(worker.loaded.slug, self.clock() - asked)
-        worker.admitter = admitter
-        self.event("admitted", action.rid, env.get("CUDA_VISIBLE_DEVICES"))
-        return env
+    def _failed(self, rid: int, worker: Worker | None, exc: Exception, key: str) -> None:
+        error = self._start_error(rid, worker, exc, key)
+        self.event("start_failed", rid, error)
+        if worker is not None:
+            self.observer.on_start_failed(worker, error)
 
     def _called_off(self, rid: int) -> bool:
         with self.lock:
@@ -293,6 +367,8 @@ class Runtime:
     def _stop(self, action: c.Stop) -> None:
         worker = self.workers.get(action.rid)
         failure = None
+        if worker is not None and action.cause is StopCause.EVICTED:
+            self.observer.on_evicted(worker.loaded.slug)
         try:
             if worker is not None and worker.process.proc is not None:
                 # A client whose request breaks now hears "stopped", not "died": unless it had died already.
@@ -327,6 +403,7 @@ class Runtime:
     def _hibernate(self, action: c.Hibernate) -> None:
         worker = self.workers[action.rid]
         slug = worker.loaded.slug
+        self.observer.on_evicted(slug)
         try:
             worker.hibernation = self.hibernator.hibernate(worker.process)
         except CheckpointError as exc:
@@ -344,6 +421,22 @@ class Runtime:
         admitter, worker.admitter = worker.admitter, None
         if admitter is not None:
             admitter.release(worker)
+        if admitter is self.admission:
+            self.event("memory_freed")  # whoever waits for memory tries again now
+
+    def _recall(self, action: c.Recall) -> None:
+        """Tell the client of a backfilled lease to give it back after its current request."""
+        with self.lock:
+            told = self.tell_lease.get(action.lease)
+        if told is not None:
+            told[1]({"recall": {"lease": action.lease, "why": action.why}})
+
+    def recall_worker(self, slug: str, index: int, why: str) -> None:
+        """The host admission service wants this pool's backfilled ``slug[index]`` back for another pool."""
+        with self.lock:
+            rid = next((w.rid for w in self.workers.values() if w.loaded.slug == slug and w.index == index), None)
+        if rid is not None:
+            self.event("recall", rid, why)
 
     def _gone(self, action: c.Gone) -> None:
         self._release_budget(action.rid)
@@ -354,7 +447,7 @@ class Runtime:
 
     # -- what the maintenance loop does -----------------------------------------------------------
     def maintain(self, beat: bool, connections: int) -> None:
-        """Heartbeats, deaths between requests, and the core's clock: idle, liveness, overdue, quiet."""
+        """Heartbeats, deaths between requests, the core's clock, and what each wait for memory is for."""
         with self.lock:
             workers = list(self.workers.values())
         for worker in workers:
@@ -364,25 +457,35 @@ class Runtime:
             rc = worker.process.poll() if worker.process.proc is not None else None
             if rc is not None and not worker.stopped_on_purpose:
                 self.event("exited", worker.rid, rc)
-        self.event("tick", connections, bool(self.admission.waiting()))
+        self.event("tick", connections)
+        self._report_waits()
 
-    def evict(self, needed_gb: float) -> bool:
-        """Admission's ask for room: stop (or hibernate) the least recently used idle GPU worker, here and now.
-
-        Workers kept warm (min_replicas) go after every other idle one, and only when giving back every idle
-        kept-warm budget would let the request fit: never for nothing.
-        """
+    def _report_waits(self) -> None:
+        """Every few seconds, each request waiting for memory hears (and the log says) what it waits for."""
+        now = self.clock()
         with self.lock:
-            candidate = self.core.eviction_candidate()
-        if candidate is None:
-            return False
-        rid, kept, freed = candidate
-        if kept and not self.admission.fits_if_freed(needed_gb, freed):
-            return False
-        worker = self.workers.get(rid)
-        if self.event("evict", rid, needed_gb, inline=True) and worker is not None:
-            self.observer.on_evicted(worker.loaded.slug)
-        return True
+            rows = self.core.admitting.rows(now)
+            due = []
+            for n, row in enumerate(rows):
+                worker = self.workers.get(row["rid"])
+                if worker is not None and now - worker.reported >= WAIT_REPORT_S:
+                    worker.reported = now
+                    waiter = self.waiters.get(row["ticket"]) if row["ticket"] is not None else None
+                    ahead = [f"{r['key']}[{r['replica']}] ({r['needs_gb']:g} GB, {r['priority']})" for r in rows[:n]]
+                    due.append((worker, row, ahead, waiter))
+        for worker, row, ahead, waiter in due:
+            wait = self.admission.describe(worker.loaded.slug, row["needs_gb"], row["waited_s"], ahead,
+                                           worker.waits_for)
+            wait.update(priority=row["priority"], position=row["position"])
+            log.info("%s waits for %g GB (%s, %.0f s so far); free %s; held by %s", wait["slug"], wait["needs_gb"],
+                     row["priority"], wait["waited_s"], wait["free"], "; ".join(wait["holders"]) or "nobody")
+            if waiter is not None and waiter.progress is not None:
+                waiter.progress({"waiting_for_admission": wait})
+
+    def forget_connection(self, connection: int) -> None:
+        with self.lock:
+            for lease in [lease for lease, (conn, _) in self.tell_lease.items() if conn == connection]:
+                del self.tell_lease[lease]
 
     def retire(self, rid: int, cause: StopCause, why: str) -> None:
         self.event("retire", rid, cause, why)
@@ -392,12 +495,15 @@ class Runtime:
         """The lease a waiting client gets: where the worker's socket is, and how long a request may run."""
         with self.lock:
             worker = self.by_lease[grant.lease]
+            lease = self.core.leases.get(grant.lease)
+            priority, backfilled = (lease.priority, lease.backfilled) if lease is not None else ("normal", False)
         process, manifest = worker.process, worker.loaded.manifest
         return LeaseGrant(lease=grant.lease, slug=key, replica=worker.index, pid=process.pid,
                           socket=process.socket_path, cold=grant.cold, transcript=process.transcript_path,
                           request_timeout_s=manifest.lifecycle.request_timeout_s, device=process.device,
                           version=worker.loaded.version,
-                          kit=process.launch.kit if process.launch is not None else None)
+                          kit=process.launch.kit if process.launch is not None else None,
+                          priority=priority, backfilled=backfilled)
 
     def release(self, release: Release, connection: int) -> dict[str, Any] | None:
         """A lease ends; what the client's last request saw is turned into a fact first (did the worker die?)."""
@@ -407,6 +513,7 @@ class Runtime:
                 raise ResidentPoolError(f"lease {release.lease} is not held by this connection; a client releases "
                                         "only its own leases", reason="bad_request")
             worker = self.by_lease.pop(release.lease, None) if lease is not None else None
+            self.tell_lease.pop(release.lease, None)
         quiet = release.outcome in ("ok", "abandoned")  # the client does not wait for an answer to these
         if worker is None:
             return None if quiet else {"ok": True}
