@@ -43,10 +43,13 @@ __all__ = ["PoolServer", "policy_from", "timings_from"]
 log = logging.getLogger("resident_pool.pool")
 
 
-def policy_from(config: Settings, classes: tuple[str, ...] | None = None) -> Policy:
-    """The admission rules as the settings say; ``classes``: those the host admission service lets this user claim."""
-    return Policy(aging_s=config.aging_s, backfill=config.backfill, poll_s=min(config.tick_s, 0.25),
-                  **({"classes": classes} if classes else {}))
+def policy_from(config: Settings, service: dict[str, Any] | None = None) -> Policy:
+    """The admission rules as the settings say; where the host admission service is in force, its own (``service``:
+    its hello), so this pool orders its requests as the service orders every user's."""
+    if service:
+        return Policy(aging_s=float(service["aging_s"]), backfill=bool(service["backfill"]),
+                      classes=tuple(service["classes"]) or Policy().classes, poll_s=min(config.tick_s, 0.25))
+    return Policy(aging_s=config.aging_s, backfill=config.backfill, poll_s=min(config.tick_s, 0.25))
 
 
 def timings_from(config: Settings, quiet_exit_s: float | None = None) -> Timings:
@@ -76,8 +79,8 @@ class PoolServer:
         self.service = connect_service(config, on_wake=lambda: self.runtime.event("memory_freed"),
                                        on_recall=lambda slug, index, why: self.runtime.recall_worker(  # noqa: PLW0108
                                            slug, index, why))
-        classes = tuple(self.service.classes) if self.service is not None else None
-        self.core = PoolState(self.timings, time.monotonic(), policy_from(config, classes))
+        self.core = PoolState(self.timings, time.monotonic(),
+                              policy_from(config, self.service.info if self.service is not None else None))
         self.admission = Admission(self.ledger, headroom_gb=config.gpu_headroom_gb, holder_of=self._holder_of,
                                    service=self.service)
         self.zygotes = Zygotes()  # fork servers, one per provider environment that declares a preload

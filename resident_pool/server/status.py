@@ -87,7 +87,8 @@ def build_status(server: PoolServer) -> dict[str, Any]:
                  "manifests": str(server.manifests), "since": server.started, "ledger": str(server.ledger.path),
                  "draining": state["stopping"] is not None, **observer.describe()},
         "workers": rows, "providers": providers, "waiting": server.waiting(), "breakers": breakers,
-        "ledger": server.ledger.entries(), "zygotes": server.zygotes.describe(),
+        "ledger": server.admission.entries(), "zygotes": server.zygotes.describe(),
+        "admission": {**state["policy"], **server.admission.in_force()},
     }
 
 
