@@ -20,7 +20,7 @@ from prefect.states import Failed
 from resident_pool import arrays
 from resident_pool.client import default_manifests
 from resident_pool.errors import ManifestError
-from resident_pool.prefect import artifact_key, pool_session, retry_pool_failures
+from resident_pool.prefect import Priority, artifact_key, pool_session, retry_pool_failures
 from resident_pool.providers.manifest import load_manifest, manifest_path
 
 SHOWN_INPUTS = 20  # answers shown in the artifact; the flow's result keeps them all
@@ -29,8 +29,9 @@ SHOWN_VALUES = 8  # of an array in an answer: its dtype and shape say the rest
 
 
 @task(name="predict", retries=1, retry_condition_fn=retry_pool_failures)
-def predict_inputs(provider: str, inputs: list[Any], manifests: str | None) -> dict[str, Any]:
-    with pool_session(provider, manifests) as session:
+def predict_inputs(provider: str, inputs: list[Any], manifests: str | None, priority: str = "interactive"
+                   ) -> dict[str, Any]:
+    with pool_session(provider, manifests, priority=priority) as session:
         results = [session.predict(item) for item in inputs]
         return {"results": results, "worker_pid": session.pid, "cold": session.cold, "replica": session.replica}
 
@@ -77,16 +78,18 @@ def _markdown(provider: str, inputs: list[Any], answer: dict[str, Any]) -> str:
 
 
 @flow(name="predict", persist_result=True, log_prints=True)
-def predict(provider: str = "echo", inputs: list[dict[str, Any]] | None = None):
+def predict(provider: str = "echo", inputs: list[dict[str, Any]] | None = None, priority: Priority = "interactive"):
     """Send each input (one payload per item) to ``provider``; none: its ``[smoke]`` payload.
 
     The providers are those of ``$RESIDENT_POOL_MANIFESTS`` (in the worker's own environment).
+    ``priority``: the class it waits in for a worker; a person at the UI is ``interactive`` (the host admission
+    service may cap a class a user may not claim).
     """
     try:
         inputs = _inputs_or_smoke(provider, inputs)
     except ManifestError as error:  # one sentence on the run page, not a traceback
         return Failed(message=str(error))
-    answer = predict_inputs(provider, inputs, None)
+    answer = predict_inputs(provider, inputs, None, priority)
     answer.update({"flow_run_pid": os.getpid(), "host": socket.gethostname()})
     create_markdown_artifact(markdown=_markdown(provider, inputs, answer), key=artifact_key("predict", provider),
                              description=f"{provider}: {len(inputs)} prediction(s)")

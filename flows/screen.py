@@ -44,7 +44,7 @@ from resident_pool.campaigns.inputs import FORMATS, InputFile
 from resident_pool.campaigns.results import ResultStore, provider_version
 from resident_pool.client import default_manifests
 from resident_pool.errors import CampaignFailed, InputError, ResidentPoolError, WorkerRequestError
-from resident_pool.prefect import artifact_key, pool_session, retry_pool_failures
+from resident_pool.prefect import Priority, artifact_key, pool_session, queue_summary, retry_pool_failures
 from resident_pool.prefect.roots import check_path
 from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
 from resident_pool.settings import settings as pool_settings
@@ -67,11 +67,11 @@ PROGRESS_EVERY_S = 2.0  # a progress update is an API call: a million-input camp
     cache_policy=NO_CACHE,
 )
 def predict_chunk(provider: str, manifests: str, texts: list[str], options: dict[str, Any], first: int,
-                  last: int, max_attachment_bytes: int | None = None) -> dict[str, Any]:
+                  last: int, max_attachment_bytes: int | None = None, priority: str = "batch") -> dict[str, Any]:
     """One chunk on one held worker; an input the model refuses fails alone."""
     started = time.monotonic()
     failed: dict[int, tuple[str, str]] = {}
-    with pool_session(provider, manifests, max_attachment_bytes=max_attachment_bytes) as session:
+    with pool_session(provider, manifests, max_attachment_bytes=max_attachment_bytes, priority=priority) as session:
         cold, pid = session.cold, session.pid
         version = session.lease.get("version")
         try:
@@ -149,15 +149,19 @@ def _chunk_runner(max_workers: int | None, replicas: int) -> Iterator[tuple[Subm
 
 
 class _Progress:
-    """The progress artifact: finished inputs over inputs seen, scaled by how far the file is read."""
+    """The progress artifact: finished inputs over inputs seen, scaled by how far the file is read; its
+    description says what the pool's requests wait for (the line in order, with their classes)."""
 
-    def __init__(self, provider: str, description: str) -> None:
+    def __init__(self, provider: str, description: str, manifests: str | None = None) -> None:
+        self.description, self.manifests = description, manifests
         self.id = create_progress_artifact(0.0, key=artifact_key("screen-progress", provider), description=description)
         self.last = time.monotonic()
 
     def update(self, percent: float, force: bool = False) -> None:
         if force or time.monotonic() - self.last >= PROGRESS_EVERY_S:
-            update_progress_artifact(self.id, min(100.0, max(0.0, percent)))
+            waiting = queue_summary(self.manifests)
+            description = self.description + (f"\n\nwaiting in the pool, in order:\n\n{waiting}" if waiting else "")
+            update_progress_artifact(self.id, min(100.0, max(0.0, percent)), description=description)
             self.last = time.monotonic()
 
 
@@ -166,8 +170,8 @@ class _FileRun:
 
     def __init__(self, source: InputFile, campaign: Campaign, *, provider: str, manifests: str,
                  options: dict[str, Any], submit: Submit, window: int, progress: _Progress,
-                 limits: CampaignSettings) -> None:
-        self.source, self.campaign = source, campaign
+                 limits: CampaignSettings, priority: str = "batch") -> None:
+        self.source, self.campaign, self.priority = source, campaign, priority
         self.provider, self.manifests, self.options = provider, manifests, options
         self.max_attachment_bytes = limits.max_attachment_bytes
         self.submit, self.window, self.progress = submit, window, progress
@@ -198,7 +202,8 @@ class _FileRun:
             self.settle(block=True)
         future = self.submit(predict_chunk, {"provider": self.provider, "manifests": self.manifests,
                                              "texts": chunk.texts, "options": self.options, "first": chunk.first,
-                                             "last": chunk.last, "max_attachment_bytes": self.max_attachment_bytes})
+                                             "last": chunk.last, "max_attachment_bytes": self.max_attachment_bytes,
+                                             "priority": self.priority})
         self.in_flight[future] = chunk
         future.add_done_callback(self.done.put)
 
@@ -329,6 +334,7 @@ def screen(
     max_workers: int | None = None,
     manifests: str | None = None,
     encoding: str | None = "float32-base64",
+    priority: Priority = "batch",
 ):
     """Screen every input of a FASTA, CSV, TSV or JSONL file (or of every such file in a folder).
 
@@ -338,7 +344,9 @@ def screen(
     id (matched ignoring case). ``max_workers``: chunk
     tasks at once (default: the provider's max_replicas + 1). ``encoding`` is
     passed to the provider: minilm's "float32-base64" sends each embedding as
-    base64 float32, cheaper than JSON float text.
+    base64 float32, cheaper than JSON float text. ``priority``: the class its chunks wait in for a
+    worker; a campaign is ``batch``, so a person's ad hoc run (``interactive``) goes first and ageing keeps
+    the campaign from starving.
     """
     started = time.monotonic()
     logger = get_run_logger()
@@ -359,14 +367,14 @@ def screen(
     options = {"encoding": encoding} if encoding else {}
     version = provider_version(manifest)
     summaries = []
-    progress = _Progress(provider, f"{provider}: {input}")
+    progress = _Progress(provider, f"{provider}: {input}", manifests_dir)
     with store, _chunk_runner(max_workers, manifest.lifecycle.max_replicas) as (submit, window):
         for source, target in files:
             try:
                 summaries.append(_screen_file(source, target, provider=provider, manifests=manifests_dir,
                                               version=version, store=store, options=options, chunk_size=chunk_size,
                                               fmt=format, submit=submit, window=window, progress=progress,
-                                              limits=settings))
+                                              limits=settings, priority=priority))
             except InputError as error:
                 refused.append(str(error))
     for problem in refused:

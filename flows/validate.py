@@ -11,6 +11,7 @@ from prefect import flow, task
 from prefect.artifacts import create_table_artifact
 
 from resident_pool.client import default_manifests
+from resident_pool.prefect import Priority
 from resident_pool.prefect.roots import check_path
 from resident_pool.providers.manifest import manifest_path
 from resident_pool.validation.check import check_provider
@@ -18,9 +19,9 @@ from resident_pool.validation.provenance import columns
 
 
 @task(name="check-provider")
-def check_one(manifest_path: str, smoke: bool, against_stock: bool = False) -> list[dict]:
+def check_one(manifest_path: str, smoke: bool, against_stock: bool = False, priority: str = "normal") -> list[dict]:
     return [result.__dict__ for result in check_provider(Path(manifest_path), smoke=smoke,
-                                                         against_stock=against_stock)]
+                                                         against_stock=against_stock, priority=priority)]
 
 
 class ValidationFailed(RuntimeError):
@@ -29,14 +30,15 @@ class ValidationFailed(RuntimeError):
 
 @flow(name="validate", log_prints=True)
 def validate(manifests: str | None = None, smoke: bool = False, providers: list[str] | None = None,
-             against_stock: bool = False) -> list[dict]:
-    """Check every provider (or the named ones); fail the flow if any step fails."""
+             against_stock: bool = False, priority: Priority = "normal") -> list[dict]:
+    """Check every provider (or the named ones); fail the flow if any step fails. ``priority``: the class its
+    smoke runs wait in for a worker (CI's default: normal, behind people at the UI, ahead of campaigns)."""
     if manifests is not None:
         check_path(manifests, "manifests")  # a deployment's run checks only the worker host's providers
     directory = default_manifests(manifests)
     paths = [manifest_path(directory, slug) for slug in providers or []] or sorted(
         directory.glob("*/manifest.toml"))
-    futures = [check_one.submit(str(path), smoke, against_stock) for path in paths]
+    futures = [check_one.submit(str(path), smoke, against_stock, priority) for path in paths]
     rows = [row for future in futures for row in future.result()]
     table = [{"provider": r["slug"], "step": r["step"],
               "result": "skipped" if r["skipped"] else ("ok" if r["ok"] else "FAILED"),

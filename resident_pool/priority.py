@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-__all__ = ["CLASSES", "DEFAULT", "cap", "effective", "in_order", "is_class", "rank"]
+__all__ = ["CLASSES", "DEFAULT", "cap", "effective", "in_order", "is_class", "rank", "sort_key"]
 
 CLASSES = ("interactive", "normal", "batch")  # the highest first
 DEFAULT = "normal"
@@ -38,11 +38,15 @@ def effective(priority: str, waited_s: float, aging_s: float) -> int:
     return max(0, _RANK[priority] - steps)
 
 
+def sort_key(priority: str, arrived: float, now: float, aging_s: float) -> tuple[int, float]:
+    """Where a request stands: the rank it holds now, then its arrival; the smaller goes first."""
+    return (effective(priority, now - arrived, aging_s), arrived)
+
+
 def in_order(items: Iterable[T], now: float, aging_s: float, priority_of: Callable[[T], str],
              arrived_of: Callable[[T], float]) -> list[T]:
     """``items`` in the order they are served: by the rank they hold now, then by arrival (FIFO)."""
-    return sorted(items, key=lambda item: (effective(priority_of(item), now - arrived_of(item), aging_s),
-                                           arrived_of(item)))
+    return sorted(items, key=lambda item: sort_key(priority_of(item), arrived_of(item), now, aging_s))
 
 
 def cap(asked: str, allowed: Sequence[str]) -> str:

@@ -480,7 +480,7 @@ def test_a_hibernated_worker_gives_its_budget_back_and_its_next_lease_restores_i
 
 # -- the core is pure, and alone changes the records ------------------------------------------------------------------
 PACKAGE = Path(resident_pool.__file__).parent
-ALLOWED_IMPORTS = {"__future__", "itertools", "dataclasses", "typing", "enum"}
+ALLOWED_IMPORTS = {"__future__", "itertools", "dataclasses", "typing", "enum", "collections"}
 # The decision core: its face, its two owners (replicas; the waiting line and leases), its records and actions.
 CORE = ("core.py", "lifecycle.py", "leases.py", "admitting.py", "replica.py", "states.py", "breaker.py", "actions.py")
 # The one order every waiting line keeps, shared with the host admission service: pure as well.

@@ -378,3 +378,32 @@ def test_the_host_service_recalls_an_idle_backfilled_worker_at_once_and_a_busy_o
     stop = one(state.recall(clock(), s.rid, "bob's interactive request"), c.Stop)
     assert stop.cause is StopCause.EVICTED and "bob's interactive request" in stop.why
     assert one(state.recall(clock(), t.rid, "bob's interactive request"), c.Recall).lease == t.lease
+
+
+def test_a_free_worker_goes_to_whoever_ranks_first_across_the_lines_not_to_its_own_providers_queue(clock):
+    """A campaign (batch) keeps the card full and its next request already waits for a worker; an interactive
+    start waits for memory. When a campaign worker frees, its memory goes to the interactive start."""
+    state = pool(clock, {"camp": gpu(4, max_replicas=3), "inter": gpu(3)})
+    grants = [leased(state, clock, "camp", n, "batch") for n in (1, 2)]
+    _, actions = ask(state, clock, "camp", 3, "batch")  # a third worker would not fit: it waits for memory
+    third = one(prepare(state, clock, one(actions, c.Start)), c.Place)
+    state.not_placed(clock(), third.rid, {0: 2.0})
+    clock.advance(0.01)
+    _, actions = ask(state, clock, "inter", 4, "interactive")
+    assert of(prepare(state, clock, one(actions, c.Start)), c.Place) == []  # tried first is the head: no room
+    actions = state.released(clock(), grants[0].lease, 1, "ok")
+    assert of(actions, c.Grant) == []  # not to the waiting batch request
+    assert one(actions, c.Stop).rid == grants[0].rid  # evicted for the interactive one
+
+
+def test_with_every_request_in_one_class_the_oldest_waiting_request_gets_the_free_worker(clock):
+    state = pool(clock, {"camp": gpu(4, max_replicas=3), "inter": gpu(3)})
+    grants = [leased(state, clock, "camp", n) for n in (1, 2)]
+    ticket, actions = ask(state, clock, "camp", 3)
+    third = one(prepare(state, clock, one(actions, c.Start)), c.Place)
+    state.not_placed(clock(), third.rid, {0: 2.0})
+    clock.advance(0.01)
+    _, actions = ask(state, clock, "inter", 4)
+    prepare(state, clock, one(actions, c.Start))
+    grant = one(state.released(clock(), grants[0].lease, 1, "ok"), c.Grant)
+    assert grant.ticket == ticket  # it asked first

@@ -20,7 +20,7 @@ from .. import priority as order
 from .actions import Action, Announce, Place, Policy, Withdraw
 from .leases import Leasing
 from .lifecycle import Lifecycle
-from .replica import Provider, Replica
+from .replica import Provider, Replica, Ticket
 from .states import ReplicaState
 
 __all__ = ["Admitting", "Waiting"]
@@ -246,6 +246,23 @@ class Admitting:
                 actions += self.leasing.recall(now, replica.lease, (
                     f"backfilled: {slug} ({head.priority}, {head.need_gb:g} GB) waits for its memory"))
         return actions
+
+    def claims(self, now: float, replica: Replica, ticket: Ticket) -> bool:
+        """Whether the head of the line, ranking before ``ticket``, waits for the memory the free ``replica`` holds
+        (with the room and the other idle workers on its device it would fit): then ``ticket`` does not get it."""
+        if not self.line or self.rooms is None or not replica.admitted or replica.device is None:
+            return False
+        head = self.in_order(now)[0]
+        mine = order.sort_key(head.priority, head.arrived, now, self.policy.aging_s)
+        theirs = order.sort_key(ticket.priority, ticket.arrived, now, self.policy.aging_s)
+        if head.key == replica.key or mine >= theirs:
+            return False  # its own provider's start, or a ticket that goes first: the ticket takes the worker
+        device = int(replica.device)
+        if head.device is not None and head.device != device:
+            return False
+        idle = self._idle(device)  # the free replica among them
+        return self.rooms.get(device, 0.0) + self._coming(device) + sum(r.budget_gb or 0.0 for r in idle) \
+            >= head.need_gb
 
     def recalled_free(self, now: float, rid: int) -> list[Action]:
         """A recalled lease ended: its worker gives its memory back now, if the line still waits for it."""

@@ -70,7 +70,8 @@ class PoolState:
     def _assign(self, now: float, key: str | None) -> list[Action]:
         """After an event: free replicas of ``key`` go to whoever waits, then the GPU line is decided again."""
         provider = self.providers.get(key) if key is not None else None
-        actions = [] if provider is None or self.stopping else self.leasing.assign(now, provider)
+        actions = [] if provider is None or self.stopping else self.leasing.assign(now, provider,
+                                                                                   self.admitting.claims)
         return actions + self.admitting.decide(now)
 
     def _key(self, rid: int) -> str | None:

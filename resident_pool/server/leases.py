@@ -9,12 +9,13 @@ the GPU line (``admitting``) and the host admission service keep.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from .. import priority as order
 from ..errors import ResidentPoolError
 from .actions import Action, Announce, Grant, Policy, Recall, Refuse, Timings
 from .lifecycle import Lifecycle
-from .replica import Lease, Provider, Ticket
+from .replica import Lease, Provider, Replica, Ticket
 from .states import ReplicaState
 
 __all__ = ["Leasing"]
@@ -65,13 +66,18 @@ class Leasing:
                     ("waited_s", round(now - ticket.arrived, 3)))))
         return actions
 
-    def assign(self, now: float, provider: Provider) -> list[Action]:
-        """Hand free replicas to waiting requests in order; start (or restore) more where they may."""
+    def assign(self, now: float, provider: Provider,
+               claimed: Callable[[float, Replica, Ticket], bool] | None = None) -> list[Action]:
+        """Hand free replicas to waiting requests in order; start (or restore) more where they may.
+
+        ``claimed(now, replica, ticket)``: True when a request that ranks before ``ticket`` waits for the
+        memory ``replica`` holds (the GPU line's head): the replica is not handed out, and is evicted for it.
+        """
         actions: list[Action] = []
         self.in_order(now, provider)
         while provider.queue:
             free = self.lifecycle.first(provider, R.READY)
-            if free is None:
+            if free is None or (claimed is not None and claimed(now, free, provider.queue[0])):
                 break
             actions.append(self._lease(now, provider.queue.pop(0), free))
         for ticket in provider.queue[self.lifecycle.coming(provider):]:
