@@ -197,12 +197,16 @@ class Pool:
             # --background forks and returns at once: the pool belongs to no client, so it outlives
             # the flow run that started it. -P and the state directory as working directory: nothing
             # in the folder this client runs from is importable by the pool.
-            subprocess.run(
+            started = subprocess.run(
                 [sys.executable, "-P", "-m", "resident_pool", "daemon", "--background",
                  "--manifests", str(self.manifests)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=60,
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=False, timeout=60,
                 cwd=self.state_dir,
             )
+        if started.returncode != 0:  # it said why before detaching (a host admission service that does not answer)
+            said = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+            raise ResidentPoolError(f"the pool could not start (exit {started.returncode}): "
+                                    f"{said[0] if said else 'see ' + str(log)}", reason="pool_start_failed")
         deadline = time.monotonic() + POOL_START_TIMEOUT_S
         while time.monotonic() < deadline:
             try:

@@ -151,3 +151,26 @@ def test_the_ledger_survives_a_restart_of_the_service(tmp_path):
     again = HostLedger(host.config, host.devices, procs)
     again.load()
     assert [e["slug"] for e in again.status(0.0, ALICE)["entries"]] == ["a"]
+
+
+def test_a_request_its_pool_stopped_asking_for_leaves_the_line_so_it_cannot_hold_the_head_for_ever(tmp_path):
+    host, _ = ledger(tmp_path, backfill=False)
+    place(host, ALICE, "hog[0]", 8)
+    place(host, BOB, "stuck[0]", 8, "interactive", now=1.0)  # its pool is then stopped (SIGSTOP): it never asks again
+    assert not place(host, CAROL, "c[0]", 1, now=2.0)[0]["placed"]  # behind bob's head, backfill off
+    assert [w["user"] for w in host.status(5.0, ALICE)["line"]] == ["bob", "carol"]
+    assert place(host, CAROL, "c[0]", 1, now=11.5)[0]["placed"]  # bob's request unheard of for 10 s: dropped
+
+
+def test_a_request_pinned_to_a_device_the_host_lacks_is_refused_at_once_not_queued_at_the_head(tmp_path):
+    host, _ = ledger(tmp_path)
+    with pytest.raises(Refused, match="asks for device 3, which this host does not have"):
+        place(host, BOB, "b[0]", 1, device=3)
+    assert host.status(0.0, BOB)["line"] == []
+
+
+def test_a_configuration_that_lets_a_user_claim_no_class_is_refused():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="name at least one"):
+        Limits(classes=())

@@ -18,6 +18,7 @@ import sys
 import sysconfig
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -171,7 +172,12 @@ def test_a_pool_told_to_use_a_service_that_does_not_answer_fails_loudly_instead_
     write_provider(pool_dir, "a6", GPU.format(budget=6))
     done = subprocess.run([sys.executable, "-m", "resident_pool", "daemon", "--manifests", str(pool_dir)],
                           capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode != 0 and "does not answer" in done.stderr and "ADMISSION_SERVICE=off" in done.stderr
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 2 and "does not answer" in said and "ADMISSION_SERVICE=off" in said
+    started = time.monotonic()
+    with Pool() as pool, pytest.raises(ResidentPoolError, match="does not answer") as info:
+        pool.predict("a6", {})  # the client that starts a pool hears why at once, not after its 60 s wait
+    assert info.value.reason == "pool_start_failed" and time.monotonic() - started < 30
 
 
 def test_a_pool_killed_mid_admission_has_its_budget_reclaimed_once_its_worker_is_gone(

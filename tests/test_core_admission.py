@@ -407,3 +407,11 @@ def test_with_every_request_in_one_class_the_oldest_waiting_request_gets_the_fre
     prepare(state, clock, one(actions, c.Start))
     grant = one(state.released(clock(), grants[0].lease, 1, "ok"), c.Grant)
     assert grant.ticket == ticket  # it asked first
+
+
+def test_a_lease_granted_without_the_backfilled_mark_is_never_recalled_whoever_asks(clock):
+    state = pool(clock, {"a": gpu(4)})
+    grant = leased(state, clock, "a", 1)
+    assert not state.leases[grant.lease].backfilled
+    assert state.recall(clock(), grant.rid, "the host service asks") == []  # a stale or wrong recall: nothing
+    assert state.replicas[grant.rid].state is R.LEASED

@@ -156,3 +156,20 @@ def test_a_priority_that_is_not_a_class_is_refused_naming_the_classes(pool_dir):
     write_provider(pool_dir, "one", "")
     with Pool() as pool, pytest.raises(ResidentPoolError, match="not a class: one of interactive, normal, batch"):
         pool.predict("one", {}, priority="urgent")
+
+
+def test_the_screen_flows_progress_artifact_says_what_waits_in_order_with_classes(monkeypatch):
+    import resident_pool.prefect as helpers
+
+    class Waiting:
+        def waiting(self):
+            return [{"slug": "boltz2", "priority": "interactive", "ranks_as": "interactive", "age_s": 4.2,
+                     "needs_gb": 30, "waits_for": "30 GB needed, at most 12 GB free on a device"},
+                    {"slug": "minilm", "priority": "batch", "ranks_as": "normal", "age_s": 310.0,
+                     "waits_for": "max_replicas = 1; minilm[0] leased"}]
+
+    monkeypatch.setattr(helpers, "_client", lambda manifests: Waiting())
+    text = helpers.queue_summary()
+    assert text.splitlines() == [
+        "1. boltz2 (interactive), 4 s, needs 30 GB: 30 GB needed, at most 12 GB free on a device",
+        "2. minilm (batch, ranks as normal), 310 s, needs a replica: max_replicas = 1; minilm[0] leased"]

@@ -34,6 +34,8 @@ class Limits(BaseModel):
     @field_validator("classes")
     @classmethod
     def _known(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is not None and not value:
+            raise ValueError("an empty list would let no class be capped to: name at least one (\"batch\")")
         for name in value or ():
             if not order.is_class(name):
                 raise ValueError(f"{name!r} is not a class: one of {', '.join(order.CLASSES)}")

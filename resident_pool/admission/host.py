@@ -31,6 +31,9 @@ __all__ = ["Entry", "HostLedger", "Peer", "Procs", "Refused"]
 
 KEY = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}(~[a-z0-9][a-z0-9_-]{0,39})?\[\d{1,4}\]")
 RECALL_AGAIN_S = 5.0  # a recall not yet answered is said again this often (a push may be lost with its connection)
+# A pool tries its waiting request again every tick (0.25 s) and on every wake: one not heard of this long is
+# dropped from the line, so a stopped (SIGSTOP) or wedged pool's request cannot hold the head of it for ever.
+STALE_S = 10.0
 Push = tuple[tuple[int, int], dict[str, Any]]  # (uid, pool pid): the message
 
 
@@ -119,6 +122,7 @@ class Ask:
     asked: str
     arrived: float  # monotonic, when the service first heard of it
     connection: int
+    seen: float = 0.0  # monotonic, when its pool last asked
 
     @property
     def owner(self) -> tuple[int, int, str]:
@@ -205,8 +209,12 @@ class HostLedger:
                 return f"{name} holds {len(mine)} of its {limits.replicas} replicas quota"
         return None
 
-    def _never(self, peer: Peer, need_gb: float, devices: list[Device]) -> str | None:
+    def _never(self, peer: Peer, need_gb: float, devices: list[Device], device: int | None = None) -> str | None:
         headroom = self.config.headroom_gb
+        if device is not None:  # pinned (a restore): only that device counts, and it must be there
+            devices = [d for d in devices if d.index == device]
+            if not devices:
+                return f"asks for device {device}, which this host does not have"
         largest = max((d.total_gb for d in devices), default=0.0) - headroom
         if need_gb > largest:
             return (f"needs {need_gb:g} GB but the largest device holds {largest:g} GB after {headroom:g} GB headroom; "
@@ -222,7 +230,12 @@ class HostLedger:
     # -- the line ----------------------------------------------------------------------------------------------
     def line(self, now: float) -> list[Ask]:
         """The waiting requests that could be placed within their quotas, in the order they are served."""
+        for owner in [o for o, a in self.asks.items() if now - a.seen > STALE_S]:
+            del self.asks[owner]
         eligible = [a for a in self.asks.values() if self._over(a.peer, a.need_gb) is None]
+        if not eligible:
+            for entry in self.entries.values():  # nobody waits: nothing is held ahead of anyone any more
+                entry.backfilled, entry.recalled_at = False, None
         return order.in_order(eligible, now, self.config.aging_s, lambda a: a.priority, lambda a: a.arrived)
 
     def _room(self) -> tuple[dict[int, float], list[Device]]:
@@ -277,7 +290,7 @@ class HostLedger:
             entry = self.entries[owner]
             return {"placed": True, "device": entry.device, "backfilled": entry.backfilled}, pushes
         free, devices = self._room()
-        never = self._never(peer, need, devices)
+        never = self._never(peer, need, devices, device)
         if never is not None:
             self.asks.pop(owner, None)
             raise Refused(f"{slug}: {never}", reason="admission_refused")
@@ -290,6 +303,7 @@ class HostLedger:
                               "(max_asks_per_pool)", reason="too_many_asks")
             ask = Ask(peer, key, slug, replica, need, device, priority, asked, now, connection)
         ask.need_gb, ask.device, ask.priority, ask.asked, ask.connection = need, device, priority, asked, connection
+        ask.seen = now
         over = self._over(peer, need)
         if over is not None:
             if not once:

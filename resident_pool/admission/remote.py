@@ -26,7 +26,8 @@ from ..settings import Settings
 from .devices import Device
 from .gate import Placement
 
-__all__ = ["DEFAULT_SOCKET", "ServiceClient", "connect_service", "peer_credentials", "service_socket"]
+__all__ = ["DEFAULT_SOCKET", "ServiceClient", "connect_service", "peer_credentials", "probe_service",
+           "service_socket"]
 
 log = logging.getLogger("resident_pool.admission")
 DEFAULT_SOCKET = "/run/resident-pool/admission.sock"
@@ -73,6 +74,38 @@ def connect_service(config: Settings, on_wake: Callable[[], None],
     return client
 
 
+def unreachable(path: str, exc: BaseException) -> ResidentPoolError:
+    return ResidentPoolError(
+        f"the host admission service at {path} does not answer ({type(exc).__name__}: {exc}); start it "
+        "(`systemctl start resident-pool-admission`), or set RESIDENT_POOL_ADMISSION_SERVICE=off to admit "
+        "through this user's own ledger (other users' pools are then seen only through NVML)",
+        reason="admission_service_down")
+
+
+def probe_service(config: Settings) -> None:
+    """Raise what ``connect_service`` would, on a connection of its own that is closed after (no thread: the
+    daemon asks this before it forks)."""
+    path = service_socket(config)
+    if path is None:
+        return
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(CALL_TIMEOUT_S)
+            sock.connect(path)
+            _, uid, _ = peer_credentials(sock)
+            if uid not in _trusted_uids(config):
+                raise ResidentPoolError(f"the admission service socket {path} is served by uid {uid}, not root or the "
+                                        "service's user: refused; check RESIDENT_POOL_ADMISSION_SERVICE",
+                                        reason="peer_not_trusted")
+            send_line(sock, {"op": "hello", "id": 0})
+            reply = recv_line(sock, bytearray(), LINE_BYTES)
+    except (OSError, ProtocolError) as exc:
+        raise unreachable(path, exc) from None
+    if not isinstance(reply, dict) or not reply.get("ok"):
+        raise ResidentPoolError(f"the admission service at {path} refused this pool: "
+                                f"{(reply or {}).get('error', 'no answer')}", reason="admission_service_down")
+
+
 class ServiceClient:
     """The pool's connection to the host admission service; thread-safe."""
 
@@ -93,11 +126,7 @@ class ServiceClient:
 
     # -- the connection ---------------------------------------------------------------------------------
     def _unreachable(self, exc: BaseException) -> ResidentPoolError:
-        return ResidentPoolError(
-            f"the host admission service at {self.path} does not answer ({type(exc).__name__}: {exc}); start it "
-            "(`systemctl start resident-pool-admission`), or set RESIDENT_POOL_ADMISSION_SERVICE=off to admit "
-            "through this user's own ledger (other users' pools are then seen only through NVML)",
-            reason="admission_service_down")
+        return unreachable(self.path, exc)
 
     def _connected(self) -> socket.socket:
         with self._lock:

@@ -93,6 +93,12 @@ class AdmissionService:
                                     "admit through the service", reason="bad_config") from None
         path = Path(self.config.socket)
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        folder = os.stat(path.parent)
+        if folder.st_mode & 0o022 and not folder.st_mode & 0o1000:
+            # Anyone who can write there can put a socket of their own in its place.
+            raise ResidentPoolError(f"admission service: the socket's folder {path.parent} is writable by its group or "
+                                    f"others; use a private one (the unit's /run/resident-pool), or chmod go-w it",
+                                    reason="bad_config")
         if _answers(path):
             raise ResidentPoolError(f"admission service: another one already serves {path}; stop it first "
                                     "(`systemctl stop resident-pool-admission`)", reason="already_running")

@@ -26,6 +26,8 @@ QUEUE_COLUMNS = [
     Column("#", 100), Column("slug", 100), Column("class", 95), Column("age_s", 80), Column("needs", 80),
     Column("waits for", text=True, min_text=30),
 ]
+HOST_COLUMNS = [Column("#", 100), Column("user", 100), Column("slug", 100), Column("class", 95),
+                Column("age_s", 80), Column("needs", 80)]
 PROVIDER_COLUMNS = [
     Column("provider", 100), Column("running", 90), Column("min/max", 50), Column("budget_gb", 60),
     Column("measured_peak_gb", 55), Column("fingerprint", 20), Column("breaker", 80),
@@ -73,6 +75,13 @@ def status(
     if state["waiting"]:
         _print("waiting, in the order they are served", QUEUE_COLUMNS,
                [_queue_row(n, w) for n, w in enumerate(state["waiting"])])
+    if admission and admission.get("host_line"):
+        _print("the host's line, every user's pool", HOST_COLUMNS, [
+            [str(w["position"]), safe(w["user"]), safe(f"{w['slug']}[{w['replica']}]"), _class(w),
+             f"{w['age_s']:.1f}", f"{w['needs_gb']:g} GB"] for w in admission["host_line"]])
+    for over in (admission or {}).get("over_quota", []):
+        console.print(f"over quota: {safe(over['user'])}'s {safe(over['slug'])} ({over['needs_gb']:g} GB): "
+                      f"{safe(over['why'])}", highlight=False)
     for key, breaker in state["breakers"].items():
         console.print(f"[red]breaker[/] {safe(display_name(key))}: {breaker_words(breaker)} "
                       f"({breaker['failures']} failed starts, {breaker['refused']} refused): {safe(breaker['error'])}",
@@ -104,12 +113,17 @@ def _admission_line(admission: dict[str, Any]) -> str:
             f"through NVML's free memory; {rules}")
 
 
-def _queue_row(number: int, waiting: dict[str, Any]) -> list[str]:
+def _class(waiting: dict[str, Any]) -> str:
     cls = waiting.get("priority") or "normal"
     if waiting.get("ranks_as") and waiting["ranks_as"] != cls:
         cls += f" (aged: ranks as {waiting['ranks_as']})"
     if waiting.get("asked") and waiting["asked"] != waiting.get("priority"):
         cls += f" (asked {waiting['asked']})"
+    return cls
+
+
+def _queue_row(number: int, waiting: dict[str, Any]) -> list[str]:
+    cls = _class(waiting)
     slug = safe(display_name(waiting["slug"])) + (f"[{waiting['replica']}]" if waiting.get("replica") is not None
                                                   else "")
     needs = f"{waiting['needs_gb']:g} GB" if waiting.get("needs_gb") is not None else "a replica"

@@ -143,9 +143,10 @@ class Leasing:
         return self.lifecycle.abandon(now, replica, why)
 
     def recall(self, now: float, lease_id: int, why: str) -> list[Action]:
-        """Ask the client of a backfilled lease to give it back after its current request (once)."""
+        """Ask the client of a backfilled lease to give it back after its current request (once). A lease granted
+        without the backfilled mark is never recalled, whoever asks (the host service included)."""
         lease = self.leases.get(lease_id)
-        if lease is None or lease.recalled is not None:
+        if lease is None or lease.recalled is not None or not lease.backfilled:
             return []
         lease.recalled = why
         replica = self.lifecycle.replicas[lease.rid]

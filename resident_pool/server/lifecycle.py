@@ -22,7 +22,7 @@ R = ReplicaState
 # Start failures that say nothing about the provider (its client left, the card was full, the start was
 # called off): they never count toward its breaker, or a busy card would fail every task of a campaign.
 NOT_THE_PROVIDERS_FAULT = frozenset({"client_gone", "no_room", "admission_timeout", "start_cancelled",
-                                     "pool_stopping", "pool_error"})
+                                     "pool_stopping", "pool_error", "admission_service_down"})
 STOP_ATTEMPTS = 3  # a stop that fails is tried again, with SIGKILL, this many times in all
 
 

@@ -2,7 +2,8 @@
 
 It carries out the decision core's actions (on threads where they block) and reports how
 each ended back to the core as an event, under the one lock. It decides nothing: where a
-choice is to be made, it asks the core.
+choice is to be made, it asks the core. The start path (prepare, place, spawn) is
+``starting.Starts``, which it holds.
 """
 
 from __future__ import annotations
@@ -11,63 +12,25 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..admission import Admission, read_devices
-from ..errors import AdmissionTimeout, ResidentPoolError, WorkerStartError
+from ..admission import Admission
+from ..errors import ResidentPoolError
 from ..messages import LeaseGrant, Release
-from ..providers.hibernate import CheckpointError, Hibernation, Hibernator
-from ..providers.kit_rules import stray_variables
-from ..providers.launch import command_builder
-from ..providers.supervisor import CpuOnly
-from ..providers.worker_process import DEATH_WAIT_S, Launch, WorkerProcess
+from ..providers.hibernate import CheckpointError, Hibernator
+from ..providers.worker_process import DEATH_WAIT_S
 from ..providers.zygote import Zygotes
 from . import actions as c
 from .core import PoolState
-from .registry import Loaded, Registry
+from .registry import Registry
+from .starting import Starts, Worker
 from .states import ReplicaState, StopCause
 
 __all__ = ["Runtime", "Worker"]
 
 log = logging.getLogger("resident_pool.pool")
-
-
-@dataclass(eq=False)
-class Worker:
-    """What the runtime holds for one replica: its process, and where its GPU budget was admitted."""
-
-    rid: int
-    slug: str
-    index: int
-    budget_gb: float | None
-    loaded: Loaded
-    process: WorkerProcess
-    admitter: Any = None  # what admitted its budget, told when it is gone
-    hibernation: Hibernation | None = None
-    stopped_on_purpose: bool = False
-    env: dict[str, str] | None = None  # what admission gave it (CUDA_VISIBLE_DEVICES)
-    asked: float = 0.0  # when its start began to wait for memory (monotonic)
-    reported: float = 0.0  # when its client last heard what the wait is for
-    waits_for: str | None = None  # the last placement's words for what it waits for
-
-    # Admission and the ledger know a worker by slug, replica number, budget and pid.
-    @property
-    def replica(self) -> int:
-        return self.index
-
-    @property
-    def vram_budget_gb(self) -> float | None:
-        return self.budget_gb
-
-    @property
-    def manifest(self) -> Any:
-        return self.loaded.manifest
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
 
 
 @dataclass
@@ -81,7 +44,6 @@ class Waiter:
     connection: int | None = None
 
 
-_KEPT_START_ERRORS = 64  # the last failed starts, for warm-ups that wait on them
 WAIT_REPORT_S = 5.0  # how often a request waiting for memory hears what it waits for
 
 
@@ -105,9 +67,10 @@ class Runtime:
         self.workers: dict[int, Worker] = {}
         self.by_lease: dict[int, Worker] = {}  # the worker each lease holds, kept past the replica's end
         self.waiters: dict[int, Waiter] = {}
-        self.start_errors: dict[int, ResidentPoolError] = {}  # for warm-ups waiting on their starts
         self.tell_lease: dict[int, tuple[int, Callable[[dict[str, Any]], None]]] = {}  # lease: (connection, tell)
         self.on_exit: Callable[[str], None] = lambda why: None
+        self.starts = Starts(core, self.lock, self.workers, registry, admission, zygotes, hibernator, state_dir,
+                             observer, kill_grace_s, clock, self.event)
 
     # -- events in, actions out -----------------------------------------------------------------
     def event(self, name: str, *args: Any, inline: bool = False) -> Any:
@@ -155,8 +118,8 @@ class Runtime:
             elif isinstance(action, c.Recall):
                 self._recall(action)
             else:
-                run = {c.Start: self._start, c.Place: self._place, c.Withdraw: self._withdraw,
-                       c.Spawn: self._spawn_placed, c.Stop: self._stop, c.Ping: self._ping,
+                run = {c.Start: self.starts.start, c.Place: self.starts.place, c.Withdraw: self.starts.withdraw,
+                       c.Spawn: self.starts.spawn, c.Stop: self._stop, c.Ping: self._ping,
                        c.Hibernate: self._hibernate}[type(action)]
                 if inline:
                     run(action)
@@ -178,190 +141,6 @@ class Runtime:
                     f"the pool could not start a thread for a worker start ({exc})", reason="pool_error"))
             else:
                 run(action)  # a stop or a hibernation runs here rather than leave a replica half done
-
-    # -- starting: prepare, wait for memory (the core's GPU line), place, spawn --------------------------
-    def _start(self, action: c.Start) -> None:
-        """Prepare a start: its worker record, and the GPU memory it needs (refused at once if none could hold it)."""
-        with self.lock:
-            replica = self.core.replica(action.rid)
-            if replica is None:
-                return
-            key, index, budget = replica.key, replica.index, replica.budget_gb
-            worker = self.workers.get(action.rid)
-        try:
-            if worker is None:
-                loaded = self.registry.get(key)
-                process = WorkerProcess(loaded.slug, index, state_dir=self.state_dir,
-                                        start_timeout_s=loaded.manifest.lifecycle.start_timeout_s)
-                worker = Worker(action.rid, key, index, budget, loaded, process)
-                with self.lock:
-                    self.workers[action.rid] = worker
-            need = self._need(worker)
-        except Exception as exc:  # noqa: BLE001 - whatever ends a start, its replica hears of it and is decided again
-            self._failed(action.rid, worker, exc, key)
-            return
-        device = int(worker.hibernation.device) if worker.hibernation is not None and worker.hibernation.device \
-            else None
-        worker.asked = worker.reported = self.clock()
-        self.event("prepared", action.rid, need, device, action.wait)
-
-    def _need(self, worker: Worker) -> float | None:
-        """The GPU memory a start needs placed first: None where it holds no GPU budget."""
-        manifest = worker.loaded.manifest
-        if manifest.gpu.policy == "none" or not worker.budget_gb:
-            worker.env = {}
-            return None
-        if manifest.gpu.policy == "recommended" and not read_devices()[0]:
-            worker.admitter, worker.env = CpuOnly(), {"CUDA_VISIBLE_DEVICES": ""}
-            return None
-        self.admission.check(worker.loaded.slug, float(worker.budget_gb))
-        return float(worker.budget_gb)
-
-    def _place(self, action: c.Place) -> None:
-        """One placement try, as the core decided; its outcome (and the room read) goes back to the core."""
-        worker = self.workers.get(action.rid)
-        if worker is None:
-            self.event("not_placed", action.rid, {})
-            return
-        try:
-            placement = self.admission.place(worker, action.need_gb, action.device, action.priority, action.backfill,
-                                             action.waited_s, action.once)
-        except Exception as exc:  # noqa: BLE001 - a refusal from the host service, a ledger that cannot be written
-            self._failed(action.rid, worker, exc, worker.slug)
-            return
-        if placement.device is None and action.once:
-            self.event("start_failed", action.rid, AdmissionTimeout(
-                f"{worker.loaded.slug}: no room now for {action.need_gb:g} GB of GPU memory ({placement.why}); a "
-                "warm-up does not wait, queue or evict: it tries again later", slug=worker.loaded.slug,
-                reason="no_room"))
-            return
-        if placement.device is None:
-            worker.waits_for = placement.why
-            self.event("not_placed", action.rid, placement.rooms)
-            return
-        worker.admitter, worker.env = self.admission, {"CUDA_VISIBLE_DEVICES": str(placement.device)}
-        self.observer.on_admission(worker.loaded.slug, action.priority, self.clock() - worker.asked)
-        self.event("placed", action.rid, placement.device, placement.backfilled)
-
-    def _withdraw(self, action: c.Withdraw) -> None:
-        """The wait for memory ended unplaced: the error its request hears."""
-        worker = self.workers.get(action.rid)
-        slug = worker.loaded.slug if worker is not None else str(action.rid)
-        if worker is not None and worker.admitter is None:
-            try:
-                self.admission.withdraw(worker)
-            except (OSError, ResidentPoolError) as exc:  # the host service forgets an ask whose pool went quiet
-                log.warning("%s: could not withdraw its admission ask: %s", slug, exc)
-        if action.reason == "admission_timeout" and worker is not None:
-            error: ResidentPoolError = self.admission.timeout_error(slug, float(worker.budget_gb or 0),
-                                                                    action.waited_s, self._ahead(action.rid))
-        elif action.reason == "no_room":
-            error = AdmissionTimeout(f"{slug}: no room now for {worker.budget_gb if worker else 0:g} GB of GPU "
-                                     "memory; a warm-up does not wait, queue or evict: it tries again later",
-                                     slug=slug, reason="no_room")
-            log.info("%s: could not keep a worker warm now: %s", slug, error.headline)
-        else:
-            error = WorkerStartError(f"{slug}: the start was called off", slug=slug, reason="start_cancelled")
-        self.event("start_failed", action.rid, error)
-        if worker is not None and action.reason != "start_cancelled":
-            self.observer.on_start_failed(worker, error)
-
-    def _ahead(self, rid: int) -> list[str]:
-        with self.lock:
-            rows = self.core.admitting.rows(self.clock())
-        names = [f"{r['key']}[{r['replica']}] ({r['needs_gb']:g} GB, {r['priority']})" for r in rows]
-        mine = next((n for n, r in enumerate(rows) if r["rid"] == rid), len(rows))
-        return names[:mine]
-
-    def _spawn_placed(self, action: c.Spawn) -> None:
-        """Spawn (or restore) a replica whose memory is placed."""
-        worker = self.workers.get(action.rid)
-        if worker is None:
-            return
-        began = self.clock()
-        try:
-            if self._called_off(action.rid):
-                raise WorkerStartError(f"{worker.loaded.slug}: the start was called off", slug=worker.loaded.slug,
-                                       reason="start_cancelled")
-            if not self._restored(worker):
-                self._spawn(worker, worker.env or {})
-        except Exception as exc:  # noqa: BLE001 - whatever ends a start, its replica hears of it and is decided again
-            self._failed(action.rid, worker, exc, worker.slug)
-            return
-        self.event("started", action.rid, worker.pid)
-        self.observer.on_started(worker, self.clock() - began)
-
-    def _failed(self, rid: int, worker: Worker | None, exc: Exception, key: str) -> None:
-        error = self._start_error(rid, worker, exc, key)
-        self.event("start_failed", rid, error)
-        if worker is not None:
-            self.observer.on_start_failed(worker, error)
-
-    def _called_off(self, rid: int) -> bool:
-        with self.lock:
-            replica = self.core.replica(rid)
-            return replica is None or replica.abort is not None
-
-    def _spawn(self, worker: Worker, env: dict[str, str]) -> None:
-        loaded, process = worker.loaded, worker.process
-        process.device = env.get("CUDA_VISIBLE_DEVICES")
-        launch = Launch.of(command_builder(loaded.manifest)(process))
-        if loaded.strip_kit:  # stock without the kit: none of its variables, even under passthrough "*"
-            import os
-
-            launch = replace(launch, env={**launch.env, **stray_variables(loaded.strip_kit, os.environ, set())})
-
-        def spawned(pid: int) -> None:
-            if worker.admitter is self.admission:
-                self.admission.started(worker)  # the ledger names the loading worker from now on
-            self.event("spawned", worker.rid, pid)
-
-        process.start(launch, env, spawner=self.zygotes.spawner(loaded.manifest, launch), on_spawn=spawned,
-                      cancelled=lambda: self._abort_reason(worker.rid))
-
-    def _abort_reason(self, rid: int) -> str | None:
-        with self.lock:
-            replica = self.core.replica(rid)
-            if replica is None:
-                return "it was forgotten"
-            return replica.abort[1] if replica.abort else None
-
-    def _restored(self, worker: Worker) -> bool:
-        """Restore a hibernated worker (admitted already); False when it is to start afresh instead."""
-        hibernation, worker.hibernation = worker.hibernation, None
-        if hibernation is None:
-            return False
-        try:
-            self.hibernator.restore(worker.process)
-            if worker.process.ping(timeout=self.core.timings.liveness_timeout_s) is None:
-                raise CheckpointError(f"it did not answer a ping within {self.core.timings.liveness_timeout_s:g} s "
-                                      "of its restore")
-        except CheckpointError as exc:
-            why = f"its restore from hibernation failed ({exc}); stopped, and a fresh worker started"
-            worker.process.note(why)
-            self.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}]: {why}")
-            worker.process.kill(grace_s=self.kill_grace_s)
-            worker.process = WorkerProcess(worker.loaded.slug, worker.index, state_dir=self.state_dir,
-                                           start_timeout_s=worker.loaded.manifest.lifecycle.start_timeout_s)
-            self.event("restarted", worker.rid, f"{worker.slug}[{worker.index}]: {why}")
-            return False
-        self.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}] restored from hibernation")
-        return True
-
-    def _start_error(self, rid: int, worker: Worker | None, exc: Exception, key: str) -> ResidentPoolError:
-        if isinstance(exc, ResidentPoolError):
-            error = exc
-        else:
-            transcript = worker.process.transcript_path if worker is not None else None
-            error = WorkerStartError(f"{key}: could not start a worker: {type(exc).__name__}: {exc}", slug=key,
-                                     transcript=transcript)
-        if worker is not None and worker.process.proc is not None and worker.process.returncode is None:
-            worker.process.kill(grace_s=self.kill_grace_s)
-        with self.lock:
-            self.start_errors[rid] = error
-            while len(self.start_errors) > _KEPT_START_ERRORS:
-                del self.start_errors[next(iter(self.start_errors))]
-        return error
 
     # -- stopping, pinging, hibernating ------------------------------------------------------------
     def _stop(self, action: c.Stop) -> None:
@@ -468,7 +247,9 @@ class Runtime:
             due = []
             for n, row in enumerate(rows):
                 worker = self.workers.get(row["rid"])
-                if worker is not None and now - worker.reported >= WAIT_REPORT_S:
+                # The first report as soon as a try found no room (or it waits behind another), then every few s.
+                tried = worker is not None and (worker.waits_for is not None or not row["placing"])
+                if tried and now - worker.reported >= WAIT_REPORT_S:
                     worker.reported = now
                     waiter = self.waiters.get(row["ticket"]) if row["ticket"] is not None else None
                     ahead = [f"{r['key']}[{r['replica']}] ({r['needs_gb']:g} GB, {r['priority']})" for r in rows[:n]]
@@ -556,4 +337,4 @@ class Runtime:
         with self.lock:
             while starting() and self.clock() < deadline:
                 self.changed.wait(0.25)
-            return [self.start_errors.pop(rid) for rid in rids if rid in self.start_errors]
+            return [self.starts.errors.pop(rid) for rid in rids if rid in self.starts.errors]
