@@ -174,3 +174,23 @@ def test_a_configuration_that_lets_a_user_claim_no_class_is_refused():
 
     with pytest.raises(ValidationError, match="name at least one"):
         Limits(classes=())
+
+
+def test_the_example_configuration_loads_and_one_others_can_write_is_refused_naming_it(tmp_path):
+    from resident_pool.admission.config import EXAMPLE, load_config
+    from resident_pool.errors import ResidentPoolError
+
+    folder = tmp_path / "etc"
+    folder.mkdir(mode=0o755)
+    path = folder / "admission.toml"
+    path.write_text(EXAMPLE)
+    path.chmod(0o644)
+    config = load_config(path)
+    assert config.default.classes == ("normal", "batch") and config.groups["lab"].gpu_gb == 70
+    path.chmod(0o664)
+    with pytest.raises(ResidentPoolError, match=f"{path} is writable by its group or others"):
+        load_config(path)
+    path.chmod(0o644)
+    path.write_text(EXAMPLE + "\n[users.bob]\nclasses = [\"urgent\"]\n")
+    with pytest.raises(ResidentPoolError, match=r"users\.bob\.classes: .*'urgent' is not a class"):
+        load_config(path)

@@ -118,7 +118,7 @@ def test_with_backfill_off_waiters_are_admitted_in_arrival_order(pool_dir, monke
     monkeypatch.setenv("RESIDENT_POOL_BACKFILL", "0")
     audit = _contended(pool_dir, monkeypatch, tmp_path)
     with Pool() as pool:
-        holder = run_client("a6", {"action": "sleep", "seconds": 2})
+        holder = run_client("a6", {"action": "sleep", "seconds": 8})
         wait_until(lambda: any(w["slug"] == "a6" and w["state"] == "leased" for w in pool.status()["workers"]),
                    timeout=30, message="a6 to be busy")
         b = run_client("b6", {"action": "sleep", "seconds": 0.2})

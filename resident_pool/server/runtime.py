@@ -70,7 +70,7 @@ class Runtime:
         self.tell_lease: dict[int, tuple[int, Callable[[dict[str, Any]], None]]] = {}  # lease: (connection, tell)
         self.on_exit: Callable[[str], None] = lambda why: None
         self.starts = Starts(core, self.lock, self.workers, registry, admission, zygotes, hibernator, state_dir,
-                             observer, kill_grace_s, clock, self.event)
+                             observer, kill_grace_s, clock, self.event, self._report_waits)
 
     # -- events in, actions out -----------------------------------------------------------------
     def event(self, name: str, *args: Any, inline: bool = False) -> Any:
@@ -239,14 +239,17 @@ class Runtime:
         self.event("tick", connections)
         self._report_waits()
 
-    def _report_waits(self) -> None:
-        """Every few seconds, each request waiting for memory hears (and the log says) what it waits for."""
+    def _report_waits(self, only: int | None = None) -> None:
+        """Every few seconds, each request waiting for memory hears (and the log says) what it waits for; ``only``:
+        that start's, now (its first try found no room)."""
         now = self.clock()
         with self.lock:
             rows = self.core.admitting.rows(now)
             due = []
             for n, row in enumerate(rows):
                 worker = self.workers.get(row["rid"])
+                if only is not None and row["rid"] != only:
+                    continue
                 # The first report as soon as a try found no room (or it waits behind another), then every few s.
                 tried = worker is not None and (worker.waits_for is not None or not row["placing"])
                 if tried and now - worker.reported >= WAIT_REPORT_S:

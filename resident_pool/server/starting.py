@@ -75,8 +75,10 @@ class Starts:
 
     def __init__(self, core: PoolState, lock: threading.RLock, workers: dict[int, Worker], registry: Registry,
                  admission: Admission, zygotes: Zygotes, hibernator: Hibernator, state_dir: Path, observer: Any,
-                 kill_grace_s: float, clock: Callable[[], float], report: Callable[..., Any]) -> None:
-        """``report(name, *args)``: an event for the core (the runtime's ``event``)."""
+                 kill_grace_s: float, clock: Callable[[], float], report: Callable[..., Any],
+                 waiting: Callable[[int], None]) -> None:
+        """``report(name, *args)``: an event for the core (the runtime's ``event``); ``waiting(rid)``: tell the
+        client of a start that waits for memory what it waits for."""
         self.core = core
         self.lock = lock
         self.workers = workers
@@ -89,6 +91,7 @@ class Starts:
         self.kill_grace_s = kill_grace_s
         self.clock = clock
         self.report = report
+        self.waiting = waiting
         self.errors: dict[int, ResidentPoolError] = {}  # for warm-ups waiting on their starts
 
     def start(self, action: c.Start) -> None:
@@ -147,8 +150,10 @@ class Starts:
                 reason="no_room"))
             return
         if placement.device is None:
-            worker.waits_for = placement.why
+            first, worker.waits_for = worker.waits_for is None, placement.why
             self.report("not_placed", action.rid, placement.rooms)
+            if first:
+                self.waiting(action.rid)  # its client hears at once what it waits for, then every few seconds
             return
         worker.admitter, worker.env = self.admission, {"CUDA_VISIBLE_DEVICES": str(placement.device)}
         self.observer.on_admission(worker.loaded.slug, action.priority, self.clock() - worker.asked)
