@@ -41,9 +41,6 @@ class Waiting:
     since: float  # when it began to wait for memory: admission_timeout_s counts from here
     deadline: float
 
-    def waited_s(self, now: float) -> float:
-        return now - self.since
-
 
 @dataclass
 class _Plan:
@@ -309,6 +306,3 @@ class Admitting:
                 "ticket": replica.for_ticket if replica is not None else None,
                 "placing": entry.rid == self.placing})
         return rows
-
-    def backfill_holders(self) -> list[Replica]:
-        return [r for r in self.lifecycle.replicas.values() if r.backfilled and r.live]
