@@ -314,6 +314,13 @@ def case_host_race(table, env, quick: bool) -> None:
 
 def _race(table, case: str, total: int, users: list[dict[str, Any]]) -> None:
     folder = Path(tempfile.mkdtemp(prefix="rp-race-"))
+    try:
+        _race_in(table, case, total, users, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _race_in(table, case: str, total: int, users: list[dict[str, Any]], folder: Path) -> None:
     folder.chmod(0o755)
     (folder / "nvml").mkdir(mode=0o777)
     (folder / "nvml").chmod(0o777)  # every user's "worker" updates the fake NVML reading
@@ -348,7 +355,6 @@ def _race(table, case: str, total: int, users: list[dict[str, Any]]) -> None:
     table.add(case, "without it: oversubscribed loads (the race)", off["over"], "", "> 0 (reproduced)",
               off["over"] > 0, note=f"each user's ledger is right on its own ({off['states']} states); together "
                                     f"NVML free fell to {off['low']:g} GB of 80")
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _bench_users() -> list[dict[str, Any]]:

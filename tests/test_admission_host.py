@@ -4,6 +4,8 @@ socket, with real users, is in test_admission_service.py."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from resident_pool.admission.config import Limits, ServiceConfig
@@ -25,6 +27,9 @@ class FakeProcs(Procs):
 
     def owner(self, pid: int) -> int | None:
         return self.owners.get(pid)
+
+    def alive(self, pid: int, started: int | None) -> bool:
+        return pid in self.live and (started is None or self.live[pid] == started)
 
 
 TEN_GB = (Device(0, 10.0),)
@@ -194,3 +199,23 @@ def test_the_example_configuration_loads_and_one_others_can_write_is_refused_nam
     path.write_text(EXAMPLE + "\n[users.bob]\nclasses = [\"urgent\"]\n")
     with pytest.raises(ResidentPoolError, match=r"users\.bob\.classes: .*'urgent' is not a class"):
         load_config(path)
+
+
+def test_a_worker_killed_but_not_yet_reaped_counts_as_gone():
+    """Its pool dead, a killed worker stays a zombie until init reaps it: it holds no memory meanwhile."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import wait_until
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    procs = Procs()
+    started = procs.start_time(child.pid)
+    assert procs.alive(child.pid, started) and not procs.alive(child.pid, (started or 0) + 1)  # a reused pid
+    os.kill(child.pid, signal.SIGKILL)
+    try:
+        wait_until(lambda: not procs.alive(child.pid, started), timeout=10, message="the zombie to count as gone")
+        assert procs.start_time(child.pid) is not None  # still in /proc, unreaped
+    finally:
+        child.wait()

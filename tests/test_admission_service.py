@@ -11,6 +11,7 @@ import grp
 import json
 import os
 import pwd
+import shutil
 import signal
 import socket
 import subprocess
@@ -114,6 +115,7 @@ def service(service_group, monkeypatch):
     monkeypatch.setenv("RESIDENT_POOL_ADMISSION_SERVICE", made.socket)
     yield made
     made.stop()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- the service itself ------------------------------------------------------------------------------------------
@@ -286,6 +288,7 @@ class OtherUser:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGTERM)
                 wait_until(lambda: not pid_alive(pid), timeout=30, message="the other user's pool to stop")
+        shutil.rmtree(self.home, ignore_errors=True)
 
 
 @pytest.fixture
@@ -293,7 +296,8 @@ def shared(tmp_path):
     """A manifests folder every user can read (root's, so every pool trusts it)."""
     folder = Path(tempfile.mkdtemp(prefix="rp-m-"))
     folder.chmod(0o755)
-    return folder
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
@@ -378,3 +382,4 @@ def test_the_pools_trust_only_a_service_run_by_root_or_its_own_user(pool_dir, ot
     finally:
         server.kill()
         server.communicate()
+        shutil.rmtree(fake, ignore_errors=True)

@@ -59,12 +59,21 @@ class Peer:
 class Procs:
     """What the service reads of other processes (``/proc``); a test injects its own."""
 
-    def start_time(self, pid: int) -> int | None:
-        """The pid's start time in clock ticks since boot (tells a reused pid from the one recorded)."""
+    @staticmethod
+    def _stat(pid: int) -> list[str] | None:
+        """The fields of ``/proc/<pid>/stat`` after the command name (which may hold spaces): state first."""
         try:
             with open(f"/proc/{pid}/stat") as stat:
-                return int(stat.read().rsplit(")", 1)[1].split()[19])
-        except (OSError, ValueError, IndexError):
+                return stat.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+
+    def start_time(self, pid: int) -> int | None:
+        """The pid's start time in clock ticks since boot (tells a reused pid from the one recorded)."""
+        fields = self._stat(pid)
+        try:
+            return int(fields[19]) if fields else None
+        except (ValueError, IndexError):
             return None
 
     def owner(self, pid: int) -> int | None:
@@ -74,6 +83,10 @@ class Procs:
             return None
 
     def alive(self, pid: int, started: int | None) -> bool:
+        """Running, and the process recorded: a zombie nobody reaped yet (its pool died) holds no memory."""
+        fields = self._stat(pid)
+        if not fields or fields[0] in ("Z", "X"):
+            return False
         now = self.start_time(pid)
         return now is not None and (started is None or now == started)
 
