@@ -415,3 +415,42 @@ def test_a_lease_granted_without_the_backfilled_mark_is_never_recalled_whoever_a
     assert not state.leases[grant.lease].backfilled
     assert state.recall(clock(), grant.rid, "the host service asks") == []  # a stale or wrong recall: nothing
     assert state.replicas[grant.rid].state is R.LEASED
+
+
+# -- the GPU line and Pool.predict's kept lease: one rule for taking a lease back ------------------------------
+def kept_lease(state: PoolState, clock: Clock, key: str, connection: int) -> c.Grant:
+    """``key`` started and leased as Pool.predict keeps it (its worker answers ``recall``)."""
+    _, actions = state.acquire(clock(), key, connection, {}, keep=True)
+    place = one(prepare(state, clock, one(actions, c.Start)), c.Place)
+    spawn = one(state.placed(clock(), place.rid, 0), c.Spawn)
+    grant = one(state.started(clock(), spawn.rid, 4000 + spawn.rid, True), c.Grant)
+    assert grant.kept
+    return grant
+
+
+def test_the_gpu_line_takes_an_idle_kept_lease_back_from_its_worker_then_evicts_it_after_a_ready_worker(clock):
+    state = pool(clock, {"k": gpu(4), "r": gpu(4), "head": gpu(8)})
+    kept = kept_lease(state, clock, "k", 1)
+    state.used(clock(), kept.lease, 1, 1)  # it served its call: idle between calls now
+    clock.advance(1)
+    ready = leased(state, clock, "r", 2)
+    state.released(clock(), ready.lease, 2, "ok")  # used after the kept lease, but surely idle
+    head = one(prepare(state, clock, one(ask(state, clock, "head", 3)[1], c.Start)), c.Place)
+    actions = state.not_placed(clock(), head.rid, {0: 4.0})  # 4 free + one 4 GB worker: enough
+    assert [s.rid for s in of(actions, c.Stop)] == [ready.rid] and of(actions, c.Recall) == []
+    actions = state.not_placed(clock(), one(state.stopped(clock(), ready.rid), c.Place).rid, {0: 4.0})
+    recall = one(actions, c.Recall)  # someone outside took 4 GB: now the kept lease gives way
+    assert (recall.lease, recall.client) == (kept.lease, False)  # asked of its worker, not its client
+    assert of(state.tick(clock()), c.Recall) == []  # asked once
+    assert one(state.recalled(clock(), kept.lease, served=1), c.Stop).cause is StopCause.EVICTED
+
+
+def test_the_gpu_line_leaves_a_kept_lease_just_granted_to_serve_its_one_request(clock):
+    state = pool(clock, {"k": gpu(8), "head": gpu(8)})
+    kept = kept_lease(state, clock, "k", 1)
+    head = one(prepare(state, clock, one(ask(state, clock, "head", 2)[1], c.Start)), c.Place)
+    assert of(state.not_placed(clock(), head.rid, {0: 1.5}), c.Recall) == []  # not used yet
+    clock.advance(0.1)
+    assert of(state.tick(clock()), c.Recall) == []
+    recall = one(state.used(clock(), kept.lease, 1, 1), c.Recall)  # its client says it served its call
+    assert recall.lease == kept.lease and state.replicas[kept.rid].evict_for == 8
