@@ -881,6 +881,8 @@ def case_admission_start_zygote(table: Table, env: Env, quick: bool) -> None:
         table.add(case, f"{name} / plain spawn after an eviction", value / base, "x", target, met)
 
 
+from contention import case_head_of_line, case_host_race, case_mixed  # noqa: E402 - bench/ is on the path now
+
 CASES = {
     "call_path": case_call_path,
     "real_model": case_real_model,
@@ -891,6 +893,9 @@ CASES = {
     "report_cost": case_report_cost,
     "start_cost_zygote": case_start_cost_zygote,
     "admission_start_zygote": case_admission_start_zygote,
+    "head_of_line": case_head_of_line,
+    "mixed_workload": case_mixed,
+    "host_race": case_host_race,
 }
 FULL_ONLY = {"campaign_scale"}  # `make bench-full`; `make bench` stays near 10 minutes without them
 

@@ -29,7 +29,7 @@ from prefect.states import Failed
 from resident_pool.campaigns.answers import per_input
 from resident_pool.client import default_manifests
 from resident_pool.errors import ManifestError
-from resident_pool.prefect import artifact_key, escape_markdown, pool_session, retry_pool_failures
+from resident_pool.prefect import Priority, artifact_key, escape_markdown, pool_session, retry_pool_failures
 from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
 
 DEFAULT_PROVIDER = "minilm"  # the demo model: a bare run from the UI embeds its example sequences
@@ -40,9 +40,10 @@ SHOWN_CHARS = 200  # of a text field, or of a nested value written as JSON
 
 
 @task(name="predict", retries=1, retry_condition_fn=retry_pool_failures, task_run_name="predict[{provider}]")
-def predict_inputs(provider: str, payloads: list[Any], manifests: str) -> dict[str, Any]:
+def predict_inputs(provider: str, payloads: list[Any], manifests: str, priority: str = "interactive"
+                   ) -> dict[str, Any]:
     """Each payload in turn on one held worker; says in the run's log when it has answered."""
-    with pool_session(provider, manifests) as session:
+    with pool_session(provider, manifests, priority=priority) as session:
         started = time.monotonic()
         results = [session.predict(payload) for payload in payloads]
         seconds = time.monotonic() - started
@@ -196,7 +197,7 @@ def markdown(provider: str, what: str, requests: list[Any], answer: dict[str, An
 
 @flow(name="predict", persist_result=True, log_prints=True)
 def predict(provider: str = DEFAULT_PROVIDER, sequences: list[str] | None = None,
-            payload: dict[str, Any] | None = None):
+            payload: dict[str, Any] | None = None, priority: Priority = "interactive"):
     """Ask one provider: each sequence gets its own answer; or send one payload; or, with neither, its example.
 
     Args:
@@ -205,6 +206,8 @@ def predict(provider: str = DEFAULT_PROVIDER, sequences: list[str] | None = None
             {"inputs": [...]}, 64 to a request.
         payload: For a provider that does not take sequences: the request itself, as JSON (its [smoke] payload is
             the example). Leave empty, with no sequences, to send that example.
+        priority: The class it waits in for a worker; a person at the UI is interactive (the host admission
+            service may cap a class a user may not claim).
     """
     logger = get_run_logger()
     try:
@@ -215,7 +218,7 @@ def predict(provider: str = DEFAULT_PROVIDER, sequences: list[str] | None = None
     logger.info("%s: sending %s in %d request(s)", provider,
                 f"{sum(len(r['inputs']) for r in requests)} sequence(s)" if what == "sequences" else what,
                 len(requests))
-    answer = predict_inputs(provider, requests, str(default_manifests()))
+    answer = predict_inputs(provider, requests, str(default_manifests()), priority)
     answer.update({"provider": provider, "flow_run_pid": os.getpid(), "host": socket.gethostname(),
                    "flow_run_id": str(runtime.flow_run.id)})
     if what == "sequences":

@@ -54,7 +54,14 @@ from resident_pool.campaigns.report import VectorSample, report_path, write_repo
 from resident_pool.campaigns.results import ResultStore, provider_version
 from resident_pool.client import default_manifests
 from resident_pool.errors import CampaignFailed, InputError, ResidentPoolError, WorkerRequestError
-from resident_pool.prefect import artifact_key, escape_markdown, pool_session, retry_pool_failures
+from resident_pool.prefect import (
+    Priority,
+    artifact_key,
+    escape_markdown,
+    pool_session,
+    queue_summary,
+    retry_pool_failures,
+)
 from resident_pool.prefect.roots import check_path
 from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
 from resident_pool.settings import settings as pool_settings
@@ -84,11 +91,11 @@ Encoding = Literal["float32-base64", "array", "json"]
     cache_policy=NO_CACHE,
 )
 def predict_chunk(provider: str, manifests: str, texts: list[str], options: dict[str, Any], label: str,
-                  max_attachment_bytes: int | None = None) -> dict[str, Any]:
+                  max_attachment_bytes: int | None = None, priority: str = "batch") -> dict[str, Any]:
     """One chunk on one held worker; an input the model refuses fails alone. ``label`` names its inputs."""
     started = time.monotonic()
     failed: dict[int, tuple[str, str]] = {}
-    with pool_session(provider, manifests, max_attachment_bytes=max_attachment_bytes) as session:
+    with pool_session(provider, manifests, max_attachment_bytes=max_attachment_bytes, priority=priority) as session:
         cold, pid = session.cold, session.pid
         version = session.lease.get("version")
         try:
@@ -140,9 +147,11 @@ def _chunk_runner(max_workers: int | None, replicas: int) -> Iterator[tuple[Subm
 
 
 class _Progress:
-    """The campaign's progress as Prefect shows it: the progress artifact, and a line in the run's log."""
+    """The campaign's progress as Prefect shows it: the progress artifact (its description says what the pool's
+    requests wait for: the line in order, with their classes), and a line in the run's log."""
 
-    def __init__(self, provider: str, description: str) -> None:
+    def __init__(self, provider: str, description: str, manifests: str | None = None) -> None:
+        self.description, self.manifests = description, manifests
         self.tally = Progress()
         self.id = create_progress_artifact(0.0, key=artifact_key("screen-progress", provider), description=description)
         self.logger = get_run_logger()
@@ -155,7 +164,9 @@ class _Progress:
     def show(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self.last >= PROGRESS_EVERY_S:
-            update_progress_artifact(self.id, self.tally.percent())
+            waiting = queue_summary(self.manifests)
+            description = self.description + (f"\n\nwaiting in the pool, in order:\n\n{waiting}" if waiting else "")
+            update_progress_artifact(self.id, self.tally.percent(), description=description)
             self.last = now
         if force or now - self.last_line >= LOG_EVERY_S:
             self.logger.info("%s", self.tally.line())
@@ -167,8 +178,8 @@ class _FileRun:
 
     def __init__(self, source: InputFile, campaign: Campaign, entry: FileProgress, *, provider: str, manifests: str,
                  options: dict[str, Any], submit: Submit, window: int, progress: _Progress,
-                 limits: CampaignSettings) -> None:
-        self.source, self.campaign, self.entry = source, campaign, entry
+                 limits: CampaignSettings, priority: str = "batch") -> None:
+        self.source, self.campaign, self.entry, self.priority = source, campaign, entry, priority
         self.provider, self.manifests, self.options = provider, manifests, options
         self.max_attachment_bytes = limits.max_attachment_bytes
         self.submit, self.window, self.progress = submit, window, progress
@@ -200,7 +211,8 @@ class _FileRun:
             self.settle(block=True)
         future = self.submit(predict_chunk, {"provider": self.provider, "manifests": self.manifests,
                                              "texts": chunk.texts, "options": self.options, "label": chunk.label,
-                                             "max_attachment_bytes": self.max_attachment_bytes})
+                                             "max_attachment_bytes": self.max_attachment_bytes,
+                                             "priority": self.priority})
         self.in_flight[future] = chunk
         future.add_done_callback(self.done.put)
 
@@ -357,6 +369,7 @@ def screen(
     max_workers: int | None = None,
     encoding: Encoding = "float32-base64",
     report: bool = True,
+    priority: Priority = "batch",
 ):
     """Screen every input of a FASTA, CSV, TSV or JSONL file (or of every such file in a folder).
 
@@ -376,6 +389,8 @@ def screen(
             or json (numbers as text). Part of every stored result's key; other providers ignore it.
         report: Write an HTML report beside each output: progress, throughput and failures over time, and a
             map of the answers' vectors.
+        priority: The class its chunks wait in for a worker; a campaign is batch, so a person's ad hoc run
+            (interactive) goes first, and ageing keeps the campaign from starving.
     """
     started = time.monotonic()
     logger = get_run_logger()
@@ -399,7 +414,7 @@ def screen(
     options = {"encoding": encoding} if encoding and encoding != "json" else {}
     version = provider_version(manifest)
     summaries = []
-    progress = _Progress(provider, f"{provider}: {input}")
+    progress = _Progress(provider, f"{provider}: {input}", manifests_dir)
     entries = [progress.tally.add_file(str(source.path), source.record_count(), source.size())
                for source, _ in files]
     with store, _chunk_runner(max_workers, manifest.lifecycle.max_replicas) as (submit, window):
@@ -408,7 +423,8 @@ def screen(
                 summaries.append(_screen_file(source, target, entry, provider=provider, manifests=manifests_dir,
                                               version=version, store=store, options=options, chunk_size=chunk_size,
                                               fmt=format, submit=submit, window=window, progress=progress,
-                                              limits=settings, report=report, title=f"{provider} screening"))
+                                              limits=settings, report=report, title=f"{provider} screening",
+                                              priority=priority))
             except InputError as error:
                 refused.append(str(error))
     if not files:

@@ -21,7 +21,7 @@ from prefect.states import Failed
 
 from resident_pool.client import default_manifests
 from resident_pool.errors import ResidentPoolError
-from resident_pool.prefect import escape_markdown
+from resident_pool.prefect import Priority, escape_markdown
 from resident_pool.providers.manifest import SLUG
 from resident_pool.validation.check import STEPS, check_provider
 from resident_pool.validation.provenance import columns
@@ -48,10 +48,12 @@ def _first_line(text: str) -> str:
 
 
 @task(name="check-provider", task_run_name="check {slug}")
-def check_one(slug: str, manifest_path: str, smoke: bool, against_stock: bool = False) -> list[dict]:
+def check_one(slug: str, manifest_path: str, smoke: bool, against_stock: bool = False, priority: str = "normal"
+              ) -> list[dict]:
     """One provider's steps; fails, naming each failed step, when any failed."""
     rows = [{**result.__dict__, "detail": user_facing(result.detail)}
-            for result in check_provider(Path(manifest_path), smoke=smoke, against_stock=against_stock)]
+            for result in check_provider(Path(manifest_path), smoke=smoke, against_stock=against_stock,
+                                         priority=priority)]
     failed = [row for row in rows if not row["ok"] and not row["skipped"]]
     if failed:
         raise ValidationFailed(f"{slug}: " + "; ".join(f"{row['step']}: {_first_line(row['detail'])}"
@@ -78,13 +80,16 @@ def _order(row: dict) -> tuple:
 
 
 @flow(name="validate", log_prints=True)
-def validate(smoke: bool = False, providers: list[str] | None = None, against_stock: bool = False) -> list[dict]:
+def validate(smoke: bool = False, providers: list[str] | None = None, against_stock: bool = False,
+             priority: Priority = "normal") -> list[dict]:
     """Check every provider (or the named ones); the run fails, as does each failed provider's task.
 
     Args:
         smoke: Also send each provider its [smoke] payload and compare the answer with its expected one.
         providers: The providers to check (default: every provider of the worker's host).
         against_stock: Also answer the smoke payload stock (the kit off) and compare the two answers.
+        priority: The class its smoke runs wait in for a worker (CI's default: normal, behind people at the UI,
+            ahead of campaigns).
     """
     logger = get_run_logger()
     directory = default_manifests()  # the worker host's configuration, never a parameter
@@ -93,7 +98,7 @@ def validate(smoke: bool = False, providers: list[str] | None = None, against_st
     except ValidationFailed as error:
         logger.error("%s", error)
         return Failed(message=str(error))
-    futures = {path.parent.name: check_one.submit(path.parent.name, str(path), smoke, against_stock)
+    futures = {path.parent.name: check_one.submit(path.parent.name, str(path), smoke, against_stock, priority)
                for path in paths}
     rows, failed_providers = [], []
     for slug, future in futures.items():

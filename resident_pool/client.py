@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -21,9 +22,10 @@ from typing import Any
 from filelock import FileLock
 
 from . import arrays
+from . import priority as order
 from .errors import RequestTimeout, ResidentPoolError, WorkerRequestError, error_from_dict
 from .host import paths
-from .messages import Acquire, Release, StopWorkers, Used, Variant, Warm
+from .messages import Acquire, Release, StopWorkers, Used, Variant, Warm, bad_request
 from .protocol import Inbox, PeerError, ProtocolError, connect, recv_line, send_line
 from .settings import settings
 from .version import __version__
@@ -36,6 +38,11 @@ POOL_START_TIMEOUT_S = 60.0
 _NOTICE_S = 1.0
 _RECALLED_RETRIES = 5
 _request_ids = itertools.count(1)
+
+
+def _check_priority(priority: str) -> None:
+    if not order.is_class(priority):
+        raise bad_request(f"priority {priority!r} is not a class: one of {', '.join(order.CLASSES)}")
 
 
 def default_manifests(manifests: str | os.PathLike[str] | None = None) -> Path:
@@ -71,6 +78,23 @@ class _Link:
         self.buf = bytearray()
         self.workers: dict[tuple[str, int, int], tuple[socket.socket, Inbox]] = {}
         self.kept: dict[str, Session] = {}  # Pool.predict's leases, by provider, held between calls
+        self.recalled: dict[int, str] = {}  # leases the pool asked back (backfilled ones), and why
+
+    def heard(self, line: dict[str, Any]) -> bool:
+        """A line the pool sent unasked: True when it was one (a recall is kept for its session)."""
+        recall = line.get("recall")
+        if isinstance(recall, dict) and isinstance(recall.get("lease"), int):
+            self.recalled[recall["lease"]] = str(recall.get("why") or "")
+            return True
+        return "progress" in line
+
+    def poll(self) -> None:
+        """Read what the pool sent since (a recall), without waiting."""
+        while select.select([self.pool], [], [], 0)[0]:
+            line = recv_line(self.pool, self.buf)
+            if line is None:
+                return  # the pool went away: the next call says so
+            self.heard(line)
 
     def close(self) -> None:
         for sock, _ in self.workers.values():
@@ -183,12 +207,16 @@ class Pool:
             # --background forks and returns at once: the pool belongs to no client, so it outlives
             # the flow run that started it. -P and the state directory as working directory: nothing
             # in the folder this client runs from is importable by the pool.
-            subprocess.run(
+            started = subprocess.run(
                 [sys.executable, "-P", "-m", "resident_pool", "daemon", "--background",
                  "--manifests", str(self.manifests)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=60,
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=False, timeout=60,
                 cwd=self.state_dir,
             )
+        if started.returncode != 0:  # it said why before detaching (a host admission service that does not answer)
+            said = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+            raise ResidentPoolError(f"the pool could not start (exit {started.returncode}): "
+                                    f"{said[0] if said else 'see ' + str(log)}", reason="pool_start_failed")
         deadline = time.monotonic() + POOL_START_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
@@ -228,8 +256,8 @@ class Pool:
             if not expect_reply:
                 return {}
             reply = recv_line(link.pool, link.buf)
-            while reply is not None and "progress" in reply:
-                wait = reply["progress"].get("waiting_for_admission")
+            while reply is not None and link.heard(reply):
+                wait = reply["progress"].get("waiting_for_admission") if "progress" in reply else None
                 if wait is not None and self.on_wait is not None:
                     self.on_wait(wait)
                 reply = recv_line(link.pool, link.buf)
@@ -278,18 +306,20 @@ class Pool:
         self.close()
 
     # -- the API -------------------------------------------------------------
-    def predict(self, slug: str, payload: Any) -> Any:
-        """One prediction from ``slug``'s worker; starts it if none is warm.
+    def predict(self, slug: str, payload: Any, *, priority: str = order.DEFAULT) -> Any:
+        """One prediction from ``slug``'s worker; starts it if none is warm. ``priority``: interactive, normal or
+        batch, where the request waits when it must.
 
         The lease is kept between calls (per thread), so a warm call is one round trip to the worker. The pool
         counts a kept lease idle while no request runs, and takes it back when another client waits, admission
         needs the memory or the worker retires; the next call then acquires again, unseen by the caller.
         """
+        _check_priority(priority)
         link = self._link()
         for _ in range(_RECALLED_RETRIES):
             session = link.kept.get(slug)
             if session is None or session._ended:
-                session = Session(self, self._acquire(slug, None, self.holder, keep=True))
+                session = Session(self, self._acquire(slug, None, self.holder, priority, keep=True))
                 if not session.lease.get("kept"):  # a worker per lease (mode = "subprocess"), or one that
                     try:                           # cannot be asked for its lease back
                         return session.predict(payload)
@@ -313,18 +343,26 @@ class Pool:
     @contextmanager
     def session(self, slug: str, variant: dict[str, Any] | None = None,
                 holder: dict[str, str] | None = None, *,
-                max_attachment_bytes: int | None = None) -> Iterator[Session]:
+                max_attachment_bytes: int | None = None, priority: str = order.DEFAULT) -> Iterator[Session]:
         """Hold one worker of ``slug`` for a batch; others wait for a replica meanwhile.
 
         ``variant`` (``{"name": "stock", "kit_mode": "off"}`` or ``{"name": "stock", "without_kit":
         True}``) asks for the provider built another way, as ``resident-pool check --against-stock`` does;
         ``holder`` (short strings: a flow run's name, id and URL) says who this lease is for;
         ``max_attachment_bytes`` lowers the largest attachment this session maps from the worker's answers
-        below ``RESIDENT_POOL_MAX_ATTACHMENT_BYTES`` (a campaign does).
+        below ``RESIDENT_POOL_MAX_ATTACHMENT_BYTES`` (a campaign does); ``priority`` (interactive, normal,
+        batch) says where it waits in line. A backfilled lease (it started ahead of a request that did not
+        fit yet) may be recalled: the session then gives its worker back before its next request and that
+        request waits again in its class, maybe for another worker.
         """
+        _check_priority(priority)
         self._give_back_kept(slug)  # this thread is here, not in a Pool.predict: its kept lease is idle
-        lease = self._acquire(slug, variant, holder or self.holder)
-        session = Session(self, lease, max_attachment_bytes)
+        holder = holder or self.holder
+
+        def acquire() -> dict[str, Any]:
+            return self._acquire(slug, variant, holder, priority)
+
+        session = Session(self, acquire(), max_attachment_bytes, acquire)
         try:
             yield session
         finally:
@@ -339,9 +377,10 @@ class Pool:
             session.release()
 
     def _acquire(self, slug: str, variant: dict[str, Any] | None = None,
-                 holder: dict[str, str] | None = None, keep: bool = False) -> dict[str, Any]:
+                 holder: dict[str, str] | None = None, priority: str = order.DEFAULT,
+                 keep: bool = False) -> dict[str, Any]:
         message = Acquire(slug, str(self.manifests), holder or None,
-                          Variant(**variant) if variant else None, keep).to_message()
+                          Variant(**variant) if variant else None, priority, keep).to_message()
         attempts = 3
         for attempt in range(attempts):
             try:
@@ -401,11 +440,19 @@ def shutdown_pool(wait_s: float = 60.0) -> int | None:
 class Session:
     """A leased worker: requests go straight to its socket."""
 
-    def __init__(self, pool: Pool, lease: dict[str, Any], max_attachment_bytes: int | None = None) -> None:
+    def __init__(self, pool: Pool, lease: dict[str, Any], max_attachment_bytes: int | None = None,
+                 reacquire: Callable[[], dict[str, Any]] | None = None) -> None:
         self.pool = pool
-        self.lease = lease
         cap = pool.config.max_attachment_bytes
         self.max_attachment_bytes = cap if max_attachment_bytes is None else min(cap, max_attachment_bytes)
+        self._reacquire = reacquire
+        self._link = pool._link()  # the connection its lease is bound to: a recall comes on it
+        self.recalls = 0  # leases given back on the pool's recall, each followed by a new one
+        self._hold(lease)
+        self._ended = False
+
+    def _hold(self, lease: dict[str, Any]) -> None:
+        self.lease = lease
         self.slug: str = lease["slug"]
         self.pid: int = lease["pid"]
         self.replica: int = lease["replica"]
@@ -413,10 +460,25 @@ class Session:
         self.transcript: str = lease["transcript"]
         self.version: str | None = lease.get("version")
         self.token: str | None = lease.get("token")
+        self.priority: str = lease.get("priority", order.DEFAULT)
+        self.backfilled: bool = bool(lease.get("backfilled"))
         self.served = 0
-        self._ended = False
         self._unnoticed = 0  # served since the pool last heard (a kept lease tells it now and then)
         self._noticed_at = -_NOTICE_S  # the first call tells at once: a waiting client may then take it back
+
+    def _renew_if_recalled(self) -> None:
+        """A backfilled lease the pool asked back is given back before the next request, which waits again in its
+        class (maybe for another worker); every other lease is never taken from its session. (A kept lease is
+        recalled at its worker instead: Pool.predict acquires again.)"""
+        if not self.backfilled or self._reacquire is None:
+            return
+        self._link.poll()
+        if self._link.recalled.pop(self.lease["lease"], None) is None:
+            return
+        self._forget_worker()
+        self.pool._call(Release(self.lease["lease"], "ok", self._unnoticed).to_message(), expect_reply=False)
+        self._hold(self._reacquire())
+        self.recalls += 1
 
     def _worker(self) -> tuple[socket.socket, Inbox]:
         link = self.pool._link()
@@ -439,6 +501,7 @@ class Session:
         if self._ended:
             raise WorkerRequestError(f"{self.slug}: this session has ended; open a new one", slug=self.slug,
                                      reason="session_ended")
+        self._renew_if_recalled()
         request_id = next(_request_ids)  # unique in this process: a reply to another request is never taken
         timeout = self.lease["request_timeout_s"]
         with self._failures(timeout, sent=False):

@@ -11,6 +11,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
+from . import priority as order
 from .errors import ResidentPoolError
 
 __all__ = ["KEY", "RELEASE_OUTCOMES", "SLUG", "Acquire", "LeaseGrant", "Release", "StopWorkers", "Used", "Variant",
@@ -51,6 +52,14 @@ def _holder(raw: Any) -> dict[str, str]:
     return dict(raw)
 
 
+def _priority(value: Any) -> str:
+    if value is None:
+        return order.DEFAULT
+    if not order.is_class(value):
+        raise bad_request(f"priority {value!r} is not a class: one of {', '.join(order.CLASSES)}")
+    return value
+
+
 def _count(value: Any, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise bad_request(f"{what} must be a count, not {value!r}")
@@ -88,6 +97,7 @@ class Acquire:
     manifests: str | None = None
     holder: dict[str, str] | None = None
     variant: Variant | None = None
+    priority: str = order.DEFAULT  # interactive, normal or batch: where it waits (priority.py says the order)
     keep: bool = False  # Pool.predict's: kept between calls until the pool recalls it
 
     @classmethod
@@ -96,10 +106,11 @@ class Acquire:
         if not isinstance(keep, bool):
             raise bad_request(f"acquire keep must be true or false, not {keep!r}")
         return cls(_slug(message.get("slug")), _folder(message.get("manifests")), _holder(message.get("holder")),
-                   Variant.parse(message.get("variant")), keep)
+                   Variant.parse(message.get("variant")), _priority(message.get("priority")), keep)
 
     def to_message(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"op": self.op, "slug": self.slug, "manifests": self.manifests}
+        message: dict[str, Any] = {"op": self.op, "slug": self.slug, "manifests": self.manifests,
+                                   "priority": self.priority}
         if self.keep:
             message["keep"] = True
         if self.holder:
@@ -215,6 +226,8 @@ class LeaseGrant:
     kit: dict[str, Any] | None = None
     token: str | None = None  # names the lease to its worker: a recalled one is refused there
     kept: bool = False  # the client may keep it between calls, until its worker refuses it as recalled
+    priority: str = order.DEFAULT  # the class it was granted in (a class the pool may not claim is capped)
+    backfilled: bool = False  # placed ahead of a waiting request: recalled after a request when that one could start
 
     def to_message(self) -> dict[str, Any]:
         return {"ok": True, **asdict(self)}

@@ -46,6 +46,16 @@ class Settings(BaseSettings):
     gpu_headroom_gb: float = Field(0.5, ge=0, description="kept free on every device")
     fake_nvml: Path | None = Field(None, description="read device memory from this JSON file (drills, tests)")
     ledger_audit: Path | None = Field(None, description="append every ledger state to this JSONL file")
+    admission_service: str = Field("auto", description="the host-wide admission service's socket: `auto` (use "
+                                   "/run/resident-pool/admission.sock where it exists), `off` (this user's own "
+                                   "ledger), or a path; a service in force that does not answer is an error")
+    admission_service_user: str = Field("resident-pool", description="the user the host admission service may run "
+                                        "as (besides root and yourself); a socket served by anyone else is refused")
+    aging_s: float = Field(300.0, ge=0, description="a waiting request rises one priority class per this many "
+                           "seconds waited, so `batch` is never starved (0: no ageing)")
+    backfill: bool = Field(True, description="a request that fits in free GPU memory now may start ahead of one "
+                           "that does not (its lease is recalled after its current request when that one could "
+                           "start); off: strict order")
     quiet_exit_s: float = Field(600.0, ge=0, description="the pool exits after this long with no worker and "
                                 "no client (0: never)")
     breaker_cooldown_s: float = Field(300.0, ge=0, description="how long a provider that refused at start "

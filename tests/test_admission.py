@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 from helpers import wait_until
 
-from resident_pool.admission import Admission, Device, Ledger, _declared
+from resident_pool.admission import Admission, Device, Ledger, declared
 from resident_pool.errors import AdmissionRefused, AdmissionTimeout
 
 
@@ -30,7 +30,7 @@ def admission(tmp_path, devices, headroom_gb=0.0, **kwargs):
 
 
 def test_a_two_device_host_places_each_worker_on_the_device_with_most_room(tmp_path):
-    gate = admission(tmp_path, _declared("0:80,1:80"))
+    gate = admission(tmp_path, declared("0:80,1:80"))
     first = gate.admit(FakeWorker("a", 50), timeout_s=1)["CUDA_VISIBLE_DEVICES"]
     second = gate.admit(FakeWorker("b", 50), timeout_s=1)["CUDA_VISIBLE_DEVICES"]
     assert {first, second} == {"0", "1"}
@@ -90,16 +90,11 @@ def test_an_entry_whose_pid_is_dead_is_reclaimed_on_read(tmp_path):
     assert [e["slug"] for e in gate.ledger.entries()] == ["a6"]
 
 
-def test_a_request_that_does_not_fit_asks_for_an_eviction_and_is_admitted_after_it(tmp_path):
-    asked = []
-
-    def evict(needed_gb):
-        asked.append(needed_gb)
-        gate.release(holder)
-        return True
-
-    gate = admission(tmp_path, [Device(0, 10.0)], evict=evict)
-    holder = FakeWorker("a6", 6)
-    gate.admit(holder, timeout_s=1)
-    assert gate.admit(FakeWorker("b6", 6), timeout_s=5)
-    assert asked == [6]
+def test_one_placement_try_books_where_it_fits_or_books_nothing_and_says_the_room_it_found(tmp_path):
+    gate = admission(tmp_path, [Device(0, 10.0), Device(1, total_gb=10.0, free_gb=5.0)], headroom_gb=0.5)
+    placed = gate.place(FakeWorker("a6", 6), 6)
+    assert (placed.device, placed.rooms) == (0, {0: 9.5, 1: 4.5})  # most room first: NVML caps device 1
+    missed = gate.place(FakeWorker("b6", 6), 6)
+    assert missed.device is None and missed.rooms == {0: 3.5, 1: 4.5} and "at most 4.5 GB free" in missed.why
+    assert gate.place(FakeWorker("c3", 3), 3, device=1).device == 1  # pinned (a restore): only there
+    assert sorted(e["slug"] for e in gate.ledger.entries()) == ["a6", "c3"]

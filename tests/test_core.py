@@ -60,7 +60,7 @@ def one(actions, kind):
 def lease_one(state: PoolState, clock: Clock, key: str = "m", connection: int = CONN, keep: bool = False,
               can_recall: bool = True) -> c.Grant:
     """Acquire, start (cold) or reuse (warm) a replica, and return the Grant."""
-    ticket, actions = state.acquire(clock(), key, connection, {}, keep)
+    ticket, actions = state.acquire(clock(), key, connection, {}, keep=keep)
     grants = [a for a in of(actions, c.Grant) if a.ticket == ticket]
     if grants:
         return grants[0]
@@ -254,7 +254,7 @@ def test_a_new_version_takes_a_kept_lease_back_then_stops_its_worker(clock):
 def test_admission_evicts_a_kept_lease_once_it_is_back_never_in_the_middle_of_a_request(clock):
     state = PoolState(Timings(), clock())
     state.register(clock(), "g", "g", "v", "f", _gpu())
-    _, actions = state.acquire(clock(), "g", CONN, {}, True)
+    _, actions = state.acquire(clock(), "g", CONN, {}, keep=True)
     start = one(actions, c.Start)
     state.admitted(clock(), start.rid, "0")
     kept = one(state.started(clock(), start.rid, 1, True), c.Grant)
@@ -503,11 +503,13 @@ def test_the_pool_exits_after_quiet_exit_s_with_no_workers_and_no_clients(clock)
     assert one(state.tick(clock(), connections=0), c.Exit).why == "quiet"
 
 
-# -- eviction and kept-warm ---------------------------------------------------------------------------------------
-def _admitted_ready(state: PoolState, clock: Clock, key: str, device: str = "0") -> int:
+# -- kept-warm and hibernation (eviction and the GPU line: test_core_admission.py) -----------------------------------
+def _admitted_ready(state: PoolState, clock: Clock, key: str, device: int = 0) -> int:
+    """A replica of ``key`` started through the GPU line, placed on ``device``, leased once and released."""
     _ticket, actions = state.acquire(clock(), key, CONN, {})
     start = one(actions, c.Start)
-    state.admitted(clock(), start.rid, device)
+    one(state.prepared(clock(), start.rid, state.providers[key].spec.budget_gb), c.Place)
+    one(state.placed(clock(), start.rid, device), c.Spawn)
     grant = one(state.started(clock(), start.rid, 4242), c.Grant)
     state.released(clock(), grant.lease, CONN, "ok")
     return grant.rid
@@ -517,41 +519,25 @@ def _gpu(**kw) -> Spec:
     return Spec(budget_gb=4, idle_timeout_s=0, ping_interval_s=10_000, **kw)
 
 
-def test_eviction_takes_the_least_recently_used_idle_worker_and_never_a_leased_one(clock):
-    state = PoolState(Timings(), clock())
-    for key in ("a", "b", "c"):
-        state.register(clock(), key, key, "v", "f", _gpu())
-    a = _admitted_ready(state, clock, "a")
-    clock.advance(1)
-    b = _admitted_ready(state, clock, "b")
-    clock.advance(1)
-    lease_one(state, clock, "c")
-    rid, kept, _ = state.eviction_candidate()
-    assert (rid, kept) == (a, False)
-    assert one(state.evict(clock(), a, 4), c.Stop).cause is StopCause.EVICTED
-    assert state.eviction_candidate()[0] == b
-
-
-def test_a_kept_warm_worker_is_exempt_from_idle_retirement_and_evicted_last(clock):
+def test_a_kept_warm_worker_is_exempt_from_idle_retirement(clock):
     state = PoolState(Timings(), clock())
     state.register(clock(), "warm", "warm", "v", "f", Spec(budget_gb=4, min_replicas=1, idle_timeout_s=1,
                                                           ping_interval_s=10_000))
-    state.register(clock(), "cold", "cold", "v", "f", _gpu())
     warm = _admitted_ready(state, clock, "warm")
     clock.advance(100)
-    cold = _admitted_ready(state, clock, "cold")
     assert of(state.tick(clock()), c.Stop) == []  # idle 100 s past its 1 s timeout, but kept warm
-    rid, kept, freed = state.eviction_candidate()
-    assert (rid, kept) == (cold, False)
-    state.evict(clock(), cold, 4)
-    rid, kept, freed = state.eviction_candidate()
-    assert (rid, kept, freed) == (warm, True, {0: 4})
+    assert replica(state, warm).state is R.READY
 
 
 def test_kept_warm_providers_are_topped_up_but_not_while_requests_wait_for_memory(clock):
     state = PoolState(Timings(keep_warm_s=5), clock())
     state.register(clock(), "w", "w", "v", "f", Spec(min_replicas=2))
-    assert of(state.tick(clock(), admission_waiting=True), c.Start) == []
+    state.register(clock(), "g", "g", "v", "f", _gpu())
+    start = one(state.acquire(clock(), "g", CONN, {})[1], c.Start)
+    one(state.prepared(clock(), start.rid, 4), c.Place)
+    state.not_placed(clock(), start.rid, {0: 1.0})  # it waits for memory
+    assert of(state.tick(clock()), c.Start) == []
+    state.ticket_gone(clock(), next(iter(state.tickets)))
     clock.advance(5)
     starts = of(state.tick(clock()), c.Start)
     assert len(starts) == 2 and all(not s.wait and s.ticket is None for s in starts)
@@ -563,20 +549,25 @@ def test_a_hibernated_worker_gives_its_budget_back_and_its_next_lease_restores_i
     state = PoolState(Timings(), clock())
     state.register(clock(), "h", "h", "v", "f", _gpu(evict="hibernate"))
     rid = _admitted_ready(state, clock, "h")
-    one(state.evict(clock(), rid, 4), c.Hibernate)
+    one(state.lifecycle.evict(clock(), rid, 4), c.Hibernate)
     assert replica(state, rid).state is R.HIBERNATING
     one(state.hibernated(clock(), rid, True, "evicted"), c.ReleaseBudget)
     assert replica(state, rid).state is R.HIBERNATED and not replica(state, rid).admitted
     start = one(state.acquire(clock(), "h", CONN, {})[1], c.Start)
     assert start.rid == rid and start.restore
+    assert one(state.prepared(clock(), rid, 4, 0), c.Place).device == 0  # its memory goes back where it was
+    one(state.placed(clock(), rid, 0), c.Spawn)
     assert one(state.started(clock(), rid, 1), c.Grant).cold
 
 
 # -- the core is pure, and alone changes the records ------------------------------------------------------------------
 PACKAGE = Path(resident_pool.__file__).parent
-ALLOWED_IMPORTS = {"__future__", "itertools", "dataclasses", "typing", "enum"}
+ALLOWED_IMPORTS = {"__future__", "itertools", "dataclasses", "typing", "enum", "collections"}
 # The decision core: its face, its two owners (replicas; the waiting line and leases), its records and actions.
-CORE = ("core.py", "lifecycle.py", "drains.py", "leases.py", "replica.py", "states.py", "breaker.py", "actions.py")
+CORE = ("core.py", "lifecycle.py", "drains.py", "leases.py", "admitting.py", "replica.py", "states.py", "breaker.py",
+        "actions.py")
+# The one order every waiting line keeps, shared with the host admission service: pure as well.
+SHARED = ("priority",)
 
 
 def test_the_decision_core_imports_nothing_that_starts_a_thread_opens_a_socket_or_reads_the_clock():
@@ -588,7 +579,13 @@ def test_the_decision_core_imports_nothing_that_starts_a_thread_opens_a_socket_o
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 assert node.module.split(".")[0] in ALLOWED_IMPORTS, (name, node.module)
             elif isinstance(node, ast.ImportFrom):
-                assert node.module in ("errors", "exits", *(m.removesuffix(".py") for m in CORE)), (name, node.module)
+                assert node.module in ("errors", "exits", *SHARED, *(m.removesuffix(".py") for m in CORE)) or (
+                    node.module is None and {a.name for a in node.names} <= set(SHARED)), (name, node.module)
+    for name in SHARED:
+        for node in ast.walk(ast.parse((PACKAGE / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+                assert module.split(".")[0] in {"__future__", "collections", "typing"}, (name, module)
 
 
 def _assigned(target: ast.AST) -> list[ast.Attribute]:
@@ -684,7 +681,7 @@ def test_a_recall_keeps_its_deadline_across_a_liveness_ping(clock):
 def test_an_eviction_overtaken_by_a_release_is_forgotten(clock):
     state = PoolState(Timings(), clock())
     state.register(clock(), "g", "g", "v", "f", _gpu())
-    _, actions = state.acquire(clock(), "g", CONN, {}, True)
+    _, actions = state.acquire(clock(), "g", CONN, {}, keep=True)
     start = one(actions, c.Start)
     state.admitted(clock(), start.rid, "0")
     kept = one(state.started(clock(), start.rid, 1, True), c.Grant)
@@ -696,7 +693,7 @@ def test_an_eviction_overtaken_by_a_release_is_forgotten(clock):
 def test_admission_skips_a_kept_lease_the_runtime_found_busy(clock):
     state = PoolState(Timings(), clock())
     state.register(clock(), "g", "g", "v", "f", _gpu())
-    _, actions = state.acquire(clock(), "g", CONN, {}, True)
+    _, actions = state.acquire(clock(), "g", CONN, {}, keep=True)
     start = one(actions, c.Start)
     state.admitted(clock(), start.rid, "0")
     kept = one(state.started(clock(), start.rid, 1, True), c.Grant)
@@ -733,7 +730,7 @@ def test_stop_and_shutdown_take_a_kept_lease_back_first(clock):
 def test_a_kept_lease_evicted_for_a_hibernating_provider_hibernates_once_back(clock):
     state = PoolState(Timings(), clock())
     state.register(clock(), "h", "h", "v", "f", _gpu(evict="hibernate"))
-    _, actions = state.acquire(clock(), "h", CONN, {}, True)
+    _, actions = state.acquire(clock(), "h", CONN, {}, keep=True)
     start = one(actions, c.Start)
     state.admitted(clock(), start.rid, "0")
     kept = one(state.started(clock(), start.rid, 1, True), c.Grant)

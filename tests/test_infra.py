@@ -142,7 +142,7 @@ def test_the_grafana_dashboard_is_valid_and_queries_only_metrics_the_pool_export
     queries = dashboard_queries()
     used = {name for expr in queries for name in re.findall(r"\bresident_pool_[a-z_]+", expr)}
     assert used and used <= exported_series(), used - exported_series()
-    labels = {"provider", "replica", "reason", "cause", "state", "waiting_for", "version", "le"}
+    labels = {"provider", "replica", "reason", "cause", "state", "waiting_for", "version", "le", "priority"}
     grouped = {label.strip() for expr in queries for group in re.findall(r"by \(([^)]*)\)", expr)
                for label in group.split(",")}
     selected = set(re.findall(r"[{,]\s*([a-z_]+)\s*=~?", " ".join(queries)))
@@ -153,3 +153,22 @@ def test_the_grafana_dashboard_is_valid_and_queries_only_metrics_the_pool_export
     shown = {name for name in METRIC_NAMES if any(series.startswith(name) for series in used)}
     assert shown == set(METRIC_NAMES) - {"resident_pool_info", "resident_pool_idle_seconds",
                                          "resident_pool_gpu_peak_bytes"}
+
+
+def test_the_admission_service_is_a_verified_system_unit_that_keeps_what_it_needs(tmp_path):
+    """A system unit (its own user, not a user service): it must still see every user's pids and NVML's devices."""
+    text = (INFRA / "systemd" / "system" / "resident-pool-admission.service").read_text()
+    lines = [line.strip() for line in text.splitlines() if not line.lstrip().startswith("#")]
+    assert "User=resident-pool" in lines and "RuntimeDirectory=resident-pool" in lines
+    assert not [line for line in lines if line.startswith(("ProtectProc=", "PrivateDevices=", "DynamicUser="))]
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed here (Debian package systemd)")
+    unit = tmp_path / "resident-pool-admission.service"
+    unit.write_text(text.replace("/opt/resident-pool", str(ROOT)))
+    done = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = subprocess.run(["systemd-analyze", "security", "--offline=true", str(unit)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    found = re.search(r"Overall exposure level for \S+: ([0-9.]+)", done.stdout + done.stderr)
+    assert found and float(found.group(1)) <= 1.5, done.stdout  # measured 1.2 on systemd 252

@@ -89,24 +89,31 @@ def test_a_pool_starts_a_plain_worker_and_it_answers(pool_dir):
     assert answer is not None
 
 
-@pytest.mark.smoke
-def test_budgets_never_oversubscribe_and_waiters_go_in_arrival_order_after_eviction(pool_dir, monkeypatch, tmp_path):
+def _contended(pool_dir, monkeypatch, tmp_path):
+    """a6 busy on a declared 10 GB card; b6 (6 GB) waits for it; c3 (3 GB) asks next, and fits beside a6 now."""
     audit = tmp_path / "ledger-audit.jsonl"
     monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")
     monkeypatch.setenv("RESIDENT_POOL_LEDGER_AUDIT", str(audit))
     gpu_provider(pool_dir, "a6", 6)
     gpu_provider(pool_dir, "b6", 6)
     gpu_provider(pool_dir, "c3", 3)
+    return audit
+
+
+@pytest.mark.smoke
+def test_budgets_never_oversubscribe_a_request_that_fits_is_backfilled_and_the_head_gets_the_evicted_memory(
+        pool_dir, monkeypatch, tmp_path):
+    audit = _contended(pool_dir, monkeypatch, tmp_path)
     with Pool() as pool:
-        holder = run_client("a6", {"action": "sleep", "seconds": 2})
+        holder = run_client("a6", {"action": "sleep", "seconds": 8})
         wait_until(lambda: any(w["slug"] == "a6" and w["state"] == "leased" for w in pool.status()["workers"]),
                    timeout=30, message="a6 to be busy")
         b = run_client("b6", {"action": "sleep", "seconds": 0.2})
         wait_until(lambda: [w["slug"] for w in pool.waiting() if "needs_gb" in w] == ["b6"], message="b6 waiting")
-        c = run_client("c3", {"action": "sleep", "seconds": 0.2})  # would fit now, but b6 came first
-        wait_until(lambda: [w["slug"] for w in pool.waiting() if "needs_gb" in w] == ["b6", "c3"],
-                   message="c3 queued behind b6")
-        results = [finish(p) for p in (holder, b, c)]
+        c = run_client("c3", {"action": "sleep", "seconds": 0.2})  # fits beside a6 now: it does not wait for b6
+        served = finish(c)
+        assert b.poll() is None and holder.poll() is None  # c3 was served while b6 waited for a6
+        results = [finish(p) for p in (holder, b)] + [served]
         more = [run_client(slug, {"action": "echo", "value": n}) for n, slug in enumerate(["a6", "c3", "b6", "c3"])]
         results += [finish(p) for p in more]
     assert all(r["result"] for r in results)  # every request answered
@@ -114,8 +121,27 @@ def test_budgets_never_oversubscribe_and_waiters_go_in_arrival_order_after_evict
     assert states
     for entries in states:  # every change the ledger went through
         assert sum(e["budget_gb"] for e in entries) <= 10
-    assert _first_appearances(states)[:3] == ["a6", "b6", "c3"]  # admitted in arrival order
+    assert _first_appearances(states)[:3] == ["a6", "c3", "b6"]  # c3 backfilled; b6 next, once a6 was idle
     assert "evicted (idle) to make room" in _transcript("a6").read_text()
+
+
+def test_with_backfill_off_waiters_are_admitted_in_arrival_order(pool_dir, monkeypatch, tmp_path):
+    """RESIDENT_POOL_BACKFILL=0: the strict order a site may choose instead of backfill."""
+    monkeypatch.setenv("RESIDENT_POOL_BACKFILL", "0")
+    audit = _contended(pool_dir, monkeypatch, tmp_path)
+    with Pool() as pool:
+        holder = run_client("a6", {"action": "sleep", "seconds": 8})
+        wait_until(lambda: any(w["slug"] == "a6" and w["state"] == "leased" for w in pool.status()["workers"]),
+                   timeout=30, message="a6 to be busy")
+        b = run_client("b6", {"action": "sleep", "seconds": 0.2})
+        wait_until(lambda: [w["slug"] for w in pool.waiting() if "needs_gb" in w] == ["b6"], message="b6 waiting")
+        c = run_client("c3", {"action": "sleep", "seconds": 0.2})  # would fit now, but b6 came first
+        wait_until(lambda: [w["slug"] for w in pool.waiting() if "needs_gb" in w] == ["b6", "c3"], timeout=30,
+                   message="c3 queued behind b6")
+        results = [finish(p) for p in (holder, b, c)]
+    assert all(r["result"] for r in results)
+    states = [json.loads(line)["entries"] for line in audit.read_text().splitlines()]
+    assert _first_appearances(states)[:3] == ["a6", "b6", "c3"]
 
 
 def _first_appearances(states):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # Each module registers its commands on the app as it is imported.
-from . import checks, pools, status  # noqa: F401
+from . import admission, checks, pools, status  # noqa: F401
 from .base import app
 
 __all__ = ["app", "main"]

@@ -48,8 +48,15 @@ def daemon(
     ] = None,
 ) -> None:
     """Run this host's pool: it owns the workers, the ledger writes and the admission queue."""
+    from ..admission.remote import probe_service
     from ..server.pool import PoolServer
+    from ..settings import settings as read_settings
 
+    try:  # before detaching: a host admission service in force that does not answer is said here, not in a log
+        probe_service(read_settings())
+    except ResidentPoolError as exc:
+        errors.print(f"[red]cannot start the pool[/]: {safe(exc)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
     if background and os.fork() > 0:
         os._exit(0)  # the client that started us waits for this exit, then for the socket
     log_format = "%(asctime)s %(name)s %(levelname)s %(message)s"

@@ -23,6 +23,12 @@ WORKER_COLUMNS = [
     Column("idle_s", 65), Column("in_flight", 45), Column("uptime_s", 35), Column("lease", 40),
     Column("transcript", text=True, whole=True),  # a file name: the folder is said once, below the table
 ]
+QUEUE_COLUMNS = [
+    Column("#", 100), Column("slug", 100), Column("class", 95), Column("age_s", 80), Column("needs", 80),
+    Column("waits for", text=True, min_text=30),
+]
+HOST_COLUMNS = [Column("#", 100), Column("user", 100), Column("slug", 100), Column("class", 95),
+                Column("age_s", 80), Column("needs", 80)]
 PROVIDER_COLUMNS = [
     Column("provider", 100), Column("running", 90), Column("min/max", 50), Column("budget_gb", 60),
     Column("measured_peak_gb", 55), Column("fingerprint", 20), Column("breaker", 80),
@@ -66,8 +72,19 @@ def status(
         console.print(f"resident-pool (pid {pool['pid']}): no workers held; the next request starts one")
     if pool.get("metrics_error"):
         console.print(f"[red]no metrics served[/]: {safe(pool['metrics_error'])}")
+    admission = state.get("admission")
+    if admission:
+        console.print(_admission_line(admission), highlight=False, markup=False)
     if state["waiting"]:
-        console.print("waiting: " + safe("; ".join(json.dumps(w) for w in state["waiting"])))
+        _print("waiting, in the order they are served", QUEUE_COLUMNS,
+               [_queue_row(n, w) for n, w in enumerate(state["waiting"])])
+    if admission and admission.get("host_line"):
+        _print("the host's line, every user's pool", HOST_COLUMNS, [
+            [str(w["position"]), safe(w["user"]), safe(f"{w['slug']}[{w['replica']}]"), _class(w),
+             f"{w['age_s']:.1f}", f"{w['needs_gb']:g} GB"] for w in admission["host_line"]])
+    for over in (admission or {}).get("over_quota", []):
+        console.print(f"over quota: {safe(over['user'])}'s {safe(over['slug'])} ({over['needs_gb']:g} GB): "
+                      f"{safe(over['why'])}", highlight=False)
     for key, breaker in state["breakers"].items():
         console.print(f"[red]breaker[/] {safe(display_name(key))}: {breaker_words(breaker)} "
                       f"({breaker['failures']} failed starts, {breaker['refused']} refused): {safe(breaker['error'])}",
@@ -81,6 +98,42 @@ def status(
     for key, provider in providers.items():
         for line in _provider_lines(display_name(key), provider):
             console.print(without_controls(line), highlight=False, markup=False, soft_wrap=True)
+
+
+def _admission_line(admission: dict[str, Any]) -> str:
+    """Which ledger admits (the host service or this user's own), and the order's settings."""
+    rules = (f"backfill {'on' if admission.get('backfill') else 'off'}, ageing one class per "
+             f"{admission.get('aging_s', 0):g} s" if admission.get("aging_s") else
+             f"backfill {'on' if admission.get('backfill') else 'off'}, no ageing")
+    if admission.get("mode") == "host admission service":
+        quota = "; ".join(f"{name}: {q.get('gpu_gb') if q.get('gpu_gb') is not None else 'any'} GB, "
+                          f"{q.get('replicas') if q.get('replicas') is not None else 'any'} replicas"
+                          for name, q in (admission.get("quota") or {}).items())
+        return (f"admission: the host admission service ({admission.get('socket')}, pid {admission.get('service_pid')})"
+                f" for every user's pool; you ({admission.get('user')}) may claim "
+                f"{', '.join(admission.get('classes') or [])}; quota {quota or 'none'}; {rules}")
+    return (f"admission: this user's own ledger ({admission.get('ledger')}); other users' pools are seen only "
+            f"through NVML's free memory; {rules}")
+
+
+def _class(waiting: dict[str, Any]) -> str:
+    cls = waiting.get("priority") or "normal"
+    if waiting.get("ranks_as") and waiting["ranks_as"] != cls:
+        cls += f" (aged: ranks as {waiting['ranks_as']})"
+    if waiting.get("asked") and waiting["asked"] != waiting.get("priority"):
+        cls += f" (asked {waiting['asked']})"
+    return cls
+
+
+def _queue_row(number: int, waiting: dict[str, Any]) -> list[str]:
+    cls = _class(waiting)
+    slug = safe(display_name(waiting["slug"])) + (f"[{waiting['replica']}]" if waiting.get("replica") is not None
+                                                  else "")
+    needs = f"{waiting['needs_gb']:g} GB" if waiting.get("needs_gb") is not None else "a replica"
+    held = "; held: " + "; ".join(waiting["held"]) if waiting.get("held") else ""
+    holder = f" (for {waiting['holder']})" if waiting.get("holder") else ""
+    return [str(number), slug + holder, cls, f"{waiting.get('age_s', 0):.1f}", needs,
+            safe(f"{waiting.get('waits_for') or ''}{held}")]
 
 
 def breaker_words(breaker: dict[str, Any]) -> str:

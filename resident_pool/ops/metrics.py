@@ -52,6 +52,7 @@ METRIC_NAMES = {
     "resident_pool_request_duration_seconds": "histogram",
     "resident_pool_queue_depth": "gauge",
     "resident_pool_admission_wait_seconds": "histogram",
+    "resident_pool_lease_wait_seconds": "histogram",
     "resident_pool_cold_starts": "counter",
     "resident_pool_start_failures": "counter",
     "resident_pool_start_duration_seconds": "histogram",
@@ -172,8 +173,11 @@ class PoolMetrics:
         self.start_seconds = Histogram("resident_pool_start_duration_seconds", "Spawn to first answer of a worker",
                                        ["provider"], buckets=START_BUCKETS_S, registry=r)
         self.admission_wait = Histogram("resident_pool_admission_wait_seconds",
-                                        "How long a start waited for GPU memory", ["provider"],
-                                        buckets=WAIT_BUCKETS_S, registry=r)
+                                        "How long a start waited for GPU memory, by the class of its request",
+                                        ["provider", "priority"], buckets=WAIT_BUCKETS_S, registry=r)
+        self.lease_wait = Histogram("resident_pool_lease_wait_seconds",
+                                    "How long a request waited for its worker (a free replica, a start, GPU memory), "
+                                    "by class", ["priority"], buckets=WAIT_BUCKETS_S, registry=r)
         self.evictions = Counter("resident_pool_evictions", "Idle workers stopped to make room on a GPU",
                                  ["provider"], registry=r)
         self.stops = Counter("resident_pool_worker_stops", "Workers that ended, by cause (idle, evicted, drained, "

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prefect import get_run_logger, runtime, task
 from prefect.artifacts import create_markdown_artifact
@@ -52,6 +52,7 @@ from ..settings import settings
 
 __all__ = [
     "BREAKER_OPEN",
+    "Priority",
     "artifact_key",
     "breaker_words",
     "escape_markdown",
@@ -59,6 +60,7 @@ __all__ = [
     "pool_session",
     "predict",
     "predict_batch",
+    "queue_summary",
     "relay_events",
     "retry_pool_failures",
     "warm_provider",
@@ -73,6 +75,9 @@ BREAKER_OPEN = "breaker_open"  # the reason of a request refused at once because
 WAITING_FIRST_S = 3.0
 WAITING_EVERY_S = 10.0
 
+
+# A deployment parameter of this type is a drop-down in the Prefect UI.
+Priority = Literal["interactive", "normal", "batch"]
 
 _KEY_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
 _clients: dict[tuple[Path, Path], Pool] = {}
@@ -97,9 +102,29 @@ def _log_wait(wait: dict[str, Any]) -> None:
     if wait.get("ahead"):
         holders += "; queued ahead: " + ", ".join(wait["ahead"])
     get_run_logger().info(
-        "waiting for GPU admission: %s needs %g GB; free now %s; held by %s; waited %.0f s so far",
-        wait["slug"], wait["needs_gb"], free, holders, wait["waited_s"],
+        "waiting for GPU admission (%s, position %s in the line, %s): %s needs %g GB; free now %s; held by %s; "
+        "waited %.0f s so far", wait.get("priority", "normal"), wait.get("position", 0),
+        wait.get("admission", "per-user ledger"), wait["slug"], wait["needs_gb"], free, holders, wait["waited_s"],
     )
+
+
+def queue_summary(manifests: str | os.PathLike[str] | None = None, limit: int = 5) -> str:
+    """The pool's waiting line in a few lines of markdown (position, provider, class, age, need, what it waits
+    for), for a progress artifact's description; "" when nothing waits or no pool answers."""
+    try:
+        waiting = _client(manifests).waiting()
+    except (ResidentPoolError, OSError):
+        return ""
+    lines = []
+    for number, row in enumerate(waiting[:limit]):
+        cls = row.get("priority", "normal") + (f", ranks as {row['ranks_as']}" if row.get("ranks_as") not in
+                                               (None, row.get("priority")) else "")
+        need = f"{row['needs_gb']:g} GB" if row.get("needs_gb") is not None else "a replica"
+        lines.append(f"{number + 1}. {row['slug']} ({cls}), {row.get('age_s', 0):.0f} s, needs {need}: "
+                     f"{row.get('waits_for') or 'its turn'}")
+    if len(waiting) > limit:
+        lines.append(f"... and {len(waiting) - limit} more (`resident-pool status`)")
+    return "\n".join(lines)
 
 
 def artifact_key(*parts: str) -> str:
@@ -321,12 +346,12 @@ def _emit_failure(error: ResidentPoolError) -> None:
 
 @contextmanager
 def pool_session(slug: str, manifests: str | os.PathLike[str] | None = None, *,
-                 max_attachment_bytes: int | None = None) -> Iterator[Session]:
+                 max_attachment_bytes: int | None = None, priority: Priority = "normal") -> Iterator[Session]:
     """Hold one worker of ``slug`` for a batch inside a task; pool failures become artifacts and events.
 
-    ``max_attachment_bytes``: a lower cap on what the session maps from the worker's answers (a campaign's).
-    The run's log says what the wait was: admission (``waiting for GPU admission``), a cold start as it
-    goes and, once the worker answers, its phases.
+    ``max_attachment_bytes``: a lower cap on what the session maps from the worker's answers (a campaign's);
+    ``priority``: the class it waits in (interactive, normal, batch). The run's log says what the wait was:
+    admission (``waiting for GPU admission``), a cold start as it goes and, once the worker answers, its phases.
     """
     client = _client(manifests)
     client.on_wait = _log_wait
@@ -335,7 +360,8 @@ def pool_session(slug: str, manifests: str | os.PathLike[str] | None = None, *,
     notes = _WaitNotes(slug, client.manifests, logger)
     began = time.monotonic()
     try:
-        with notes, client.session(slug, holder=_holder(), max_attachment_bytes=max_attachment_bytes) as session:
+        with notes, client.session(slug, holder=_holder(), max_attachment_bytes=max_attachment_bytes,
+                                   priority=priority) as session:
             notes.close()
             waited = time.monotonic() - began
             if session.cold and logger is not None:
@@ -446,15 +472,17 @@ def _cold_start_line(manifests: Path, session: Session, waited: float, wait: dic
             f"transcript {session.transcript}")
 
 
-def predict(slug: str, payload: Any, manifests: str | os.PathLike[str] | None = None) -> Any:
+def predict(slug: str, payload: Any, manifests: str | os.PathLike[str] | None = None, *,
+            priority: Priority = "normal") -> Any:
     """One prediction through the host pool, from inside a Prefect task."""
-    with pool_session(slug, manifests) as session:
+    with pool_session(slug, manifests, priority=priority) as session:
         return session.predict(payload)
 
 
-def predict_batch(slug: str, payloads: list[Any], manifests: str | os.PathLike[str] | None = None) -> list[Any]:
+def predict_batch(slug: str, payloads: list[Any], manifests: str | os.PathLike[str] | None = None, *,
+                  priority: Priority = "normal") -> list[Any]:
     """Several predictions on one held worker (one lease, no other caller in between)."""
-    with pool_session(slug, manifests) as session:
+    with pool_session(slug, manifests, priority=priority) as session:
         return [session.predict(payload) for payload in payloads]
 
 

@@ -5,10 +5,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ResidentPoolError
+from ..priority import CLASSES
 from .states import StopCause
 
-__all__ = ["Action", "Exit", "Gone", "Grant", "Hibernate", "Note", "Ping", "Recall", "Refuse", "ReleaseBudget",
-           "Start", "Stop", "Timings"]
+__all__ = [
+    "Action",
+    "Announce",
+    "Exit",
+    "Gone",
+    "Grant",
+    "Hibernate",
+    "Note",
+    "Ping",
+    "Place",
+    "Policy",
+    "Recall",
+    "Refuse",
+    "ReleaseBudget",
+    "Spawn",
+    "Start",
+    "Stop",
+    "Timings",
+    "Withdraw",
+]
 
 
 @dataclass(frozen=True)
@@ -27,15 +46,65 @@ class Timings:
     breaker_cooldown_s: float = 300.0
 
 
+@dataclass(frozen=True)
+class Policy:
+    """How waiting requests are ordered and seated: ageing, backfill, and the classes this pool may claim."""
+
+    aging_s: float = 300.0  # a waiting request rises one class per this many seconds (0: never)
+    backfill: bool = True  # a start that fits now may go ahead of a head that does not (and be recalled)
+    classes: tuple[str, ...] = CLASSES  # the classes its requests may claim; a higher one is capped (the host
+    # admission service says which, per user)
+    poll_s: float = 0.25  # while starts wait for memory, the room is read again this often (memory freed outside)
+
+
 # -- actions: what the runtime carries out ------------------------------------------------------
 @dataclass(frozen=True)
 class Start:
-    """Admit and start (or restore) the replica; report ``started`` or ``start_failed``."""
+    """Prepare a start (or a restore): report ``prepared`` with the GPU memory it needs, or ``start_failed``."""
 
     rid: int
     ticket: int | None  # the waiting request it serves first, which hears about an admission wait
     restore: bool = False
     wait: bool = True  # False: admitted only where it fits now (a warm-up of the pool's own)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Try to place the replica's GPU budget now; report ``placed``, or ``not_placed`` with the room seen."""
+
+    rid: int
+    need_gb: float
+    device: int | None  # only there (a hibernated worker's memory goes back where it was)
+    priority: str
+    waited_s: float
+    backfill: bool = False  # placed ahead of the head of the line: its lease is backfilled
+    once: bool = False  # a warm-up: placed only if it fits now with nobody waiting, never queued
+
+
+@dataclass(frozen=True)
+class Withdraw:
+    """The replica's wait for memory ends unplaced; report ``start_failed`` with the error ``reason`` names:
+    admission_timeout (waited admission_timeout_s), no_room (a warm-up), start_cancelled (called off)."""
+
+    rid: int
+    reason: str
+    waited_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """Spawn (or restore) the placed replica's process; report ``started`` or ``start_failed``."""
+
+    rid: int
+
+
+@dataclass(frozen=True)
+class Announce:
+    """An event for the events stream (``admission.backfilled``, ``admission.recalled``, ``request.aged``)."""
+
+    event: str
+    slug: str
+    fields: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,11 +151,15 @@ class Grant:
 
 @dataclass(frozen=True)
 class Recall:
-    """Take back the kept lease ``lease`` from the worker (its answer comes after any request in flight);
-    report ``recalled``."""
+    """Take back lease ``lease`` of the replica after at most the request in flight (the core's one rule for it:
+    ``Lifecycle.recall``). A kept lease is asked of its worker, which refuses it from then on and answers once any
+    request in flight is over: report ``recalled``. A backfilled session's lease (``client``) is asked of its
+    client, which gives it back (a ``released``) before its next request."""
 
     rid: int
     lease: int
+    why: str = ""
+    client: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,4 +202,5 @@ class Exit:
     why: str
 
 
-Action = Start | Stop | Ping | Hibernate | Recall | Grant | Refuse | Note | ReleaseBudget | Gone | Exit
+Action = (Start | Place | Withdraw | Spawn | Stop | Ping | Hibernate | Grant | Refuse | Recall | Note | ReleaseBudget
+          | Gone | Announce | Exit)

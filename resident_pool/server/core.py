@@ -8,21 +8,24 @@ a replica's state or a lease, so every rule can be tested with a fake clock.
 
 ``PoolState`` is the core's one face: it keeps the providers and the pool's own state
 (stopping, quiet, kept warm) and routes each event to the part that owns what it
-changes, replicas (``lifecycle``) or the waiting line and leases (``leases``); after
-any event, free replicas go to whoever waits.
+changes, replicas (``lifecycle``), the waiting line and leases (``leases``) or the
+starts waiting for GPU memory (``admitting``); after any event, free replicas go to
+whoever waits, and the GPU line is decided again.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .. import priority as order
 from ..errors import AdmissionTimeout, BreakerOpen, PoolStopping, ResidentPoolError, error_from_dict
-from .actions import Action, Exit, Refuse, Timings
+from .actions import Action, Announce, Exit, Policy, Refuse, Spawn, Timings, Withdraw
+from .admitting import Admitting
 from .breaker import Breaker
 from .leases import Leasing
-from .lifecycle import Lifecycle, eviction_candidate, replica_rows
+from .lifecycle import Lifecycle, replica_rows
 from .replica import Lease, Provider, Replica, Spec, Ticket
-from .states import StopCause
+from .states import ReplicaState, StopCause
 
 __all__ = ["PoolState", "breaker_error", "replica_timeout", "stopping_error"]
 
@@ -30,11 +33,13 @@ __all__ = ["PoolState", "breaker_error", "replica_timeout", "stopping_error"]
 class PoolState:
     """Providers and the pool's own state; every event about them, routed to the part that owns it."""
 
-    def __init__(self, timings: Timings, now: float = 0.0) -> None:
+    def __init__(self, timings: Timings, now: float = 0.0, policy: Policy | None = None) -> None:
         self.timings = timings
+        self.policy = policy or Policy()
         self.providers: dict[str, Provider] = {}
         self.lifecycle = Lifecycle(self.providers, timings)
-        self.leasing = Leasing(self.providers, self.lifecycle, timings)
+        self.leasing = Leasing(self.providers, self.lifecycle, timings, self.policy)
+        self.admitting = Admitting(self.providers, self.lifecycle, self.leasing, self.policy)
         self.stopping: str | None = None  # why the pool is stopping; None while it serves
         self.quiet_since = now
         self.last_keep_warm = now - timings.keep_warm_s
@@ -63,10 +68,11 @@ class PoolState:
         return not self.leases and all(r.state == "ready" for r in self.replicas.values())
 
     def _assign(self, now: float, key: str | None) -> list[Action]:
+        """After an event: free replicas of ``key`` go to whoever waits, then the GPU line is decided again."""
         provider = self.providers.get(key) if key is not None else None
-        if provider is None or self.stopping:
-            return []
-        return self.leasing.assign(now, provider)
+        actions = [] if provider is None or self.stopping else self.leasing.assign(now, provider,
+                                                                                   self.admitting.claims)
+        return actions + self.admitting.decide(now)
 
     def _key(self, rid: int) -> str | None:
         replica = self.lifecycle.replicas.get(rid)
@@ -93,14 +99,14 @@ class PoolState:
         return actions + self._assign(now, key)
 
     # -- waiting and leases ----------------------------------------------------------------------------
-    def acquire(self, now: float, key: str, connection: int, holder: dict[str, str], keep: bool = False
-                ) -> tuple[int, list[Action]]:
-        """A client asks for a replica of ``key``: a ticket, answered by a Grant or a Refuse action.
+    def acquire(self, now: float, key: str, connection: int, holder: dict[str, str],
+                priority: str = order.DEFAULT, keep: bool = False) -> tuple[int, list[Action]]:
+        """A client asks for a replica of ``key`` in class ``priority``: a ticket, answered by a Grant or a Refuse.
 
         ``keep`` (Pool.predict): the client keeps the lease between calls; it counts as idle while no request
         runs, and is recalled when another client waits, admission needs the memory, or the worker retires."""
         provider = self.providers[key]
-        ticket = self.leasing.new_ticket(now, provider, connection, holder, keep)
+        ticket = self.leasing.new_ticket(now, provider, connection, holder, priority, keep)
         if self.stopping:
             return ticket.id, [Refuse(ticket.id, stopping_error())]
         if provider.breaker.is_open(provider.fingerprint, now):
@@ -135,6 +141,47 @@ class PoolState:
         return actions + [a for key in sorted(touched) for a in self._assign(now, key)]
 
     # -- what the runtime saw of a replica ----------------------------------------------------------------
+    def prepared(self, now: float, rid: int, need_gb: float | None, device: int | None = None,
+                 wait: bool = True) -> list[Action]:
+        """A start is ready to spawn, once its ``need_gb`` of GPU memory (None: none) is placed."""
+        replica = self.replica(rid)
+        if replica is None or replica.state is not ReplicaState.STARTING:
+            return []
+        if replica.abort is not None:
+            return [Withdraw(rid, "start_cancelled")]
+        if need_gb is None:
+            self.lifecycle.admitted(now, rid, None)
+            return [Spawn(rid)]
+        return self.admitting.enter(now, replica, need_gb, device, wait)
+
+    def placed(self, now: float, rid: int, device: int, backfilled: bool = False) -> list[Action]:
+        """Its budget is in the ledger on ``device`` (ahead of the head of the line if ``backfilled``)."""
+        self.admitting.placed(now, rid)
+        replica = self.replica(rid)
+        if replica is None or replica.state is not ReplicaState.STARTING:
+            return self.admitting.decide(now)  # ended meanwhile: its Gone gives the budget back
+        self.lifecycle.admitted(now, rid, str(device), backfilled)
+        actions: list[Action] = []
+        if backfilled:
+            head = self.admitting.in_order(now)[:1]
+            actions.append(Announce("admission.backfilled", self.providers[replica.key].slug, (
+                ("replica", replica.index), ("device", device), ("budget_gb", replica.budget_gb),
+                ("ahead_of", self.providers[head[0].key].slug if head else None))))
+        actions.append(Withdraw(rid, "start_cancelled") if replica.abort is not None else Spawn(rid))
+        return actions + self.admitting.decide(now)
+
+    def not_placed(self, now: float, rid: int, rooms: dict[int, float]) -> list[Action]:
+        """A placement found no room: ``rooms`` is the room per device it read."""
+        return self.admitting.not_placed(now, rid, rooms)
+
+    def memory_freed(self, now: float) -> list[Action]:
+        """A budget went back to the ledger (or another pool's did, the host service says)."""
+        return self.admitting.freed(now)
+
+    def recall(self, now: float, rid: int, why: str) -> list[Action]:
+        """The host admission service wants a backfilled worker's memory back for another pool's request."""
+        return self.admitting.recall(now, rid, why)
+
     def admitted(self, now: float, rid: int, device: str | None) -> list[Action]:
         return self.lifecycle.admitted(now, rid, device)
 
@@ -151,6 +198,8 @@ class PoolState:
     def start_failed(self, now: float, rid: int, error: ResidentPoolError) -> list[Action]:
         """The start ended without a worker: the request it was for hears why; an open breaker refuses the rest."""
         key = self._key(rid)
+        self.admitting.leave(rid)
+        self.admitting.giving_back(self.replica(rid))
         actions, error, ticket = self.lifecycle.start_failed(now, rid, error, self.stopping is not None)
         if key is None:
             return actions
@@ -171,10 +220,12 @@ class PoolState:
 
     def hibernated(self, now: float, rid: int, ok: bool, why: str) -> list[Action]:
         key = self._key(rid)
+        self.admitting.giving_back(self.replica(rid) if ok else None)
         return self.lifecycle.hibernated(now, rid, ok, why) + self._assign(now, key)
 
     def stopped(self, now: float, rid: int, failure: str | None = None) -> list[Action]:
         key = self._key(rid)
+        self.admitting.giving_back(self.replica(rid))
         actions = self.lifecycle.stopped(now, rid, failure)
         if rid not in self.replicas:
             self.leasing.drop_kept(rid)
@@ -213,9 +264,13 @@ class PoolState:
         return actions + self.stop(now, None, at_once, f"the pool is stopping ({why})", StopCause.POOL_STOPPING)[1]
 
     def eviction_candidate(self, skip: frozenset[int] = frozenset()) -> tuple[int, bool, dict[int, float]] | None:
-        return eviction_candidate(self.lifecycle, skip)
+        """The idle replica the GPU line would evict first (its order: ``Admitting.evictable``; ``skip``: replicas
+        known busy): its id, whether it is kept warm, and the budgets every idle kept-warm replica holds, per
+        device."""
+        return self.admitting.candidate(skip)
 
     def evict(self, now: float, rid: int, needed_gb: float) -> list[Action]:
+        """Make room for ``needed_gb``: the idle replica ``rid`` is evicted (a kept lease's once it is back)."""
         return self.lifecycle.evict(now, rid, needed_gb)
 
     def warm(self, now: float, key: str, replicas: int, wait: bool = True) -> tuple[list[int], list[Action]]:
@@ -230,15 +285,19 @@ class PoolState:
         return [s.rid for s in starts], list(starts)
 
     # -- time passes ------------------------------------------------------------------------------------------
-    def tick(self, now: float, connections: int = 0, admission_waiting: bool = False) -> list[Action]:
-        """Idle retirement, liveness pings, overdue reports, waits past their limit, quiet exit, kept warm."""
+    def tick(self, now: float, connections: int = 0) -> list[Action]:
+        """Idle retirement, liveness pings, overdue reports, waits past their limit, ageing, the GPU line read
+        again, quiet exit, kept warm."""
         actions: list[Action] = []
         for replica in list(self.replicas.values()):
             actions += self.lifecycle.tick(now, replica)
         for provider, ticket in self.leasing.expired(now):
             actions += self.leasing.refuse(provider, ticket.id, replica_timeout(provider, now - ticket.arrived))
+        actions += self.leasing.aged(now)
+        actions += self.admitting.tick(now)
         for key in [key for key, provider in self.providers.items() if provider.queue]:
             actions += self._assign(now, key)  # what could not be done for them earlier (a recall not sent)
+        admission_waiting = bool(self.admitting.line)
         if connections or self.replicas:
             self.quiet_since = now
         elif 0 < self.timings.quiet_exit_s <= now - self.quiet_since and not self.stopping:
@@ -258,11 +317,17 @@ class PoolState:
             "providers": {key: {
                 "slug": p.slug, "version": p.version, "fingerprint": p.fingerprint, "starts": p.starts,
                 "last_error": p.last_error, "breaker": p.breaker.snapshot(now), "variant": p.variant,
-                "waiting": [{"ticket": t.id, "holder": t.holder, "waited_s": round(now - t.arrived, 3)}
-                            for t in p.queue],
+                "waiting": [{"ticket": t.id, "holder": t.holder, "waited_s": round(now - t.arrived, 3),
+                             "priority": t.priority, "asked": t.asked,
+                             "ranks_as": order.CLASSES[order.effective(t.priority, now - t.arrived,
+                                                                       self.policy.aging_s)]}
+                            for t in self.leasing.in_order(now, p)],
                 "min_replicas": p.spec.min_replicas, "max_replicas": p.spec.max_replicas,
             } for key, p in self.providers.items()},
             "replicas": replica_rows(self.lifecycle, now, self.leases),
+            "gpu_line": self.admitting.rows(now),
+            "policy": {"aging_s": self.policy.aging_s, "backfill": self.policy.backfill,
+                       "classes": list(self.policy.classes)},
         }
 
 

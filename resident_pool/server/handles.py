@@ -28,6 +28,10 @@ class Worker:
     admitter: Any = None  # what admitted its budget, told when it is gone
     hibernation: Hibernation | None = None
     stopped_on_purpose: bool = False
+    env: dict[str, str] | None = None  # what admission gave it (CUDA_VISIBLE_DEVICES)
+    asked: float = 0.0  # when its start began to wait for memory (monotonic)
+    reported: float = 0.0  # when its client last heard what the wait is for
+    waits_for: str | None = None  # the last placement's words for what it waits for
 
     # Admission and the ledger know a worker by slug, replica number, budget and pid.
     @property
@@ -54,3 +58,5 @@ class Waiter:
     event: threading.Event
     progress: Callable[[dict[str, Any]], None] | None
     answer: c.Grant | c.Refuse | None = None
+    tell: Callable[[dict[str, Any]], None] | None = None  # a line to its connection (a recall of its lease)
+    connection: int | None = None

@@ -1,15 +1,19 @@
 """The decision core's waiting line and leases: who waits for a replica, in which order, and who holds one.
 
 It owns the tickets (requests waiting for a replica), each provider's queue of them, and
-the leases; the replicas themselves move only through ``lifecycle.Lifecycle``.
+the leases; the replicas themselves move only through ``lifecycle.Lifecycle``. The order
+is ``priority.in_order``'s (class, first come first served within one, ageing), the same
+the GPU line (``admitting``) and the host admission service keep.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
+from .. import priority as order
 from ..errors import ResidentPoolError
-from .actions import Action, Grant, Refuse, Timings
+from .actions import Action, Announce, Grant, Policy, Refuse, Timings
 from .lifecycle import Lifecycle
 from .replica import Lease, Provider, Replica, Ticket
 from .states import ReplicaState
@@ -24,30 +28,59 @@ FIRST_USE_S = 2.0
 class Leasing:
     """Tickets in line per provider, and the leases that end their wait."""
 
-    def __init__(self, providers: dict[str, Provider], lifecycle: Lifecycle, timings: Timings) -> None:
+    def __init__(self, providers: dict[str, Provider], lifecycle: Lifecycle, timings: Timings,
+                 policy: Policy | None = None) -> None:
         self.providers = providers  # the core's registry; this class owns each provider's ``queue``
         self.lifecycle = lifecycle
         self.timings = timings
+        self.policy = policy or Policy()
         self.tickets: dict[int, Ticket] = {}
         self.leases: dict[int, Lease] = {}
         self._ids = itertools.count(1)
 
     def new_ticket(self, now: float, provider: Provider, connection: int, holder: dict[str, str],
-                   keep: bool = False) -> Ticket:
+                   priority: str = order.DEFAULT, keep: bool = False) -> Ticket:
+        """A request in class ``priority``, capped to the classes this pool may claim (``Policy.classes``);
+        ``keep``: Pool.predict's, kept between calls."""
+        granted = order.cap(priority, self.policy.classes)
         return Ticket(next(self._ids), provider.key, connection, holder, now, now + provider.spec.admission_timeout_s,
-                      keep)
+                      keep, priority=granted, asked=priority, rank=order.rank(granted))
 
     def wait(self, ticket: Ticket) -> None:
-        """Put ``ticket`` in its provider's line (served in arrival order)."""
+        """Put ``ticket`` in its provider's line (``in_order`` says where)."""
         self.tickets[ticket.id] = ticket
         self.providers[ticket.key].queue.append(ticket)
 
-    def assign(self, now: float, provider: Provider) -> list[Action]:
-        """Hand free replicas to waiting requests in order; start (or restore) more where they may."""
+    def in_order(self, now: float, provider: Provider) -> list[Ticket]:
+        """``provider``'s waiting requests in the order they are served: class, then arrival, with ageing."""
+        provider.queue[:] = order.in_order(provider.queue, now, self.policy.aging_s, lambda t: t.priority,
+                                           lambda t: t.arrived)
+        return provider.queue
+
+    def aged(self, now: float) -> list[Action]:
+        """Announce each waiting request that ageing raised a class since it was last looked at."""
         actions: list[Action] = []
+        for ticket in self.tickets.values():
+            now_rank = order.effective(ticket.priority, now - ticket.arrived, self.policy.aging_s)
+            if now_rank < ticket.rank:
+                ticket.rank = now_rank
+                actions.append(Announce("request.aged", self.providers[ticket.key].slug, (
+                    ("ticket", ticket.id), ("priority", ticket.priority), ("ranks_as", order.CLASSES[now_rank]),
+                    ("waited_s", round(now - ticket.arrived, 3)))))
+        return actions
+
+    def assign(self, now: float, provider: Provider,
+               claimed: Callable[[float, Replica, Ticket], bool] | None = None) -> list[Action]:
+        """Hand free replicas to waiting requests in order; start (or restore) more where they may.
+
+        ``claimed(now, replica, ticket)``: True when a request that ranks before ``ticket`` waits for the
+        memory ``replica`` holds (the GPU line's head): the replica is not handed out, and is evicted for it.
+        """
+        actions: list[Action] = []
+        self.in_order(now, provider)
         while provider.queue:
             free = self._first(provider, R.READY)
-            if free is None:
+            if free is None or (claimed is not None and claimed(now, free, provider.queue[0])):
                 break
             actions.append(self._lease(now, provider.queue.pop(0), free))
         for ticket in provider.queue[self._coming(provider):]:
@@ -57,7 +90,7 @@ class Leasing:
             elif self.lifecycle.live(provider) < provider.spec.max_replicas:
                 actions.append(self.lifecycle.start(now, provider, ticket.id))
             elif (kept := self._first_kept(now, provider)) is not None:
-                actions += self.lifecycle.recall(now, kept)  # a kept lease is idle between calls: it yields
+                actions += self.lifecycle.recall(now, kept, "another client waits for it")  # idle between calls
             else:
                 break
         return actions
@@ -68,25 +101,29 @@ class Leasing:
         return min(found, key=lambda r: r.index) if found else None
 
     def _coming(self, provider: Provider) -> int:
-        """Replicas that will serve soon: starting, answering a liveness ping, or a kept lease being recalled."""
+        """Replicas that will serve soon: starting, answering a liveness ping, or a lease being recalled (not one
+        recalled for its memory: that one is evicted once it is back)."""
         return sum(1 for r in provider.replicas.values()
-                   if (r.state in (R.STARTING, R.CHECKING) or r.recalling) and r.abort is None
+                   if (r.state in (R.STARTING, R.CHECKING) or (r.recalling and r.evict_for is None))
+                   and r.abort is None
                    and self.lifecycle.serves_new_requests(r))
 
-    def _first_kept(self, now: float, provider: Provider) -> Replica | None:
-        """The kept lease used least recently, not already being recalled, that its holder has used (or has
-        held a moment without): a lease just granted is not taken back before it served its one request."""
-        def used(replica: Replica) -> bool:
-            lease = self.leases.get(replica.lease) if replica.lease is not None else None
-            return lease is not None and (lease.noticed > 0 or now - lease.since >= FIRST_USE_S)
+    def in_first_use(self, now: float, replica: Replica) -> bool:
+        """A kept lease just granted, that its holder has not used yet (nor held a moment without): it is not
+        taken back, for a waiting client or for admission, before it served its one request."""
+        lease = self.leases.get(replica.lease) if replica.kept and replica.lease is not None else None
+        return lease is not None and lease.noticed == 0 and now - lease.since < FIRST_USE_S
 
-        kept = [r for r in provider.replicas.values()
-                if r.kept and not r.recalling and self.lifecycle.serves_new_requests(r) and used(r)]
+    def _first_kept(self, now: float, provider: Provider) -> Replica | None:
+        """The kept lease used least recently, not already being recalled nor in its first use."""
+        kept = [r for r in provider.replicas.values() if r.kept and not r.recalling
+                and self.lifecycle.serves_new_requests(r) and not self.in_first_use(now, r)]
         return min(kept, key=lambda r: (r.last_used, r.index)) if kept else None
 
     def _lease(self, now: float, ticket: Ticket, replica: Replica) -> Grant:
         self.tickets.pop(ticket.id, None)
-        lease = Lease(next(self._ids), replica.rid, ticket.connection, ticket.holder, now)
+        lease = Lease(next(self._ids), replica.rid, ticket.connection, ticket.holder, now,
+                      priority=ticket.priority, backfilled=replica.backfilled)
         cold, lease.kept = self.lifecycle.lease(replica, lease.id, ticket.keep)
         self.leases[lease.id] = lease
         return Grant(ticket.id, lease.id, replica.rid, cold, lease.kept)
@@ -126,6 +163,8 @@ class Leasing:
         replica = self.lifecycle.replicas.get(lease.rid)
         if replica is None or replica.lease != lease_id:
             return []  # it ended meanwhile (a stop --now, a death seen between requests)
+        if outcome == "ok" and replica.recalling:  # given back on a recall (by its client, before the worker's
+            return self.lifecycle.recalled(now, replica, 0.0, served)  # answer to one): made room for if asked
         self.lifecycle.unlease(now, replica, served)
         if outcome == "ok":
             return self.lifecycle.free(now, replica)
@@ -147,7 +186,7 @@ class Leasing:
 
     def recalled(self, now: float, lease_id: int, idle_s: float, served: int | None,
                  failure: str | None = None) -> tuple[str | None, list[Action]]:
-        """A kept lease is back from its worker (``served``: requests it served on it, by its own count): the
+        """A recalled lease is back from its worker (``served``: requests it served on it, by its own count): the
         lease ends, and its replica is free. ``failure``: the pool could not send the recall; the lease stays."""
         lease = self.leases.get(lease_id)
         replica = self.lifecycle.replicas.get(lease.rid) if lease is not None else None
@@ -164,6 +203,19 @@ class Leasing:
         again); a session's lease stays until its client releases it and hears how the worker ended."""
         for lease in [lease for lease in self.leases.values() if lease.rid == rid and lease.kept]:
             del self.leases[lease.id]
+
+    def recall(self, now: float, lease_id: int, why: str, evict_for: float | None = None) -> list[Action]:
+        """Take lease ``lease_id`` back for admission (the GPU line's head, or the host admission service):
+        ``Lifecycle.recall``'s one rule says whether it may be and how; a backfilled one is announced."""
+        lease = self.leases.get(lease_id)
+        replica = self.lifecycle.replicas.get(lease.rid) if lease is not None else None
+        if lease is None or replica is None or replica.lease != lease_id:
+            return []
+        actions = self.lifecycle.recall(now, replica, why, evict_for, backfilled=lease.backfilled)
+        if actions and lease.backfilled:
+            actions.append(Announce("admission.recalled", self.providers[replica.key].slug,
+                                    (("replica", replica.index), ("lease", lease.id), ("why", why))))
+        return actions
 
     def connection_closed(self, now: float, connection: int) -> tuple[set[str], list[Action]]:
         """A client went away (a killed flow run): each wait it had is dropped, each lease abandoned."""

@@ -17,13 +17,13 @@ from .drains import Drains
 from .replica import Provider, Replica
 from .states import ReplicaState, StopCause
 
-__all__ = ["NOT_THE_PROVIDERS_FAULT", "STOP_ATTEMPTS", "Lifecycle", "eviction_candidate", "replica_rows"]
+__all__ = ["NOT_THE_PROVIDERS_FAULT", "STOP_ATTEMPTS", "Lifecycle", "replica_rows"]
 
 R = ReplicaState
 # Start failures that say nothing about the provider (its client left, the card was full, the start was
 # called off): they never count toward its breaker, or a busy card would fail every task of a campaign.
 NOT_THE_PROVIDERS_FAULT = frozenset({"client_gone", "no_room", "admission_timeout", "start_cancelled",
-                                     "pool_stopping", "pool_error"})
+                                     "pool_stopping", "pool_error", "admission_service_down"})
 STOP_ATTEMPTS = 3  # a stop that fails is tried again, with SIGKILL, this many times in all
 # What a replica waits for in each transitional state: its overdue note names it.
 _PENDING = {R.STARTING: "its start", R.CHECKING: "its liveness ping", R.HIBERNATING: "its hibernation",
@@ -95,17 +95,23 @@ class Lifecycle:
         """Its kept lease served ``served`` more requests (the client says so now and then): idle from now."""
         replica.last_used, replica.served = now, replica.served + served
 
-    def recall(self, now: float, replica: Replica) -> list[Action]:
-        """Take back a kept lease: its worker refuses later requests on it, and answers once any request in
-        flight is over; the replica is free then (``recalled``)."""
-        if not replica.kept or replica.recalling or replica.lease is None:
+    def recall(self, now: float, replica: Replica, why: str = "", evict_for: float | None = None,
+               backfilled: bool = False) -> list[Action]:
+        """The one rule for taking a lease back, after at most the request in flight, whoever asks (a waiting
+        client, admission, a drain, idleness, the host service): only a kept lease (asked of its worker) or a
+        ``backfilled`` one (its lease's mark; asked of its client) ever is. ``evict_for``: GB admission needs."""
+        if replica.lease is None or replica.recalling or not (replica.kept or backfilled):
             return []
         replica.recalling = True
-        replica.deadline = now + self.providers[replica.key].spec.request_timeout_s + self.timings.report_margin_s
-        return [Recall(replica.rid, replica.lease)]
+        if evict_for is not None:
+            replica.evict_for = evict_for
+        if replica.kept:  # its worker answers within a request's time: past that, it is overdue
+            spec = self.providers[replica.key].spec
+            replica.deadline = now + spec.request_timeout_s + self.timings.report_margin_s
+        return [Recall(replica.rid, replica.lease, why, client=not replica.kept)]
 
     def recalled(self, now: float, replica: Replica, idle_s: float, served: int) -> list[Action]:
-        """A kept lease came back (``served``: requests the pool had not heard of): the replica is free, or
+        """A recalled lease came back (``served``: requests the pool had not heard of): the replica is free, or
         ends, or makes room for admission. The worker's own word on how long it has been idle counts here,
         not the client's notices: a request that ran long was no idle time, and does not retire it."""
         needed, idle_check = replica.evict_for, replica.idle_check
@@ -123,7 +129,7 @@ class Lifecycle:
     def recall_failed(self, now: float, replica: Replica, failure: str) -> list[Action]:
         """The pool could not send a recall (its own failure, EMFILE): the lease stays, the next look tries again."""
         replica.recalling, replica.deadline, replica.evict_for = False, None, None
-        return [Note(replica.rid, f"the pool could not recall its kept lease ({failure}); not its fault")]
+        return [Note(replica.rid, f"the pool could not recall its lease ({failure}); not its fault")]
 
     def unlease(self, now: float, replica: Replica, served: int) -> None:
         """Its lease ended, after ``served`` requests: idle time counts from now."""
@@ -131,12 +137,19 @@ class Lifecycle:
         replica.kept = replica.recalling = replica.checking = replica.idle_check = False
         replica.evict_for = None
 
-    def admitted(self, now: float, rid: int, device: str | None) -> list[Action]:
-        """Admission placed the replica's budget (on ``device``; None where it holds no GPU budget)."""
+    def admitted(self, now: float, rid: int, device: str | None, backfilled: bool = False) -> list[Action]:
+        """Admission placed the replica's budget (on ``device``; None where it holds no GPU budget), ahead of a
+        waiting request if ``backfilled``."""
         replica = self.replicas.get(rid)
         if replica is not None and replica.state is R.STARTING:
             replica.device, replica.admitted = device, replica.budget_gb is not None and device is not None
+            replica.backfilled = backfilled and replica.admitted
         return []
+
+    def settle_backfill(self) -> None:
+        """Nobody waits for memory any more: no worker holds memory ahead of anyone."""
+        for replica in self.replicas.values():
+            replica.backfilled = False
 
     def spawned(self, now: float, rid: int, pid: int) -> list[Action]:
         if (replica := self.replicas.get(rid)) is not None and replica.state is R.STARTING:
@@ -346,7 +359,7 @@ class Lifecycle:
         if state is R.READY or (at_once and state in (R.LEASED, R.DRAINING, R.CHECKING)):
             return self.end(now, replica, cause, why, kill=at_once)
         if state is R.LEASED and replica.kept:
-            return self.recall(now, replica)  # idle between calls: taken back after at most one request
+            return self.recall(now, replica, why)  # idle between calls: taken back after at most one request
         if state is R.LEASED:
             replica.transition(R.DRAINING, f"{why}; its lease finishes first")
         elif state is R.STARTING and at_once:
@@ -355,15 +368,15 @@ class Lifecycle:
         return []
 
     # -- eviction --------------------------------------------------------------------------------------
-    def evict(self, now: float, rid: int, needed_gb: float) -> list[Action]:
-        """Make room for a worker needing ``needed_gb``: stop (or hibernate) the idle replica ``rid``."""
+    def evict(self, now: float, rid: int, needed_gb: float, why: str | None = None) -> list[Action]:
+        """Make room for a worker needing ``needed_gb``: stop (or hibernate) the idle replica ``rid`` (a kept
+        lease's is idle between calls: the lease is recalled first, and it is evicted once that is back)."""
         replica = self.replicas.get(rid)
         if replica is not None and replica.kept and not replica.recalling:
-            replica.evict_for = needed_gb  # its kept lease first: it is evicted once that is back
-            return self.recall(now, replica)
+            return self.recall(now, replica, why or f"admission needs {needed_gb:g} GB", evict_for=needed_gb)
         if replica is None or replica.state is not R.READY:
             return []  # leased or stopped meanwhile: admission looks again
-        why = f"evicted (idle) to make room for a worker needing {needed_gb:g} GB"
+        why = why or f"evicted (idle) to make room for a worker needing {needed_gb:g} GB"
         if self.providers[replica.key].spec.evict == "hibernate":
             replica.transition(R.HIBERNATING, why)
             replica.deadline = now + self.timings.hibernate_overdue_s
@@ -389,7 +402,7 @@ class Lifecycle:
                 # Its client has not said it used it for that long: taken back, and it retires if its worker
                 # says it was idle that long too (a single long request is no idle time).
                 replica.idle_check = True
-                return self.recall(now, replica)
+                return self.recall(now, replica, "its client has not used it for idle_timeout_s")
             if now - replica.last_checked >= spec.ping_interval_s:  # alive between calls too: it answers
                 replica.checking = True
                 replica.deadline = now + self.timings.liveness_timeout_s + self.timings.report_margin_s
@@ -427,25 +440,9 @@ def replica_rows(lifecycle: Lifecycle, now: float, leases: dict[int, Any]) -> li
         "state": r.state.value, "version": r.version, "current": r.version == providers[r.key].version,
         "pid": r.pid, "device": r.device, "budget_gb": r.budget_gb, "served": r.served,
         "idle_s": round(r.idle_s(now), 1), "retiring": r.retire[1] if r.retire else None,
-        "last_error": r.last_error, "kept_warm": lifecycle.kept_warm(r),
+        "last_error": r.last_error, "kept_warm": lifecycle.kept_warm(r), "backfilled": r.backfilled,
         "lease": None if r.lease is None or r.lease not in leases else {
             "id": r.lease, "holder": leases[r.lease].holder, "age_s": round(now - leases[r.lease].since, 1),
-            "kept": r.kept, "recalling": r.recalling},
+            "kept": r.kept, "recalling": r.recalling, "priority": leases[r.lease].priority,
+            "backfilled": leases[r.lease].backfilled},
     } for r in sorted(lifecycle.replicas.values(), key=lambda r: (r.key, r.index))]
-
-
-def eviction_candidate(lifecycle: Lifecycle, skip: frozenset[int] = frozenset()
-                       ) -> tuple[int, bool, dict[int, float]] | None:
-    """The idle replica admission may evict first (least recently used; kept-warm ones last): its id,
-    whether it is kept warm, and the budgets every idle kept-warm replica holds, per device. ``skip``: replicas
-    the runtime found busy (a request running on a kept lease)."""
-    idle = [(lifecycle.kept_warm(r), r.last_used, r.rid, r) for r in lifecycle.replicas.values()
-            if r.admitted and r.rid not in skip and (r.state is R.READY or (r.kept and not r.recalling))]
-    if not idle:
-        return None
-    kept, _, rid, _ = min(idle, key=lambda item: item[:3])
-    freed: dict[int, float] = {}
-    for is_kept, _, _, replica in idle:
-        if is_kept and replica.device is not None and replica.device.isdigit() and replica.budget_gb:
-            freed[int(replica.device)] = freed.get(int(replica.device), 0.0) + replica.budget_gb
-    return rid, kept, freed

@@ -218,8 +218,11 @@ class Observer:
             prune_transcripts(paths.log_dir(), slug, self.transcripts_keep, self.transcripts_max_bytes, live)
 
     # -- hooks the runtime calls ---------------------------------------------------------------------
-    def on_admission(self, slug: str, waited_s: float) -> None:
-        self.metrics.admission_wait.labels(slug).observe(waited_s)
+    def on_admission(self, slug: str, priority: str, waited_s: float) -> None:
+        self.metrics.admission_wait.labels(slug, priority).observe(waited_s)
+
+    def on_lease(self, priority: str, waited_s: float) -> None:
+        self.metrics.lease_wait.labels(priority).observe(waited_s)
 
     def on_started(self, worker: Any, start_s: float) -> None:
         slug = worker.loaded.slug

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..admission import Admission, Ledger
+from ..admission.remote import connect_service
 from ..errors import ResidentPoolError
 from ..host import paths
 from ..messages import Acquire, LeaseGrant, Release, StopWorkers, Used, Warm
@@ -28,7 +29,7 @@ from ..providers.zygote import Zygotes
 from ..settings import Settings, settings
 from ..version import __version__
 from . import actions as c
-from .actions import Timings
+from .actions import Policy, Timings
 from .core import PoolState, stopping_error
 from .handles import Waiter
 from .lifecycle import STOP_ATTEMPTS
@@ -38,9 +39,18 @@ from .runtime import Runtime
 from .states import ReplicaState
 from .wire import Connection, Wire
 
-__all__ = ["PoolServer", "timings_from"]
+__all__ = ["PoolServer", "policy_from", "timings_from"]
 
 log = logging.getLogger("resident_pool.pool")
+
+
+def policy_from(config: Settings, service: dict[str, Any] | None = None) -> Policy:
+    """The admission rules as the settings say; where the host admission service is in force, its own (``service``:
+    its hello), so this pool orders its requests as the service orders every user's."""
+    if service:
+        return Policy(aging_s=float(service["aging_s"]), backfill=bool(service["backfill"]),
+                      classes=tuple(service["classes"]) or Policy().classes, poll_s=min(config.tick_s, 0.25))
+    return Policy(aging_s=config.aging_s, backfill=config.backfill, poll_s=min(config.tick_s, 0.25))
 
 
 def timings_from(config: Settings, quiet_exit_s: float | None = None) -> Timings:
@@ -66,17 +76,20 @@ class PoolServer:
         self._last_beat = 0.0
         self.ledger = Ledger(paths.ledger_path(self.state_dir), audit=config.ledger_audit)
         self.registry = Registry(self.manifests)
-        self.core = PoolState(self.timings, time.monotonic())
-        # The runtime that evicts and retires is made below, with these: a lambda reaches it once it is there.
-        self.admission = Admission(self.ledger, evict=lambda gb: self.runtime.evict(gb),  # noqa: PLW0108
-                                   headroom_gb=config.gpu_headroom_gb, holder_of=self._holder_of)
+        # The runtime the host admission service wakes is made below: a lambda reaches it once it is there.
+        self.service = connect_service(config, on_wake=lambda: self.runtime.event("memory_freed"),
+                                       on_recall=lambda slug, index, why: self.runtime.recall_worker(  # noqa: PLW0108
+                                           slug, index, why))
+        self.core = PoolState(self.timings, time.monotonic(),
+                              policy_from(config, self.service.info if self.service is not None else None))
+        self.admission = Admission(self.ledger, headroom_gb=config.gpu_headroom_gb, holder_of=self._holder_of,
+                                   service=self.service)
         self.zygotes = Zygotes()  # fork servers, one per provider environment that declares a preload
         self.hibernator = Hibernator(CudaCheckpoint(config.libcuda))  # for [lifecycle] evict = "hibernate"
         self.jit_sizes = JitSizes()
         self.observer = Observer(config, self.manifests, self.socket_path, self._snapshot,
                                  lambda rid, cause, why: self.runtime.retire(rid, cause, why),  # noqa: PLW0108
-                                 self.admission.waiting,
-                                 self.finished)
+                                 self._gpu_line, self.finished)
         self.runtime = Runtime(self.core, self.registry, self.admission, self.zygotes, self.hibernator,
                                self.state_dir, self.observer, config.kill_grace_s)
         self.runtime.on_exit = self.begin_stop
@@ -215,9 +228,11 @@ class PoolServer:
         if self.draining:
             raise stopping_error()
         key = self._provider(ask.slug, ask.manifests, ask.variant)
-        waiter = Waiter(threading.Event(), connection.progress)
+        asked = time.monotonic()
+        waiter = Waiter(threading.Event(), connection.progress, tell=connection.tell, connection=connection.id)
         with self.runtime.lock:
-            ticket, actions = self.core.acquire(time.monotonic(), key, connection.id, ask.holder or {}, ask.keep)
+            ticket, actions = self.core.acquire(time.monotonic(), key, connection.id, ask.holder or {}, ask.priority,
+                                                ask.keep)
             self.runtime.waiters[ticket] = waiter
             later = self.runtime.settle(actions)
         self.runtime.carry_out(later)
@@ -234,7 +249,9 @@ class PoolServer:
         if isinstance(answer, c.Refuse):
             raise answer.error
         assert isinstance(answer, c.Grant)
-        return self.runtime.grant(answer, key)
+        grant = self.runtime.grant(answer, key)
+        self.observer.on_lease(grant.priority, time.monotonic() - asked)
+        return grant
 
     def _op_release(self, message: dict[str, Any], connection: Connection) -> dict[str, Any] | None:
         release = Release.parse(message)
@@ -259,6 +276,7 @@ class PoolServer:
 
     def _closed(self, connection: Connection) -> None:
         self.runtime.event("connection_closed", connection.id)
+        self.runtime.forget_connection(connection.id)
 
     def stop(self, slug: str | None, now: bool = False, why: str = "stopped by `resident-pool stop`") -> list[str]:
         """Stop ``slug``'s replicas (every provider's when None): leased ones drain first, up to drain_grace_s."""
@@ -305,21 +323,60 @@ class PoolServer:
                 return describe_holder(row["lease"]["holder"])
         return None
 
-    def waiting(self) -> list[dict[str, Any]]:
-        queued = self.admission.waiting()
-        for entry in queued:
-            entry["holder"] = self._holder_of(entry["slug"], entry["replica"])
+    def _gpu_line(self) -> list[dict[str, Any]]:
         state, _ = self._snapshot()
+        return [{**row, "slug": row["key"]} for row in state["gpu_line"]]
+
+    def waiting(self) -> list[dict[str, Any]]:
+        """Every waiting request in the order it is served: for GPU memory (the GPU line), then for a free
+        replica, each with its class, age, need and what it waits for (memory held by whom, in which lease)."""
+        state, workers = self._snapshot()
+        queued = []
+        held = [_held_line(row) for row in state["replicas"] if row["budget_gb"] and row["device"] is not None]
+        for row in state["gpu_line"]:
+            worker = workers.get(row["rid"])
+            ticket = self._ticket_holder(state, row["key"], row["ticket"])
+            queued.append({"slug": row["key"], "replica": row["replica"], "for": "GPU memory",
+                           "position": row["position"], "priority": row["priority"], "ranks_as": row["ranks_as"],
+                           "age_s": row["age_s"], "waited_s": row["waited_s"], "needs_gb": row["needs_gb"],
+                           "holder": ticket, "waits_for": (worker.waits_for if worker is not None else None)
+                           or ("its placement is being tried" if row["placing"] else "its turn"),
+                           "held": held})
         for key, provider in state["providers"].items():
-            if provider["waiting"]:
-                queued.append({"slug": key, "for": "a free replica", "count": len(provider["waiting"]),
-                               "holders": [describe_holder(t["holder"]) for t in provider["waiting"] if t["holder"]]})
+            busy = [f"{row['key']}[{row['replica']}] {row['state']}" + (
+                f" (lease {row['lease']['id']}: {describe_holder(row['lease']['holder']) or 'a client'})"
+                if row["lease"] else "") for row in state["replicas"] if row["key"] == key]
+            for position, ticket in enumerate(provider["waiting"]):
+                queued.append({"slug": key, "for": "a free replica", "position": position,
+                               "priority": ticket["priority"], "asked": ticket["asked"],
+                               "ranks_as": ticket["ranks_as"], "age_s": ticket["waited_s"],
+                               "holder": describe_holder(ticket["holder"]) if ticket["holder"] else None,
+                               "waits_for": f"max_replicas = {provider['max_replicas']}; " + ("; ".join(busy)
+                                                                                              or "a start")})
         return queued
+
+    @staticmethod
+    def _ticket_holder(state: dict[str, Any], key: str, ticket: int | None) -> str | None:
+        for waiting in state["providers"].get(key, {}).get("waiting", []):
+            if waiting["ticket"] == ticket and waiting["holder"]:
+                return describe_holder(waiting["holder"])
+        return None
 
     def status(self) -> dict[str, Any]:
         from .status import build_status
 
         return build_status(self)
+
+
+def _held_line(row: dict[str, Any]) -> str:
+    """``a6[0] 6 GB on GPU 0, leased (lease 4, flow run 'x'), backfilled``."""
+    lease = row["lease"]
+    text = f"{row['key']}[{row['replica']}] {row['budget_gb']:g} GB on GPU {row['device']}, {row['state']}"
+    if lease:
+        text += f" (lease {lease['id']}, {lease['priority']}" + (
+            f", {describe_holder(lease['holder'])}" if lease["holder"] else "") + (
+            ", recalled" if lease["recalling"] else "") + ")"
+    return text + (", backfilled" if row["backfilled"] else "")
 
 
 def describe_holder(holder: dict[str, str]) -> str:

@@ -42,6 +42,9 @@ class Ticket:
     arrived: float
     deadline: float  # it gives up waiting for a free replica then (admission_timeout_s)
     keep: bool = False  # Pool.predict's: the client keeps the lease between calls until the pool recalls it
+    priority: str = "normal"  # the class it waits in (``asked``, capped to what this pool may claim)
+    asked: str = "normal"  # the class its client asked for
+    rank: int = 1  # the rank it last held (ageing raises it; each rise is announced once)
 
 
 @dataclass(eq=False)
@@ -55,6 +58,8 @@ class Lease:
     since: float
     kept: bool = False  # held between calls (Pool.predict): idle while no request runs, recalled when wanted
     noticed: int = 0  # requests its client said it served (kept leases tell the pool now and then)
+    priority: str = "normal"
+    backfilled: bool = False  # its worker's memory was placed ahead of a waiting request: it may be recalled
 
 
 @dataclass(eq=False)
@@ -79,10 +84,11 @@ class Replica:
     last_checked: float = 0.0
     served: int = 0
     kept: bool = False  # its lease is a kept one: idle between calls, recalled when another needs it
-    recalling: bool = False  # its kept lease is being taken back (after the request in flight, if any)
+    recalling: bool = False  # its lease (a kept one, or a backfilled one) is being taken back, after the request in
+    # flight if any
     checking: bool = False  # a liveness ping of its kept lease (between calls) is out
     idle_check: bool = False  # its kept lease is recalled for idleness: it retires if its worker was idle too
-    evict_for: float | None = None  # the GB admission needs: evicted once its kept lease is back
+    evict_for: float | None = None  # the GB admission needs: evicted once its recalled lease is back
     can_recall: bool = False  # its worker answers ``recall`` (every worker on our worker_base does)
     probes: int = 0  # pings of an abandoned request so far
     gone_lease: int | None = None  # the kept lease of a client that went away: its abandon pings recall it
@@ -91,6 +97,7 @@ class Replica:
     pid: int | None = None
     device: str | None = None
     admitted: bool = False  # holds a GPU budget in the ledger
+    backfilled: bool = False  # its budget was placed ahead of a request that waits for memory still
     hibernated: bool = False
     last_error: str | None = None
     stop: tuple[StopCause, str] | None = None  # why it moved to STOPPING

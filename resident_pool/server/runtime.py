@@ -2,7 +2,8 @@
 
 It carries out the decision core's actions (on threads where they block) and reports how
 each ended back to the core as an event, under the one lock. It decides nothing: where a
-choice is to be made, it asks the core.
+choice is to be made, it asks the core. The start path (prepare, place, spawn) is
+``starts.Starter``, which it holds.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Runtime:
         self.workers: dict[int, Worker] = {}
         self.by_lease: dict[int, Worker] = {}  # the worker each lease holds, kept past the replica's end
         self.waiters: dict[int, Waiter] = {}
+        self.tell_lease: dict[int, tuple[int, Callable[[dict[str, Any]], None]]] = {}  # lease: (connection, tell)
         self.start_errors: dict[int, ResidentPoolError] = {}  # for warm-ups waiting on their starts
         self.nonce = secrets.token_hex(8)  # lease tokens of this pool never name another pool's lease
         self.on_exit: Callable[[str], None] = lambda why: None
@@ -87,6 +89,8 @@ class Runtime:
                 if isinstance(action, c.Grant):
                     worker = self.workers[action.rid]
                     self.by_lease[action.lease] = worker
+                    if waiter is not None and waiter.tell is not None and waiter.connection is not None:
+                        self.tell_lease[action.lease] = (waiter.connection, waiter.tell)
                 if waiter is not None:
                     waiter.answer = action
                     waiter.event.set()
@@ -106,11 +110,16 @@ class Runtime:
                 self._gone(action)
             elif isinstance(action, c.Exit):
                 self.on_exit(action.why)
+            elif isinstance(action, c.Announce):
+                self.observer.events.emit(action.event, action.slug, **dict(action.fields))
+            elif isinstance(action, c.Recall) and action.client:
+                self._tell_recall(action)
             else:
-                run = {c.Start: self._start, c.Stop: self._stop, c.Ping: self._ping,
+                run = {c.Start: self.starter.start, c.Place: self.starter.place, c.Withdraw: self.starter.withdraw,
+                       c.Spawn: self.starter.spawn, c.Stop: self._stop, c.Ping: self._ping,
                        c.Hibernate: self._hibernate, c.Recall: self._recall}[type(action)]
                 if inline and isinstance(action, c.Recall):
-                    self._recall(action, inline=True)  # an eviction: the stop after it runs here too
+                    self._recall(action, inline=True)  # what comes of its answer (an eviction) runs here too
                 elif inline:
                     run(action)
                 else:
@@ -124,16 +133,15 @@ class Runtime:
             log.warning("cannot start a thread for %s (%s)", action, exc)
             if isinstance(action, c.Ping):
                 self.event("pinged", action.rid, action.purpose, False, None, f"no thread: {exc}")
-            elif isinstance(action, c.Start):
+            elif isinstance(action, c.Place):
+                self.event("not_placed", action.rid, {})  # tried again at the next reading
+            elif isinstance(action, (c.Start, c.Spawn)):
                 self.event("start_failed", action.rid, ResidentPoolError(
                     f"the pool could not start a thread for a worker start ({exc})", reason="pool_error"))
             else:
                 run(action)  # a stop or a hibernation runs here rather than leave a replica half done
 
     # -- starting ---------------------------------------------------------------------------------
-    def _start(self, action: c.Start) -> None:
-        self.starter.run(action)
-
     def adopt(self, worker: Worker) -> None:
         """A start made ``worker``'s process: it is the runtime's from now on."""
         with self.lock:
@@ -150,6 +158,8 @@ class Runtime:
     def _stop(self, action: c.Stop) -> None:
         worker = self.workers.get(action.rid)
         failure = None
+        if worker is not None and action.cause is StopCause.EVICTED:
+            self.observer.on_evicted(worker.loaded.slug)
         try:
             if worker is not None and worker.process.proc is not None:
                 # A client whose request breaks now hears "stopped", not "died": unless it had died already.
@@ -192,6 +202,7 @@ class Runtime:
                    served if isinstance(served, int) and not isinstance(served, bool) else None)
 
     def _recall(self, action: c.Recall, inline: bool = False) -> None:
+        """A kept lease: its worker is asked for it back (it answers once any request in flight is over)."""
         worker = self.workers.get(action.rid)
         if worker is None:
             return
@@ -220,6 +231,7 @@ class Runtime:
     def _hibernate(self, action: c.Hibernate) -> None:
         worker = self.workers[action.rid]
         slug = worker.loaded.slug
+        self.observer.on_evicted(slug)
         try:
             worker.hibernation = self.hibernator.hibernate(worker.process)
         except CheckpointError as exc:
@@ -237,6 +249,22 @@ class Runtime:
         admitter, worker.admitter = worker.admitter, None
         if admitter is not None:
             admitter.release(worker)
+        if admitter is self.admission:
+            self.event("memory_freed")  # whoever waits for memory tries again now
+
+    def _tell_recall(self, action: c.Recall) -> None:
+        """A backfilled session's lease: its client is told to give it back before its next request."""
+        with self.lock:
+            told = self.tell_lease.get(action.lease)
+        if told is not None:
+            told[1]({"recall": {"lease": action.lease, "why": action.why}})
+
+    def recall_worker(self, slug: str, index: int, why: str) -> None:
+        """The host admission service wants this pool's backfilled ``slug[index]`` back for another pool."""
+        with self.lock:
+            rid = next((w.rid for w in self.workers.values() if w.loaded.slug == slug and w.index == index), None)
+        if rid is not None:
+            self.event("recall", rid, why)
 
     def _gone(self, action: c.Gone) -> None:
         self._release_budget(action.rid)
@@ -247,7 +275,7 @@ class Runtime:
 
     # -- what the maintenance loop does -----------------------------------------------------------
     def maintain(self, beat: bool, connections: int) -> None:
-        """Heartbeats, deaths between requests, and the core's clock: idle, liveness, overdue, quiet."""
+        """Heartbeats, deaths between requests, the core's clock, and what each wait for memory is for."""
         with self.lock:
             workers = list(self.workers.values())
             for lease in [lease for lease in self.by_lease if lease not in self.core.leases]:
@@ -259,32 +287,13 @@ class Runtime:
             rc = worker.process.poll() if worker.process.proc is not None else None
             if rc is not None and not worker.stopped_on_purpose:
                 self.event("exited", worker.rid, rc)
-        self.event("tick", connections, bool(self.admission.waiting()))
+        self.event("tick", connections)
+        self.starter.report_waits()
 
-    def evict(self, needed_gb: float) -> bool:
-        """Admission's ask for room: stop (or hibernate) the least recently used idle GPU worker, here and now.
-
-        Workers kept warm (min_replicas) go after every other idle one, and only when giving back every idle
-        kept-warm budget would let the request fit: never for nothing.
-        """
-        busy: set[int] = set()
-        while True:
-            with self.lock:
-                candidate = self.core.eviction_candidate(frozenset(busy))
-            if candidate is None:
-                return False
-            worker = self.workers.get(candidate[0])
-            # A kept lease is idle between calls, but a request may run on it now: a busy worker is never evicted.
-            if worker is None or worker.process.in_flight_s() is None:
-                break
-            busy.add(candidate[0])
-        rid, kept, freed = candidate
-        if kept and not self.admission.fits_if_freed(needed_gb, freed):
-            return False
-        worker = self.workers.get(rid)
-        if self.event("evict", rid, needed_gb, inline=True) and worker is not None:
-            self.observer.on_evicted(worker.loaded.slug)
-        return True
+    def forget_connection(self, connection: int) -> None:
+        with self.lock:
+            for lease in [lease for lease, (conn, _) in self.tell_lease.items() if conn == connection]:
+                del self.tell_lease[lease]
 
     def retire(self, rid: int, cause: StopCause, why: str) -> None:
         self.event("retire", rid, cause, why)
@@ -294,13 +303,15 @@ class Runtime:
         """The lease a waiting client gets: where the worker's socket is, and how long a request may run."""
         with self.lock:
             worker = self.by_lease[grant.lease]
+            lease = self.core.leases.get(grant.lease)
+            priority, backfilled = (lease.priority, lease.backfilled) if lease is not None else ("normal", False)
         process, manifest = worker.process, worker.loaded.manifest
         return LeaseGrant(lease=grant.lease, slug=key, replica=worker.index, pid=process.pid,
                           socket=process.socket_path, cold=grant.cold, transcript=process.transcript_path,
                           request_timeout_s=manifest.lifecycle.request_timeout_s, device=process.device,
                           version=worker.loaded.version,
                           kit=process.launch.kit if process.launch is not None else None,
-                          token=self.token(grant.lease), kept=grant.kept)
+                          token=self.token(grant.lease), kept=grant.kept, priority=priority, backfilled=backfilled)
 
     def release(self, release: Release, connection: int) -> dict[str, Any] | None:
         """A lease ends; what the client's last request saw is turned into a fact first (did the worker die?)."""
@@ -310,6 +321,7 @@ class Runtime:
                 raise ResidentPoolError(f"lease {release.lease} is not held by this connection; a client releases "
                                         "only its own leases", reason="bad_request")
             worker = self.by_lease.pop(release.lease, None) if lease is not None else None
+            self.tell_lease.pop(release.lease, None)
         quiet = release.outcome in ("ok", "abandoned")  # the client does not wait for an answer to these
         if worker is None:  # ended already (a kept lease recalled, a stop --now): the client may acquire again
             return None if quiet else {"ok": True, "gone": True}

@@ -1,7 +1,10 @@
-"""How a replica's worker starts: admission (its GPU budget, waiting where it must), then a spawn, a fork
-from a zygote, or a restore from hibernation; the outcome goes back to the core as an event.
+"""How a replica's worker starts, as three actions of the core: ``Start`` (prepare the worker record and say what
+GPU memory it needs; a budget no device holds is refused here at once), ``Place`` (one try at the ledger, or the
+host admission service; the core's GPU line decides which start tries and when) and ``Spawn`` (the process,
+forked from a zygote or spawned, or a hibernated one restored); ``Withdraw`` ends a wait for memory unplaced.
+Each outcome goes back to the core as an event.
 
-Part of the runtime (it acts, it decides nothing): the runtime hands it each Start action.
+Part of the runtime (it acts, it decides nothing): the runtime hands it each of those actions.
 """
 
 from __future__ import annotations
@@ -12,89 +15,182 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..admission import read_devices
-from ..errors import ResidentPoolError, WorkerStartError
+from ..errors import AdmissionTimeout, ResidentPoolError, WorkerStartError
 from ..providers.hibernate import CheckpointError
 from ..providers.kit_rules import stray_variables
 from ..providers.launch import command_builder
 from ..providers.supervisor import CpuOnly
 from ..providers.worker_process import Launch, WorkerProcess
 from . import actions as c
-from .handles import Waiter, Worker
+from .handles import Worker
 
 if TYPE_CHECKING:
     from .runtime import Runtime
 
-__all__ = ["Starter"]
+__all__ = ["WAIT_REPORT_S", "Starter"]
 
 log = logging.getLogger("resident_pool.pool")
+WAIT_REPORT_S = 5.0  # how often a request waiting for memory hears what it waits for
 
 
 class Starter:
-    """Carries out Start actions for the runtime."""
+    """Carries out Start, Place, Withdraw and Spawn actions for the runtime."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
 
-    def run(self, action: c.Start) -> None:
-        with self.runtime.lock:
-            replica = self.runtime.core.replica(action.rid)
+    def start(self, action: c.Start) -> None:
+        """Prepare a start: its worker record, and the GPU memory it needs (refused at once if none could hold it)."""
+        runtime = self.runtime
+        with runtime.lock:
+            replica = runtime.core.replica(action.rid)
             if replica is None:
                 return
             key, index, budget = replica.key, replica.index, replica.budget_gb
-            worker = self.runtime.workers.get(action.rid)
-            waiter = self.runtime.waiters.get(action.ticket) if action.ticket is not None else None
-        began = self.runtime.clock()
+            worker = runtime.workers.get(action.rid)
         try:
             if worker is None:
-                loaded = self.runtime.registry.get(key)
-                process = WorkerProcess(loaded.slug, index, state_dir=self.runtime.state_dir,
+                loaded = runtime.registry.get(key)
+                process = WorkerProcess(loaded.slug, index, state_dir=runtime.state_dir,
                                         start_timeout_s=loaded.manifest.lifecycle.start_timeout_s)
                 worker = Worker(action.rid, key, index, budget, loaded, process)
-                self.runtime.adopt(worker)
-            env = self._admit(worker, action, waiter)
+                runtime.adopt(worker)
+            need = self._need(worker)
+        except Exception as exc:  # noqa: BLE001 - whatever ends a start, its replica hears of it and is decided again
+            self._failed(action.rid, worker, exc, key)
+            return
+        device = int(worker.hibernation.device) if worker.hibernation is not None and worker.hibernation.device \
+            else None
+        worker.asked, worker.reported, worker.waits_for = runtime.clock(), 0.0, None
+        runtime.event("prepared", action.rid, need, device, action.wait)
+
+    def _need(self, worker: Worker) -> float | None:
+        """The GPU memory a start needs placed first: None where it holds no GPU budget."""
+        manifest = worker.loaded.manifest
+        if manifest.gpu.policy == "none" or not worker.budget_gb:
+            worker.env = {}
+            return None
+        if manifest.gpu.policy == "recommended" and not read_devices()[0]:
+            worker.admitter, worker.env = CpuOnly(), {"CUDA_VISIBLE_DEVICES": ""}
+            return None
+        self.runtime.admission.check(worker.loaded.slug, float(worker.budget_gb))
+        return float(worker.budget_gb)
+
+    def place(self, action: c.Place) -> None:
+        """One placement try, as the core decided; its outcome (and the room read) goes back to the core."""
+        runtime = self.runtime
+        worker = runtime.workers.get(action.rid)
+        if worker is None:
+            runtime.event("not_placed", action.rid, {})
+            return
+        try:
+            placement = runtime.admission.place(worker, action.need_gb, action.device, action.priority,
+                                                action.backfill, action.waited_s, action.once)
+        except Exception as exc:  # noqa: BLE001 - a refusal from the host service, a ledger that cannot be written
+            self._failed(action.rid, worker, exc, worker.slug)
+            return
+        if placement.device is None and action.once:
+            runtime.event("start_failed", action.rid, AdmissionTimeout(
+                f"{worker.loaded.slug}: no room now for {action.need_gb:g} GB of GPU memory ({placement.why}); a "
+                "warm-up does not wait, queue or evict: it tries again later", slug=worker.loaded.slug,
+                reason="no_room"))
+            return
+        if placement.device is None:
+            first, worker.waits_for = worker.waits_for is None, placement.why
+            runtime.event("not_placed", action.rid, placement.rooms)
+            if first:
+                self.report_waits(action.rid)  # its client hears at once what it waits for, then every few seconds
+            return
+        worker.admitter, worker.env = runtime.admission, {"CUDA_VISIBLE_DEVICES": str(placement.device)}
+        runtime.observer.on_admission(worker.loaded.slug, action.priority, runtime.clock() - worker.asked)
+        runtime.event("placed", action.rid, placement.device, placement.backfilled)
+
+    def withdraw(self, action: c.Withdraw) -> None:
+        """The wait for memory ended unplaced: the error its request hears."""
+        runtime = self.runtime
+        worker = runtime.workers.get(action.rid)
+        slug = worker.loaded.slug if worker is not None else str(action.rid)
+        if worker is not None and worker.admitter is None:
+            try:
+                runtime.admission.withdraw(worker)
+            except (OSError, ResidentPoolError) as exc:  # the host service forgets an ask whose pool went quiet
+                log.warning("%s: could not withdraw its admission ask: %s", slug, exc)
+        if action.reason == "admission_timeout" and worker is not None:
+            error: ResidentPoolError = runtime.admission.timeout_error(slug, float(worker.budget_gb or 0),
+                                                                       action.waited_s, self._ahead(action.rid))
+        elif action.reason == "no_room":
+            error = AdmissionTimeout(f"{slug}: no room now for {worker.budget_gb if worker else 0:g} GB of GPU "
+                                     "memory; a warm-up does not wait, queue or evict: it tries again later",
+                                     slug=slug, reason="no_room")
+            log.info("%s: could not keep a worker warm now: %s", slug, error.headline)
+        else:
+            error = WorkerStartError(f"{slug}: the start was called off", slug=slug, reason="start_cancelled")
+        observer = runtime.observer
+        runtime.event("start_failed", action.rid, error,
+                      noted=(lambda: observer.on_start_failed(worker, error))
+                      if worker is not None and action.reason != "start_cancelled" else None)
+
+    def _ahead(self, rid: int) -> list[str]:
+        with self.runtime.lock:
+            rows = self.runtime.core.admitting.rows(self.runtime.clock())
+        names = [f"{r['key']}[{r['replica']}] ({r['needs_gb']:g} GB, {r['priority']})" for r in rows]
+        mine = next((n for n, r in enumerate(rows) if r["rid"] == rid), len(rows))
+        return names[:mine]
+
+    def spawn(self, action: c.Spawn) -> None:
+        """Spawn (or restore) a replica whose memory is placed."""
+        runtime = self.runtime
+        worker = runtime.workers.get(action.rid)
+        if worker is None:
+            return
+        began = runtime.clock()
+        try:
             if self._called_off(action.rid):
                 raise WorkerStartError(f"{worker.loaded.slug}: the start was called off", slug=worker.loaded.slug,
                                        reason="start_cancelled")
-            answer = self._restored(worker) if action.restore else None
+            answer = self._restored(worker)
             if answer is None:
-                answer = self._spawn(worker, env)
+                answer = self._spawn(worker, worker.env or {})
         except Exception as exc:  # noqa: BLE001 - whatever ends a start, its replica hears of it and is decided again
-            error = self._start_error(action.rid, worker, exc, key)
-            if not action.wait and error.reason == "no_room":
-                log.info("%s: could not keep a worker warm now: %s", key, error.headline)
-            observer = self.runtime.observer
-            self.runtime.event("start_failed", action.rid, error,
-                               noted=(lambda: observer.on_start_failed(worker, error)) if worker is not None else None)
+            self._failed(action.rid, worker, exc, worker.slug)
             return
-        took = self.runtime.clock() - began
-        self.runtime.event("started", action.rid, worker.pid, bool(answer.get("recall")),
-                   noted=lambda: self.runtime.observer.on_started(worker, took))
+        took = runtime.clock() - began
+        runtime.event("started", action.rid, worker.pid, bool(answer.get("recall")),
+                      noted=lambda: runtime.observer.on_started(worker, took))
 
-    def _admit(self, worker: Worker, action: c.Start, waiter: Waiter | None) -> dict[str, str]:
-        manifest = worker.loaded.manifest
-        admitter = None if manifest.gpu.policy == "none" else (
-            CpuOnly() if manifest.gpu.policy == "recommended" and not read_devices()[0] else self.runtime.admission)
-        if not worker.budget_gb or admitter is None:
-            self.runtime.event("admitted", action.rid, None)
-            return {}
-        asked = self.runtime.clock()
-        device = int(worker.hibernation.device) if worker.hibernation is not None and worker.hibernation.device \
-            else None
-        def report(wait: dict[str, Any]) -> None:
-            log.info("%s waits for %g GB (%.0f s so far); free %s; held by %s", wait["slug"], wait["needs_gb"],
-                     wait["waited_s"], wait["free"], "; ".join(wait["holders"]) or "nobody in the pool")
+    def report_waits(self, only: int | None = None) -> None:
+        """Every few seconds, each request waiting for memory hears (and the log says) what it waits for; ``only``:
+        that start's, now (its first try found no room)."""
+        runtime = self.runtime
+        now = runtime.clock()
+        with runtime.lock:
+            rows = runtime.core.admitting.rows(now)
+            due = []
+            for n, row in enumerate(rows):
+                worker = runtime.workers.get(row["rid"])
+                if only is not None and row["rid"] != only:
+                    continue
+                # The first report as soon as a try found no room (or it waits behind another), then every few s.
+                tried = worker is not None and (worker.waits_for is not None or not row["placing"])
+                if tried and now - worker.reported >= WAIT_REPORT_S:
+                    worker.reported = now
+                    waiter = runtime.waiters.get(row["ticket"]) if row["ticket"] is not None else None
+                    ahead = [f"{r['key']}[{r['replica']}] ({r['needs_gb']:g} GB, {r['priority']})" for r in rows[:n]]
+                    due.append((worker, row, ahead, waiter))
+        for worker, row, ahead, waiter in due:
+            wait = runtime.admission.describe(worker.loaded.slug, row["needs_gb"], row["waited_s"], ahead,
+                                              worker.waits_for)
+            wait.update(priority=row["priority"], position=row["position"])
+            log.info("%s waits for %g GB (%s, %.0f s so far); free %s; held by %s", wait["slug"], wait["needs_gb"],
+                     row["priority"], wait["waited_s"], wait["free"], "; ".join(wait["holders"]) or "nobody")
             if waiter is not None and waiter.progress is not None:
                 waiter.progress({"waiting_for_admission": wait})
 
-        try:
-            env = dict(admitter.admit(worker, wait=action.wait, device=device, on_wait=report,
-                                      cancelled=lambda: self._called_off(action.rid)))
-        finally:
-            if admitter is self.runtime.admission:
-                self.runtime.observer.on_admission(worker.loaded.slug, self.runtime.clock() - asked)
-        worker.admitter = admitter
-        self.runtime.event("admitted", action.rid, env.get("CUDA_VISIBLE_DEVICES"))
-        return env
+    def _failed(self, rid: int, worker: Worker | None, exc: Exception, key: str) -> None:
+        error = self._start_error(rid, worker, exc, key)
+        observer = self.runtime.observer
+        self.runtime.event("start_failed", rid, error,
+                           noted=(lambda: observer.on_start_failed(worker, error)) if worker is not None else None)
 
     def _called_off(self, rid: int) -> bool:
         with self.runtime.lock:
@@ -102,18 +198,18 @@ class Starter:
             return replica is None or replica.abort is not None
 
     def _spawn(self, worker: Worker, env: dict[str, str]) -> dict[str, Any]:
-        loaded, process = worker.loaded, worker.process
+        runtime, loaded, process = self.runtime, worker.loaded, worker.process
         process.device = env.get("CUDA_VISIBLE_DEVICES")
         launch = Launch.of(command_builder(loaded.manifest)(process))
         if loaded.strip_kit:  # stock without the kit: none of its variables, even under passthrough "*"
             launch = replace(launch, env={**launch.env, **stray_variables(loaded.strip_kit, os.environ, set())})
 
         def spawned(pid: int) -> None:
-            if worker.admitter is self.runtime.admission:
-                self.runtime.admission.started(worker)  # the ledger names the loading worker from now on
-            self.runtime.event("spawned", worker.rid, pid)
+            if worker.admitter is runtime.admission:
+                runtime.admission.started(worker)  # the ledger names the loading worker from now on
+            runtime.event("spawned", worker.rid, pid)
 
-        spawner = self.runtime.zygotes.spawner(loaded.manifest, launch)
+        spawner = runtime.zygotes.spawner(loaded.manifest, launch)
         return process.start(launch, env, spawner=spawner, on_spawn=spawned,
                              cancelled=lambda: self._abort_reason(worker.rid))
 
@@ -125,26 +221,27 @@ class Starter:
             return replica.abort[1] if replica.abort else None
 
     def _restored(self, worker: Worker) -> dict[str, Any] | None:
-        """Restore a hibernated worker (admitted already): its first answer; None when it starts afresh instead."""
+        """Restore a hibernated worker (placed already): its first answer; None when it starts afresh instead."""
+        runtime = self.runtime
         hibernation, worker.hibernation = worker.hibernation, None
         if hibernation is None:
             return None
         try:
-            self.runtime.hibernator.restore(worker.process)
-            timeout = self.runtime.core.timings.liveness_timeout_s
+            runtime.hibernator.restore(worker.process)
+            timeout = runtime.core.timings.liveness_timeout_s
             answer = worker.process.ping(timeout=timeout)
             if answer is None:
                 raise CheckpointError(f"it did not answer a ping within {timeout:g} s of its restore")
         except CheckpointError as exc:
             why = f"its restore from hibernation failed ({exc}); stopped, and a fresh worker started"
             worker.process.note(why)
-            self.runtime.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}]: {why}")
-            worker.process.kill(grace_s=self.runtime.kill_grace_s)
-            worker.process = WorkerProcess(worker.loaded.slug, worker.index, state_dir=self.runtime.state_dir,
+            runtime.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}]: {why}")
+            worker.process.kill(grace_s=runtime.kill_grace_s)
+            worker.process = WorkerProcess(worker.loaded.slug, worker.index, state_dir=runtime.state_dir,
                                            start_timeout_s=worker.loaded.manifest.lifecycle.start_timeout_s)
-            self.runtime.event("restarted", worker.rid, f"{worker.slug}[{worker.index}]: {why}")
+            runtime.event("restarted", worker.rid, f"{worker.slug}[{worker.index}]: {why}")
             return None
-        self.runtime.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}] restored from hibernation")
+        runtime.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}] restored from hibernation")
         return answer
 
     def _start_error(self, rid: int, worker: Worker | None, exc: Exception, key: str) -> ResidentPoolError:

@@ -87,8 +87,21 @@ def build_status(server: PoolServer) -> dict[str, Any]:
                  "manifests": str(server.manifests), "since": server.started, "ledger": str(server.ledger.path),
                  "draining": state["stopping"] is not None, **observer.describe()},
         "workers": rows, "providers": providers, "waiting": server.waiting(), "breakers": breakers,
-        "ledger": server.ledger.entries(), "zygotes": server.zygotes.describe(),
+        "ledger": server.admission.entries(), "zygotes": server.zygotes.describe(),
+        "admission": _admission(server, state),
     }
+
+
+def _admission(server: PoolServer, state: dict[str, Any]) -> dict[str, Any]:
+    """Which ledger admits; with the host service, its line across every user (and who waits over a quota)."""
+    found = {**state["policy"], **server.admission.in_force()}
+    if server.service is not None:
+        try:
+            host = server.service.status()
+            found.update(host_line=host.get("line", []), over_quota=host.get("over_quota", []))
+        except ResidentPoolError as exc:
+            found["error"] = exc.headline
+    return found
 
 
 def _round(value: float | None) -> float | None:

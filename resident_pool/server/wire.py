@@ -48,8 +48,13 @@ class Connection:
 
     def progress(self, report: dict[str, Any]) -> None:
         """Tell the client what its request waits for; a client that is gone is noticed elsewhere."""
+        self.tell({"progress": report})
+
+    def tell(self, message: dict[str, Any]) -> None:
+        """A line the client did not ask for (a wait's progress, a recall of its lease); a client that is gone is
+        noticed elsewhere."""
         try:
-            self.send({"progress": report})
+            self.send(message)
         except OSError:
             pass
 

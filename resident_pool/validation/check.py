@@ -107,19 +107,20 @@ class SmokeRun(NamedTuple):
     lease: dict[str, Any]  # what answered: its kit as it said at start, its device, version and pid
 
 
-def run_smoke(manifest: Manifest, payload: Any, variant: Variant = DECLARED) -> SmokeRun:
+def run_smoke(manifest: Manifest, payload: Any, variant: Variant = DECLARED, priority: str = "normal") -> SmokeRun:
     """Answer ``payload`` through this host's pool, on a fresh worker of ``manifest``'s provider as ``variant``.
 
     Through the pool, so a smoke run is admitted against the same GPU ledger as everything
     else: it waits for its budget, and a budget no device holds fails with AdmissionRefused.
     On a worker of its own (a variant named for this run, never the warm production one), started
-    now from what is installed now, and stopped after, whatever happened.
+    now from what is installed now, and stopped after, whatever happened. ``priority``: the class it waits in
+    (a CI validation's default is ``normal``).
     """
     name = f"{manifest.slug}~{variant.name}-{secrets.token_hex(3)}"
     with Pool(manifests=manifest.directory.parent) as pool:
         try:
             wire = variant.wire(name.rsplit("-", 1)[1])
-            with pool.session(manifest.slug, variant=wire) as session:
+            with pool.session(manifest.slug, variant=wire, priority=priority) as session:
                 result = session.predict(payload)
                 transcript = Path(session.transcript) if session.transcript else None
                 lease = dict(session.lease)
@@ -224,14 +225,15 @@ def _describe_provider(manifest: Manifest, python: str | None, row: KitRow | Non
     return out
 
 
-def _against_stock(manifest: Manifest, declared: SmokeRun, row: KitRow, extras: dict[str, str]) -> str:
+def _against_stock(manifest: Manifest, declared: SmokeRun, row: KitRow, extras: dict[str, str],
+                   priority: str = "normal") -> str:
     """Run the payload stock and compare; the kit's own ACTIVE line must not say it engaged nothing."""
     kit, tol = manifest.kit, expected.tolerance(manifest)
     assert kit is not None
     variant = stock_variant(manifest, row)
     stock_how = variant.describe(manifest)
     extras["stock.kit.mode"] = stock_how
-    stock = run_smoke(manifest, manifest.smoke.payload, variant)
+    stock = run_smoke(manifest, manifest.smoke.payload, variant, priority)
     extras["stock.transcript"] = str(stock.transcript)
     extras["stock.worker"] = _answered_by(stock.lease)
     said, said_line = kit_says(declared.transcript, kit.package_name)
@@ -263,12 +265,12 @@ def _against_stock(manifest: Manifest, declared: SmokeRun, row: KitRow, extras: 
 
 
 def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = None, *, against_stock: bool = False,
-                   bless: bool = False, force: bool = False) -> list[StepResult]:
+                   bless: bool = False, force: bool = False, priority: str = "normal") -> list[StepResult]:
     """Every step for the provider whose manifest is at ``path``; later steps skip after a failure.
 
     ``smoke`` runs the smoke payload and compares the answer with the expected one;
     ``against_stock`` also runs it stock and compares; ``bless`` records the answer as
-    the expected one (over an existing file only with ``force``).
+    the expected one (over an existing file only with ``force``); ``priority``: the class its smoke runs wait in.
     """
     slug = path.parent.name
     holder: dict[str, Any] = {}
@@ -328,7 +330,7 @@ def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = No
         results.append(result)
     provenance.update(_describe_provider(manifest, python_holder.get("python"), holder.get("row"), results))
     extras = _answer_steps(manifest, python_holder.get("python"), holder.get("row"), results, provenance,
-                           smoke=smoke, against_stock=against_stock, bless=bless, force=force)
+                           smoke=smoke, against_stock=against_stock, bless=bless, force=force, priority=priority)
     return _stamp(results, provenance, extras)
 
 
@@ -354,7 +356,7 @@ def _gpu_feasible(manifest: Manifest) -> str:
 
 def _answer_steps(manifest: Manifest, python: str | None, row: KitRow | None, results: list[StepResult],
                   provenance: dict[str, str], *, smoke: bool, against_stock: bool, bless: bool,
-                  force: bool) -> dict[str, dict[str, str]]:
+                  force: bool, priority: str = "normal") -> dict[str, dict[str, str]]:
     """The steps that run the smoke payload (smoke or bless, then against-stock); returns their own provenance."""
     slug, extras = manifest.slug, {}
     first = "bless" if bless else "smoke" if smoke or against_stock else None
@@ -365,18 +367,18 @@ def _answer_steps(manifest: Manifest, python: str | None, row: KitRow | None, re
     runs: dict[str, SmokeRun] = {}
 
     def answer():
-        run = runs["declared"] = run_smoke(manifest, manifest.smoke.payload)
+        run = runs["declared"] = run_smoke(manifest, manifest.smoke.payload, priority=priority)
         extras[first] = {"smoke.transcript": str(run.transcript), "smoke.worker": _answered_by(run.lease)}
         provenance.update(_what_answered(run.lease))
         if manifest.kit is not None:
             provenance["kit.active"] = kit_says(run.transcript, manifest.kit.package_name)[1] or "no ACTIVE line"
         if bless:  # a second start answers too: what differs between them varies, and cannot be expected
-            _refuse_varying(manifest, run, run_smoke(manifest, manifest.smoke.payload))
+            _refuse_varying(manifest, run, run_smoke(manifest, manifest.smoke.payload, priority=priority))
             return expected.bless(manifest, run.result, provenance, force=force)
         return expected.verdict(manifest, run.result, run.transcript)
 
     def stock():
-        return _against_stock(manifest, runs["declared"], row, extras.setdefault("against-stock", {}))
+        return _against_stock(manifest, runs["declared"], row, extras.setdefault("against-stock", {}), priority)
 
     if first:
         results.append(_run(slug, first, answer))

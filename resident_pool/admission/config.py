@@ -1,0 +1,125 @@
+"""The host admission service's configuration: a TOML file only its owner can write.
+
+Quotas (GB and replicas) per user and per group, the classes each may claim, the socket, its
+group, and where the service keeps its state. A file others can write is refused naming it:
+whoever could edit it could give themselves the card.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .. import priority as order
+from ..errors import ResidentPoolError
+
+__all__ = ["EXAMPLE", "Limits", "ServiceConfig", "load_config"]
+
+
+class Limits(BaseModel):
+    """What one user (or the members of one group, together) may hold, and the classes they may claim."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpu_gb: float | None = Field(None, gt=0, description="GPU memory held at once, in GB (unset: no limit)")
+    replicas: int | None = Field(None, ge=0, description="workers holding GPU memory at once (unset: no limit)")
+    classes: tuple[str, ...] | None = Field(None, description="priority classes they may claim; a higher one is "
+                                            "capped to the highest of these")
+
+    @field_validator("classes")
+    @classmethod
+    def _known(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is not None and not value:
+            raise ValueError("an empty list would let no class be capped to: name at least one (\"batch\")")
+        for name in value or ():
+            if not order.is_class(name):
+                raise ValueError(f"{name!r} is not a class: one of {', '.join(order.CLASSES)}")
+        return value
+
+
+class ServiceConfig(BaseModel):
+    """``resident-pool admission-service --config FILE``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    socket: str = Field("/run/resident-pool/admission.sock", description="where pools connect (mode 0660)")
+    group: str = Field("resident-pool", description="the socket's group: users in it may admit through the service")
+    state_dir: Path = Field(Path("/var/lib/resident-pool"), description="the ledger, kept across restarts")
+    audit: Path | None = Field(None, description="append every state of the ledger to this JSONL file")
+    headroom_gb: float = Field(0.5, ge=0, description="kept free on every device")
+    capacity_gb: str | None = Field(None, description="declared capacity where NVML cannot read: `80` or `0:80,1:80`")
+    fake_nvml: str | None = Field(None, description="read device memory from this JSON file (tests, drills)")
+    aging_s: float = Field(300.0, ge=0, description="a waiting request rises one class per this many seconds")
+    backfill: bool = Field(True, description="a request that fits now may go ahead of one that does not")
+    max_connections: int = Field(256, ge=1, description="connections served at once")
+    max_connections_per_user: int = Field(16, ge=1, description="one user's connections at once")
+    max_asks_per_pool: int = Field(256, ge=1, description="requests one pool may have waiting")
+    default: Limits = Field(Limits(), description="every user not named under [users]")
+    users: dict[str, Limits] = Field(default_factory=dict)
+    groups: dict[str, Limits] = Field(default_factory=dict)
+
+
+EXAMPLE = """\
+# /etc/resident-pool/admission.toml: owned by root (or the service's user), writable by nobody else.
+socket = "/run/resident-pool/admission.sock"
+group = "resident-pool"            # users in this group may admit through the service
+state_dir = "/var/lib/resident-pool"
+headroom_gb = 0.5
+aging_s = 300                      # a waiting request rises one class per 5 minutes
+backfill = true
+
+[default]                          # every user not named below
+gpu_gb = 40
+replicas = 4
+classes = ["normal", "batch"]      # nobody makes everything interactive
+
+[users.alice]
+classes = ["interactive", "normal", "batch"]
+
+[groups.lab]                       # the members of the group, together
+gpu_gb = 70
+replicas = 8
+classes = ["interactive"]          # members may claim interactive too
+"""
+
+
+def load_config(path: Path) -> ServiceConfig:
+    """Read ``path``, refusing a file (or a folder above it) that anyone but its owner (root or this user) can
+    write, and naming what is wrong in it."""
+    path = Path(path)
+    _trusted(path)
+    try:
+        raw: dict[str, Any] = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ResidentPoolError(f"admission service config {path} does not exist; write one (`resident-pool "
+                                "admission-service --example` prints one)", reason="bad_config") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ResidentPoolError(f"admission service config {path}: not TOML: {exc}", reason="bad_config") from None
+    try:
+        return ServiceConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise ResidentPoolError(f"admission service config {path}: {problems}", reason="bad_config") from None
+
+
+def _trusted(path: Path) -> None:
+    me = os.geteuid()
+    for place in [path, *path.resolve().parents]:
+        try:
+            info = os.stat(place)
+        except FileNotFoundError:
+            continue
+        if info.st_uid not in (0, me):
+            raise ResidentPoolError(f"admission service config: {place} is owned by uid {info.st_uid}, not root or "
+                                    "this service's user: refused (whoever owns it could give themselves the card); "
+                                    f"chown root {place}", reason="untrusted_config")
+        sticky = stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX
+        if info.st_mode & 0o022 and not sticky:
+            raise ResidentPoolError(f"admission service config: {place} is writable by its group or others: refused "
+                                    f"(any of them could give themselves the card); chmod go-w {place}",
+                                    reason="untrusted_config")
