@@ -612,7 +612,9 @@ def test_no_descriptor_leaks_over_10000_requests_with_attachments(pool_dir, reli
     array_provider(pool_dir)
     value = random_array("float32", (128, 256))  # 128 KiB: over the threshold, so an attachment each way
     with Pool() as pool, pool.session("arrays") as session:
-        session.predict({"value": value})
+        # The session keeps a few reused buffers: one lent to the answer held, one for the next request.
+        echoed = session.predict({"value": value})
+        echoed = session.predict({"value": value})
         client_before, worker_before = open_fds(), worker_fds(session.pid)
         for i in range(10_000):
             echoed = session.predict({"value": value, "i": i})
