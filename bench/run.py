@@ -231,10 +231,11 @@ class _BytesFloor:
 
 
 def _call_path_arrays(table: Table, env: Env, quick: bool, ray, actor) -> None:
-    """float32 arrays of 1, 16 and 256 MiB: a held session (arrays beside the line) vs Ray vs raw bytes."""
+    """float32 arrays of 1, 16 and 256 MiB: a held session (arrays beside the line) vs Ray vs raw bytes, and a
+    warm memcpy of the same bytes in this process (the ceiling for moving them)."""
     import numpy
 
-    from resident_pool import Pool
+    from resident_pool import Pool, protocol
     from resident_pool.protocol import seal_memfd
 
     folder = env.manifests / "arrays"
@@ -246,12 +247,17 @@ def _call_path_arrays(table: Table, env: Env, quick: bool, ray, actor) -> None:
     case = "call path (arrays)"
     rounds = {1: (30, 200), 16: (10, 40), 256: (2, 7)} if not quick else {1: (5, 50), 16: (2, 10), 256: (1, 3)}
     ms = 1e3
+    # Ray's own figures on a shared 2-core host swing by 2-4x from one call to the next (its object store, its
+    # raylet and two workers on the same two cores): the verdicts compare medians; the notes give Ray's best.
+    targets = {(16, "round trip"): 0.6, (256, "round trip"): 0.8, (256, "new array back"): 1.0}
     with Pool() as pool, pool.session("arrays") as session:
         for mib, (warmup, n) in rounds.items():
             x = numpy.random.default_rng(mib).random(mib * 2**18, dtype=numpy.float32)
             data = memoryview(x).cast("B")
+            warm = numpy.empty_like(x)
             back = session.predict({"x": x})["x"]
             assert back.tobytes() == x.tobytes()  # the same product on every path
+            del back
             calls = {
                 "session echo": lambda x=x: session.predict({"x": x}),
                 "session new array": lambda x=x: session.predict({"x": x, "mode": "copy"}),
@@ -259,6 +265,7 @@ def _call_path_arrays(table: Table, env: Env, quick: bool, ray, actor) -> None:
                 "raw echo": lambda data=data: raw.call(data, 0),
                 "raw read": lambda data=data: raw.call(data, 1),
                 "memfd fill": lambda data=data: os.close(seal_memfd([(0, data)], len(data))),
+                "memcpy": lambda x=x, warm=warm: numpy.copyto(warm, x),
             }
             if ray is not None:
                 calls |= {"Ray echo": lambda x=x: ray.get(actor.echo.remote({"x": x})),
@@ -277,23 +284,32 @@ def _call_path_arrays(table: Table, env: Env, quick: bool, ray, actor) -> None:
                 if name in p:
                     table.add(case, f"{mib} MiB round trip: {name.replace('echo', '').strip()} p50", p[name] * ms, "ms")
             table.add(case, f"{mib} MiB round trip: session / raw-bytes echo", p["session echo"] / p["raw echo"], "x",
-                      note="the worker passes the descriptor it received back")
+                      note="the worker hands the client's own buffer back; the client reads it in place")
             if ray is not None:
-                ratio = p["session echo"] / p["Ray echo"]
-                target = "<= 0.5" if mib == 1 else ""
-                table.add(case, f"{mib} MiB round trip: session / Ray", ratio, "x", target,
-                          ratio <= 0.5 if mib == 1 else None,
-                          note=f"session {p['session echo'] * ms:.2f} ms, Ray {p['Ray echo'] * ms:.2f} ms")
-                fresh = p["session new array"] / p["Ray new array"]
-                table.add(case, f"{mib} MiB new array back: session / Ray", fresh, "x",
-                          note=f"session {p['session new array'] * ms:.2f} ms, Ray {p['Ray new array'] * ms:.2f} ms")
-            gbs = {name: nbytes / p[name] / 1e9 for name in ("session read", "Ray read", "raw read", "memfd fill")
-                   if name in p}
-            target = ">= 2" if mib == 256 else ""
-            table.add(case, f"{mib} MiB one way, read by the worker: session", gbs["session read"], "GB/s", target,
-                      gbs["session read"] >= 2 if mib == 256 else None,
+                for label, ours, theirs in (("round trip", "session echo", "Ray echo"),
+                                            ("new array back", "session new array", "Ray new array")):
+                    ratio = p[ours] / p[theirs]
+                    limit = targets.get((mib, label), 0.5 if (mib, label) == (1, "round trip") else None)
+                    table.add(case, f"{mib} MiB {label}: session / Ray", ratio, "x",
+                              f"<= {limit:g}" if limit is not None else "",
+                              ratio <= limit if limit is not None else None,
+                              note=f"session {p[ours] * ms:.2f} ms, Ray {p[theirs] * ms:.2f} ms (p50; Ray's best "
+                                   f"{min(samples[theirs]) * ms:.2f} ms)")
+            gbs = {name: nbytes / p[name] / 1e9 for name in ("session read", "Ray read", "raw read", "memfd fill",
+                                                              "memcpy") if name in p}
+            table.add(case, f"{mib} MiB one way, read by the worker: session", gbs["session read"], "GB/s",
                       note=", ".join(f"{name} {value:.2f} GB/s" for name, value in gbs.items()
                                      if name != "session read"))
+            if mib == 256:
+                table.add(case, "256 MiB warm memcpy in this process (the ceiling)", gbs["memcpy"], "GB/s",
+                          note=f"{p['memcpy'] * ms:.1f} ms p50")
+                ratio = gbs["session read"] / gbs["memcpy"]
+                table.add(case, "256 MiB one way, read by the worker / a warm memcpy", ratio, "x", ">= 0.25",
+                          ratio >= 0.25, note=f"session {p['session read'] * ms:.1f} ms for the send and the "
+                                              f"worker's read, memcpy {p['memcpy'] * ms:.1f} ms")
+    path = protocol.SLAB_PATH
+    table.add(case, "reused buffers: how they were made", 0, "", "", None,
+              note=f"pages: {path['pages']}; populated by {path['populate']}")
     raw.close()
 
 
