@@ -39,7 +39,15 @@ from prefect.states import Completed, Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 
-from resident_pool.campaigns.campaign import BLOCK, Campaign, CampaignSettings, Chunk, output_name, summarize
+from resident_pool.campaigns.campaign import (
+    BLOCK,
+    Campaign,
+    CampaignSettings,
+    Chunk,
+    TaskSizer,
+    output_name,
+    summarize,
+)
 from resident_pool.campaigns.inputs import FORMATS, InputFile
 from resident_pool.campaigns.results import ResultStore, provider_version
 from resident_pool.client import default_manifests
@@ -67,32 +75,45 @@ PROGRESS_EVERY_S = 2.0  # a progress update is an API call: a million-input camp
     cache_policy=NO_CACHE,
 )
 def predict_chunk(provider: str, manifests: str, texts: list[str], options: dict[str, Any], first: int,
-                  last: int, max_attachment_bytes: int | None = None) -> dict[str, Any]:
-    """One chunk on one held worker; an input the model refuses fails alone."""
+                  last: int, max_attachment_bytes: int | None = None, chunk_size: int | None = None) -> dict[str, Any]:
+    """One chunk on one held worker, in requests of ``chunk_size`` inputs; an input the model refuses fails alone."""
     started = time.monotonic()
+    size = chunk_size or max(len(texts), 1)
+    results: list[dict[str, Any] | None] = []
     failed: dict[int, tuple[str, str]] = {}
+    compute_s = 0.0  # the model's time, as the requests took it: what sizes the next chunks (TaskSizer)
     with pool_session(provider, manifests, max_attachment_bytes=max_attachment_bytes) as session:
         cold, pid = session.cold, session.pid
         version = session.lease.get("version")
-        try:
-            results = _items(provider, session.predict({**options, "inputs": texts}), len(texts))
-        except WorkerRequestError as error:
-            if error.reason != "request_failed":
-                raise
-            results = []
-            for position, text in enumerate(texts):  # find the input the model refused
-                try:
-                    results.append(_items(provider, session.predict({**options, "inputs": [text]}), 1)[0])
-                except WorkerRequestError as refused:
-                    if refused.reason != "request_failed":
-                        raise
-                    results.append(None)
-                    failed[position] = ("request_failed", str(refused))
-        for position, result in enumerate(results):
-            if result is None and position not in failed:
-                failed[position] = ("bad_answer", f"{provider} answered no item for this input")
+        for at in range(0, len(texts), size):
+            sent = time.monotonic()
+            results += _request(provider, session, options, texts[at:at + size], at, failed)
+            compute_s += time.monotonic() - sent
+    for position, result in enumerate(results):
+        if result is None and position not in failed:
+            failed[position] = ("bad_answer", f"{provider} answered no item for this input")
     return {"results": results, "failed": failed, "cold": cold, "pid": pid, "version": version,
-            "latency_s": time.monotonic() - started}
+            "latency_s": time.monotonic() - started, "compute_s": compute_s}
+
+
+def _request(provider: str, session: Any, options: dict[str, Any], texts: list[str], offset: int,
+             failed: dict[int, tuple[str, str]]) -> list[dict[str, Any] | None]:
+    """One request's items; when the model refuses the request, each input alone, to find the one it refuses."""
+    try:
+        return _items(provider, session.predict({**options, "inputs": texts}), len(texts))
+    except WorkerRequestError as error:
+        if error.reason != "request_failed":
+            raise
+    results: list[dict[str, Any] | None] = []
+    for position, text in enumerate(texts):
+        try:
+            results.append(_items(provider, session.predict({**options, "inputs": [text]}), 1)[0])
+        except WorkerRequestError as refused:
+            if refused.reason != "request_failed":
+                raise
+            results.append(None)
+            failed[offset + position] = ("request_failed", str(refused))
+    return results
 
 
 def _items(provider: str, answer: Any, expected: int) -> list[dict[str, Any] | None]:
@@ -164,6 +185,10 @@ class _Progress:
 class _FileRun:
     """One input file through the provider: a bounded window of chunk futures, settled as they finish."""
 
+    # Inputs in flight at once, whatever the window of chunks: with chunks grown to TaskSizer.MAX_INPUTS,
+    # two computing and two waiting for a replica.
+    MAX_IN_FLIGHT = 4 * TaskSizer.MAX_INPUTS
+
     def __init__(self, source: InputFile, campaign: Campaign, *, provider: str, manifests: str,
                  options: dict[str, Any], submit: Submit, window: int, progress: _Progress,
                  limits: CampaignSettings) -> None:
@@ -173,6 +198,7 @@ class _FileRun:
         self.submit, self.window, self.progress = submit, window, progress
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight: dict[Any, Chunk] = {}
+        self.inputs_in_flight = 0
         self.settled = 0
         self.size = max(source.size(), 1)
 
@@ -187,19 +213,35 @@ class _FileRun:
                     block = []
                     while self.settle(block=False):
                         pass
+                    self.hold_back()
             for chunk in [*self.campaign.add(block), *self.campaign.flush()]:
                 self.launch(chunk)
         finally:
             while self.in_flight:  # what was computed is stored, even when reading the file failed
                 self.settle(block=True)
 
+    def hold_back(self) -> None:
+        """Read no further while too many inputs wait to be written behind the first one still waiting."""
+        while self.campaign.backlog > self.campaign.BACKLOG:
+            if self.in_flight:
+                self.settle(block=True)
+                continue
+            chunks = self.campaign.flush()  # what waits, waits on inputs not yet sent
+            if not chunks:
+                return
+            for chunk in chunks:
+                self.launch(chunk)
+
     def launch(self, chunk: Chunk) -> None:
-        while len(self.in_flight) >= self.window:
+        while self.in_flight and (len(self.in_flight) >= self.window
+                                  or self.inputs_in_flight + len(chunk) > self.MAX_IN_FLIGHT):
             self.settle(block=True)
         future = self.submit(predict_chunk, {"provider": self.provider, "manifests": self.manifests,
                                              "texts": chunk.texts, "options": self.options, "first": chunk.first,
-                                             "last": chunk.last, "max_attachment_bytes": self.max_attachment_bytes})
+                                             "last": chunk.last, "max_attachment_bytes": self.max_attachment_bytes,
+                                             "chunk_size": self.campaign.chunk_size})
         self.in_flight[future] = chunk
+        self.inputs_in_flight += len(chunk)
         future.add_done_callback(self.done.put)
 
     def settle(self, block: bool) -> bool:
@@ -209,6 +251,7 @@ class _FileRun:
         except queue.Empty:
             return False
         chunk, campaign = self.in_flight.pop(future), self.campaign
+        self.inputs_in_flight -= len(chunk)
         try:
             answer = future.result()
         except ResidentPoolError as error:
@@ -235,7 +278,7 @@ def _screen_file(source: InputFile, output: Path, *, store: ResultStore, version
     """One input file through the provider; returns its line of the summary."""
     started = time.monotonic()
     campaign = Campaign(store, version, run["options"], chunk_size, output,
-                        max_result_bytes=run["limits"].max_result_bytes)
+                        max_result_bytes=run["limits"].max_result_bytes, fmt=fmt)
     try:
         _FileRun(source, campaign, **run).run()
         written = campaign.write(fmt)

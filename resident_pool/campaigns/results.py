@@ -103,6 +103,16 @@ class ResultStore:
                 f"SELECT key FROM results WHERE key IN ({marks})", batch))  # noqa: S608 - only '?' marks
         return found
 
+    def results(self, keys: list[bytes]) -> dict[bytes, str]:
+        """The stored result (its JSON text) of each of ``keys`` that has one."""
+        found: dict[bytes, str] = {}
+        for start in range(0, len(keys), 4096):
+            batch = keys[start:start + 4096]
+            marks = ",".join("?" * len(batch))
+            found.update(self.connection.execute(
+                f"SELECT key, result FROM results WHERE key IN ({marks})", batch))  # noqa: S608 - only '?' marks
+        return found
+
     def get(self, key: bytes) -> dict[str, Any] | None:
         row = self.connection.execute("SELECT result FROM results WHERE key = ?", (key,)).fetchone()
         return None if row is None else json.loads(row[0])
