@@ -38,6 +38,7 @@ from prefect.context import FlowRunContext
 from prefect.states import Completed, Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
+from prefect.utilities.annotations import quote
 
 from resident_pool.campaigns.campaign import (
     BLOCK,
@@ -48,7 +49,7 @@ from resident_pool.campaigns.campaign import (
     output_name,
     summarize,
 )
-from resident_pool.campaigns.inputs import FORMATS, InputFile
+from resident_pool.campaigns.inputs import FORMATS, InputFile, Region
 from resident_pool.campaigns.results import ResultStore, provider_version
 from resident_pool.client import default_manifests
 from resident_pool.errors import CampaignFailed, InputError, ResidentPoolError, WorkerRequestError
@@ -205,15 +206,20 @@ class _FileRun:
     def run(self) -> None:
         try:
             block = []
-            for record in self.source.records():
-                block.append(record)
-                if len(block) >= BLOCK:
-                    for chunk in self.campaign.add(block):
-                        self.launch(chunk)
+            for record in self.source.records(regions=True):
+                if isinstance(record, Region):  # a FASTA stretch, looked up whole (after the records before it)
+                    chunks = [*self.campaign.add(block), *self.campaign.add_region(record)]
                     block = []
-                    while self.settle(block=False):
-                        pass
-                    self.hold_back()
+                else:
+                    block.append(record)
+                    if len(block) < BLOCK:
+                        continue
+                    chunks, block = self.campaign.add(block), []
+                for chunk in chunks:
+                    self.launch(chunk)
+                while self.settle(block=False):
+                    pass
+                self.hold_back()
             for chunk in [*self.campaign.add(block), *self.campaign.flush()]:
                 self.launch(chunk)
         finally:
@@ -236,8 +242,10 @@ class _FileRun:
         while self.in_flight and (len(self.in_flight) >= self.window
                                   or self.inputs_in_flight + len(chunk) > self.MAX_IN_FLIGHT):
             self.settle(block=True)
+        # quote: Prefect walks every element of a task's parameters, twice per run (16 ms per thousand texts,
+        # measured); texts hold no futures to find.
         future = self.submit(predict_chunk, {"provider": self.provider, "manifests": self.manifests,
-                                             "texts": chunk.texts, "options": self.options, "first": chunk.first,
+                                             "texts": quote(chunk.texts), "options": self.options, "first": chunk.first,
                                              "last": chunk.last, "max_attachment_bytes": self.max_attachment_bytes,
                                              "chunk_size": self.campaign.chunk_size})
         self.in_flight[future] = chunk

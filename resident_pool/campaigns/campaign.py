@@ -28,7 +28,7 @@ from typing import Any, Literal
 from .. import arrays
 from ..errors import InputError
 from ..settings import settings
-from .inputs import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_RECORDS, DEFAULT_MAX_RECORD_BYTES, Record
+from .inputs import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_RECORDS, DEFAULT_MAX_RECORD_BYTES, Record, Region
 from .outdir import OutputDir
 from .results import ResultStore, default_results_dir, options_text, result_key
 
@@ -170,15 +170,30 @@ class TaskSizer:
 
 
 class _Entry:
-    """One input's place in the output: its outcome once known (a result's JSON, or a failure)."""
+    """One input's place in the output: its outcome once known (a result's JSON, or a failure); or a whole
+    Region's, as the lines an earlier campaign wrote for it (``lines``, ``count`` records, every one ok)."""
 
-    __slots__ = ("error", "id", "index", "key", "reason", "result")
+    __slots__ = ("count", "error", "id", "index", "key", "lines", "reason", "result")
 
     def __init__(self, index: int, ident: str, key: bytes | None) -> None:
         self.index, self.id, self.key = index, ident, key
         self.result: str | None = None
         self.reason: str | None = None
         self.error: str | None = None
+        self.lines: str | None = None
+        self.count = 1
+
+
+class _Mark:
+    """A Region being computed: its key and its inputs, whose lines are kept as they are written."""
+
+    __slots__ = ("first", "key", "last", "lines", "ok", "size")
+
+    def __init__(self, key: bytes, first: int, last: int) -> None:
+        self.key, self.first, self.last = key, first, last
+        self.lines: list[str] = []
+        self.ok = True
+        self.size = 0
 
 
 class Campaign:
@@ -193,6 +208,9 @@ class Campaign:
     """
 
     BACKLOG = 1 << 17  # inputs read but not yet written, past which the flow stops reading until some are
+    # A Region's lines are kept whole only up to this size: past it (answers of kilobytes each) they would
+    # double the store for a saving the lines' own writing dwarfs.
+    REGION_MAX_BYTES = 4 << 20
 
     def __init__(self, store: ResultStore, version: str, options: dict[str, Any], chunk_size: int,
                  output: str | os.PathLike[str], *, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
@@ -217,6 +235,7 @@ class Campaign:
         self.written: dict[str, Any] = {"records": 0, "ok": 0, "failed": 0, "missing": 0, "failure_reasons": {}}
         self.chunk_stats: list[dict[str, Any]] = []
         self.demoted: list[bytes] = []  # stored answers the output could not hold: forgotten at the end
+        self.marks: deque[_Mark] = deque()  # Regions being computed, in input order
         self.temp: str | None = None
         self.sink: _JsonlSink | _ParquetSink | None = None
         self.folder = OutputDir(self.output.parent)
@@ -281,6 +300,39 @@ class Campaign:
         self._emit()
         return chunks
 
+    def add_region(self, region: Region) -> list[Chunk]:
+        """Take a Region: written from the store whole when a campaign wrote it before (JSON Lines output),
+        else its records go as ``add``'s, and its lines are kept once every one of them is ok."""
+        if self.fmt != "jsonl":
+            return self.add(region.records())
+        key = region.key(self.version, self.options)
+        found = self.store.region(key)
+        if found is None or found[0] != region.count:
+            self.marks.append(_Mark(key, region.first_index, region.first_index + region.count - 1))
+            return self.add(region.records())
+        entry = _Entry(region.first_index, "", None)
+        entry.count, entry.lines = found
+        self.order.append(entry)
+        self.counts["inputs"] += entry.count
+        self.counts["from_store"] += entry.count
+        self._emit()
+        return []
+
+    def keep(self, entry: _Entry, line: str) -> None:
+        """An input's line, as written: part of the Region being computed, if any."""
+        marks = self.marks
+        if not marks or entry.index < marks[0].first:
+            return
+        mark = marks[0]
+        mark.ok = mark.ok and entry.result is not None
+        mark.size += len(line)
+        if mark.ok and mark.size <= self.REGION_MAX_BYTES:
+            mark.lines.append(line)
+        if entry.index == mark.last:
+            marks.popleft()
+            if mark.ok and mark.size <= self.REGION_MAX_BYTES:
+                self.store.put_region(mark.key, self.version, len(mark.lines), "".join(mark.lines))
+
     def flush(self) -> list[Chunk]:
         """The last, partly filled chunk (once the input is read, or to let what waits on it be written)."""
         return [self._cut(len(self.pending))] if len(self.pending) else []
@@ -344,7 +396,7 @@ class Campaign:
     def _emit(self) -> None:
         """Write every record at the head of the order that has its outcome."""
         order, ready = self.order, []
-        while order and (order[0].result is not None or order[0].reason is not None):
+        while order and (order[0].result is not None or order[0].reason is not None or order[0].lines is not None):
             ready.append(order.popleft())
         if not ready:
             return
@@ -356,9 +408,9 @@ class Campaign:
 
     def count(self, entry: _Entry) -> None:
         written = self.written
-        written["records"] += 1
-        if entry.result is not None:
-            written["ok"] += 1
+        written["records"] += entry.count
+        if entry.result is not None or entry.lines is not None:
+            written["ok"] += entry.count
             return
         written["failed"] += 1
         reasons = written["failure_reasons"]
@@ -408,12 +460,18 @@ class _JsonlSink:
         self.out, self.campaign = out, campaign
 
     def write(self, entries: list[_Entry]) -> None:
-        count, lines = self.campaign.count, []
+        campaign, lines = self.campaign, []
         for entry in entries:
-            count(entry)
+            campaign.count(entry)
+            if entry.lines is not None:
+                lines.append(entry.lines)
+                continue
             head = _head(entry.index, entry.id)
-            lines.append(_ok_line(head, entry.result) if entry.result is not None
-                         else _failure_line(head, entry.reason, entry.error))
+            line = (_ok_line(head, entry.result) if entry.result is not None
+                    else _failure_line(head, entry.reason, entry.error))
+            lines.append(line)
+            if campaign.marks:
+                campaign.keep(entry, line)
         self.out.write("".join(lines).encode())
 
     def close(self) -> None:
