@@ -187,8 +187,8 @@ class _FileRun:
     """One input file through the provider: a bounded window of chunk futures, settled as they finish."""
 
     # Inputs in flight at once, whatever the window of chunks: with chunks grown to TaskSizer.MAX_INPUTS,
-    # two computing and two waiting for a replica.
-    MAX_IN_FLIGHT = 4 * TaskSizer.MAX_INPUTS
+    # two computing (max_replicas 2) and one waiting for a replica. Each costs the flow about 600 bytes.
+    MAX_IN_FLIGHT = 3 * TaskSizer.MAX_INPUTS
 
     def __init__(self, source: InputFile, campaign: Campaign, *, provider: str, manifests: str,
                  options: dict[str, Any], submit: Submit, window: int, progress: _Progress,
