@@ -352,8 +352,10 @@ class Inbox(bytearray):
     def close(self) -> None:
         """The connection is gone: its descriptors, its cached mappings, its own buffers."""
         self.close_fds()
-        self.mappings.clear()
-        slabs, self.slabs = self.slabs, None
+        mappings, slabs = getattr(self, "mappings", None), getattr(self, "slabs", None)  # also a half-made one's
+        self.slabs = None
+        if mappings is not None:
+            mappings.clear()
         if slabs is not None:
             slabs.close()
 
