@@ -265,7 +265,8 @@ class Slabs:
 
     def settle(self, held: Any = None) -> None:
         """The reader of the last message let go of its buffers, except the attachment indexes ``held``."""
-        held = set(held) if isinstance(held, list) else set()
+        # From the peer: anything but attachment numbers is no claim at all.
+        held = {index for index in held if _int(index)} if isinstance(held, list) else set()
         with self._lock:
             pending, self.pending = self.pending, []
             for index, slab in pending:

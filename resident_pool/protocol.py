@@ -568,7 +568,11 @@ def _map_reused(attachment: Attachment, inbox: Inbox, key: tuple[int, int]) -> N
     if own is not None:
         attachment.buffer, attachment.address = own
         return
-    region, attachment.address = inbox.mappings.region(attachment.fd, attachment.size, key)
+    try:
+        region, attachment.address = inbox.mappings.region(attachment.fd, attachment.size, key)
+    except OSError:  # out of mappings or address space (or a memfd that will not map): read a copy instead
+        attachment.buffer = _read_copy(0, attachment.fd, attachment.size)
+        return
     attachment.watch = weakref.ref(region)
     attachment.buffer = memoryview(region).cast("B").toreadonly()
     attachment.copy = inbox.reused == COPY

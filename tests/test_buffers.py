@@ -967,3 +967,21 @@ def test_a_host_that_claims_huge_pages_it_cannot_give_gets_ordinary_ones(monkeyp
         assert slab.size == 4 << 20 and protocol.SLAB_PATH["pages"].startswith("4 KiB")
     finally:
         slab.close()
+
+
+def test_a_reply_that_claims_to_hold_nonsense_claims_nothing_and_the_buffer_is_reused(pair):
+    left, right = pair
+    inbox = Inbox(reused=protocol.COPY)
+    inbox.peer, inbox.slabs = PEER_2, arrays.Slabs()
+    encoded = arrays.encode({"x": random_array("uint8", (1 << 20,))}, PEER_2, slabs=inbox.slabs)
+
+    def worker():
+        recv_message(right, Inbox(reused=protocol.IN_PLACE)).close()
+        send_line(right, {"ok": True, "held": [{"a": 1}, "0", None, True, 2**70, [0]]})
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert arrays.complete(left, inbox, *encoded) == {"ok": True}
+    thread.join()
+    assert len(inbox.slabs.free) == 1 and len(inbox.slabs.live) == 1  # let go of, and kept for the next message
+    inbox.close()
