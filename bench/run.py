@@ -469,8 +469,12 @@ worker_base.serve(slug="trivial", socket_path=sys.argv[1],
                   on_predict=lambda payload: {"items": [{"length": len(text)} for text in payload["inputs"]]})
 '''
 
+# Peak memory as VmHWM, this process's own high-water mark: getrusage's ru_maxrss keeps, across exec, the
+# RSS of the process that spawned it (a 300 MB parent gave an 11 MB child 311 MB), so it reported the bench's.
+PEAK_RSS_MB = 'int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1]) / 1024'
+
 FLOW_PROCESS = """
-import json, resource, sys, time
+import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from screen import screen
 started = time.perf_counter()
@@ -478,13 +482,13 @@ summary = screen(input=sys.argv[2], provider="trivial", chunk_size=1024, output=
                  encoding=None)
 print("RESULT " + json.dumps({"wall_s": time.perf_counter() - started, "computed": summary["computed"],
                               "ok": summary["ok"], "inputs": summary["inputs"], "chunks": summary["chunks"],
-                              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
-"""
+                              "peak_rss_mb": PEAK}))
+""".replace("PEAK", PEAK_RSS_MB)
 
 # The floor beside it: the same FASTA read (the campaign's own reader) and a JSON Lines of the same records
 # written, as anyone would write them; no model, no Prefect, no store.
 FLOOR_PROCESS = """
-import json, resource, sys, time
+import json, sys, time
 from resident_pool.campaigns.inputs import InputFile
 started = time.perf_counter()
 with open(sys.argv[2], "w") as out:
@@ -492,8 +496,8 @@ with open(sys.argv[2], "w") as out:
         out.write(json.dumps({"index": record.index, "id": record.id, "ok": True, "length": len(record.text)},
                              separators=(",", ":")) + "\\n")
 print("RESULT " + json.dumps({"wall_s": time.perf_counter() - started, "inputs": record.index + 1,
-                              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
-"""
+                              "peak_rss_mb": PEAK}))
+""".replace("PEAK", PEAK_RSS_MB)
 
 
 def _child_result(code: str, args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -577,7 +581,7 @@ def case_campaign_scale(table: Table, env: Env, quick: bool) -> None:
         table.add(case, "first run: Prefect server CPU per task run", first["server_cpu_s"] / first["chunks"] * 1e3,
                   "ms", note=f"{first['server_cpu_s']:.1f} s of the server's CPU for {first['chunks']} task runs")
     table.add(case, "first run: flow process peak RSS", first["peak_rss_mb"], "MB", "< 300",
-              first["peak_rss_mb"] < 300)
+              first["peak_rss_mb"] < 300, note="VmHWM of the flow process (ru_maxrss reports its parent's)")
     table.add(case, "same input again: inputs computed", again["computed"], "", "0", again["computed"] == 0)
     ratio = again["wall_s"] / first["wall_s"]
     table.add(case, "same input again: wall / the first run's", ratio, "x", "<= 0.15", ratio <= 0.15,
