@@ -336,6 +336,17 @@ def test_the_report_beside_the_output_charts_the_run_and_maps_the_vectors_offlin
     assert summary[0]["report"].replace("\\", "") == str(report)
 
 
+def test_a_rerun_written_again_from_the_store_whole_still_maps_every_vector(pool_dir, embedder, tmp_path):
+    """A FASTA file screened before is written again from its stored stretches (no record parsed): the report's
+    map must still see those records' vectors, not an empty sample."""
+    inputs = _fasta(tmp_path / "in.fasta", _texts(300))
+    _screen(pool_dir, input=str(inputs), output=str(tmp_path / "first.jsonl"))
+    again = _screen(pool_dir, input=str(inputs), output=str(tmp_path / "again.jsonl"))
+    assert again["computed"] == 0 and again["ok"] == 300
+    page = (tmp_path / "again.jsonl.report.html").read_text()
+    assert page.count("<circle") == 300 and "<title>s0</title>" in page  # every vector, named by its id
+
+
 def test_fail_on_input_errors_fails_the_run_and_the_cli_exits_1(pool_dir, embedder, tmp_path):
     inputs = _jsonl(tmp_path / "in.jsonl", [*_texts(9), ""])
     default = _state(pool_dir, input=str(inputs), output=str(tmp_path / "a.jsonl"))
