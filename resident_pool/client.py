@@ -446,7 +446,8 @@ class Session:
         timeout = self.lease["request_timeout_s"]
         with self._failures(timeout, sent=False):
             sock, inbox = self._worker()
-            sock.settimeout(timeout)
+            if sock.gettimeout() != timeout:  # settimeout is a system call (FIONBIO) even when nothing changes
+                sock.settimeout(timeout)
             if inbox.peer is None:
                 arrays.negotiate(sock, inbox)
             if inbox.slabs is None and arrays.reuses(inbox.peer):
