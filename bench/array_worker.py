@@ -3,7 +3,8 @@
 Payload {"x": array, "mode": "echo" | "read" | "copy"}: "echo" returns the
 array it received (the worker passes the received descriptor on), "read" reads
 every byte of it in place (a sum over its 8-byte words) and returns the sum,
-"copy" returns a new array of the same bytes (what a model's fresh output costs).
+"copy" returns a new array of the same bytes (what a model's fresh output costs), built
+with worker_base.empty_like where its reply goes, as a provider's worker would.
 """
 
 import importlib.util
@@ -30,7 +31,9 @@ def main():
         if mode == "read":
             return {"sum": checksum(x), "nbytes": int(x.nbytes)}
         if mode == "copy":
-            return {"x": x.copy()}
+            out = worker_base.empty_like(x)
+            numpy.copyto(out, x)
+            return {"x": out}
         return {"x": x}
 
     worker_base.serve(slug="arrays", socket_path=sys.argv[1], on_predict=on_predict)

@@ -45,10 +45,19 @@ from prefect.context import FlowRunContext
 from prefect.states import Completed, Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
+from prefect.utilities.annotations import quote
 
 from resident_pool.campaigns.answers import per_input
-from resident_pool.campaigns.campaign import BLOCK, Campaign, CampaignSettings, Chunk, output_name, summarize
-from resident_pool.campaigns.inputs import FORMATS, InputFile
+from resident_pool.campaigns.campaign import (
+    BLOCK,
+    Campaign,
+    CampaignSettings,
+    Chunk,
+    TaskSizer,
+    output_name,
+    summarize,
+)
+from resident_pool.campaigns.inputs import FORMATS, InputFile, Region
 from resident_pool.campaigns.progress import FileProgress, Progress
 from resident_pool.campaigns.report import VectorSample, report_path, write_report
 from resident_pool.campaigns.results import ResultStore, provider_version
@@ -91,32 +100,47 @@ Encoding = Literal["float32-base64", "array", "json"]
     cache_policy=NO_CACHE,
 )
 def predict_chunk(provider: str, manifests: str, texts: list[str], options: dict[str, Any], label: str,
-                  max_attachment_bytes: int | None = None, priority: str = "batch") -> dict[str, Any]:
-    """One chunk on one held worker; an input the model refuses fails alone. ``label`` names its inputs."""
+                  max_attachment_bytes: int | None = None, chunk_size: int | None = None,
+                  priority: str = "batch") -> dict[str, Any]:
+    """One chunk on one held worker, in requests of ``chunk_size`` inputs; an input the model refuses fails alone.
+    ``label`` names its inputs."""
     started = time.monotonic()
+    size = chunk_size or max(len(texts), 1)
+    results: list[dict[str, Any] | None] = []
     failed: dict[int, tuple[str, str]] = {}
+    compute_s = 0.0  # the model's time, as the requests took it: what sizes the next chunks (TaskSizer)
     with pool_session(provider, manifests, max_attachment_bytes=max_attachment_bytes, priority=priority) as session:
         cold, pid = session.cold, session.pid
         version = session.lease.get("version")
-        try:
-            results = per_input(session.predict({**options, "inputs": texts}), len(texts))
-        except WorkerRequestError as error:
-            if error.reason != "request_failed":
-                raise
-            results = []
-            for position, text in enumerate(texts):  # find the input the model refused
-                try:
-                    results.append(per_input(session.predict({**options, "inputs": [text]}), 1)[0])
-                except WorkerRequestError as refused:
-                    if refused.reason != "request_failed":
-                        raise
-                    results.append(None)
-                    failed[position] = ("request_failed", str(refused))
-        for position, result in enumerate(results):
-            if result is None and position not in failed:
-                failed[position] = ("bad_answer", f"{provider} answered no item for this input")
+        for at in range(0, len(texts), size):
+            sent = time.monotonic()
+            results += _request(session, options, texts[at:at + size], at, failed)
+            compute_s += time.monotonic() - sent
+    for position, result in enumerate(results):
+        if result is None and position not in failed:
+            failed[position] = ("bad_answer", f"{provider} answered no item for this input")
     return {"results": results, "failed": failed, "cold": cold, "pid": pid, "version": version,
-            "latency_s": time.monotonic() - started}
+            "latency_s": time.monotonic() - started, "compute_s": compute_s}
+
+
+def _request(session: Any, options: dict[str, Any], texts: list[str], offset: int,
+             failed: dict[int, tuple[str, str]]) -> list[dict[str, Any] | None]:
+    """One request's items; when the model refuses the request, each input alone, to find the one it refuses."""
+    try:
+        return per_input(session.predict({**options, "inputs": texts}), len(texts))
+    except WorkerRequestError as error:
+        if error.reason != "request_failed":
+            raise
+    results: list[dict[str, Any] | None] = []
+    for position, text in enumerate(texts):
+        try:
+            results.append(per_input(session.predict({**options, "inputs": [text]}), 1)[0])
+        except WorkerRequestError as refused:
+            if refused.reason != "request_failed":
+                raise
+            results.append(None)
+            failed[offset + position] = ("request_failed", str(refused))
+    return results
 
 
 # -- running chunks ------------------------------------------------------------------
@@ -176,6 +200,10 @@ class _Progress:
 class _FileRun:
     """One input file through the provider: a bounded window of chunk futures, settled as they finish."""
 
+    # Inputs in flight at once, whatever the window of chunks: with chunks grown to TaskSizer.MAX_INPUTS,
+    # two computing (max_replicas 2) and one waiting for a replica. Each costs the flow about 600 bytes.
+    MAX_IN_FLIGHT = 3 * TaskSizer.MAX_INPUTS
+
     def __init__(self, source: InputFile, campaign: Campaign, entry: FileProgress, *, provider: str, manifests: str,
                  options: dict[str, Any], submit: Submit, window: int, progress: _Progress,
                  limits: CampaignSettings, priority: str = "batch") -> None:
@@ -185,20 +213,27 @@ class _FileRun:
         self.submit, self.window, self.progress = submit, window, progress
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight: dict[Any, Chunk] = {}
+        self.inputs_in_flight = 0
         self.settled = 0
 
     def run(self) -> None:
         try:
             block = []
-            for record in self.source.records():
-                block.append(record)
-                if len(block) >= BLOCK:
-                    for chunk in self.campaign.add(block):
-                        self.launch(chunk)
+            for record in self.source.records(regions=True):
+                if isinstance(record, Region):  # a FASTA stretch, looked up whole (after the records before it)
+                    chunks = [*self.campaign.add(block), *self.campaign.add_region(record)]
                     block = []
-                    self.report()
-                    while self.settle(block=False):
-                        pass
+                else:
+                    block.append(record)
+                    if len(block) < BLOCK:
+                        continue
+                    chunks, block = self.campaign.add(block), []
+                for chunk in chunks:
+                    self.launch(chunk)
+                self.report()
+                while self.settle(block=False):
+                    pass
+                self.hold_back()
             for chunk in [*self.campaign.add(block), *self.campaign.flush()]:
                 self.launch(chunk)
             self.report()
@@ -206,14 +241,30 @@ class _FileRun:
             while self.in_flight:  # what was computed is stored, even when reading the file failed
                 self.settle(block=True)
 
+    def hold_back(self) -> None:
+        """Read no further while too many inputs wait to be written behind the first one still waiting."""
+        while self.campaign.backlog > self.campaign.BACKLOG:
+            if self.in_flight:
+                self.settle(block=True)
+                continue
+            chunks = self.campaign.flush()  # what waits, waits on inputs not yet sent
+            if not chunks:
+                return
+            for chunk in chunks:
+                self.launch(chunk)
+
     def launch(self, chunk: Chunk) -> None:
-        while len(self.in_flight) >= self.window:
+        while self.in_flight and (len(self.in_flight) >= self.window
+                                  or self.inputs_in_flight + len(chunk) > self.MAX_IN_FLIGHT):
             self.settle(block=True)
+        # quote: Prefect walks every element of a task's parameters, twice per run (16 ms per thousand texts,
+        # measured); texts hold no futures to find.
         future = self.submit(predict_chunk, {"provider": self.provider, "manifests": self.manifests,
-                                             "texts": chunk.texts, "options": self.options, "label": chunk.label,
+                                             "texts": quote(chunk.texts), "options": self.options, "label": chunk.label,
                                              "max_attachment_bytes": self.max_attachment_bytes,
-                                             "priority": self.priority})
+                                             "chunk_size": self.campaign.chunk_size, "priority": self.priority})
         self.in_flight[future] = chunk
+        self.inputs_in_flight += len(chunk)
         future.add_done_callback(self.done.put)
 
     def settle(self, block: bool) -> bool:
@@ -223,6 +274,7 @@ class _FileRun:
         except queue.Empty:
             return False
         chunk, campaign = self.in_flight.pop(future), self.campaign
+        self.inputs_in_flight -= len(chunk)
         try:
             answer = future.result()
         except ResidentPoolError as error:
@@ -257,13 +309,13 @@ def _screen_file(source: InputFile, output: Path, entry: FileProgress, *, store:
     started = time.monotonic()
     progress: _Progress = run["progress"]
     progress.tally.begin(entry)
-    campaign = Campaign(store, version, run["options"], chunk_size, output,
-                        max_result_bytes=run["limits"].max_result_bytes)
     sample = VectorSample() if report else None
+    campaign = Campaign(store, version, run["options"], chunk_size, output,
+                        max_result_bytes=run["limits"].max_result_bytes, fmt=fmt, sample=sample)
     file_run = _FileRun(source, campaign, entry, **run)
     try:
         file_run.run()
-        written = campaign.write(fmt, sample=sample)
+        written = campaign.write(fmt)
     finally:
         campaign.close()
         counts = file_run.counts()

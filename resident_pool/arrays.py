@@ -10,6 +10,13 @@ one under the threshold rides inline as ``{"$base64": "...", "dtype": ...,
 "shape": [...]}``. ``bytes`` are dtype "bytes". A peer that did not say in its
 ping that it takes attachments gets plain JSON instead: arrays as nested lists,
 bytes as base64 text.
+
+Between peers of version 2, attachments are reused buffers (``Slabs``): a
+client session fills the same few pre-faulted buffers request after request,
+and a worker builds its answers in buffers of its own (``worker_base.empty``).
+A worker reads its client's buffers in place and says in each reply which it
+still holds (``"held"``); a client copies out of a worker's buffers before
+anything reads them. A sealed memfd per message remains for older peers.
 """
 
 from __future__ import annotations
@@ -22,12 +29,16 @@ import math
 import os
 import struct
 import sys
+import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["DTYPES", "Array", "ArrayError", "complete", "decode", "encode", "exchange", "limits", "negotiate", "plain"]
+__all__ = ["DTYPES", "Array", "ArrayError", "Slabs", "complete", "decode", "encode", "exchange", "limits", "negotiate",
+           "plain", "reuses", "with_field"]
 
-VERSION = 1
+# 2: reused buffers (Slabs) and the "held" field of a reply.
+VERSION = 2
 # Name -> itemsize. Native byte order (little-endian on every host the pool runs on).
 DTYPES = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,
           "uint64": 8, "float16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16}
@@ -185,16 +196,199 @@ class Array:
         return f"Array(dtype={self.dtype!r}, shape={list(self.shape)}, nbytes={self.nbytes})"
 
 
+# -- reused buffers ------------------------------------------------------------------
+class _Use:
+    """Rides on one view of a Slab: when the last view goes, so does this use of the buffer."""
+
+    __slots__ = ("slab", "slabs")
+
+    def __init__(self, slabs: Slabs, slab: Any) -> None:
+        self.slabs, self.slab = slabs, slab
+
+    def __del__(self) -> None:
+        self.slabs._returned.append(self.slab)
+        self.slabs._drain()
+
+
+class Slabs:
+    """A few reused buffers (protocol.Slab): a client session's, for its requests and for copies of its answers;
+    or a worker connection's, for its replies.
+
+    A buffer is taken for a message, sent (``sending``), and handed back (``settle``) once its reader
+    said it has let go: only then is it filled again. One its reader still holds is retired, never
+    written again. A buffer also counts as in use while a view of it is lent out (``lend``): an answer
+    a caller keeps, an array a worker builds. Views die in any thread: what they give back is queued
+    and taken in under a lock no finalizer ever waits for.
+    """
+
+    LIVE = 8  # buffers with a descriptor open at once; past it a message goes in a sealed memfd of its own
+    FREE = 4  # kept for the next message
+    FREE_BYTES = 2 << 30
+    SMALLEST = 1 << 20  # sizes are powers of two from here: the next message of a similar size fits
+
+    def __init__(self) -> None:
+        self.free: list[Any] = []
+        self.live: dict[tuple[int, int], Any] = {}
+        self.pending: list[tuple[int, Any]] = []  # (attachment index, slab) of the message last sent
+        self.used = False
+        self.closed = False
+        self._returned: deque[Any] = deque()
+        self._lock = threading.Lock()
+
+    # -- taking and giving back ----------------------------------------------------
+    def take(self, nbytes: int, limit: int) -> Any:
+        """A buffer of at least ``nbytes`` and at most ``limit`` bytes, in use until ``reserved``; None when
+        ``LIVE`` are out or none can be made."""
+        with self._lock:
+            if self.closed:
+                return None
+            fits = [slab for slab in self.free if nbytes <= slab.size <= limit]
+            if fits:
+                slab = min(fits, key=lambda slab: slab.size)
+                self.free.remove(slab)
+            elif len(self.live) >= self.LIVE:
+                return None
+            else:
+                size = max(nbytes, min(limit, max(self.SMALLEST, 1 << (nbytes - 1).bit_length())))
+                try:
+                    slab = protocol.make_slab(size)
+                except OSError:
+                    return None
+                if slab.size > limit:  # a whole number of (huge) pages past the receiver's cap
+                    slab.close()
+                    return None
+                self.live[slab.key] = slab
+            slab.users += 1
+            self.used = True
+        self._drain()
+        return slab
+
+    def reserved(self, slab: Any) -> None:
+        """The use ``take`` began is over."""
+        self._returned.append(slab)
+        self._drain()
+
+    def sending(self, sent: list[tuple[int, Any]]) -> None:
+        """These buffers go with the message about to be sent (index -> slab); each is in use until ``settle``."""
+        with self._lock:
+            for _, slab in sent:
+                slab.users += 1
+            self.pending = sent
+
+    def settle(self, held: Any = None) -> None:
+        """The reader of the last message let go of its buffers, except the attachment indexes ``held``."""
+        # From the peer: anything but attachment numbers is no claim at all.
+        held = {index for index in held if _int(index)} if isinstance(held, list) else set()
+        with self._lock:
+            pending, self.pending = self.pending, []
+            for index, slab in pending:
+                if index in held:
+                    self._retire(slab)
+        self._returned.extend(slab for _, slab in pending)
+        self._drain()
+
+    def lend(self, slab: Any, writable: bool = False) -> memoryview:
+        """A view of the whole buffer; it stays in use while the view (or anything made from it) lives."""
+        import ctypes
+
+        region = (ctypes.c_ubyte * slab.size).from_address(slab.address)
+        region._unmap = slab.unmap  # the mapping outlives the slab's descriptor while a view lives
+        with self._lock:
+            slab.users += 1
+        region._use = _Use(self, slab)
+        view = memoryview(region).cast("B")
+        return view if writable else view.toreadonly()
+
+    def view(self, key: tuple[int, int]) -> tuple[memoryview, int] | None:
+        """A read-only view of this side's own buffer ``key`` (a reader handed it back), and its address."""
+        slab = self.live.get(key)
+        if slab is None or slab.retired:
+            return None
+        return self.lend(slab), slab.address
+
+    def find(self, address: int, nbytes: int) -> tuple[Any, int] | None:
+        """(slab, offset) when [address, address + nbytes) lies in one of these buffers."""
+        for slab in list(self.live.values()):
+            offset = address - slab.address
+            if 0 <= offset <= slab.size - nbytes and not slab.retired:
+                return slab, offset
+        return None
+
+    def copy_target(self, nbytes: int) -> memoryview | None:
+        """A writable view of a free buffer to copy ``nbytes`` into (the copy of an answer); None if none is free."""
+        if nbytes < protocol.COPY_BELOW_BYTES:
+            return None  # small answers go in ordinary memory, as received ones under it do
+        with self._lock:
+            fits = [slab for slab in self.free if nbytes <= slab.size]
+            if not fits:
+                return None
+            slab = min(fits, key=lambda slab: slab.size)
+            self.free.remove(slab)
+        return self.lend(slab, writable=True)  # in use while the answer's views live
+
+    def fill(self, slab: Any, parts: Sequence[tuple[int, Any]]) -> None:
+        """Copy each (offset, bytes-like) part into the buffer, through the owner's own mapping."""
+        import ctypes
+
+        region = (ctypes.c_ubyte * slab.size).from_address(slab.address)
+        view = memoryview(region).cast("B")
+        for offset, part in parts:
+            data = memoryview(part).cast("B")
+            view[offset:offset + len(data)] = data
+
+    def close(self) -> None:
+        """Close every descriptor; the views lent out keep their memory until they go."""
+        with self._lock:
+            self.closed = True
+            for slab in self.live.values():
+                slab.close()
+            self.live.clear()
+            self.free.clear()
+            self.pending = []
+        self._drain()
+
+    # -- bookkeeping -------------------------------------------------------------------
+    def _retire(self, slab: Any) -> None:
+        slab.retired = True
+        self.live.pop(slab.key, None)
+        slab.close()
+
+    def _drain(self) -> None:
+        """Take in what views and settles gave back. Never waits for the lock: whoever holds it takes these in."""
+        while self._returned and self._lock.acquire(blocking=False):
+            try:
+                while self._returned:
+                    slab = self._returned.popleft()
+                    slab.users -= 1
+                    if slab.users == 0:
+                        self._recycle(slab)
+            finally:
+                self._lock.release()
+
+    def _recycle(self, slab: Any) -> None:
+        free_bytes = sum(other.size for other in self.free)
+        if slab.retired or self.closed or slab.fd < 0:
+            return
+        if len(self.free) >= self.FREE or free_bytes + slab.size > self.FREE_BYTES:
+            self._retire(slab)
+            return
+        self.free.append(slab)
+
+
 # -- sending ---------------------------------------------------------------------
 class _Encoder:
     """json's ``default`` hook: each array or bytes becomes a reference (or plain JSON, for a peer without them)."""
 
-    def __init__(self, peer: Mapping[str, Any] | None, min_bytes: int, received: list[Any]) -> None:
+    def __init__(self, peer: Mapping[str, Any] | None, min_bytes: int, received: list[Any],
+                 slabs: Slabs | None = None) -> None:
         self.accept = bool(peer)
         self.max_bytes = int(peer.get("max_bytes", protocol.MAX_ATTACHMENT_BYTES)) if peer else 0
         self.min_bytes = min_bytes
         self.received = received
+        self.slabs = slabs if slabs is not None and reuses(peer) else None
+        self.sent: list[tuple[int, Any]] = []  # (index, slab) for each of this side's reused buffers it carries
         self.numpy = sys.modules.get("numpy")  # an ndarray can only exist if numpy was imported
+        self.torch = sys.modules.get("torch")  # a tensor likewise
         self.sizes: list[int] = []  # per attachment
         self.fds: list[int] = []  # per attachment; -1 for the fresh memfd, made once the line is encoded
         self.passed: dict[int, int] = {}  # id(received attachment) -> its index here
@@ -204,6 +398,8 @@ class _Encoder:
 
     def default(self, value: Any) -> Any:
         numpy = self.numpy
+        if self.torch is not None and isinstance(value, self.torch.Tensor):
+            value = _tensor_array(value)
         if numpy is not None and isinstance(value, numpy.ndarray):
             if not self.accept:
                 return value.tolist()
@@ -237,7 +433,8 @@ class _Encoder:
         nbytes = len(data)
         if nbytes < self.min_bytes:
             return {"$base64": base64.b64encode(data).decode("ascii"), "dtype": dtype, "shape": list(shape)}
-        passed = self._passed_on(value, nbytes, 1 if dtype == BYTES else DTYPES[dtype])
+        itemsize = 1 if dtype == BYTES else DTYPES[dtype]
+        passed = self._passed_on(value, nbytes, itemsize) or self._in_slab(value, nbytes, itemsize)
         if passed is not None:
             index, offset = passed
             return {"$buffer": index, "dtype": dtype, "shape": list(shape), "offset": offset}
@@ -259,6 +456,21 @@ class _Encoder:
         self.sizes.append(size)
         self.fds.append(fd)
         return len(self.sizes) - 1
+
+    def _in_slab(self, value: Any, nbytes: int, itemsize: int) -> tuple[int, int] | None:
+        """Where ``value`` lies wholly in one of this side's own reused buffers (built there by
+        ``worker_base.empty``, or an answer a client hands back): that buffer goes, nothing is copied."""
+        if self.slabs is None or self.numpy is None or not isinstance(value, self.numpy.ndarray):
+            return None
+        found = self.slabs.find(value.ctypes.data, nbytes)
+        if found is None or found[1] % itemsize:
+            return None
+        slab, offset = found
+        index = self.passed.get(id(slab))
+        if index is None:
+            index = self.passed[id(slab)] = self._slot(slab.fd, slab.size)
+            self.sent.append((index, slab))
+        return index, offset
 
     def _passed_on(self, value: Any, nbytes: int, itemsize: int) -> tuple[int, int] | None:
         """Where ``value`` lies wholly in a received (sealed, so unchanged) attachment: pass that one on.
@@ -308,6 +520,18 @@ def _rows(flat: list[Any], dims: tuple[int, ...], start: int) -> list[Any]:
     return [_rows(flat, dims[1:], start + i * step) for i in range(dims[0])]
 
 
+def _tensor_array(tensor: Any) -> Any:
+    """A torch CPU tensor as the numpy array over its memory (no copy); anything else is named."""
+    if tensor.device.type != "cpu":
+        raise TypeError(f"a torch tensor on {tensor.device} cannot be sent; send tensor.cpu() (or build it with "
+                        "worker_base.empty) instead")
+    try:
+        return tensor.detach().numpy()
+    except (TypeError, RuntimeError) as exc:
+        raise TypeError(f"a torch tensor of dtype {tensor.dtype} cannot be sent ({exc}); the protocol carries "
+                        f"{', '.join(DTYPES)}") from None
+
+
 def _owner(value: Any) -> Any:
     """The object that owns ``value``'s memory: past numpy views and memoryviews."""
     while getattr(value, "base", None) is not None and not isinstance(value, memoryview):
@@ -316,29 +540,52 @@ def _owner(value: Any) -> Any:
 
 
 def encode(message: dict[str, Any], peer: Mapping[str, Any] | None, min_bytes: int = protocol.ATTACH_MIN_BYTES,
-           received: Sequence[Any] = ()) -> tuple[bytes, list[int], int | None]:
+           received: Sequence[Any] = (), slabs: Slabs | None = None) -> tuple[bytes, list[int], int | None]:
     """The line for ``message``, the descriptors to send beside it, and the fresh memfd to close once sent.
 
     ``peer`` is what the other side said in its ping (falsy: plain JSON only).
     ``received`` are this request's attachments, which a reply may pass on.
+    ``slabs``: this side's reused buffers; with a peer of version 2 the arrays go in one of them
+    (``slabs.pending`` records which, for ``settle``) instead of a fresh memfd.
     A message without arrays encodes exactly as ``protocol.encode_line``.
     """
-    encoder = _Encoder(peer, min_bytes, list(received))
+    encoder = _Encoder(peer, min_bytes, list(received), slabs)
     text = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=encoder.default)
-    if encoder.sizes:
-        text = f'{text[:-1]}{"," if len(text) > 2 else ""}"buffers":{json.dumps(encoder.sizes)}}}'
-    raw = text.encode("utf-8") + b"\n"
-    if len(raw) > protocol.MAX_LINE_BYTES:
-        raise ValueError(f"message is {len(raw)} bytes, over the protocol cap of {protocol.MAX_LINE_BYTES} bytes; "
-                         "send large data as numpy arrays or bytes (they travel beside the line)")
-    fresh = None
-    if encoder.fresh_index is not None:
-        try:
-            fresh = protocol.seal_memfd(encoder.parts, encoder.fresh_size)
-        except OSError as exc:  # out of memory or descriptors: this message's failure, not the socket's
-            raise ValueError(f"could not put {encoder.fresh_size} bytes of arrays in a memfd: {exc}") from exc
-        encoder.fds[encoder.fresh_index] = fresh
+    slab = None
+    if encoder.fresh_index is not None and encoder.slabs is not None:
+        slab = encoder.slabs.take(encoder.fresh_size, encoder.max_bytes)
+        if slab is not None:  # the whole buffer is announced: the receiver checks its size
+            encoder.sizes[encoder.fresh_index] = slab.size
+            encoder.fds[encoder.fresh_index] = slab.fd
+            encoder.sent.append((encoder.fresh_index, slab))
+    try:
+        if encoder.sizes:
+            text = f'{text[:-1]}{"," if len(text) > 2 else ""}"buffers":{json.dumps(encoder.sizes)}}}'
+        raw = text.encode("utf-8") + b"\n"
+        if len(raw) > protocol.MAX_LINE_BYTES:
+            raise ValueError(f"message is {len(raw)} bytes, over the protocol cap of {protocol.MAX_LINE_BYTES} "
+                             "bytes; send large data as numpy arrays or bytes (they travel beside the line)")
+        fresh = None
+        if slab is not None:
+            encoder.slabs.fill(slab, encoder.parts)
+        elif encoder.fresh_index is not None:
+            try:
+                fresh = protocol.seal_memfd(encoder.parts, encoder.fresh_size)
+            except OSError as exc:  # out of memory or descriptors: this message's failure, not the socket's
+                raise ValueError(f"could not put {encoder.fresh_size} bytes of arrays in a memfd: {exc}") from exc
+            encoder.fds[encoder.fresh_index] = fresh
+        if encoder.sent:
+            encoder.slabs.sending(encoder.sent)
+    finally:
+        if slab is not None:
+            encoder.slabs.reserved(slab)  # the take's own use ends; the message's goes on until settled
     return raw, encoder.fds, fresh
+
+
+def with_field(raw: bytes, name: str, value: Any) -> bytes:
+    """An encoded line with one more top-level field (added after the line was encoded)."""
+    return b"%s%s%s:%s}\n" % (raw[:-2], b"," if len(raw) > 3 else b"", json.dumps(name).encode(),
+                               json.dumps(value, separators=(",", ":")).encode())
 
 
 def plain(value: Any) -> Any:
@@ -347,25 +594,53 @@ def plain(value: Any) -> Any:
 
 
 # -- receiving -------------------------------------------------------------------
-def decode(value: Any, attachments: list[Any]) -> Any:
-    """``value`` with each reference replaced by the array (or bytes) it names; read in place, never copied.
+def decode(value: Any, attachments: list[Any], slabs: Slabs | None = None,
+           max_copy_bytes: int = protocol.MAX_ATTACHMENT_BYTES) -> Any:
+    """``value`` with each reference replaced by the array (or bytes) it names; read in place, never copied,
+    except from a buffer its sender reuses (``Attachment.copy``): that is copied out first, at most
+    ``max_copy_bytes`` per message, into one of ``slabs`` where one is free, else into new memory.
 
     Raises ArrayError for a reference that names no attachment of this message,
-    an unknown dtype, or bytes past the attachment's end.
+    an unknown dtype, bytes past the attachment's end, or copies past the cap.
     """
-    numpy = _numpy()
+    reading = _Reading(attachments, _numpy(), slabs, max_copy_bytes)
     if _is_reference(value):
-        return _build(value, attachments, numpy)
+        return reading.build(value)
     stack = [value]
     while stack:  # iterative: a deep payload must not exhaust the stack
         node = stack.pop()
         items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
         for key, item in items:
             if _is_reference(item):
-                node[key] = _build(item, attachments, numpy)
+                node[key] = reading.build(item)
             elif isinstance(item, dict | list):
                 stack.append(item)
     return value
+
+
+class _Reading:
+    """One message's references as they are read: its attachments, and what copying out has cost so far."""
+
+    def __init__(self, attachments: list[Any], numpy: Any, slabs: Slabs | None, max_copy_bytes: int) -> None:
+        self.attachments, self.numpy, self.slabs = attachments, numpy, slabs
+        self.cap = self.copy_left = max_copy_bytes
+
+    def build(self, reference: dict[str, Any]) -> Any:
+        return _build(reference, self.attachments, self.numpy, self)
+
+    def copied(self, source: memoryview, nbytes: int) -> memoryview:
+        """``source``'s bytes copied into memory of this side's alone, read-only."""
+        if nbytes > self.copy_left:
+            raise ArrayError(f"the arrays this message names in buffers its sender reuses add up to more than "
+                             f"{self.cap} bytes, the attachment cap ({MAX_BYTES_VARIABLE}); each is copied out "
+                             "before it is read, so the cap bounds them together")
+        self.copy_left -= nbytes
+        target = self.slabs.copy_target(nbytes) if self.slabs is not None else None
+        if target is None:
+            target = memoryview(self.numpy.empty(nbytes, self.numpy.uint8) if self.numpy is not None
+                                else bytearray(nbytes)).cast("B")
+        target[:nbytes] = source
+        return target[:nbytes].toreadonly()
 
 
 def _shown_value(value: Any) -> str:
@@ -381,10 +656,10 @@ def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _build(reference: dict[str, Any], attachments: list[Any], numpy: Any) -> Any:
+def _build(reference: dict[str, Any], attachments: list[Any], numpy: Any, reading: _Reading | None = None) -> Any:
     """The array a reference names; every way a reference can be wrong is an ArrayError, never numpy's own."""
     try:
-        return _read(reference, attachments, numpy)
+        return _read(reference, attachments, numpy, reading)
     except (ValueError, TypeError, OverflowError) as exc:  # past the checks in _read: still the peer's
         if isinstance(exc, ArrayError):
             raise
@@ -396,7 +671,7 @@ def _shown(reference: dict[str, Any]) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _read(reference: dict[str, Any], attachments: list[Any], numpy: Any) -> Any:
+def _read(reference: dict[str, Any], attachments: list[Any], numpy: Any, reading: _Reading | None = None) -> Any:
     dtype, shape = reference.get("dtype"), reference.get("shape")
     if not isinstance(dtype, str) or (dtype != BYTES and dtype not in DTYPES):
         raise ArrayError(f"array reference names dtype {_shown_value(dtype)}; the protocol carries "
@@ -422,6 +697,10 @@ def _read(reference: dict[str, Any], attachments: list[Any], numpy: Any) -> Any:
             raise ArrayError(f"array reference reads {nbytes} bytes at offset {offset!r} of attachment {index}, "
                              f"which holds {attachment.size}")
         buffer = attachment.buffer
+        if attachment.copy:  # its sender may still change it: copy first, then read only the copy
+            buffer = (reading or _Reading(attachments, numpy, None, protocol.MAX_ATTACHMENT_BYTES)).copied(
+                buffer[offset:offset + nbytes], nbytes)
+            attachment, offset = None, 0
     else:
         text = reference["$base64"]
         try:
@@ -445,10 +724,12 @@ def _read(reference: dict[str, Any], attachments: list[Any], numpy: Any) -> Any:
 def negotiate(sock: Any, inbox: Any) -> None:
     """Ask the peer (a ping on this connection) whether it takes attachments; record its answer on ``inbox``.
 
-    Tells the peer this side's cap (``inbox.max_attachment_bytes``).
+    Tells the peer this side's cap (``inbox.max_attachment_bytes``), and version 2 (reused buffers) only
+    for an inbox that says what to do with them (``protocol.COPY``).
     """
+    version = VERSION if inbox.reused is not None else 1
     protocol.send_line(sock, {"op": "ping", "id": "attachments",
-                              "attachments": {"version": VERSION, "max_bytes": inbox.max_attachment_bytes}})
+                              "attachments": {"version": version, "max_bytes": inbox.max_attachment_bytes}})
     reply = protocol.recv_message(sock, inbox)
     if reply is None:
         raise ConnectionResetError("the worker closed the connection before answering the attachments ping")
@@ -458,10 +739,15 @@ def negotiate(sock: Any, inbox: Any) -> None:
 
 def accepted(offer: Any) -> dict[str, Any]:
     """The peer's attachments offer if it is one this side speaks, else {} (plain JSON only)."""
-    if isinstance(offer, dict) and _int(offer.get("version")) and offer["version"] >= VERSION and _int(
+    if isinstance(offer, dict) and _int(offer.get("version")) and offer["version"] >= 1 and _int(
             offer.get("max_bytes", 0)):
         return offer
     return {}
+
+
+def reuses(peer: Mapping[str, Any] | None) -> bool:
+    """Whether the peer takes reused buffers (it said version 2 or later)."""
+    return bool(peer) and _int(peer.get("version")) and peer["version"] >= 2
 
 
 def exchange(sock: Any, inbox: Any, message: dict[str, Any]) -> dict[str, Any] | None:
@@ -472,7 +758,7 @@ def exchange(sock: Any, inbox: Any, message: dict[str, Any]) -> dict[str, Any] |
     """
     if inbox.peer is None:
         negotiate(sock, inbox)
-    return complete(sock, inbox, *encode(message, inbox.peer, inbox.attach_min_bytes))
+    return complete(sock, inbox, *encode(message, inbox.peer, inbox.attach_min_bytes, slabs=inbox.slabs))
 
 
 class NotSent(OSError):
@@ -495,7 +781,12 @@ def complete(sock: Any, inbox: Any, raw: bytes, fds: list[int], fresh: int | Non
     if reply is None:
         return None
     try:
-        return decode(reply.obj, reply.attachments) if reply.references else reply.obj
+        held = reply.obj.pop("held", None)
+        if inbox.slabs is not None:  # before reading the reply: a buffer the worker let go may take a copy
+            inbox.slabs.settle(held)
+        if not reply.references:
+            return reply.obj
+        return decode(reply.obj, reply.attachments, inbox.slabs, inbox.max_attachment_bytes)
     except ArrayError as exc:
         raise protocol.ProtocolError(f"the reply's arrays cannot be read: {exc}", recoverable=True) from None
     finally:

@@ -26,7 +26,7 @@ from . import priority as order
 from .errors import RequestTimeout, ResidentPoolError, WorkerRequestError, error_from_dict
 from .host import paths
 from .messages import Acquire, Release, StopWorkers, Used, Variant, Warm, bad_request
-from .protocol import Inbox, PeerError, ProtocolError, connect, recv_line, send_line
+from .protocol import COPY, Inbox, PeerError, ProtocolError, connect, recv_line, send_line
 from .settings import settings
 from .version import __version__
 
@@ -97,8 +97,9 @@ class _Link:
             self.heard(line)
 
     def close(self) -> None:
-        for sock, _ in self.workers.values():
+        for sock, inbox in self.workers.values():
             sock.close()
+            inbox.close()
         self.workers.clear()
         self.pool.close()
 
@@ -488,7 +489,8 @@ class Session:
         if cached is None:
             for old in [k for k in link.workers if k[0] == key[0]]:
                 link.workers.pop(old)[0].close()
-            inbox = Inbox(self.max_attachment_bytes, self.pool.config.attach_min_bytes)
+            # A worker's reused buffers are copied out before anything reads them: it may still change them.
+            inbox = Inbox(self.max_attachment_bytes, self.pool.config.attach_min_bytes, reused=COPY)
             cached = link.workers[key] = (connect(self.lease["socket"]), inbox)
         return cached
 
@@ -496,6 +498,7 @@ class Session:
         cached = self.pool._link().workers.pop((self.lease["socket"], self.pid, self.max_attachment_bytes), None)
         if cached is not None:
             cached[0].close()
+            cached[1].close()
 
     def predict(self, payload: Any) -> Any:
         if self._ended:
@@ -506,15 +509,18 @@ class Session:
         timeout = self.lease["request_timeout_s"]
         with self._failures(timeout, sent=False):
             sock, inbox = self._worker()
-            sock.settimeout(timeout)
+            if sock.gettimeout() != timeout:  # settimeout is a system call (FIONBIO) even when nothing changes
+                sock.settimeout(timeout)
             if inbox.peer is None:
                 arrays.negotiate(sock, inbox)
+            if inbox.slabs is None and arrays.reuses(inbox.peer):
+                inbox.slabs = arrays.Slabs()  # this session's reused buffers, on its connection to the worker
         # Encoded before a byte of it goes: a payload that cannot be sent (a dtype the protocol does not
         # carry, NaN, over a cap) raises here as the caller's mistake, and the session goes on as it was.
         message = {"op": "predict", "id": request_id, "payload": payload}
         if self.token is not None:
             message["lease"] = self.token  # a lease the pool took back is refused by the worker
-        encoded = arrays.encode(message, inbox.peer, inbox.attach_min_bytes)
+        encoded = arrays.encode(message, inbox.peer, inbox.attach_min_bytes, slabs=inbox.slabs)
         with self._failures(timeout):
             # Arrays in the payload and the result travel beside the line (arrays.py).
             reply = arrays.complete(sock, inbox, *encoded)
@@ -598,9 +604,17 @@ class Session:
         self._ended = True
         return self.pool._call(Release(self.lease["lease"], outcome, self._unnoticed, extra.get("reply")).to_message())
 
+    def _close_buffers(self) -> None:
+        """The session's reused buffers go with it: a connection that carried any is closed, so the worker
+        lets go of its mappings of them and of its own reply buffers too."""
+        cached = self.pool._link().workers.get((self.lease["socket"], self.pid, self.max_attachment_bytes))
+        if cached is not None and cached[1].holds_buffers():
+            self._forget_worker()
+
     def release(self) -> None:
         if self._ended:
             return
+        self._close_buffers()
         self._ended = True
         try:
             self.pool._call(Release(self.lease["lease"], "ok", self._unnoticed).to_message(), expect_reply=False)

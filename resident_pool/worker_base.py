@@ -20,6 +20,7 @@ import array
 import bisect
 import collections
 import importlib.util
+import math
 import mmap
 import os
 import selectors
@@ -33,8 +34,8 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["DEFAULT_ORPHAN_GRACE_S", "IN_FLIGHT_FILE", "LATENCY_BUCKETS_S", "NO_CUBLAS_RELEASE_ENV", "ORPHAN_GRACE_ENV",
-           "PROTOCOL_ENV", "WORKER_BASE_ENV", "bootstrap", "load_arrays", "load_protocol", "protocol",
-           "release_cublas_workspaces", "serve", "staged"]
+           "PROTOCOL_ENV", "WORKER_BASE_ENV", "bootstrap", "empty", "empty_like", "load_arrays", "load_protocol",
+           "protocol", "release_cublas_workspaces", "serve", "staged"]
 
 DEFAULT_ORPHAN_GRACE_S = 120.0
 # The original design's names. The pool exports both names of each path; a hand-run worker may
@@ -340,6 +341,8 @@ class _Server:
         self.served = 0
         self.stopping = False
         self._held_payload = None
+        self.current = None  # the connection whose request is in flight (worker_base.empty builds its reply there)
+        self.slab_logged = False
         # Replies a client has not read yet, by connection: the rest of the bytes, the descriptors
         # still to go with the first of them, and what to release once those have gone.
         self._unsent: dict[socket.socket, tuple[memoryview, list[int], Callable[[], None]]] = {}
@@ -389,7 +392,7 @@ class _Server:
             for key in list(self.selector.get_map().values()):
                 key.fileobj.close()
                 if key.data is not None:
-                    key.data.close_fds()
+                    key.data.close()
             self.selector.close()
             self._unlink_socket()
 
@@ -400,14 +403,15 @@ class _Server:
             return
         # Non-blocking: a client that stops reading holds only its own reply (see _send), never this loop.
         conn.setblocking(False)
-        inbox = self.protocol.Inbox(self.max_attachment_bytes, self.attach_min_bytes)
+        # A client's reused buffers are read in place: only it can change one, and only between its requests.
+        inbox = self.protocol.Inbox(self.max_attachment_bytes, self.attach_min_bytes, reused=self.protocol.IN_PLACE)
         self.selector.register(conn, selectors.EVENT_READ, inbox)
 
     def _close(self, conn: socket.socket) -> None:
         unsent = self._unsent.pop(conn, None)
         if unsent is not None:
             unsent[2]()
-        self.selector.unregister(conn).data.close_fds()
+        self.selector.unregister(conn).data.close()  # its descriptors, mappings and buffers
         conn.close()
 
     def _read(self, conn: socket.socket, inbox) -> None:
@@ -440,6 +444,8 @@ class _Server:
             if message is None:
                 return
             scan_from = 0
+            if inbox.slabs is not None:
+                inbox.slabs.settle()  # the client has read the last reply (it asks again): its buffers are free
 
             def release(message=message) -> None:
                 message.close()
@@ -447,10 +453,12 @@ class _Server:
 
             try:
                 reply = self._handle(message.obj, conn, inbox, message)
+                encoded = self._encode(conn, reply, inbox, message.attachments, release)
             except BaseException:
                 release()
                 raise
-            if not self._reply(conn, reply, inbox, message.attachments, release):
+            del reply  # the result's arrays: whatever still holds a client's buffer after this, kept it
+            if not self._send_encoded(conn, *encoded, self._still_held(message)):
                 self._close(conn)
                 return
 
@@ -466,17 +474,30 @@ class _Server:
         ``release`` runs once the reply's descriptors are in the kernel's hands (or the
         connection is gone); False when the connection is broken.
         """
+        return self._send_encoded(conn, *self._encode(conn, reply, inbox, received, release))
+
+    def _encode(self, conn: socket.socket, reply: dict[str, Any], inbox, received,
+                release: Callable[[], None] | None) -> tuple[bytes, list[int], int | None, Callable[[], None] | None]:
+        """``reply`` as (line, descriptors, fresh memfd to close, release); its arrays in this connection's
+        reused buffers for a client of version 2."""
         try:
             if self.arrays is None:
                 raw, fds, fresh = self.protocol.encode_line(reply), [], None
             else:
-                raw, fds, fresh = self.arrays.encode(reply, inbox.peer if inbox is not None else None,
-                                                     self.attach_min_bytes, received)
+                peer = inbox.peer if inbox is not None else None
+                slabs = self._slabs(inbox) if self.arrays.reuses(peer) else None
+                raw, fds, fresh = self.arrays.encode(reply, peer, self.attach_min_bytes, received, slabs)
         except (ValueError, TypeError) as exc:
             # The result itself cannot cross the wire (NaN, a set, over the cap).
             fallback = {"ok": False, "reason": "request_failed", "id": reply.get("id"),
                         "error": f"{self.slug}: the result cannot be sent: {exc}"}
-            return self._reply(conn, fallback, release=release)
+            return self._encode(conn, fallback, None, (), release)
+        return raw, fds, fresh, release
+
+    def _send_encoded(self, conn: socket.socket, raw: bytes, fds: list[int], fresh: int | None,
+                      release: Callable[[], None] | None, held: list[int] | None = None) -> bool:
+        if held:
+            raw = self.arrays.with_field(raw, "held", held)
 
         def done() -> None:
             if fresh is not None:
@@ -485,6 +506,22 @@ class _Server:
                 release()
 
         return self._send(conn, memoryview(raw), list(fds), done)
+
+    def _slabs(self, inbox):
+        """This connection's reused buffers for its replies (made on first need)."""
+        if inbox.slabs is None:
+            inbox.slabs = self.arrays.Slabs()
+        return inbox.slabs
+
+    def _still_held(self, message) -> list[int]:
+        """The client's reused buffers (by attachment index) something here still reads, now the reply is
+        made: the client must not fill those again. Checked once the payload and the result are let go."""
+        reused = [index for index, attachment in enumerate(message.attachments) if attachment.reused]
+        if not reused:
+            return []
+        self._held_payload = None
+        message.obj = {}  # the request, its references read in place
+        return [index for index in reused if message.attachments[index].held()]
 
     def _send(self, conn: socket.socket, data: memoryview, fds: list[int], done: Callable[[], None]) -> bool:
         """Send what the socket takes now; the rest waits until the client reads (EVENT_WRITE).
@@ -561,7 +598,11 @@ class _Server:
                 reply["attachments"] = offer
             return reply
         if op == "predict":
-            return self._predict(request, conn, message)
+            self.current = inbox
+            try:
+                return self._predict(request, conn, message)
+            finally:
+                self.current = None
         if op == "stats":
             return {"ok": True, "id": request_id, "pid": os.getpid(), "served": self.served, **self.stats.answer()}
         if op == "shutdown":
@@ -649,6 +690,25 @@ class _Server:
             inbox.peer = self.arrays.accepted(request.get("attachments"))
         return {"version": self.arrays.VERSION, "max_bytes": self.max_attachment_bytes}
 
+    def outgoing(self, nbytes: int):
+        """A writable view of ``nbytes`` in a reused buffer the current request's reply will carry, or None
+        (no request in flight, a client without reused buffers, an array that travels inline)."""
+        inbox = self.current
+        if inbox is None or self.arrays is None or not self.arrays.reuses(inbox.peer) or nbytes < self.attach_min_bytes:
+            return None
+        slabs = self._slabs(inbox)
+        slab = slabs.take(nbytes, int(inbox.peer.get("max_bytes", 0)))
+        if slab is None:
+            return None
+        try:
+            if not self.slab_logged:
+                self.slab_logged = True
+                path = self.protocol.SLAB_PATH
+                self.log(f"reply buffers: pages {path['pages']}, populated by {path['populate']}")
+            return slabs.lend(slab, writable=True)[:nbytes]
+        finally:
+            slabs.reserved(slab)
+
     def _payload(self, request: dict[str, Any], message) -> Any:
         """The request's payload with its array references read (numpy arrays where numpy imports).
 
@@ -684,6 +744,42 @@ class _Server:
             pass
 
 
+_SERVING: list[_Server] = []  # the server of this process, while serve() runs
+
+
+def empty(shape: Any, dtype: Any = "float32") -> Any:
+    """A new, uninitialised array to fill and return in this request's result, built where its reply goes.
+
+    Inside ``on_predict`` with a client that takes reused buffers, its memory is already the buffer the
+    reply carries: returning it costs no copy (a ``numpy.empty`` result is copied there). ``dtype`` a numpy
+    dtype (or its name) gives a numpy array; a torch dtype gives a torch CPU tensor over the same memory.
+    Outside a request, or for a small array (sent inline anyway), it is ordinary memory. It belongs to
+    the reply: keep no reference to it past the request (a buffer something still holds is not reused).
+    """
+    torch = sys.modules.get("torch")
+    wants_tensor = torch is not None and isinstance(dtype, torch.dtype)
+    import numpy
+
+    name = str(dtype).removeprefix("torch.") if wants_tensor else numpy.dtype(dtype).name
+    shape = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+    nbytes = math.prod(shape) * numpy.dtype(name).itemsize if name in _ARRAY_DTYPES else 0
+    view = _SERVING[-1].outgoing(nbytes) if _SERVING and nbytes else None
+    if view is None:
+        return torch.empty(shape, dtype=dtype) if wants_tensor else numpy.empty(shape, name)
+    array = numpy.frombuffer(view, name, math.prod(shape)).reshape(shape)
+    return torch.from_numpy(array) if wants_tensor else array
+
+
+def empty_like(value: Any) -> Any:
+    """``empty`` with the shape and dtype of ``value`` (a numpy array or a torch CPU tensor), of its kind."""
+    return empty(tuple(value.shape), value.dtype)
+
+
+# What numpy and the wire both carry (arrays.DTYPES); a torch dtype past these (bfloat16) gets torch.empty.
+_ARRAY_DTYPES = frozenset({"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+                           "float16", "float32", "float64", "complex64", "complex128"})
+
+
 def serve(
     *,
     slug: str,
@@ -702,4 +798,9 @@ def serve(
     Exception from it fails that request only; SystemExit or KeyboardInterrupt is
     answered with ``reason: worker_exiting`` and re-raised.
     """
-    _Server(slug, socket_path, on_predict, ready, on_reset, log, orphan_grace_s, release_cublas).run()
+    server = _Server(slug, socket_path, on_predict, ready, on_reset, log, orphan_grace_s, release_cublas)
+    _SERVING.append(server)
+    try:
+        server.run()
+    finally:
+        _SERVING.remove(server)

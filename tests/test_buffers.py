@@ -6,12 +6,14 @@ import array
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import pickle
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -619,7 +621,9 @@ def test_no_descriptor_leaks_over_10000_requests_with_attachments(pool_dir, reli
     array_provider(pool_dir)
     value = random_array("float32", (128, 256))  # 128 KiB: over the threshold, so an attachment each way
     with Pool() as pool, pool.session("arrays") as session:
-        session.predict({"value": value})
+        # The session keeps a few reused buffers: one lent to the answer held, one for the next request.
+        echoed = session.predict({"value": value})
+        echoed = session.predict({"value": value})
         client_before, worker_before = open_fds(), worker_fds(session.pid)
         for i in range(10_000):
             echoed = session.predict({"value": value, "i": i})
@@ -738,3 +742,253 @@ def test_a_flood_of_descriptors_without_a_line_closes_that_connection_only(array
     conn.close()
     wait_until(lambda: not worker_memfds(proc.pid), message="the worker to close every descriptor it was sent")
     assert answers(socket_path) and proc.poll() is None
+
+
+# -- reused buffers (version 2): a session's few pre-faulted memfds, filled request after request ------------------
+PEER_2 = {"version": 2, "max_bytes": protocol.MAX_ATTACHMENT_BYTES}
+
+
+def minor_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[7])
+
+
+def test_a_held_session_sends_arrays_without_faulting_their_pages_in_again(pool_dir):
+    """20 requests of a 16 MiB array, each read whole by the worker: after the first, the worker faults in none of
+    its pages again (a fresh memfd per message faulted in every page of every message)."""
+    array_provider(pool_dir)
+    value = random_array("uint8", (16 << 20,))
+    digest = hashlib.sha256(value).hexdigest()
+    with Pool() as pool, pool.session("arrays") as session:
+        for _ in range(2):
+            session.predict({"action": "describe", "value": value})
+        before = minor_faults(session.pid)
+        for _ in range(20):
+            assert session.predict({"action": "describe", "value": value})["sha256"] == digest
+        faults = minor_faults(session.pid) - before
+    assert faults < (16 << 20) // mmap.PAGESIZE // 4, faults  # a quarter of one message's pages, for 20 messages
+
+
+def test_a_buffer_the_worker_still_holds_is_never_filled_again(pool_dir):
+    """The worker keeps a received array past its request: the session's next requests go in other buffers, and
+    what the worker kept still reads as it was sent."""
+    array_provider(pool_dir)
+    first, second = random_array("uint8", (2 << 20,), 1), random_array("uint8", (2 << 20,), 2)
+    with Pool() as pool, pool.session("arrays") as session:
+        kept = session.predict({"action": "keep", "value": first})["sha256"]
+        for _ in range(3):
+            session.predict({"action": "describe", "value": second})
+        assert session.predict({"action": "kept"})["sha256"] == kept == hashlib.sha256(first).hexdigest()
+
+
+def _sent_in_a_slab(left, value, slabs=None):
+    slabs = slabs or arrays.Slabs()
+    raw, fds, fresh = arrays.encode({"x": value}, PEER_2, slabs=slabs)
+    assert fresh is None and len(fds) == 1 and fds[0] == slabs.pending[0][1].fd  # a reused buffer, not a fresh memfd
+    send_raw(left, raw, fds)
+    return slabs
+
+
+def test_a_reused_buffer_cannot_be_changed_by_its_reader(pair):
+    left, right = pair
+    value = random_array("uint8", (1 << 20,))
+    slabs = _sent_in_a_slab(left, value)
+    message = recv_message(right, Inbox(reused=protocol.IN_PLACE))
+    fd = message.attachments[0].fd
+    with pytest.raises(PermissionError):
+        os.pwrite(fd, b"x", 0)
+    with pytest.raises(PermissionError):
+        mmap.mmap(fd, 1 << 20, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 0)
+    reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # another open file, the same seals
+    try:
+        with pytest.raises(PermissionError):
+            os.pwrite(reopened, b"x", 0)
+    finally:
+        os.close(reopened)
+    got = arrays.decode(message.obj, message.attachments)["x"]
+    message.close()
+    assert got.tobytes() == value.tobytes() and not got.flags.writeable
+    slabs.close()
+
+
+def test_a_receiver_that_did_not_ask_for_reused_buffers_refuses_them(pair):
+    left, right = pair
+    _sent_in_a_slab(left, random_array("uint8", (1 << 20,))).close()
+    with pytest.raises(ProtocolError, match="not sealed against writing"):
+        recv_message(right, Inbox())
+
+
+def test_a_reused_buffer_that_could_shrink_is_refused(pair):
+    """A truncated mapping faults its reader (SIGBUS): a reused buffer must be sealed against shrinking."""
+    left, right = pair
+    fd = memfd(b"x" * 4096, seals=protocol.F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_GROW)
+    send_with_fds(left, {"buffers": [4096], "x": {"$buffer": 0, "dtype": "uint8", "shape": [4096]}}, [fd])
+    os.close(fd)
+    with pytest.raises(ProtocolError, match="not sealed"):
+        recv_message(right, Inbox(reused=protocol.COPY))
+
+
+def test_a_client_copies_a_workers_reused_buffer_before_reading_it(pair):
+    """The sender writes its buffer again after sending it: what the receiver decoded stays as it was sent."""
+    left, right = pair
+    value = random_array("uint8", (2 << 20,))
+    slabs = _sent_in_a_slab(left, value)
+    inbox = Inbox(reused=protocol.COPY)
+    message = recv_message(right, inbox)
+    got = arrays.decode(message.obj, message.attachments, max_copy_bytes=inbox.max_attachment_bytes)["x"]
+    message.close()
+    slab = slabs.pending[0][1]
+    slabs.fill(slab, [(0, bytes(slab.size))])  # the sender's own mapping still writes it
+    assert got.tobytes() == value.tobytes()
+    slabs.close()
+
+
+def test_copies_out_of_reused_buffers_are_bounded_by_the_cap_per_message(pair):
+    """Three references of 600 kB into one 1 MiB reused buffer, under a cap of 1 MiB: copying them all would take
+    1.8 MB; refused before the third copy."""
+    left, right = pair
+    slabs = arrays.Slabs()
+    slab = slabs.take(1 << 20, 1 << 20)
+    refs = [{"$buffer": 0, "dtype": "uint8", "shape": [600_000], "offset": 0} for _ in range(3)]
+    send_with_fds(left, {"buffers": [slab.size], "x": refs}, [slab.fd])
+    inbox = Inbox(max_attachment_bytes=1 << 20, reused=protocol.COPY)
+    message = recv_message(right, inbox)
+    with pytest.raises(arrays.ArrayError, match="add up to more than 1048576 bytes"):
+        arrays.decode(message.obj, message.attachments, max_copy_bytes=inbox.max_attachment_bytes)
+    message.close()
+    slabs.close()
+
+
+def test_an_array_built_in_a_reused_buffer_is_sent_without_a_copy(pair, monkeypatch):
+    left, right = pair
+    slabs = arrays.Slabs()
+    slab = slabs.take(1 << 20, protocol.MAX_ATTACHMENT_BYTES)
+    built = np.frombuffer(slabs.lend(slab, writable=True), np.float32).reshape(512, 512)
+    slabs.reserved(slab)
+    built[:] = 7.5
+
+    def no_copy(*_):
+        raise AssertionError("the array was copied")
+
+    monkeypatch.setattr(arrays.Slabs, "fill", no_copy)
+    raw, fds, fresh = arrays.encode({"x": built[256:]}, PEER_2, slabs=slabs)
+    assert fds == [slab.fd] and fresh is None
+    send_raw(left, raw, fds)
+    got, _ = receive(right, Inbox(reused=protocol.COPY))
+    assert got["x"].shape == (256, 512) and (got["x"] == 7.5).all()
+    slabs.close()
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_worker_builds_its_answer_where_the_reply_goes(pool_dir, kind):
+    array_provider(pool_dir)
+    with Pool() as pool, pool.session("arrays") as session:
+        for fill in (3, 4):
+            got = session.predict({"action": "build", "shape": [1024, 1024], "dtype": "int16", "fill": fill,
+                                   "torch": kind == "torch"})
+            assert got["type"] == kind
+            assert got["value"].dtype == np.int16 and got["value"].shape == (1024, 1024) and (got["value"] == fill).all()
+        small = session.predict({"action": "build", "shape": [4], "dtype": "int16", "fill": 5, "torch": kind == "torch"})
+        assert small["value"].tolist() == [5] * 4  # under the threshold: ordinary memory, inline
+
+
+def test_a_worker_that_keeps_changing_its_answer_cannot_change_what_the_client_got(pool_dir):
+    array_provider(pool_dir)
+    with Pool() as pool, pool.session("arrays") as session:
+        got = session.predict({"action": "scribble", "shape": [4 << 20], "for_s": 1.0})["value"]
+        seen = got.tobytes()
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # the worker writes its buffer all the while
+            assert got.tobytes() == seen
+        assert session.predict({"action": "describe", "value": b"ok"})["sha256"]  # and it still serves
+
+
+def test_past_the_live_buffers_a_session_sends_sealed_memfds_and_every_answer_stays_right(pool_dir):
+    """Each echoed answer holds the buffer its request went in; holding 12 of them takes the session past its 8 reused
+    buffers: the rest go in sealed memfds of their own, and the client's descriptors stay bounded."""
+    array_provider(pool_dir)
+    values = [random_array("uint8", (1 << 20,), seed) for seed in range(12)]
+    with Pool() as pool, pool.session("arrays") as session:
+        session.predict({"value": values[0]})
+        before = open_fds()
+        held = [session.predict({"value": value})["value"] for value in values]
+        assert open_fds() - before <= arrays.Slabs.LIVE
+        assert [x.tobytes() for x in held] == [v.tobytes() for v in values]
+
+
+KILLED_CLIENT = """
+import sys, numpy as np
+from resident_pool import Pool
+with Pool() as pool, pool.session("arrays") as session:
+    print("sending", flush=True)
+    session.predict({"action": "slow", "sleep_s": 3, "value": np.ones(4 << 20, np.uint8)})
+"""
+
+
+def test_a_client_killed_while_the_worker_reads_its_buffer_costs_the_worker_nothing(pool_dir):
+    array_provider(pool_dir)
+    with Pool() as pool:
+        pid = pool.predict("arrays", {"value": 1})["pid"]
+        with subprocess.Popen([sys.executable, "-c", KILLED_CLIENT], stdout=subprocess.PIPE, text=True) as client:
+            assert client.stdout.readline().strip() == "sending"
+            wait_until(lambda: any(w["state"] == "leased" for w in pool.status()["workers"]),
+                       message="the client's lease")
+            wait_until(lambda: _reads_a_memfd(pid), message="the worker to map the client's buffer")
+            client.kill()
+        value = random_array("uint8", (2 << 20,))
+        assert pool.predict("arrays", {"value": value})["value"].tobytes() == value.tobytes()
+        assert pool.predict("arrays", {"value": 1})["pid"] == pid  # the same worker, still up
+
+
+def _reads_a_memfd(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return any("/memfd:" in line for line in maps)
+
+
+def test_without_madvise_populate_a_buffer_is_made_by_touching_its_pages(monkeypatch):
+    libc = protocol._libc()
+
+    class NoPopulate:
+        def __getattr__(self, name):
+            return getattr(libc, name)
+
+        @staticmethod
+        def madvise(*_):
+            return -1
+
+    monkeypatch.setattr(protocol, "_LIBC", NoPopulate())
+    slab = protocol.make_slab(3 << 20)
+    try:
+        assert protocol.SLAB_PATH["populate"].startswith("touched") and slab.size == 3 << 20
+        assert protocol.SLAB_PATH["pages"].startswith("4 KiB")
+    finally:
+        slab.close()
+
+
+def test_a_host_that_claims_huge_pages_it_cannot_give_gets_ordinary_ones(monkeypatch):
+    monkeypatch.setattr(protocol, "_meminfo", lambda: {"Hugepagesize": 2048, "HugePages_Free": 1 << 20})
+    slab = protocol.make_slab(4 << 20)
+    try:
+        assert slab.size == 4 << 20 and protocol.SLAB_PATH["pages"].startswith("4 KiB")
+    finally:
+        slab.close()
+
+
+def test_a_reply_that_claims_to_hold_nonsense_claims_nothing_and_the_buffer_is_reused(pair):
+    left, right = pair
+    inbox = Inbox(reused=protocol.COPY)
+    inbox.peer, inbox.slabs = PEER_2, arrays.Slabs()
+    encoded = arrays.encode({"x": random_array("uint8", (1 << 20,))}, PEER_2, slabs=inbox.slabs)
+
+    def worker():
+        recv_message(right, Inbox(reused=protocol.IN_PLACE)).close()
+        send_line(right, {"ok": True, "held": [{"a": 1}, "0", None, True, 2**70, [0]]})
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert arrays.complete(left, inbox, *encoded) == {"ok": True}
+    thread.join()
+    assert len(inbox.slabs.free) == 1 and len(inbox.slabs.live) == 1  # let go of, and kept for the next message
+    inbox.close()

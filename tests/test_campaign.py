@@ -393,6 +393,17 @@ def test_the_report_beside_the_output_charts_the_run_and_maps_the_vectors_offlin
     assert summary[0]["report"].replace("\\", "") == str(report)
 
 
+def test_a_rerun_written_again_from_the_store_whole_still_maps_every_vector(pool_dir, embedder, tmp_path):
+    """A FASTA file screened before is written again from its stored stretches (no record parsed): the report's
+    map must still see those records' vectors, not an empty sample."""
+    inputs = _fasta(tmp_path / "in.fasta", _texts(300))
+    _screen(pool_dir, input=str(inputs), output=str(tmp_path / "first.jsonl"))
+    again = _screen(pool_dir, input=str(inputs), output=str(tmp_path / "again.jsonl"))
+    assert again["computed"] == 0 and again["ok"] == 300
+    page = (tmp_path / "again.jsonl.report.html").read_text()
+    assert page.count("<circle") == 300 and "<title>s0</title>" in page  # every vector, named by its id
+
+
 def test_fail_on_input_errors_fails_the_run_and_the_cli_exits_1(pool_dir, embedder, tmp_path):
     inputs = _jsonl(tmp_path / "in.jsonl", [*_texts(9), ""])
     default = _state(pool_dir, input=str(inputs), output=str(tmp_path / "a.jsonl"))
@@ -1045,6 +1056,8 @@ def test_a_campaign_maps_less_of_an_answer_than_a_direct_call_cap_lowered_to_1_m
     assert state.is_completed() and state.message == "0 ok, 2 failed", state.message
     record = _records(tmp_path / "out.jsonl")[0]
     assert record["reason"] == "request_failed" and "attachment cap of 1000000 bytes" in record["error"], record
+
+
 def test_inputs_an_open_breaker_refused_are_recorded_with_what_opened_it_and_how_to_reset_it(pool_dir, embedder,
                                                                                               tmp_path, monkeypatch):
     """The report: a campaign record served by the breaker said start_failed, with no word of the breaker."""
@@ -1062,3 +1075,68 @@ def test_inputs_an_open_breaker_refused_are_recorded_with_what_opened_it_and_how
     assert {r["reason"] for r in records} == {"breaker_open"}
     for words in ("closes in 157 s", "resident-pool stop embedder", "exit code 3"):
         assert words in records[0]["error"], records[0]["error"]
+
+
+# -- speed (issue 27) --------------------------------------------------------------------------------------------
+def test_a_fast_model_gets_fewer_task_runs_than_requests_and_every_request_keeps_the_chunk_size(pool_dir, embedder,
+                                                                                               tmp_path):
+    """Each task run costs the Prefect server and the flow tens of milliseconds: with a model this fast, runs grow to
+    many requests of chunk_size each, once the first runs have measured it."""
+    summary = _screen(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", _texts(5000))), chunk_size=50,
+                      output=str(tmp_path / "out.jsonl"))
+    assert summary["ok"] == 5000
+    requests = [int(line) for line in (tmp_path / "computed.log").read_text().split()]
+    assert sum(requests) == 5000 and max(requests) == 50
+    assert summary["chunks"] < len(requests) // 2, (summary["chunks"], len(requests))  # task runs launched
+    assert [r["index"] for r in _records(tmp_path / "out.jsonl")] == list(range(5000))
+
+
+def test_a_slow_first_chunk_holds_the_reader_back_at_the_backlog_lowered_to_3000(tmp_path, monkeypatch):
+    """The output goes in input order, so what is read behind a chunk still computing waits in memory: past the
+    backlog the flow stops reading until it is written (lowered from 131,072 so the file can be small)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from screen import _FileRun
+
+    from resident_pool.campaigns.campaign import Campaign, CampaignSettings
+    from resident_pool.campaigns.inputs import InputFile
+    from resident_pool.campaigns.progress import FileProgress
+    from resident_pool.campaigns.results import ResultStore
+
+    monkeypatch.setattr(Campaign, "BACKLOG", 3000)
+    held_back, most = threading.Event(), []
+    hold_back = _FileRun.hold_back
+
+    def watched(self):
+        most.append(self.campaign.backlog)
+        if self.campaign.backlog > Campaign.BACKLOG:
+            held_back.set()
+        hold_back(self)
+
+    monkeypatch.setattr(_FileRun, "hold_back", watched)
+
+    def work(params):
+        texts = params["texts"].unwrap()
+        if params["label"].startswith("0-"):
+            assert held_back.wait(timeout=60)  # the first chunk answers only once the reader has stopped
+        return {"results": [{"n": len(text)} for text in texts], "failed": {}, "cold": False, "pid": 1,
+                "version": None, "latency_s": 0.0, "compute_s": 0.0}
+
+    class Progress:
+        def update(self, *_, **__):
+            pass
+
+    store = ResultStore.for_provider("p", tmp_path / "store")
+    campaign = Campaign(store, "v", {}, chunk_size=100, output=tmp_path / "out.jsonl")
+    with ThreadPoolExecutor(2) as pool:
+        run = _FileRun(InputFile(_jsonl(tmp_path / "in.jsonl", _texts(20_000))), campaign,
+                       FileProgress("in.jsonl", 20_000), provider="p", manifests="m",
+                       options={}, submit=lambda _fn, params: pool.submit(work, params), window=4,
+                       progress=Progress(), limits=CampaignSettings(results_dir=tmp_path / "store"))
+        run.run()
+    assert held_back.is_set() and max(most) <= 3000 + 1024  # at most one block read past the backlog
+    assert campaign.write("jsonl")["ok"] == 20_000
+    campaign.close()
+    store.close()
+    assert [r["index"] for r in _records(tmp_path / "out.jsonl")] == list(range(20_000))

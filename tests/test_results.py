@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -196,3 +197,103 @@ def test_a_partial_journal_that_is_a_hard_link_is_refused_never_emptied(tmp_path
         Campaign(store, "v", {}, chunk_size=2, output=tmp_path / "result.jsonl")
     store.close()
     assert victim.read_text() == "someone's file\n"
+
+
+# -- speed (issue 27): task runs sized by the model's time, FASTA regions written again whole --------------------
+def test_task_runs_start_at_one_request_and_grow_to_about_a_second_of_the_models_time():
+    from resident_pool.campaigns.campaign import TaskSizer
+
+    sizer = TaskSizer(chunk_size=64)
+    assert sizer.size == 64  # nothing measured yet: one request
+    sizer.observe(64, 0.064)  # 1 ms an input: 1,000 inputs a second, in whole requests
+    assert sizer.size == 960
+    for _ in range(10):  # far faster, run after run (each measure is averaged with the last): capped
+        sizer.observe(960, 0.00096)
+    assert sizer.size == TaskSizer.MAX_INPUTS // 64 * 64
+    slow = TaskSizer(chunk_size=64)
+    slow.observe(64, 30.0)  # a request already outlasts the target: one request a run
+    assert slow.size == 64
+    slow.observe(64, None)  # a run that failed says nothing
+    assert slow.size == 64
+
+
+def _fasta_records(path: Path, texts: list[str], bad: int | None = None) -> Path:
+    path.write_text("".join(f">s{n} protein {n}\n{'!' if n == bad else ''}{text}\n" for n, text in enumerate(texts)))
+    return path
+
+
+def _screened(store: ResultStore, path: Path, output: Path, compute: list[int]) -> dict:
+    """One campaign over a FASTA file as the flow runs it (Regions looked up whole), computing in this process."""
+    from resident_pool.campaigns.inputs import InputFile, Region
+
+    campaign = Campaign(store, "v", {}, chunk_size=100, output=output)
+
+    def run(chunks):
+        for chunk in chunks:
+            compute.append(len(chunk))
+            campaign.finish(chunk, [{"n": len(text)} for text in chunk.texts], {}, {})
+
+    block = []
+    for item in InputFile(path).records(regions=True):
+        if isinstance(item, Region):
+            run(campaign.add(block) + campaign.add_region(item))
+            block = []
+        else:
+            block.append(item)
+    run(campaign.add(block) + campaign.flush())
+    written = campaign.write("jsonl")
+    campaign.close()
+    return {**written, **campaign.counts}
+
+
+def test_a_fasta_screened_before_is_written_again_from_its_regions_not_input_by_input(tmp_path, monkeypatch):
+    texts = [f"MKV{'ACDEFGHIKLMNPQRSTVWY'[n % 20] * (50 + n % 200)}{n}" for n in range(20_000)]
+    texts = [text.translate(str.maketrans("0123456789", "ACDEFGHIKL")) for text in texts]
+    path = _fasta_records(tmp_path / "in.fasta", texts)
+    store = ResultStore.for_provider("p", tmp_path / "store")
+    computed: list[int] = []
+    first = _screened(store, path, tmp_path / "a.jsonl", computed)
+    assert first["ok"] == 20_000 and sum(computed) == 20_000
+    looked_up = []
+    real = ResultStore.results
+    monkeypatch.setattr(ResultStore, "results", lambda self, keys: looked_up.extend(keys) or real(self, keys))
+    again = _screened(store, path, tmp_path / "b.jsonl", computed)
+    assert again["ok"] == 20_000 and again["from_store"] == 20_000 and sum(computed) == 20_000
+    assert len(looked_up) < 1_000, len(looked_up)  # the last stretch of the file, not every input
+    assert (tmp_path / "b.jsonl").read_bytes() == (tmp_path / "a.jsonl").read_bytes()
+    store.close()
+
+
+def test_a_region_with_a_changed_or_bad_record_is_read_input_by_input_and_only_the_change_computed(tmp_path):
+    texts = ["MKV" + "ACDEFGHIKLMNPQRSTVWY"[n % 20] * (100 + n % 50) + "ACDEFGHIKLMNPQRSTVWY"[n // 20 % 20] +
+             "ACDEFGHIKLMNPQRSTVWY"[n // 400 % 20] + "ACDEFGHIKLMNPQRSTVWY"[n // 8000 % 20] for n in range(20_000)]
+    path = _fasta_records(tmp_path / "in.fasta", texts, bad=5)
+    store = ResultStore.for_provider("p", tmp_path / "store")
+    computed: list[int] = []
+    first = _screened(store, path, tmp_path / "a.jsonl", computed)
+    assert (first["ok"], first["failed"]) == (19_999, 1)
+    texts[10_000] = "MKVCHANGED"
+    _fasta_records(path, texts, bad=5)
+    computed.clear()
+    again = _screened(store, path, tmp_path / "b.jsonl", computed)
+    assert sum(computed) == 1 and (again["ok"], again["failed"]) == (19_999, 1)
+    lines = (tmp_path / "b.jsonl").read_text().splitlines()
+    assert json.loads(lines[5])["reason"] == "bad_input" and json.loads(lines[10_000])["n"] == len("MKVCHANGED")
+    assert [json.loads(line)["index"] for line in lines] == list(range(20_000))
+    store.close()
+
+
+def test_the_output_is_written_while_later_inputs_are_still_computed(tmp_path):
+    """Records go out in input order as soon as they and those before them have an outcome: what is held is what
+    waits, not the whole input."""
+    store, campaign = _campaign(tmp_path, tmp_path / "out.jsonl")
+    first = campaign.add([Record(i, f"r{i}", f"T{i}", i + 1) for i in range(4)])
+    assert [chunk.texts for chunk in first] == [["T0", "T1"], ["T2", "T3"]]
+    campaign.finish(first[1], [{"v": 2}, {"v": 3}], {}, {})
+    assert campaign.backlog == 4  # the first two still wait, so nothing is written
+    campaign.finish(first[0], [{"v": 0}, {"v": 1}], {}, {})
+    assert campaign.backlog == 0 and campaign.written["ok"] == 4
+    campaign.write("jsonl")
+    campaign.close()
+    store.close()
+    assert [json.loads(line)["v"] for line in (tmp_path / "out.jsonl").read_text().splitlines()] == [0, 1, 2, 3]

@@ -2,9 +2,8 @@
 
 No Prefect here: ``flows/screen.py`` orchestrates. Memory stays bounded
 whatever the input size: inputs are read lazily and handled a block at a time,
-the only inputs held are those waiting for a chunk or in flight, and the
-index of the campaign (input number -> id, key, or why it is bad) lives in
-SQLite's private temporary database, which the final output is joined from.
+and the output is written in input order as outcomes come in, so the only
+inputs held are those waiting for a chunk, in flight, or read behind them.
 Every input ends with exactly one record: a result, or a failure and its reason.
 """
 
@@ -22,7 +21,8 @@ import stat
 import statistics
 import sys
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -30,7 +30,7 @@ from typing import Any, Literal
 from .. import arrays
 from ..errors import InputError
 from ..settings import settings
-from .inputs import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_RECORDS, DEFAULT_MAX_RECORD_BYTES, Record
+from .inputs import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_RECORDS, DEFAULT_MAX_RECORD_BYTES, Record, Region
 from .outdir import OutputDir
 from .report import VectorSample
 from .results import ResultStore, default_results_dir, options_text, result_key
@@ -40,6 +40,7 @@ __all__ = [
     "Campaign",
     "CampaignSettings",
     "Chunk",
+    "TaskSizer",
     "first_line",
     "output_name",
     "summarize",
@@ -59,6 +60,12 @@ _COMPACT = json.JSONEncoder(separators=(",", ":")).encode
 # bytes as base64 text: records stay JSON whatever the provider answers with. A NaN or an infinity (an fp16
 # overflow) is no JSON (json.dumps would write `NaN`, which jq and JSON.parse refuse): it fails its record.
 _RESULT = json.JSONEncoder(separators=(",", ":"), allow_nan=False, default=arrays.plain).encode
+if json.encoder.c_make_encoder is not None:  # the same encoder, made once: JSONEncoder.encode makes one per call
+    _encode = json.encoder.c_make_encoder(None, arrays.plain, json.encoder.encode_basestring_ascii, None, ":", ",",
+                                          False, False, False)  # the last: allow_nan, refused as above
+
+    def _RESULT(value: Any) -> str:  # a drop-in for the encoder above, 1.5 us a result faster
+        return "".join(_encode(value, 0))
 # An array larger than this many numbers becomes JSON a block of rows at a time: as one Python list, a 40 MB
 # float32 array cost the campaign about 460 MB (a 24-byte float per number, plus the list) before any text.
 ARRAY_BLOCK = 1 << 16
@@ -160,38 +167,108 @@ def _locked_journal(folder: OutputDir, name: str, output: Path) -> int:
         os.close(fd)
 
 
+class TaskSizer:
+    """How many inputs one task run takes: whole requests of ``chunk_size``, enough that a run holds about
+    ``TARGET_S`` of the model's time, at most ``MAX_INPUTS``.
+
+    Each task run costs the Prefect server and the flow tens of milliseconds of CPU whatever it holds
+    (about 36 ms of the server's alone per run, measured here): a request that takes 10 ms would
+    spend most of the campaign on them. The first runs take one request each; once runs finish,
+    their measured model time per input sizes the next ones.
+    """
+
+    TARGET_S = 1.0
+    MAX_INPUTS = 16384  # the window (several runs in flight) times this bounds the flow's memory
+
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self.size = chunk_size
+        self.per_input_s: float | None = None
+
+    def observe(self, inputs: int, seconds: Any) -> None:
+        """A finished run's ``inputs`` took ``seconds`` of requests."""
+        if not inputs or not isinstance(seconds, int | float) or seconds < 0:
+            return
+        per_input = max(seconds / inputs, 1e-9)
+        self.per_input_s = per_input if self.per_input_s is None else (self.per_input_s + per_input) / 2
+        requests = max(1, int(self.TARGET_S / self.per_input_s) // self.chunk_size)
+        most = max(1, self.MAX_INPUTS // self.chunk_size)
+        self.size = min(requests, most) * self.chunk_size
+
+
+class _Entry:
+    """One input's place in the output: its outcome once known (a result's JSON, or a failure); or a whole
+    Region's, as the lines an earlier campaign wrote for it (``lines``, ``count`` records, every one ok)."""
+
+    __slots__ = ("count", "error", "id", "index", "key", "line", "lines", "reason", "result")
+
+    def __init__(self, index: int, ident: str, key: bytes | None) -> None:
+        self.index, self.id, self.key = index, ident, key
+        self.result: str | None = None
+        self.reason: str | None = None
+        self.error: str | None = None
+        self.line: str | None = None  # its record as the journal got it, written the same into the output
+        self.lines: str | None = None
+        self.count = 1
+
+
+class _Mark:
+    """A Region being computed: its key and its inputs, whose lines are kept as they are written."""
+
+    __slots__ = ("first", "key", "last", "lines", "ok", "size")
+
+    def __init__(self, key: bytes, first: int, last: int) -> None:
+        self.key, self.first, self.last = key, first, last
+        self.lines: list[str] = []
+        self.ok = True
+        self.size = 0
+
+
 class Campaign:
     """One input file through one provider version.
 
-    ``add`` takes records a block at a time and returns the chunks to compute;
-    ``finish``/``fail`` take a chunk's outcome; ``write`` produces the output.
-    Uses the store's connection from one thread.
+    ``add`` takes records a block at a time and returns the chunks (task runs) to compute; ``finish``/``fail``
+    take a chunk's outcome. The output is written as it goes, in input order: each input's record as
+    soon as it and every input before it have an outcome (stored, computed, failed), into a temporary
+    file that ``write`` puts in place once every input has one. What is held is what waits: the inputs
+    in flight and those read behind the first of them (``backlog``), never the whole input. Uses the
+    store's connection from one thread.
     """
 
+    BACKLOG = 1 << 17  # inputs read but not yet written, past which the flow stops reading until some are
+    # A Region's lines are kept whole only up to this size: past it (answers of kilobytes each) they would
+    # double the store for a saving the lines' own writing dwarfs.
+    REGION_MAX_BYTES = 4 << 20
+
     def __init__(self, store: ResultStore, version: str, options: dict[str, Any], chunk_size: int,
-                 output: str | os.PathLike[str], *, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> None:
+                 output: str | os.PathLike[str], *, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+                 fmt: Literal["jsonl", "parquet"] = "jsonl", sample: VectorSample | None = None) -> None:
         if chunk_size < 1:
             raise InputError(f"chunk_size must be at least 1, not {chunk_size}")
+        _check_format(fmt)
         self.store = store
-        self.db = store.connection
         self.version = version
         self.options = options_text(options)
         self.chunk_size = chunk_size
+        self.sizer = TaskSizer(chunk_size)
         self.max_result_bytes = max_result_bytes
         self.output = Path(output)
+        self.fmt = fmt
+        self.sample = sample  # offered every result as it is written (the report's map)
         self.journal_name = self.output.name + ".partial"
         self.pending = Chunk()
-        self.waiting: set[bytes] = set()  # keys pending or in flight: a duplicate of one is not computed twice
+        # Inputs waiting for a key that is pending or in flight: a duplicate of one is not computed twice.
+        self.waiting: dict[bytes, list[_Entry]] = {}
+        self.order: deque[_Entry] = deque()  # read, not yet written; the first waits, the rest may not
         self.counts = {"inputs": 0, "bad_input": 0, "from_store": 0, "duplicates": 0, "computed": 0, "chunks": 0}
         self.failed_computing = 0  # inputs whose chunk came back failed, or that the model refused: so far
+        self.written: dict[str, Any] = {"records": 0, "ok": 0, "failed": 0, "missing": 0, "failure_reasons": {},
+                                       "failures": []}
         self.chunk_stats: list[dict[str, Any]] = []
-        # The index lives in SQLite's temporary database: a private file, unlinked as soon as it is made.
-        self.db.executescript("""
-            DROP TABLE IF EXISTS temp.slots;
-            DROP TABLE IF EXISTS temp.failures;
-            CREATE TEMP TABLE slots (idx INTEGER PRIMARY KEY, id TEXT NOT NULL, key BLOB, error TEXT);
-            CREATE TEMP TABLE failures (key BLOB PRIMARY KEY, reason TEXT NOT NULL, error TEXT NOT NULL);
-        """)
+        self.demoted: list[bytes] = []  # stored answers the output could not hold: forgotten at the end
+        self.marks: deque[_Mark] = deque()  # Regions being computed, in input order
+        self.temp: str | None = None
+        self.sink: _JsonlSink | _ParquetSink | None = None
         self.folder = OutputDir(self.output.parent)
         try:
             self.journal = os.fdopen(_locked_journal(self.folder, self.journal_name, self.output), "w",
@@ -201,49 +278,95 @@ class Campaign:
             raise
 
     def close(self) -> None:
+        if self.sink is not None:
+            self.sink.abandon()
+            self.sink = None
+        if self.temp is not None:  # not put in place: never left behind
+            self.folder.unlink(self.temp)
+            self.temp = None
         if not self.journal.closed:
             self.journal.close()
         self.folder.close()
-        self.db.executescript("DROP TABLE IF EXISTS temp.slots; DROP TABLE IF EXISTS temp.failures;")
+
+    @property
+    def backlog(self) -> int:
+        """Inputs read and not yet written."""
+        return len(self.order)
 
     # -- planning -----------------------------------------------------------------
     def add(self, records: list[Record]) -> list[Chunk]:
-        """Index a block of records; return the full chunks of what is neither stored nor already on its way."""
+        """Take a block of records; return the full chunks of what is neither stored nor already on its way."""
         version, options = self.version, self.options
-        rows: list[tuple[int, str, bytes | None, str | None]] = []
-        keyed: list[tuple[bytes, Record]] = []
+        entries: list[tuple[_Entry, Record]] = []
         for record in records:
             if record.error is not None:
-                rows.append((record.index, record.id, None, record.error))
+                entry = _Entry(record.index, record.id, None)
+                entry.reason, entry.error = "bad_input", record.error
+                self.counts["bad_input"] += 1
             else:
-                key = result_key(version, options, record.text)
-                rows.append((record.index, record.id, key, None))
-                keyed.append((key, record))
-        self.db.execute("BEGIN")  # deferred: only the private temp database is written
-        self.db.executemany("INSERT INTO temp.slots (idx, id, key, error) VALUES (?, ?, ?, ?)", rows)
-        self.db.execute("COMMIT")
-        self.counts["inputs"] += len(rows)
-        self.counts["bad_input"] += len(rows) - len(keyed)
-        stored = self.store.present([key for key, _ in keyed])
+                entry = _Entry(record.index, record.id, result_key(version, options, record.text))
+                entries.append((entry, record))
+            self.order.append(entry)
+        self.counts["inputs"] += len(records)
+        stored = self.store.results([entry.key for entry, _ in entries])
         pending, waiting = self.pending, self.waiting
-        for key, record in keyed:
-            if key in stored:
+        for entry, record in entries:
+            key = entry.key
+            result = stored.get(key)
+            if result is not None:
+                entry.result = result
                 self.counts["from_store"] += 1
             elif key in waiting:
+                waiting[key].append(entry)
                 self.counts["duplicates"] += 1
             else:
-                waiting.add(key)
+                waiting[key] = [entry]
                 pending.keys.append(key)
                 pending.texts.append(record.text)
                 pending.indexes.append(record.index)
                 pending.ids.append(record.id)
         chunks = []
-        while len(self.pending) >= self.chunk_size:
-            chunks.append(self._cut(self.chunk_size))
+        while len(self.pending) >= self.sizer.size:
+            chunks.append(self._cut(self.sizer.size))
+        self._emit()
         return chunks
 
+    def add_region(self, region: Region) -> list[Chunk]:
+        """Take a Region: written from the store whole when a campaign wrote it before (JSON Lines output),
+        else its records go as ``add``'s, and its lines are kept once every one of them is ok."""
+        if self.fmt != "jsonl":
+            return self.add(region.records())
+        key = region.key(self.version, self.options)
+        found = self.store.region(key)
+        if found is None or found[0] != region.count:
+            self.marks.append(_Mark(key, region.first_index, region.first_index + region.count - 1))
+            return self.add(region.records())
+        entry = _Entry(region.first_index, "", None)
+        entry.count, entry.lines = found
+        self.order.append(entry)
+        self.counts["inputs"] += entry.count
+        self.counts["from_store"] += entry.count
+        self._emit()
+        return []
+
+    def keep(self, entries: list[_Entry], lines: list[str]) -> None:
+        """Inputs' lines, as written: those of a Region being computed are kept, and stored once it is whole."""
+        marks, limit = self.marks, self.REGION_MAX_BYTES
+        for entry, line in zip(entries, lines, strict=True):
+            if not marks or entry.index < marks[0].first:
+                continue
+            mark = marks[0]
+            mark.ok = mark.ok and entry.result is not None
+            mark.size += len(line)
+            if mark.ok and mark.size <= limit:
+                mark.lines.append(line)
+            if entry.index == mark.last:
+                marks.popleft()
+                if mark.ok and mark.size <= limit:
+                    self.store.put_region(mark.key, self.version, len(mark.lines), "".join(mark.lines))
+
     def flush(self) -> list[Chunk]:
-        """The last, partly filled chunk, once the input is read."""
+        """The last, partly filled chunk (once the input is read, or to let what waits on it be written)."""
         return [self._cut(len(self.pending))] if len(self.pending) else []
 
     def _cut(self, size: int) -> Chunk:
@@ -263,161 +386,263 @@ class Campaign:
             return
         stored: list[tuple[bytes, str]] = []
         lines: list[str] = []
-        failures: list[tuple[bytes, str, str]] = []
+        failures = 0
         for position, (key, result) in enumerate(zip(chunk.keys, results, strict=True)):
             head = _head(chunk.indexes[position], chunk.ids[position])
             if result is None or position in failed:
                 reason, error = failed.get(position, ("bad_answer", "no result came back for this input"))
-                failures.append((key, reason, error))
-                lines.append(_failure_line(head, reason, error))
-            else:
-                text, problem = _written(result, self.max_result_bytes)
-                if problem is not None:  # one input's answer that cannot be written fails alone, and is not stored
-                    failures.append((key, "bad_answer", problem))
-                    lines.append(_failure_line(head, "bad_answer", problem))
-                    continue
-                stored.append((key, text))
-                lines.append(_ok_line(head, text))
+                failures += 1
+                lines.append(self._resolve(key, _failure_line(head, reason, error), None, reason, error))
+                continue
+            text, problem = _written(result, self.max_result_bytes)
+            if problem is not None:  # one input's answer that cannot be written fails alone, and is not stored
+                failures += 1
+                lines.append(self._resolve(key, _failure_line(head, "bad_answer", problem), None, "bad_answer",
+                                           problem))
+                continue
+            stored.append((key, text))
+            lines.append(self._resolve(key, _ok_line(head, text), text))
         self.store.put(self.version, stored)
-        self._record_failures(failures)
-        self.failed_computing += len(failures)
+        self.failed_computing += failures
         self._journal(lines)
-        self.waiting.difference_update(chunk.keys)
         self.chunk_stats.append({**stats, "n": len(chunk)})
+        self.sizer.observe(len(chunk), stats.get("compute_s"))
+        self._emit()
 
     def fail(self, chunk: Chunk, reason: str, error: str, stats: dict[str, Any] | None = None) -> None:
         """Every input of a chunk failed for one reason (the worker could not be had, it kept dying)."""
-        self._record_failures([(key, reason, error) for key in chunk.keys])
+        for key in chunk.keys:
+            self._resolve(key, None, None, reason, error)
         self.failed_computing += len(chunk)
         self._journal([_failure_line(_head(index, ident), reason, error)
                        for index, ident in zip(chunk.indexes, chunk.ids, strict=True)])
-        self.waiting.difference_update(chunk.keys)
         self.chunk_stats.append({**(stats or {}), "failed": True, "n": len(chunk)})
+        self._emit()
 
-    def _record_failures(self, failures: list[tuple[bytes, str, str]]) -> None:
-        if failures:
-            self.db.execute("BEGIN")
-            self.db.executemany("INSERT OR REPLACE INTO temp.failures (key, reason, error) VALUES (?, ?, ?)",
-                                failures)
-            self.db.execute("COMMIT")
+    def _resolve(self, key: bytes, line: str | None, result: str | None, reason: str | None = None,
+                 error: str | None = None) -> str | None:
+        """Every input waiting for ``key`` gets its outcome; the first (the chunk's own) its line too."""
+        entries = self.waiting.pop(key, ())
+        for entry in entries:
+            entry.result, entry.reason, entry.error = result, reason, error
+        if entries:
+            entries[0].line = line
+        return line
 
     def _journal(self, lines: list[str]) -> None:
         self.journal.writelines(lines)
         self.journal.flush()
 
     # -- the output ---------------------------------------------------------------
-    def _joined(self) -> Iterator[tuple[int, str, str | None, str | None, str | None, str | None]]:
-        return self.db.execute("""
-            SELECT s.idx, s.id, s.error, r.result, f.reason, f.error
-            FROM temp.slots AS s
-            LEFT JOIN main.results AS r ON r.key = s.key
-            LEFT JOIN temp.failures AS f ON f.key = s.key
-            ORDER BY s.idx
-        """)
+    def _emit(self) -> None:
+        """Write every record at the head of the order that has its outcome."""
+        order, ready = self.order, []
+        while order and (order[0].result is not None or order[0].reason is not None or order[0].lines is not None):
+            ready.append(order.popleft())
+        if not ready:
+            return
+        if self.sink is None:
+            self.temp = f".{self.output.name}.{uuid.uuid4().hex[:8]}.tmp"
+            out = os.fdopen(self.folder.open(self.temp, os.O_EXCL), "wb")
+            self.sink = _JsonlSink(out, self) if self.fmt == "jsonl" else _ParquetSink(out, self)
+        self.sink.write(ready)
 
-    def write(self, fmt: Literal["jsonl", "parquet"] = "jsonl", sample: VectorSample | None = None) -> dict[str, Any]:
-        """Write the output in input order, one record per input, atomically; returns the counts, with the
-        first failures (``failures``). ``sample`` is offered every result written (the report's map)."""
-        if fmt not in OUTPUT_FORMATS:
-            raise InputError(f"unknown output format {fmt!r}; use one of {', '.join(OUTPUT_FORMATS)}")
-        self.journal.flush()  # kept open, and locked, until the output has replaced the old one
-        temp = f".{self.output.name}.{uuid.uuid4().hex[:8]}.tmp"
-        fd = self.folder.open(temp, os.O_EXCL)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                rows = _Counted(self._joined(), sample)
-                if fmt == "parquet":
-                    _write_parquet(out, rows, self._first_result())
+    def count(self, entry: _Entry) -> None:
+        """One record (or a Region's) as it is written: counted, its result offered to ``sample``, and the
+        first FAILURES_KEPT failures kept (index, id, reason, the error's first line) for the failures table."""
+        written = self.written
+        written["records"] += entry.count
+        if entry.result is not None or entry.lines is not None:
+            written["ok"] += entry.count
+            if self.sample is not None:
+                if entry.lines is None:
+                    self.sample.offer(entry.id, entry.result)
                 else:
-                    _write_jsonl(out, rows)
-            self.folder.replace(temp, self.output.name)
-        except BaseException:
-            self.folder.unlink(temp)
-            raise
-        self._forget(rows.demoted)
+                    for line in entry.lines.splitlines():
+                        self.sample.offer_line(line)
+            return
+        written["failed"] += 1
+        reasons = written["failure_reasons"]
+        reasons[entry.reason] = reasons.get(entry.reason, 0) + 1
+        if len(written["failures"]) < FAILURES_KEPT:
+            written["failures"].append({"index": entry.index, "id": entry.id, "reason": entry.reason,
+                                        "error": first_line(entry.error)})
+
+    def demote(self, entry: _Entry, problem: str) -> None:
+        """An answer counted ok turned out not to fit the output: it fails as bad_answer and leaves the store."""
+        self.written["ok"] -= 1
+        entry.result, entry.reason, entry.error = None, "bad_answer", problem
+        self.count(entry)
+        self.written["records"] -= 1
+        self.demoted.append(entry.key)
+
+    def write(self, fmt: Literal["jsonl", "parquet"] | None = None) -> dict[str, Any]:
+        """Put the output in place, every input's record in input order, atomically; returns the counts."""
+        if fmt is not None and fmt != self.fmt:
+            _check_format(fmt)
+            raise InputError(f"this campaign writes {self.fmt}, not {fmt}")
+        if self.pending or self.waiting or self.order:
+            raise InputError(f"{self.output}: {len(self.order)} inputs have no outcome yet; finish every chunk "
+                             "before writing the output")
+        self.journal.flush()  # kept open, and locked, until the output has replaced the old one
+        if self.sink is None:  # no input at all
+            self.temp = f".{self.output.name}.{uuid.uuid4().hex[:8]}.tmp"
+            out = os.fdopen(self.folder.open(self.temp, os.O_EXCL), "wb")
+            self.sink = _JsonlSink(out, self) if self.fmt == "jsonl" else _ParquetSink(out, self)
+        sink, self.sink = self.sink, None
+        sink.close()
+        self.folder.replace(self.temp, self.output.name)
+        self.temp = None
+        for start in range(0, len(self.demoted), 4096):  # computed again next time
+            self.store.forget(self.demoted[start:start + 4096])
         self.folder.unlink(self.journal_name)
         self.journal.close()
-        return rows.counts
-
-    def _forget(self, indexes: list[int]) -> None:
-        """Drop from the store the answers of inputs the writer could not write: computed again next time."""
-        for start in range(0, len(indexes), 4096):
-            batch = indexes[start:start + 4096]
-            marks = ",".join("?" * len(batch))
-            keys = [key for (key,) in self.db.execute(
-                f"SELECT key FROM temp.slots WHERE idx IN ({marks})", batch)]  # noqa: S608 - only '?' marks
-            self.store.forget(keys)
-
-    def _first_result(self) -> dict[str, Any] | None:
-        """The result the Parquet columns are drawn from: the first whose vectors decode (an older version may
-        have stored one that does not, and it must not shape every column)."""
-        first = None
-        for (text,) in self.db.execute("SELECT r.result FROM temp.slots AS s JOIN main.results AS r ON "
-                                       "r.key = s.key ORDER BY s.idx LIMIT 100"):
-            result = json.loads(text)
-            first = first or result
-            if isinstance(result, dict) and _f32_problem(result.get("embedding_f32", "")) is None:
-                return result
-        return first
+        return self.written
 
 
 FAILURES_KEPT = 100  # failures a campaign's table shows; every one is in the output
-_MISSING = ("not_computed", "no result and no failure was recorded for this input; run the campaign again")
-
-
-class _Counted:
-    """The joined rows, each resolved to (index, id, ok, result JSON, reason, error), counted on the way.
-
-    Keeps the first FAILURES_KEPT failures (index, id, reason, the error's first line) for the failed-inputs
-    table, and offers each result to ``sample``.
-    """
-
-    def __init__(self, rows: Iterable[tuple], sample: VectorSample | None = None) -> None:
-        self.rows = rows
-        self.sample = sample
-        self.counts: dict[str, Any] = {"records": 0, "ok": 0, "failed": 0, "missing": 0, "failure_reasons": {},
-                                       "failures": []}
-        self.demoted: list[int] = []
-
-    def __iter__(self) -> Iterator[tuple[int, str, bool, str | None, str | None, str | None]]:
-        counts, reasons, kept = self.counts, self.counts["failure_reasons"], self.counts["failures"]
-        offer = self.sample.offer if self.sample is not None else None
-        for index, ident, bad, stored, recorded_reason, recorded_error in self.rows:
-            counts["records"] += 1
-            if stored is not None and bad is None:
-                counts["ok"] += 1
-                if offer is not None:
-                    offer(ident, stored)
-                yield index, ident, True, stored, None, None
-                continue
-            if bad is not None:
-                reason, error = "bad_input", bad
-            elif recorded_reason is None:
-                (reason, error), counts["missing"] = _MISSING, counts["missing"] + 1
-            else:
-                reason, error = recorded_reason, recorded_error
-            counts["failed"] += 1
-            reasons[reason] = reasons.get(reason, 0) + 1
-            if len(kept) < FAILURES_KEPT:
-                kept.append({"index": index, "id": ident, "reason": reason, "error": first_line(error)})
-            yield index, ident, False, None, reason, error
-
-    def demote(self, index: int, reason: str) -> None:
-        """Input ``index``, counted ok, turned out not to be writable: count it failed for ``reason``."""
-        self.demoted.append(index)
-        reasons = self.counts["failure_reasons"]
-        self.counts["ok"] -= 1
-        self.counts["failed"] += 1
-        reasons[reason] = reasons.get(reason, 0) + 1
-        if len(self.counts["failures"]) < FAILURES_KEPT:
-            self.counts["failures"].append({"index": index, "id": "", "reason": reason,
-                                            "error": "its answer could not be written to the output"})
 
 
 def first_line(text: str | None, limit: int = 300) -> str:
     """An error's first non-empty line, cut at ``limit`` characters."""
     line = next((part.strip() for part in (text or "").splitlines() if part.strip()), "")
     return line if len(line) <= limit else line[:limit - 1] + "…"
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in OUTPUT_FORMATS:
+        raise InputError(f"unknown output format {fmt!r}; use one of {', '.join(OUTPUT_FORMATS)}")
+
+
+class _JsonlSink:
+    """Records as JSON Lines, written a batch at a time."""
+
+    def __init__(self, out, campaign: Campaign) -> None:
+        self.out, self.campaign = out, campaign
+
+    def write(self, entries: list[_Entry]) -> None:
+        campaign, lines = self.campaign, []
+        for entry in entries:
+            campaign.count(entry)
+            if entry.lines is not None:
+                lines.append(entry.lines)
+                continue
+            line = entry.line
+            if line is None:
+                head = _head(entry.index, entry.id)
+                line = (_ok_line(head, entry.result) if entry.result is not None
+                        else _failure_line(head, entry.reason, entry.error))
+            lines.append(line)
+        if campaign.marks:
+            campaign.keep(entries, lines)
+        self.out.write("".join(lines).encode())
+
+    def close(self) -> None:
+        self.out.close()
+
+    def abandon(self) -> None:
+        self.out.close()
+
+
+class _ParquetSink:
+    """Records as Parquet: id, index, ok, reason, error, then the result's fields, in batches of ``BATCH`` rows.
+
+    The columns are drawn from an early result: the first of up to ``EXAMPLES`` results whose vectors
+    decode (an older version may have stored one that does not, and it must not shape every column).
+    Rows wait here until the columns are known, at most ``WAIT`` of them.
+    """
+
+    BATCH, EXAMPLES, WAIT = 8192, 100, 65536
+
+    def __init__(self, out, campaign: Campaign) -> None:
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError:
+            out.close()
+            raise InputError("--format parquet needs pyarrow: pip install 'resident-pool[parquet]'") from None
+        self.out, self.campaign, self.pa, self.pq = out, campaign, pa, pq
+        self.rows: list[_Entry] = []
+        self.results = 0
+        self.writer = None
+        self.columns: list[tuple[str, Any, str]] = []
+        self.schema = None
+
+    def write(self, entries: list[_Entry]) -> None:
+        self.rows.extend(entries)
+        if self.writer is None:
+            self.results += sum(1 for entry in entries if entry.result is not None)
+            if self.results < self.EXAMPLES and len(self.rows) < self.WAIT:
+                return
+            self._start()
+        while len(self.rows) >= self.BATCH:
+            batch, self.rows = self.rows[:self.BATCH], self.rows[self.BATCH:]
+            self.writer.write_table(self._table(batch))
+
+    def _start(self) -> None:
+        pa, example, first = self.pa, None, None
+        for entry in self.rows:
+            if entry.result is None:
+                continue
+            result = json.loads(entry.result)
+            first = first or result
+            if isinstance(result, dict) and _f32_problem(result.get("embedding_f32", "")) is None:
+                example = result
+                break
+        self.columns = _parquet_columns(example or first or {}, pa)
+        self.schema = pa.schema([("id", pa.string()), ("index", pa.int64()), ("ok", pa.bool_()),
+                                 ("reason", pa.string()), ("error", pa.string())]
+                                + [(name, kind) for name, kind, _ in self.columns])
+        self.writer = self.pq.ParquetWriter(self.out, self.schema)
+
+    def close(self) -> None:
+        if self.writer is None:
+            self._start()
+        if self.rows or not self.campaign.written["records"]:
+            self.writer.write_table(self._table(self.rows))
+        self.rows = []
+        self.writer.close()
+        self.out.close()
+
+    def abandon(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.out.close()
+
+    def _table(self, batch: list[_Entry]):
+        """One batch as an Arrow table. A stored result whose value does not fit its column (undecodable base64
+        float32 an older version stored, a string where the first result had a number) fails its own row as
+        bad_answer; the rest of the output is written."""
+        pa, campaign = self.pa, self.campaign
+        cells: list[list[Any]] = [[None] * len(batch) for _ in self.columns]
+        readers = [("embedding_f32" if how == "f32" else name, _cell_reader(kind, how, pa))
+                   for name, kind, how in self.columns]
+        for at, entry in enumerate(batch):
+            campaign.count(entry)
+            if entry.result is None:
+                continue
+            result = json.loads(entry.result)
+            converted, problem = [], None
+            for source, read in readers:
+                value = result.get(source)
+                value, problem = (None, None) if value is None else read(value)
+                if problem is not None:
+                    problem = f"{source}: {problem}"
+                    break
+                converted.append(value)
+            if problem is not None:
+                campaign.demote(entry, f"{problem}; the stored answer was removed, so the next run computes it again")
+                continue
+            for column, value in zip(cells, converted, strict=True):
+                column[at] = value
+        arrays = [pa.array([entry.id for entry in batch], pa.string()),
+                  pa.array([entry.index for entry in batch], pa.int64()),
+                  pa.array([entry.result is not None for entry in batch], pa.bool_()),
+                  pa.array([entry.reason for entry in batch], pa.string()),
+                  pa.array([entry.error for entry in batch], pa.string())]
+        for (_, kind, how), values in zip(self.columns, cells, strict=True):
+            arrays.append(_vectors(values, kind.list_size, pa) if how in ("f32", "floats") else pa.array(values, kind))
+        return pa.Table.from_arrays(arrays, schema=self.schema)
 
 
 def _head(index: int, ident: str) -> str:
@@ -442,9 +667,12 @@ def _written(result: dict[str, Any], limit: int) -> tuple[str, str | None]:
     What it costs: about twice the text (at most ``limit``) while it is built, plus one block of an
     array's numbers; the campaign then holds about as much again to store and journal it.
     """
-    size, large = _decoded_size(result, limit)
-    if size > limit:
-        return "", f"the answer is over {limit} bytes decoded (RESIDENT_POOL_MAX_RESULT_BYTES); it was not written"
+    large = False
+    if any(type(value) not in _SCALARS for value in result.values()):  # a flat answer's size is its text's
+        size, large = _decoded_size(result, limit)
+        if size > limit:
+            return "", (f"the answer is over {limit} bytes decoded (RESIDENT_POOL_MAX_RESULT_BYTES); it was not "
+                        "written")
     for name, value in result.items():
         if isinstance(name, str) and name.endswith("_f32") and value is not None:
             problem = _f32_problem(value)
@@ -462,6 +690,9 @@ def _written(result: dict[str, Any], limit: int) -> tuple[str, str | None]:
         return "", (f"the answer is more than {limit} bytes as JSON (RESIDENT_POOL_MAX_RESULT_BYTES); it was not "
                     "written")
     return text, None
+
+
+_SCALARS = frozenset({int, float, bool, type(None)})
 
 
 def _by_blocks(fields: dict[str, Any], limit: int) -> str | None:
@@ -564,39 +795,6 @@ def _failure_line(head: str, reason: str, error: str) -> str:
     return f'{head},"ok":false,"reason":{_COMPACT(reason)},"error":{_COMPACT(error)}}}\n'
 
 
-def _write_jsonl(out, rows: _Counted) -> None:
-    batch: list[str] = []
-    for index, ident, ok, result, reason, error in rows:
-        head = _head(index, ident)
-        batch.append(_ok_line(head, result) if ok else _failure_line(head, reason, error))
-        if len(batch) >= 4096:
-            out.write("".join(batch).encode())
-            batch.clear()
-    out.write("".join(batch).encode())
-
-
-# -- Parquet --------------------------------------------------------------------------
-def _write_parquet(out, rows: _Counted, example: dict[str, Any] | None, batch_rows: int = 8192) -> None:
-    """id, index, ok, reason, error, then the result's fields; embeddings as fixed-size float32 lists."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise InputError("--format parquet needs pyarrow: pip install 'resident-pool[parquet]'") from None
-    columns = _parquet_columns(example or {}, pa)
-    schema = pa.schema([("id", pa.string()), ("index", pa.int64()), ("ok", pa.bool_()), ("reason", pa.string()),
-                        ("error", pa.string())] + [(name, kind) for name, kind, _ in columns])
-    with pq.ParquetWriter(out, schema) as writer:
-        batch: list[tuple] = []
-        for row in rows:
-            batch.append(row)
-            if len(batch) >= batch_rows:
-                writer.write_table(_parquet_batch(batch, columns, schema, pa, rows))
-                batch.clear()
-        if batch or not rows.counts["records"]:
-            writer.write_table(_parquet_batch(batch, columns, schema, pa, rows))
-
-
 def _parquet_columns(example: dict[str, Any], pa) -> list[tuple[str, Any, str]]:
     """(column, arrow type, how to read it from a result) for each field of an example result."""
     columns = []
@@ -616,39 +814,6 @@ def _parquet_columns(example: dict[str, Any], pa) -> list[tuple[str, Any, str]]:
         else:
             columns.append((name, pa.string(), "json"))
     return columns
-
-
-def _parquet_batch(batch: list[tuple], columns: list[tuple[str, Any, str]], schema, pa, rows: _Counted):
-    """One batch as an Arrow table. A stored result whose value does not fit its column (undecodable base64
-    float32 an older version stored, a string where the first result had a number) fails its own row as
-    bad_answer; the rest of the output is written."""
-    cells: list[list[Any]] = [[None] * len(batch) for _ in columns]
-    readers = [("embedding_f32" if how == "f32" else name, _cell_reader(kind, how, pa)) for name, kind, how in columns]
-    for at, row in enumerate(batch):
-        if not row[2]:
-            continue
-        result = json.loads(row[3])
-        converted, problem = [], None
-        for source, read in readers:
-            value = result.get(source)
-            value, problem = (None, None) if value is None else read(value)
-            if problem is not None:
-                problem = f"{source}: {problem}"
-                break
-            converted.append(value)
-        if problem is not None:
-            batch[at] = (row[0], row[1], False, None, "bad_answer",
-                         f"{problem}; the stored answer was removed, so the next run computes it again")
-            rows.demote(row[0], "bad_answer")
-            continue
-        for column, value in zip(cells, converted, strict=True):
-            column[at] = value
-    arrays = [pa.array([row[1] for row in batch], pa.string()), pa.array([row[0] for row in batch], pa.int64()),
-              pa.array([row[2] for row in batch], pa.bool_()), pa.array([row[4] for row in batch], pa.string()),
-              pa.array([row[5] for row in batch], pa.string())]
-    for (_, kind, how), values in zip(columns, cells, strict=True):
-        arrays.append(_vectors(values, kind.list_size, pa) if how in ("f32", "floats") else pa.array(values, kind))
-    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def _cell_reader(kind: Any, how: str, pa) -> Callable[[Any], tuple[Any, str | None]]:

@@ -12,6 +12,7 @@ import codecs
 import csv
 import errno
 import gzip
+import hashlib
 import io
 import itertools
 import json
@@ -40,6 +41,7 @@ __all__ = [
     "TEXT_FIELDS",
     "InputFile",
     "Record",
+    "Region",
     "input_format",
     "open_input",
     "snippet",
@@ -264,23 +266,27 @@ class InputFile:
                              details={"path": str(self.path)}) from None
 
     # -- all of it -------------------------------------------------------------------
-    def records(self) -> Iterator[Record]:
+    def records(self, regions: bool = False) -> Iterator[Record | Region]:
         """Every record of the file, in order, read lazily; bad ones carry their error.
 
-        Past the operator's limits (records, or bytes once decompressed) it raises InputError: the file
-        is refused as a whole, never cut short into an output that looks complete.
+        ``regions``: a FASTA file's records come as Regions where they can (each ``records()`` parses its
+        own), other records one by one. Past the operator's limits (records, or bytes once decompressed)
+        it raises InputError: the file is refused as a whole, never cut short into an output that looks
+        complete.
         """
         self._fraction, self._size = 0.0, self.size()
         with self._open() as stream:
             limit = self.max_input_records
             self._bounded = _Bounded(stream, self)
+            count = 0
             try:
-                for count, record in enumerate(self._parse(self._bounded), 1):
+                for item in self._parse(self._bounded, regions=regions):
+                    count += item.count if isinstance(item, Region) else 1
                     if count > limit:
                         raise InputError(f"{self.path}: more than {limit:,} records (RESIDENT_POOL_MAX_INPUT_RECORDS); "
                                          "no output is written for it: split the file, or raise the limit",
                                          details={"path": str(self.path), "limit": "records"})
-                    yield record
+                    yield item
             except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
                 raise InputError(f"{self.path}: the compressed data is damaged ({exc}); the records before the "
                                  "damage were read", details={"path": str(self.path)}) from None
@@ -289,9 +295,9 @@ class InputFile:
                                  "it", details={"path": str(self.path)}) from None
             self._fraction = 1.0
 
-    def _parse(self, stream: IO[bytes], truncated: bool = False) -> Iterator[Record]:
+    def _parse(self, stream: IO[bytes], truncated: bool = False, regions: bool = False) -> Iterator[Record | Region]:
         if self.format == "fasta":
-            return self._fasta(stream, truncated)
+            return self._fasta(stream, truncated, regions)
         lines = self._reader = _Lines(stream, self.max_record_bytes)
         if self.format == "jsonl":
             return self._jsonl(lines)
@@ -301,8 +307,8 @@ class InputFile:
         return Record(index, identifier, "", line, f"{self.path}:{line}: {problem}")
 
     # FASTA ---------------------------------------------------------------------------
-    def _fasta(self, stream: IO[bytes], truncated: bool) -> Iterator[Record]:
-        self._reader = _FastaBlocks(self, stream, truncated)
+    def _fasta(self, stream: IO[bytes], truncated: bool, regions: bool) -> Iterator[Record | Region]:
+        self._reader = _FastaBlocks(self, stream, truncated, regions)
         return self._reader.records()
 
     def fasta_record(self, index: int, line: int, record: bytes, over: bool = False, last: bool = False) -> Record:
@@ -475,6 +481,51 @@ class _Metered:
         return self.raw.read(GZIP_STEP if size < 0 else min(size, GZIP_STEP))
 
 
+class Region:
+    """Whole FASTA records read together (about a megabyte), kept as their bytes until asked for.
+
+    ``records()`` parses them; ``key()`` names them by their bytes and their place in the file, so a
+    campaign can recognise a stretch of a file it has screened before without parsing it again.
+    """
+
+    __slots__ = ("count", "data", "first_index", "first_line", "source")
+
+    def __init__(self, source: InputFile, data: bytes, first_index: int, first_line: int, count: int) -> None:
+        self.source, self.data = source, data  # the records, the first one's '>' left off
+        self.first_index, self.first_line, self.count = first_index, first_line, count
+
+    def key(self, *names: str) -> bytes:
+        """sha256 over ``names``, this code's version, the record limit, the place in the file and the bytes."""
+        from ..version import __version__
+
+        head = "\0".join(["region-1", __version__, *names, str(self.source.max_record_bytes), str(self.first_index),
+                          str(self.first_line)])
+        return hashlib.sha256(head.encode() + b"\0" + self.data).digest()
+
+    def records(self) -> list[Record]:
+        """The records, each what ``InputFile.fasta_record`` would make of its bytes.
+
+        Split at once on '\\n>'; a record that needs more than this loop checks (a header that is not ASCII,
+        a carriage return, a stray byte, an empty sequence, one over the limit) goes to ``fasta_record``.
+        """
+        source, limit, line, index = self.source, self.source.max_record_bytes, self.first_line, self.first_index
+        translate, whitespace, letters = bytes.translate, _WHITESPACE, _SEQUENCE_BYTES
+        records = []
+        for part in self.data.split(b"\n>"):
+            newline = part.find(b"\n")
+            header = part[:newline]
+            sequence = translate(part[newline + 1:], None, whitespace)
+            words = header.decode("ascii").split(None, 1) if header.isascii() else None
+            if (newline < 0 or len(part) >= limit or not sequence or not words or b"\r" in header
+                    or translate(sequence, None, letters)):
+                records.append(source.fasta_record(index, line, b">" + part, over=len(part) >= limit))
+            else:
+                records.append(Record(index, words[0], sequence.upper().decode("ascii"), line))
+            index += 1
+            line += part.count(b"\n") + 1
+        return records
+
+
 class _FastaBlocks:
     """FASTA read a megabyte at a time and split on '\\n>': a million records in seconds, not minutes.
 
@@ -482,8 +533,8 @@ class _FastaBlocks:
     than the record limit is reported and skipped without being held.
     """
 
-    def __init__(self, source: InputFile, stream: IO[bytes], truncated: bool) -> None:
-        self.source, self.stream, self.truncated = source, stream, truncated
+    def __init__(self, source: InputFile, stream: IO[bytes], truncated: bool, regions: bool = False) -> None:
+        self.source, self.stream, self.truncated, self.regions = source, stream, truncated, regions
         self.limit = source.max_record_bytes
         self.buffer = b""
         self.dropped = 0  # bytes of the stream before the buffer's start
@@ -545,8 +596,14 @@ class _FastaBlocks:
         self._advance(first)
         return bool(self.buffer) or self.eof
 
-    def _complete_records(self) -> Iterator[Record]:
+    def _complete_records(self) -> Iterator[Record | Region]:
         """Every record the buffer holds whole; returns True when one over the limit is being skipped."""
+        region = self._region()
+        if region is not None:
+            if self.regions:
+                yield region
+            else:
+                yield from region.records()
         buffer, at, skipping = self.buffer, 0, False
         while True:
             end = buffer.find(b"\n>", at + 1)
@@ -570,6 +627,21 @@ class _FastaBlocks:
         self.buffer = buffer[at:]
         self.dropped += at
         return skipping
+
+    def _region(self) -> Region | None:
+        """The records before the buffer's last header, taken whole as one Region (the fast path for FASTA)."""
+        buffer = self.buffer
+        cut = buffer.rfind(b"\n>")
+        if cut <= 0 or not buffer.startswith(b">"):
+            return None
+        data = buffer[1:cut]
+        region = Region(self.source, data, self.index, self.line, data.count(b"\n>") + 1)
+        self.index += region.count
+        self.line += data.count(b"\n") + 1
+        self.buffer = buffer[cut + 1:]
+        self.dropped += cut + 1
+        self.position = self.dropped  # progress: the region's records are read up to here
+        return region
 
     def _record(self, data: bytes, over: bool, last: bool = False) -> Record:
         record = self.source.fasta_record(self.index, self.line, data, over=over, last=last)

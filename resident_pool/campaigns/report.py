@@ -56,6 +56,13 @@ class VectorSample:
 
     def offer(self, ident: str, result: str) -> None:
         """One written result (its JSON text); parsed only when the sample keeps it."""
+        self._offer(ident, result)
+
+    def offer_line(self, line: str) -> None:
+        """One written JSON Lines record whole, its id in it (an earlier run's lines, written again whole)."""
+        self._offer(None, line)
+
+    def _offer(self, ident: str | None, result: str) -> None:
         if not self.looking:
             return
         self.offered += 1
@@ -65,24 +72,21 @@ class VectorSample:
             slot = self.random.randrange(self.offered)
             if slot >= self.limit:
                 return
-        vector = self._vector(result)
+        parsed = _parsed(result)
+        vector = self._vector(parsed) if parsed is not None else None
         if vector is None:
             if not self.vectors and self.offered >= _LOOK_FOR_VECTORS:
                 self.looking = False  # this provider does not answer with vectors
             return
+        if ident is None:  # a whole record: the id is its own field, the vector one of the others
+            ident = str(parsed.get("id", ""))
         if slot == len(self.vectors):
             self.vectors.append(vector)
             self.ids.append(ident)
         else:
             self.vectors[slot], self.ids[slot] = vector, ident
 
-    def _vector(self, text: str) -> bytes | None:
-        try:
-            result = json.loads(text)
-        except ValueError:
-            return None
-        if not isinstance(result, dict):
-            return None
+    def _vector(self, result: dict[str, Any]) -> bytes | None:
         values = _values(result, self.field)
         if values is None:
             return None
@@ -98,6 +102,14 @@ class VectorSample:
 
     def matrix(self) -> list[list[float]]:
         return [list(struct.unpack(f"<{self.dim}e", vector)) for vector in self.vectors]
+
+
+def _parsed(text: str) -> dict[str, Any] | None:
+    try:
+        result = json.loads(text)
+    except ValueError:
+        return None
+    return result if isinstance(result, dict) else None
 
 
 def _values(result: dict[str, Any], field: str | None) -> tuple[str, Sequence[float]] | None:

@@ -2,9 +2,12 @@
 
 It is the campaign's resume and its dedupe: whatever any earlier campaign of
 this user computed with the same provider version and options is answered
-from here and never sent to the model again. SQLite gives atomic writes and
-locking between concurrent campaigns on the host (WAL: readers never wait for
-a writer; a writer waits ``busy_timeout`` for another).
+from here and never sent to the model again. Beside each input's result it
+keeps the output of whole stretches of FASTA files (``regions``), so a file
+screened before is written again from a few lookups, not one per input.
+SQLite gives atomic writes and locking between concurrent campaigns on the
+host (WAL: readers never wait for a writer; a writer waits ``busy_timeout``
+for another).
 """
 
 from __future__ import annotations
@@ -33,7 +36,21 @@ CREATE TABLE IF NOT EXISTS results (
     result TEXT NOT NULL,   -- the provider's answer for this input, compact JSON
     created REAL NOT NULL
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS regions (
+    key BLOB PRIMARY KEY,   -- inputs.Region.key: the records' bytes, their place in the file, version, options
+    version TEXT NOT NULL,
+    records INTEGER NOT NULL,
+    output TEXT NOT NULL,   -- their JSON Lines records as a campaign wrote them, every one ok
+    created REAL NOT NULL
+) WITHOUT ROWID;
 """
+
+
+# Keys looked up per statement, always this many (the last batch padded with b"", no key): each distinct
+# statement is prepared and cached by the connection, and one with thousands of '?' marks holds most of a
+# megabyte; batches of every length a file's stretches came in cached 128 of them, 90 MB (measured).
+_LOOKUP = 1024
+_LOOKUP_SQL = f"SELECT key, result FROM results WHERE key IN ({','.join('?' * _LOOKUP)})"  # noqa: S608 - only '?'
 
 
 def provider_version(manifest: Manifest) -> str:
@@ -95,13 +112,26 @@ class ResultStore:
 
     def present(self, keys: list[bytes]) -> set[bytes]:
         """Which of ``keys`` have a stored result."""
-        found: set[bytes] = set()
-        for start in range(0, len(keys), 4096):
-            batch = keys[start:start + 4096]
-            marks = ",".join("?" * len(batch))
-            found.update(row[0] for row in self.connection.execute(
-                f"SELECT key FROM results WHERE key IN ({marks})", batch))  # noqa: S608 - only '?' marks
+        return set(self.results(keys))
+
+    def results(self, keys: list[bytes]) -> dict[bytes, str]:
+        """The stored result (its JSON text) of each of ``keys`` that has one."""
+        found: dict[bytes, str] = {}
+        keys = sorted(keys)  # in the table's order: each page of it is read once per batch, not once per key
+        for start in range(0, len(keys), _LOOKUP):
+            batch = keys[start:start + _LOOKUP]
+            found.update(self.connection.execute(_LOOKUP_SQL, batch + [b""] * (_LOOKUP - len(batch))))
         return found
+
+    def region(self, key: bytes) -> tuple[int, str] | None:
+        """A stretch of a file screened before (its record count and output lines), or None."""
+        row = self.connection.execute("SELECT records, output FROM regions WHERE key = ?", (key,)).fetchone()
+        return None if row is None else (row[0], row[1])
+
+    def put_region(self, key: bytes, version: str, records: int, output: str) -> None:
+        with self.transaction():
+            self.connection.execute("INSERT OR IGNORE INTO regions (key, version, records, output, created) "
+                                    "VALUES (?, ?, ?, ?, ?)", (key, version, records, output, time.time()))
 
     def get(self, key: bytes) -> dict[str, Any] | None:
         row = self.connection.execute("SELECT result FROM results WHERE key = ?", (key,)).fetchone()
@@ -110,9 +140,12 @@ class ResultStore:
     def put(self, version: str, items: Iterable[tuple[bytes, str]]) -> None:
         """Store ``(key, result JSON)`` pairs in one transaction; a key already there keeps its first result."""
         now = time.time()
+        # In key order: keys are hashes, so rows in input order land on pages all over the table; sorted, each
+        # page is written once per transaction (half the time per row for 16,384 rows into a million, measured).
+        rows = sorted((key, version, text, now) for key, text in items)
         with self.transaction():
             self.connection.executemany("INSERT OR IGNORE INTO results (key, version, result, created) "
-                                        "VALUES (?, ?, ?, ?)", ((key, version, text, now) for key, text in items))
+                                        "VALUES (?, ?, ?, ?)", rows)
 
     def forget(self, keys: list[bytes]) -> None:
         """Remove the results of ``keys`` (ones that turned out not to be writable)."""
@@ -128,6 +161,7 @@ class ResultStore:
     def prune(self, keep_version: str) -> int:
         """Drop every result not computed by ``keep_version``; returns how many went."""
         with self.transaction():
+            self.connection.execute("DELETE FROM regions WHERE version != ?", (keep_version,))
             return self.connection.execute("DELETE FROM results WHERE version != ?", (keep_version,)).rowcount
 
     def transaction(self) -> _Transaction:

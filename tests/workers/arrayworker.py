@@ -8,6 +8,8 @@ import hashlib
 import importlib.util
 import os
 import sys
+import threading
+import time
 
 
 def load(name, variable):
@@ -30,9 +32,41 @@ def main():
             return value.data
         return memoryview(value).cast("B")
 
+    kept = {}
+
     def on_predict(payload):
         action = payload.get("action", "echo")
         value = payload.get("value")
+        if action == "keep":  # hold on to what was received, past the request
+            kept["value"] = value
+            return {"sha256": hashlib.sha256(raw(value)).hexdigest()}
+        if action == "kept":  # what the array held since still reads
+            return {"sha256": hashlib.sha256(raw(kept["value"])).hexdigest()}
+        if action == "slow":  # read the array, wait, read it again
+            first = hashlib.sha256(raw(value)).hexdigest()
+            time.sleep(payload["sleep_s"])
+            return {"same": hashlib.sha256(raw(value)).hexdigest() == first}
+        if action == "build":  # an answer built where its reply goes (numpy, or torch when asked)
+            dtype = payload.get("dtype", "uint8")
+            if payload.get("torch"):
+                import torch
+
+                dtype = getattr(torch, dtype)
+            out = worker_base.empty(payload["shape"], dtype)
+            out.fill(payload["fill"]) if hasattr(out, "fill") else out.fill_(payload["fill"])
+            return {"value": out, "type": type(out).__module__.split(".")[0]}
+        if action == "scribble":  # answer, then keep changing the answer's memory from another thread
+            out = worker_base.empty(payload["shape"], "uint8")
+            out.fill(1)
+
+            def scribble():
+                deadline = time.monotonic() + payload["for_s"]
+                while time.monotonic() < deadline:
+                    out.fill(2)
+                    out.fill(3)
+
+            threading.Thread(target=scribble, daemon=True).start()
+            return {"value": out}
         if action == "echo":
             return {"value": value, "pid": os.getpid()}
         if action == "describe":
