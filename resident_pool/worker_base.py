@@ -318,6 +318,45 @@ def _readable(exc: BaseException) -> str:
     return text if text and text != "None" else type(exc).__name__
 
 
+class _ReplyBuffers:
+    """A connection's attachments: whether its client takes them, and the reused buffers replies travel in."""
+
+    def __init__(self, arrays, protocol, log) -> None:
+        self.arrays, self.protocol, self.log = arrays, protocol, log
+        self.attach_min_bytes, self.max_attachment_bytes = arrays.limits()
+        self.logged = False
+
+    def negotiate(self, request: dict[str, Any], inbox) -> dict[str, Any]:
+        """Record whether this connection's client takes attachments; this worker's offer."""
+        if inbox is not None:
+            inbox.peer = self.arrays.accepted(request.get("attachments"))
+        return {"version": self.arrays.VERSION, "max_bytes": self.max_attachment_bytes}
+
+    def slabs(self, inbox):
+        """This connection's reused buffers for its replies (made on first need)."""
+        if inbox.slabs is None:
+            inbox.slabs = self.arrays.Slabs()
+        return inbox.slabs
+
+    def outgoing(self, inbox, nbytes: int):
+        """A writable view of ``nbytes`` in a reused buffer of ``inbox``'s next reply, or None (no request in
+        flight, a client without reused buffers, an array that travels inline)."""
+        if inbox is None or not self.arrays.reuses(inbox.peer) or nbytes < self.attach_min_bytes:
+            return None
+        slabs = self.slabs(inbox)
+        slab = slabs.take(nbytes, int(inbox.peer.get("max_bytes", 0)))
+        if slab is None:
+            return None
+        try:
+            if not self.logged:
+                self.logged = True
+                path = self.protocol.SLAB_PATH
+                self.log(f"reply buffers: pages {path['pages']}, populated by {path['populate']}")
+            return slabs.lend(slab, writable=True)[:nbytes]
+        finally:
+            slabs.reserved(slab)
+
+
 class _Server:
     def __init__(self, slug, socket_path, on_predict, ready, on_reset, log, orphan_grace_s, release_cublas):
         self.protocol = load_protocol()
@@ -342,7 +381,7 @@ class _Server:
         self.stopping = False
         self._held_payload = None
         self.current = None  # the connection whose request is in flight (worker_base.empty builds its reply there)
-        self.slab_logged = False
+        self.buffers = _ReplyBuffers(self.arrays, self.protocol, self.log) if self.arrays else None
         # Replies a client has not read yet, by connection: the rest of the bytes, the descriptors
         # still to go with the first of them, and what to release once those have gone.
         self._unsent: dict[socket.socket, tuple[memoryview, list[int], Callable[[], None]]] = {}
@@ -485,7 +524,7 @@ class _Server:
                 raw, fds, fresh = self.protocol.encode_line(reply), [], None
             else:
                 peer = inbox.peer if inbox is not None else None
-                slabs = self._slabs(inbox) if self.arrays.reuses(peer) else None
+                slabs = self.buffers.slabs(inbox) if self.arrays.reuses(peer) else None
                 raw, fds, fresh = self.arrays.encode(reply, peer, self.attach_min_bytes, received, slabs)
         except (ValueError, TypeError) as exc:
             # The result itself cannot cross the wire (NaN, a set, over the cap).
@@ -506,12 +545,6 @@ class _Server:
                 release()
 
         return self._send(conn, memoryview(raw), list(fds), done)
-
-    def _slabs(self, inbox):
-        """This connection's reused buffers for its replies (made on first need)."""
-        if inbox.slabs is None:
-            inbox.slabs = self.arrays.Slabs()
-        return inbox.slabs
 
     def _still_held(self, message) -> list[int]:
         """The client's reused buffers (by attachment index) something here still reads, now the reply is
@@ -683,31 +716,11 @@ class _Server:
         return (self.arrays.ArrayError,) if self.arrays else ()
 
     def _negotiate(self, request: dict[str, Any], inbox) -> dict[str, Any] | None:
-        """Record whether this connection's client takes attachments; this worker's offer, if it makes one."""
-        if self.arrays is None:
-            return None
-        if inbox is not None:
-            inbox.peer = self.arrays.accepted(request.get("attachments"))
-        return {"version": self.arrays.VERSION, "max_bytes": self.max_attachment_bytes}
+        return self.buffers.negotiate(request, inbox) if self.buffers else None
 
     def outgoing(self, nbytes: int):
-        """A writable view of ``nbytes`` in a reused buffer the current request's reply will carry, or None
-        (no request in flight, a client without reused buffers, an array that travels inline)."""
-        inbox = self.current
-        if inbox is None or self.arrays is None or not self.arrays.reuses(inbox.peer) or nbytes < self.attach_min_bytes:
-            return None
-        slabs = self._slabs(inbox)
-        slab = slabs.take(nbytes, int(inbox.peer.get("max_bytes", 0)))
-        if slab is None:
-            return None
-        try:
-            if not self.slab_logged:
-                self.slab_logged = True
-                path = self.protocol.SLAB_PATH
-                self.log(f"reply buffers: pages {path['pages']}, populated by {path['populate']}")
-            return slabs.lend(slab, writable=True)[:nbytes]
-        finally:
-            slabs.reserved(slab)
+        """A writable view of ``nbytes`` the current request's reply will carry, or None (see _ReplyBuffers)."""
+        return self.buffers.outgoing(self.current, nbytes) if self.buffers else None
 
     def _payload(self, request: dict[str, Any], message) -> Any:
         """The request's payload with its array references read (numpy arrays where numpy imports).

@@ -157,6 +157,9 @@ class RefusingClient:
     def session(self, slug, holder=None, **options):  # options: what pool_session passes (max_attachment_bytes)
         raise self.error
 
+    def waiting(self):  # the pool's waiting line, which a screen's progress shows: nothing waits here
+        return []
+
 
 def breaker_open(slug="kernels", transcript="/tmp/kernels-0.log"):
     """A request refused by an open breaker, as the pool sends it: reason breaker_open, the original beside it."""

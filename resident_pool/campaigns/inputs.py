@@ -598,12 +598,17 @@ class _FastaBlocks:
 
     def _complete_records(self) -> Iterator[Record | Region]:
         """Every record the buffer holds whole; returns True when one over the limit is being skipped."""
+        base = self.dropped
         region = self._region()
         if region is not None:
             if self.regions:
+                self.position = self.dropped
                 yield region
-            else:
-                yield from region.records()
+            else:  # the parser's position moves through the region with its records, for fraction_read
+                span = self.dropped - base
+                for number, record in enumerate(region.records(), 1):
+                    self.position = base + span * number // region.count
+                    yield record
         buffer, at, skipping = self.buffer, 0, False
         while True:
             end = buffer.find(b"\n>", at + 1)
@@ -640,7 +645,6 @@ class _FastaBlocks:
         self.line += data.count(b"\n") + 1
         self.buffer = buffer[cut + 1:]
         self.dropped += cut + 1
-        self.position = self.dropped  # progress: the region's records are read up to here
         return region
 
     def _record(self, data: bytes, over: bool, last: bool = False) -> Record:
