@@ -29,7 +29,7 @@ from prefect.states import Failed
 from resident_pool.campaigns.answers import per_input
 from resident_pool.client import default_manifests
 from resident_pool.errors import ManifestError
-from resident_pool.prefect import Priority, artifact_key, escape_markdown, pool_session, retry_pool_failures
+from resident_pool.prefect import Priority, artifact_key, code_span, escape_markdown, pool_session, retry_pool_failures
 from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
 
 DEFAULT_PROVIDER = "minilm"  # the demo model: a bare run from the UI embeds its example sequences
@@ -160,7 +160,7 @@ def markdown(provider: str, what: str, requests: list[Any], answer: dict[str, An
     count = f"{len(sequences)} sequence(s)" if sequences is not None else what
     lines = [f"## {escape_markdown(provider)}: {count}", "",
              f"Answered by replica {answer['replica']} (pid {answer['worker_pid']}, {warmth}) on host "
-             f"`{escape_markdown(answer['host'])}` in {answer['answer_s']} s. The whole answer is this flow run's "
+             f"{code_span(answer['host'])} in {answer['answer_s']} s. The whole answer is this flow run's "
              f"result: `prefect flow-run inspect {answer['flow_run_id']}` names where it is stored.", ""]
     if sequences is not None:
         items, shared = [], {}
@@ -179,7 +179,7 @@ def markdown(provider: str, what: str, requests: list[Any], answer: dict[str, An
             lines += _table(item) if item is not None else ["(the answer holds no item for this input)"]
             lines.append("")
         return "\n".join(lines)
-    lines += ["Sent: `" + escape_markdown(describe(requests[0])) + "`", ""]
+    lines += ["Sent: " + code_span(describe(requests[0])), ""]
     for number, result in enumerate(answer["results"], 1):
         lines += [_heading(number, None), ""]
         items = result.get("items") if isinstance(result, dict) else None

@@ -87,6 +87,8 @@ def take(env: dict[str, str], ui: str, chromium: str, auth: str) -> None:
             page.set_default_timeout(WAIT_MS)
             page.goto(f"{ui}/deployments")
             page.locator("input[type=password]").wait_for()  # the server has an auth string: its login page
+            page.wait_for_load_state("networkidle")  # the UI's own first calls, refused, toast their failure
+            page.evaluate("document.querySelectorAll('.p-toast, [class*=toast]').forEach(e => e.remove())")
             shoot(page, "ui-login")
             page.locator("input[type=password]").fill(auth)
             page.get_by_role("button", name="Login").click()
@@ -101,6 +103,9 @@ def take(env: dict[str, str], ui: str, chromium: str, auth: str) -> None:
             page.go_back()
             page.get_by_role("button", name="Run", exact=True).click()
             page.get_by_text("Quick run").click()
+            # Prefect's Quick run shows the form with its defaults filled when a deployment has parameters:
+            # its own Run button (in the dialog, beside Close) sends it.
+            page.get_by_role("button", name="Close").locator("xpath=..").get_by_role("button", name="Run").click()
             page.get_by_text("scheduled to start").filter(visible=True).first.wait_for()
             (run,) = poll(lambda: python(NEWEST_RUN, env), 60, "the flow run the quick run created")
             state = poll(lambda: python(FLOW_RUN_STATE, env, run)["state"] in ("COMPLETED", "FAILED", "CRASHED")
@@ -114,9 +119,12 @@ def take(env: dict[str, str], ui: str, chromium: str, auth: str) -> None:
             shoot(page, "ui-run-artifacts")
             page.set_viewport_size(VIEWPORT)
             page.goto(ui + link.get_attribute("href"))
-            page.get_by_text("prediction(s)").first.wait_for()
+            page.get_by_text("its [smoke] example").first.wait_for()
             page.wait_for_load_state("networkidle")
             shoot(page, "ui-answer")
+        except Exception:
+            shoot(page, "failed")  # what the page showed when a wait ran out (not a picture of the docs)
+            raise
         finally:
             browser.close()
 

@@ -205,6 +205,16 @@ def escape_markdown(text: str) -> str:
     return _MARKDOWN_SPECIAL.sub(r"\\\1", text)
 
 
+def code_span(text: str) -> str:
+    """Text from a worker or an input as inline code on one line: markdown and HTML are not read inside a code
+    span, and neither are backslash escapes (escape_markdown there would show its backslashes), so the span is
+    delimited by a run of backticks longer than any inside it."""
+    text = _LINE_BREAK.sub(" ", without_controls(text))
+    fence = "`" * (1 + max((len(run) for run in re.findall(r"`+", text)), default=0))
+    padded = f" {text} " if text.startswith("`") or text.endswith("`") else text
+    return f"{fence}{padded}{fence}"
+
+
 def _fence(lines: list[str]) -> str:
     """A code fence longer than any run of backticks in ``lines``, so no line can close it."""
     longest = max((len(run) for line in lines for run in re.findall(r"`+", line)), default=0)
