@@ -41,6 +41,12 @@ def _in_thread(target, outcome: dict, name: str) -> threading.Thread:
     return thread
 
 
+def _predict(slug: str):
+    """One Pool.predict from a client of its own, closed after (an unclosed client's sockets fail the run)."""
+    with Pool() as pool:
+        return pool.predict(slug, {"action": "echo"})
+
+
 # -- 1. a backfilled session idle between requests holds the head of the line for ever ------------------------
 def test_a_backfilled_session_idle_between_requests_gives_its_memory_back_to_the_head(pool_dir, monkeypatch):
     """Issue 25: "backfill that never delays the head by more than one request" and "a busy one's lease is
@@ -55,7 +61,7 @@ def test_a_backfilled_session_idle_between_requests_gives_its_memory_back_to_the
     outcome: dict = {}
     with Pool() as pool, pool.session("big") as held:
         held.predict({"action": "echo"})
-        big2 = _in_thread(lambda: Pool().predict("big2", {"action": "echo"}), outcome, "big2")
+        big2 = _in_thread(lambda: _predict("big2"), outcome, "big2")
         try:
             wait_until(lambda: [w for w in pool.waiting() if w["slug"] == "big2" and w.get("needs_gb")],
                        timeout=30, message="big2 waiting for memory")
