@@ -246,6 +246,9 @@ class ServiceClient:
         if pid:
             self._quietly("started", key=key, pid=pid)
 
+    def loaded(self, key: str) -> None:
+        self._quietly("loaded", key=key)
+
     def release(self, key: str) -> None:
         self._quietly("release", key=key)
 
