@@ -287,6 +287,7 @@ ADMITTER = textwrap.dedent("""
             time.sleep(load)              # the model loads: only now does NVML see the memory go
             if loaded(-need) < 0:
                 over[0] += 1
+            gate.loaded(worker)           # as the pool says once its worker answers
             time.sleep(hold)
             loaded(need)
             gate.release(worker)
@@ -298,6 +299,9 @@ ADMITTER = textwrap.dedent("""
         sys.exit(f"{len(failed)} admitting threads failed: {failed[0]}")
     print(json.dumps({"over": over[0]}), flush=True)
 """)
+
+
+FOREIGN_GB = 8  # the variant with memory held outside the one ledger
 
 
 def case_host_race(table, env, quick: bool) -> None:
@@ -326,12 +330,15 @@ def _race_in(table, case: str, total: int, users: list[dict[str, Any]], folder: 
     (folder / "nvml").chmod(0o777)  # every user's "worker" updates the fake NVML reading
     nvml = folder / "nvml" / "nvml.json"
     results = {}
-    for mode in ("with the host admission service", "without it (per-user ledgers)"):
-        nvml.write_text(json.dumps({"devices": [{"total_gb": 80, "free_gb": 80}]}))
+    for mode, foreign in (("with the host admission service", 0), ("without it (per-user ledgers)", 0),
+                          (f"with it, {FOREIGN_GB} GB held outside it", FOREIGN_GB)):
+        nvml.write_text(json.dumps({"devices": [{"total_gb": 80, "free_gb": 80 - foreign}]}))
         (folder / "nvml" / "nvml.json.lock").touch()
         for path in (nvml, folder / "nvml" / "nvml.json.lock"):
             path.chmod(0o666)
         service = _race_service(folder, users) if mode.startswith("with ") else None
+        if service is not None and (folder / "service-audit.jsonl").exists():
+            (folder / "service-audit.jsonl").unlink()  # each run's states audited on their own
         try:
             started = time.perf_counter()
             outputs = _race_pools(folder, users, nvml, total, service)
@@ -347,6 +354,7 @@ def _race_in(table, case: str, total: int, users: list[dict[str, Any]], folder: 
                          "states": len(states), "wall": wall}
     who = ", ".join(u["name"] for u in users) + ("" if os.getuid() == 0 else " (one real user: not root)")
     on, off = results["with the host admission service"], results["without it (per-user ledgers)"]
+    beside = results[f"with it, {FOREIGN_GB} GB held outside it"]
     table.add(case, "with the host service: oversubscribed loads", on["over"], "", "0", on["over"] == 0,
               note=f"{total} admissions of 6 GB by 3 pools ({who}); {on['states']} ledger states audited, at most "
                    f"{on['worst_booked']:g} GB booked; NVML free never below {on['low']:g} GB; {on['wall']:.1f} s")
@@ -355,6 +363,11 @@ def _race_in(table, case: str, total: int, users: list[dict[str, Any]], folder: 
     table.add(case, "without it: oversubscribed loads (the race)", off["over"], "", "> 0 (reproduced)",
               off["over"] > 0, note=f"each user's ledger is right on its own ({off['states']} states); together "
                                     f"NVML free fell to {off['low']:g} GB of 80")
+    table.add(case, f"with it, {FOREIGN_GB} GB held outside its ledger: oversubscribed loads", beside["over"], "",
+              "0", beside["over"] == 0,
+              note=f"a notebook or an off-ledger pool holds {FOREIGN_GB} GB (NVML reads {80 - FOREIGN_GB} free): "
+                   "budgets booked but not loaded yet come off NVML's free memory; NVML free never below "
+                   f"{beside['low']:g} GB; at most {beside['worst_booked']:g} GB booked; {beside['wall']:.1f} s")
 
 
 def _bench_users() -> list[dict[str, Any]]:

@@ -353,8 +353,9 @@ class Pool:
         ``max_attachment_bytes`` lowers the largest attachment this session maps from the worker's answers
         below ``RESIDENT_POOL_MAX_ATTACHMENT_BYTES`` (a campaign does); ``priority`` (interactive, normal,
         batch) says where it waits in line. A backfilled lease (it started ahead of a request that did not
-        fit yet) may be recalled: the session then gives its worker back before its next request and that
-        request waits again in its class, maybe for another worker.
+        fit yet) may be recalled: its worker is taken back once the request in flight is over (at once when the
+        session is idle), and the session's next request waits again in its class, maybe for another worker,
+        unseen by the caller (``session.recalls`` counts it).
         """
         _check_priority(priority)
         self._give_back_kept(slug)  # this thread is here, not in a Pool.predict: its kept lease is idle
@@ -467,17 +468,32 @@ class Session:
         self._unnoticed = 0  # served since the pool last heard (a kept lease tells it now and then)
         self._noticed_at = -_NOTICE_S  # the first call tells at once: a waiting client may then take it back
 
+    def _renews(self) -> bool:
+        """A backfilled session's lease may be taken back (every other session's never is): it acquires again."""
+        return self.backfilled and self._reacquire is not None
+
     def _renew_if_recalled(self) -> None:
         """A backfilled lease the pool asked back is given back before the next request, which waits again in its
         class (maybe for another worker); every other lease is never taken from its session. (A kept lease is
-        recalled at its worker instead: Pool.predict acquires again.)"""
-        if not self.backfilled or self._reacquire is None:
+        recalled at its worker only: Pool.predict acquires again.) The pool tells the session, and asks its worker
+        too (so an idle session gives its memory back at once): this is the fast path, without a round trip to a
+        worker that would refuse the lease."""
+        if not self._renews():
             return
         self._link.poll()
-        if self._link.recalled.pop(self.lease["lease"], None) is None:
-            return
+        if self._link.recalled.pop(self.lease["lease"], None) is not None:
+            self._renew()
+
+    def _renew(self) -> None:
+        """Give the recalled lease back (the pool may have ended it already: then the release finds nothing) and
+        wait for a new one in this session's class."""
         self._forget_worker()
-        self.pool._call(Release(self.lease["lease"], "ok", self._unnoticed).to_message(), expect_reply=False)
+        self._link.recalled.pop(self.lease["lease"], None)
+        try:
+            self.pool._call(Release(self.lease["lease"], "ok", self._unnoticed).to_message(), expect_reply=False)
+        except OSError:
+            pass  # the pool is gone: the lease went with its connection, and the acquire below says what is wrong
+        self._ended = False
         self._hold(self._reacquire())
         self.recalls += 1
 
@@ -504,7 +520,21 @@ class Session:
         if self._ended:
             raise WorkerRequestError(f"{self.slug}: this session has ended; open a new one", slug=self.slug,
                                      reason="session_ended")
-        self._renew_if_recalled()
+        for _ in range(_RECALLED_RETRIES):
+            self._renew_if_recalled()
+            try:
+                return self._predict_once(payload)
+            except WorkerRequestError as error:
+                # A backfilled lease the pool took back at its worker (the request was refused, not run): it waits
+                # again in its class, unseen by the caller, as Pool.predict's kept lease does.
+                if error.reason != "lease_recalled" or not self._renews():
+                    raise
+                self._renew()
+        raise WorkerRequestError(f"{self.slug}: this backfilled session's lease was taken back {_RECALLED_RETRIES} "
+                                 "times in a row; the card is busy with requests ahead of it: retry",
+                                 slug=self.slug, reason="lease_recalled")
+
+    def _predict_once(self, payload: Any) -> Any:
         request_id = next(_request_ids)  # unique in this process: a reply to another request is never taken
         timeout = self.lease["request_timeout_s"]
         with self._failures(timeout, sent=False):
@@ -567,10 +597,12 @@ class Session:
         except (OSError, ProtocolError) as exc:
             self._forget_worker()
             answer = self._end("broken", {})
-            if self.lease.get("kept") and (not sent or isinstance(exc, arrays.NotSent)):
-                # Between calls of a kept lease the pool took it back, or its worker ended (died, stopped): the
-                # request never reached a worker, so Pool.predict acquires again and sends it there. (One that
-                # broke after it was sent may have run, or killed its worker: that is the caller's to hear.)
+            recalled = self.lease.get("kept") or (self.backfilled and answer.get("gone"))
+            if recalled and (not sent or isinstance(exc, arrays.NotSent)):
+                # Between calls of a kept lease the pool took it back, or its worker ended (died, stopped), or the
+                # pool took a backfilled session's lease back (it says "gone") and evicted its worker: the request
+                # never reached a worker, so Pool.predict (or the session) acquires again and sends it there. (One
+                # that broke after it was sent may have run, or killed its worker: that is the caller's to hear.)
                 raise WorkerRequestError(f"{self.slug}: this lease's worker is gone; acquire again",
                                          slug=self.slug, reason="lease_recalled") from exc
             if answer.get("error"):

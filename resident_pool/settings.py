@@ -46,9 +46,14 @@ class Settings(BaseSettings):
     gpu_headroom_gb: float = Field(0.5, ge=0, description="kept free on every device")
     fake_nvml: Path | None = Field(None, description="read device memory from this JSON file (drills, tests)")
     ledger_audit: Path | None = Field(None, description="append every ledger state to this JSONL file")
-    admission_service: str = Field("auto", description="the host-wide admission service's socket: `auto` (use "
-                                   "/run/resident-pool/admission.sock where it exists), `off` (this user's own "
+    admission_service: str = Field("auto", description="the host-wide admission service's socket: `auto` (in force "
+                                   "where its configuration file exists, at the socket it names; else "
+                                   "/run/resident-pool/admission.sock where that exists), `off` (this user's own "
                                    "ledger), or a path; a service in force that does not answer is an error")
+    admission_config: Path = Field(Path("/etc/resident-pool/admission.toml"), description="the host admission "
+                                   "service's configuration: where it exists, `auto` takes the service as in force "
+                                   "(a restart's missing socket is then an error, not a silent per-user ledger); "
+                                   "`resident-pool admission-service` reads it by default")
     admission_service_user: str = Field("resident-pool", description="the user the host admission service may run "
                                         "as (besides root and yourself); a socket served by anyone else is refused")
     aging_s: float = Field(300.0, ge=0, description="a waiting request rises one priority class per this many "

@@ -56,6 +56,36 @@ def test_measured_free_memory_caps_what_the_ledger_would_allow(tmp_path):
     assert gate.admit(FakeWorker("b", 2), timeout_s=1)["CUDA_VISIBLE_DEVICES"] == "0"
 
 
+def test_a_budget_booked_but_not_loaded_comes_off_nvmls_free_memory_once_not_twice(tmp_path):
+    """Review r25: min(total - booked, NVML free) counted a budget booked but not yet visible in NVML as free too, so
+    with 3 GB held outside the ledger 6 + 3 GB were placed on a 10 GB card. One rule (devices.rooms) for the
+    per-user ledger and the host service: free memory less what is booked but not loaded yet."""
+    reading = {"free": 7.0, "used": None}
+    gate = Admission(Ledger(tmp_path / "ledger.json"), headroom_gb=0.0, devices=lambda: (
+        [Device(0, total_gb=10.0, free_gb=reading["free"], used_gb=reading["used"])], "test"))
+    a = FakeWorker("a", 6, pid=999_999)
+    assert gate.place(a, 6).device == 0
+    placement = gate.place(FakeWorker("b", 3), 3)
+    assert placement.device is None and placement.rooms == {0: 1.0}  # 7 free, 6 of them about to go
+    reading["free"] = 1.0  # a loads: NVML sees it now
+    assert gate.place(FakeWorker("b", 3), 3).rooms == {0: -5.0}  # not counted twice ... until a is said loaded
+    gate.loaded(a)
+    assert gate.place(FakeWorker("c", 1), 1).device == 0  # 1 free now, none pending
+
+
+def test_a_per_process_reading_says_how_much_of_a_booked_budget_nvml_shows_already(tmp_path):
+    import os
+
+    reading = {"free": 7.0, "used": {}}
+    gate = Admission(Ledger(tmp_path / "ledger.json"), headroom_gb=0.0, devices=lambda: (
+        [Device(0, total_gb=10.0, free_gb=reading["free"], used_gb=reading["used"])], "test"))
+    assert gate.place(FakeWorker("a", 6), 6).device == 0  # booked under this process's pid while it starts
+    reading.update(free=3.0, used={os.getpid(): 4.0})  # 4 of its 6 GB loaded so far: 2 still to come
+    assert gate.place(FakeWorker("b", 2), 2).rooms == {0: 1.0}  # min(10 - 6, 3 - 2)
+    reading.update(free=1.0, used={os.getpid(): 7.5})  # past its budget: nothing pending, NVML's word stands
+    assert gate.place(FakeWorker("c", 1), 1).device == 0
+
+
 def test_waiters_are_admitted_first_come_first_served(tmp_path):
     gate = admission(tmp_path, [Device(0, 10.0)])
     holder = FakeWorker("a6", 6)

@@ -181,6 +181,26 @@ def test_a_configuration_that_lets_a_user_claim_no_class_is_refused():
         Limits(classes=())
 
 
+def test_each_field_a_users_section_leaves_out_is_the_defaults_and_null_is_refused(tmp_path):
+    """Review r25: a user's section replaced [default] whole, so the example's `[users.alice] classes = [...]` lifted
+    alice's 40 GB and 4-replica quota; each field now falls back on its own."""
+    from pydantic import ValidationError
+
+    from resident_pool.admission.config import EXAMPLE, load_config
+
+    folder = tmp_path / "etc"
+    folder.mkdir(mode=0o755)
+    path = folder / "admission.toml"
+    path.write_text(EXAMPLE)
+    path.chmod(0o644)
+    alice = load_config(path).users["alice"]
+    assert (alice.gpu_gb, alice.replicas, alice.classes) == (40, 4, ("interactive", "normal", "batch"))
+    config = ServiceConfig(default=Limits(gpu_gb=40, replicas=4), users={"bob": Limits(replicas=1)})
+    assert (config.users["bob"].gpu_gb, config.users["bob"].replicas) == (40, 1)  # built in code alike
+    with pytest.raises(ValidationError, match=r"(?s)users\.bob\.gpu_gb.*null is not a value here"):
+        ServiceConfig.model_validate({"default": {"gpu_gb": 40}, "users": {"bob": {"gpu_gb": None}}})
+
+
 def test_the_example_configuration_loads_and_one_others_can_write_is_refused_naming_it(tmp_path):
     from resident_pool.admission.config import EXAMPLE, load_config
     from resident_pool.errors import ResidentPoolError

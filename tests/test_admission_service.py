@@ -182,6 +182,34 @@ def test_a_pool_told_to_use_a_service_that_does_not_answer_fails_loudly_instead_
     assert info.value.reason == "pool_start_failed" and time.monotonic() - started < 30
 
 
+def test_with_auto_a_service_whose_configuration_exists_is_in_force_while_its_socket_is_missing_in_a_restart(
+        pool_dir, monkeypatch, tmp_path):
+    """Review r25: `auto` took the service as in force only while its socket existed, so a pool started during a
+    service restart silently used its own ledger for its whole life, beside every other user's pool on the one
+    ledger. The service's configuration file survives a restart: where it exists, the service is in force (at the
+    socket it names), and a missing socket is the loud "does not answer"."""
+    from resident_pool.admission.remote import connect_service, probe_service, service_socket
+    from resident_pool.settings import settings
+
+    socket_path = tmp_path / "run" / "admission.sock"  # the service is restarting: no socket yet
+    config = tmp_path / "admission.toml"
+    config.write_text(f'socket = "{socket_path}"\n')
+    monkeypatch.setenv("RESIDENT_POOL_ADMISSION_SERVICE", "auto")  # the default, said
+    monkeypatch.setenv("RESIDENT_POOL_ADMISSION_CONFIG", str(config))
+    assert service_socket(settings()) == str(socket_path)
+    with pytest.raises(ResidentPoolError, match="does not answer") as info:
+        connect_service(settings(), lambda: None, lambda *a: None)
+    assert info.value.reason == "admission_service_down"
+    with pytest.raises(ResidentPoolError, match="does not answer"):
+        probe_service(settings())
+    write_provider(pool_dir, "a6", GPU.format(budget=6))
+    done = subprocess.run([sys.executable, "-m", "resident_pool", "daemon", "--manifests", str(pool_dir)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "does not answer" in " ".join(done.stderr.split())
+    config.unlink()  # no service on this host: the per-user ledger, as before
+    assert service_socket(settings()) is None
+
+
 def test_a_pool_killed_mid_admission_has_its_budget_reclaimed_once_its_worker_is_gone(
         service, pool_dir, isolated_dirs):
     service.start()

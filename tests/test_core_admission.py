@@ -226,6 +226,45 @@ def test_a_busy_backfilled_lease_is_recalled_after_its_request_when_only_its_mem
     assert one(state.stopped(clock(), small.rid), c.Place).rid == big2.rid
 
 
+def test_a_backfilled_sessions_lease_is_asked_of_its_worker_too_so_an_idle_session_gives_its_memory_at_once(clock):
+    """Review r25: told only to its client, a backfilled session that sits idle between requests (a notebook) held
+    the head's memory until its admission timeout. Its worker is asked too (it answers once any request in flight
+    is over: at once when idle), and the client is still told, so its next request acquires again."""
+    state = pool(clock, {"big": gpu(8), "big2": gpu(9.5), "small": gpu(1)})
+    big = leased(state, clock, "big", 1)
+    big2 = one(prepare(state, clock, one(ask(state, clock, "big2", 2)[1], c.Start)), c.Place)
+    state.not_placed(clock(), big2.rid, {0: 2.0})  # a 10 GB card: 8 held, 2 free
+    _, actions = ask(state, clock, "small", 3)
+    place = one(prepare(state, clock, one(actions, c.Start)), c.Place)
+    spawn = one(state.placed(clock(), place.rid, 0, place.backfill), c.Spawn)
+    small = one(state.started(clock(), spawn.rid, 4000 + spawn.rid, True), c.Grant)  # its worker answers recall
+    assert state.leases[small.lease].backfilled
+    state.not_placed(clock(), big2.rid, {0: 1.0})
+    actions = state.released(clock(), big.lease, 1, "ok")  # big idle: 1 free + big's 8 + small's 1 = 9.5
+    assert one(actions, c.Stop).rid == big.rid
+    recall = one(actions, c.Recall)
+    assert (recall.lease, recall.worker, recall.client) == (small.lease, True, True)  # its worker, and its client
+    assert state.replicas[small.rid].deadline is not None  # a worker that never answers is overdue, not waited for
+    # the worker answers at once (no request in flight): the lease ends and small is evicted for big2
+    stop = one(state.recalled(clock(), small.lease, idle_s=5.0, served=1), c.Stop)
+    assert stop.rid == small.rid and stop.cause is StopCause.EVICTED
+    assert small.lease not in state.leases
+    assert state.released(clock(), small.lease, 3, "ok") == []  # the client's own give-back then finds nothing
+
+
+def test_a_backfilled_lease_on_a_worker_that_cannot_answer_recall_is_asked_of_its_client_only(clock):
+    state = pool(clock, {"big": gpu(8), "big2": gpu(8), "small": gpu(2)})
+    big = leased(state, clock, "big", 1)
+    big2 = one(prepare(state, clock, one(ask(state, clock, "big2", 2)[1], c.Start)), c.Place)
+    state.not_placed(clock(), big2.rid, {0: 2.0})
+    small = serve(state, clock, one(prepare(state, clock, one(ask(state, clock, "small", 3)[1], c.Start)), c.Place))
+    state.memory_freed(clock())
+    state.not_placed(clock(), big2.rid, {0: 0.0})
+    state.released(clock(), big.lease, 1, "ok")
+    recall = one(state.not_placed(clock(), one(state.stopped(clock(), big.rid), c.Place).rid, {0: 6.0}), c.Recall)
+    assert (recall.lease, recall.worker, recall.client) == (small.lease, False, True)
+
+
 def test_an_idle_backfilled_worker_is_evicted_first(clock):
     state = pool(clock, {"old": gpu(2), "small": gpu(2), "big": gpu(5), "head": gpu(5)})
     old = leased(state, clock, "old", 1)

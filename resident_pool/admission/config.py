@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .. import priority as order
 from ..errors import ResidentPoolError
@@ -30,6 +30,14 @@ class Limits(BaseModel):
     replicas: int | None = Field(None, ge=0, description="workers holding GPU memory at once (unset: no limit)")
     classes: tuple[str, ...] | None = Field(None, description="priority classes they may claim; a higher one is "
                                             "capped to the highest of these")
+
+    @field_validator("gpu_gb", "replicas", "classes", mode="before")
+    @classmethod
+    def _not_null(cls, value: Any) -> Any:
+        if value is None:  # a user's section inherits what it leaves out: "unset" there would mean two things
+            raise ValueError("null is not a value here: leave the field out (a user's section then takes "
+                             "[default]'s) or give a number or a list")
+        return value
 
     @field_validator("classes")
     @classmethod
@@ -60,8 +68,28 @@ class ServiceConfig(BaseModel):
     max_connections_per_user: int = Field(16, ge=1, description="one user's connections at once")
     max_asks_per_pool: int = Field(256, ge=1, description="requests one pool may have waiting")
     default: Limits = Field(Limits(), description="every user not named under [users]")
-    users: dict[str, Limits] = Field(default_factory=dict)
+    users: dict[str, Limits] = Field(default_factory=dict, description="a user's own limits; each field left out "
+                                     "is [default]'s")
     groups: dict[str, Limits] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _users_inherit(cls, data: Any) -> Any:
+        """Each field a user's section leaves out is [default]'s, on its own: giving one user more memory does not
+        give them every class, nor lift the default's replicas limit (groups bind their members on their own)."""
+        if not isinstance(data, dict) or not isinstance(data.get("users"), dict):
+            return data
+        default = _given(data.get("default", {}))
+        if not isinstance(default, dict):
+            return data  # not a section: validation names it
+        users = {name: {**default, **own} if isinstance(own := _given(section), dict) else section
+                 for name, section in data["users"].items()}
+        return {**data, "users": users}
+
+
+def _given(section: Any) -> Any:
+    """The fields a section names (a ``Limits`` built in code: those it was given)."""
+    return section.model_dump(exclude_unset=True) if isinstance(section, Limits) else section
 
 
 EXAMPLE = """\
@@ -78,7 +106,7 @@ gpu_gb = 40
 replicas = 4
 classes = ["normal", "batch"]      # nobody makes everything interactive
 
-[users.alice]
+[users.alice]                      # each field left out is [default]'s: alice keeps 40 GB and 4 replicas
 classes = ["interactive", "normal", "batch"]
 
 [groups.lab]                       # the members of the group, together

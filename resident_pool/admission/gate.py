@@ -19,7 +19,7 @@ from typing import Any
 from .. import priority as order
 from ..errors import AdmissionRefused, AdmissionTimeout, ResidentPoolError
 from .devices import Device, read_devices, rooms
-from .ledger import Ledger, held
+from .ledger import Ledger
 
 __all__ = ["Admission", "Placement"]
 
@@ -116,7 +116,7 @@ class Admission:
         seen: dict[int, float] = {}
 
         def edit(entries):
-            room = rooms(devices, held(entries), self.headroom_gb)
+            room = rooms(devices, entries, self.headroom_gb)
             seen.update(room)
             fits = [(gb, -index) for index, gb in room.items()
                     if (device is None or index == device) and gb >= need_gb]
@@ -125,7 +125,7 @@ class Admission:
             index = -max(fits)[1]
             chosen.append(index)
             entries.append({"slug": worker.slug, "replica": worker.replica, "device": index, "budget_gb": need_gb,
-                            "pid": os.getpid(), "owner": os.getpid(), "since": time.time()})
+                            "pid": os.getpid(), "owner": os.getpid(), "since": time.time(), "loaded": False})
             return entries
 
         self.ledger.change(edit)
@@ -161,6 +161,21 @@ class Admission:
 
         self.ledger.change(edit)
 
+    def loaded(self, worker: Any) -> None:
+        """The worker answered (its model is loaded): NVML's free memory shows its budget from now on, where NVML
+        does not list its process (``devices.rooms`` counts it as not yet visible until then)."""
+        if self.service is not None:
+            self.service.loaded(_key(worker))
+            return
+
+        def edit(entries):
+            for entry in entries:
+                if (entry["slug"], entry["replica"], entry["owner"]) == (worker.slug, worker.replica, os.getpid()):
+                    entry["loaded"] = True
+            return entries
+
+        self.ledger.change(edit)
+
     def wake(self) -> None:
         with self._cv:
             self._cv.notify_all()
@@ -176,7 +191,7 @@ class Admission:
                  why: str | None = None) -> dict[str, Any]:
         devices, headroom, source = self._devices()
         entries = self.entries()
-        free = rooms(devices, held(entries), headroom)
+        free = rooms(devices, entries, headroom)
         return {
             "ahead": ahead or [], "slug": slug, "needs_gb": need_gb, "waited_s": round(waited_s, 1),
             "free": {index: round(gb, 2) for index, gb in free.items()},

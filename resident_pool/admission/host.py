@@ -110,6 +110,7 @@ class Entry:
     backfilled: bool = False
     since: float = field(default_factory=time.time)
     recalled_at: float | None = None  # when its pool was asked to give it back (monotonic)
+    loaded: bool = False  # its worker answered: NVML's free memory shows it (``devices.rooms``)
 
     @property
     def owner(self) -> tuple[int, int, str]:
@@ -118,7 +119,7 @@ class Entry:
     def public(self) -> dict[str, Any]:
         return {"user": self.user, "slug": self.slug, "replica": self.replica, "device": self.device,
                 "budget_gb": self.budget_gb, "pid": self.pid, "priority": self.priority,
-                "backfilled": self.backfilled, "since": self.since}
+                "backfilled": self.backfilled, "since": self.since, "loaded": self.loaded}
 
 
 @dataclass(eq=False)
@@ -253,10 +254,7 @@ class HostLedger:
 
     def _room(self) -> tuple[dict[int, float], list[Device]]:
         devices, _ = self.devices()
-        held: dict[int, float] = {}
-        for entry in self.entries.values():
-            held[entry.device] = held.get(entry.device, 0.0) + entry.budget_gb
-        return rooms(devices, held, self.config.headroom_gb), devices
+        return rooms(devices, [e.public() for e in self.entries.values()], self.config.headroom_gb), devices
 
     def _plan(self, head: Ask, free: dict[int, float]) -> _Plan | None:
         """How the head gets its memory from backfilled entries (their pools give it back after a request)."""
@@ -397,6 +395,16 @@ class HostLedger:
                           "worker", reason="not_yours")
         entry.pid, entry.pid_start = pid, self.procs.start_time(pid)
         self._saved()
+
+    def loaded(self, peer: Peer, fields: dict[str, Any]) -> None:
+        """The pool's worker answered (its model is loaded): NVML's free memory shows its budget from now on."""
+        key = _key(fields.get("key"))
+        entry = self.entries.get((peer.uid, peer.pid, key))
+        if entry is None:
+            raise Refused(f"no entry {key} of this pool to say is loaded", reason="not_yours")
+        if not entry.loaded:
+            entry.loaded = True
+            self._saved()
 
     def gone(self, peer: Peer, connection: int) -> list[Push]:
         """A pool's connection closed: its waiting requests leave the line; its entries stay while their pids live."""

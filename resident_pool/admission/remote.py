@@ -17,7 +17,9 @@ import queue
 import socket
 import struct
 import threading
+import tomllib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ..errors import AdmissionRefused, ResidentPoolError
@@ -36,13 +38,36 @@ CALL_TIMEOUT_S = 10.0
 
 
 def service_socket(config: Settings) -> str | None:
-    """The service's socket, where it is in force: ``off``; ``auto`` (the default socket where it exists); a path."""
+    """The service's socket, where it is in force: ``off``; a path; ``auto``: in force where the service's
+    configuration file exists (``RESIDENT_POOL_ADMISSION_CONFIG``), at the socket it names. That file survives a
+    restart of the service, its socket does not: a pool started while the service restarts then says the service
+    does not answer (or waits for it), never admits through its own ledger for its whole life beside it. Without
+    the file, the default socket where it exists (a service run with its configuration elsewhere)."""
     value = config.admission_service
     if value == "off":
         return None
-    if value == "auto":
-        return DEFAULT_SOCKET if os.path.exists(DEFAULT_SOCKET) else None
-    return value
+    if value != "auto":
+        return value
+    named = _configured_socket(config.admission_config)
+    if named is not None:
+        return named
+    return DEFAULT_SOCKET if os.path.exists(DEFAULT_SOCKET) else None
+
+
+def _configured_socket(path: Path) -> str | None:
+    """The socket the service's configuration at ``path`` names (the default one where it names none, or cannot
+    be read: the service then refuses to start, and the pool says it does not answer); None: no such file."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:  # there but unreadable to this user: the service is meant to be in force
+        return DEFAULT_SOCKET
+    try:
+        named = tomllib.loads(text).get("socket")
+    except tomllib.TOMLDecodeError:
+        return DEFAULT_SOCKET
+    return named if isinstance(named, str) and named else DEFAULT_SOCKET
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -245,6 +270,9 @@ class ServiceClient:
     def started(self, key: str, pid: int | None) -> None:
         if pid:
             self._quietly("started", key=key, pid=pid)
+
+    def loaded(self, key: str) -> None:
+        self._quietly("loaded", key=key)
 
     def release(self, key: str) -> None:
         self._quietly("release", key=key)

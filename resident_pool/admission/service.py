@@ -213,6 +213,8 @@ class AdmissionService:
                     reply.update(answer)
                 elif op == "started":
                     self.ledger.started(client.peer, message)
+                elif op == "loaded":
+                    self.ledger.loaded(client.peer, message)
                 elif op == "release":
                     pushes = self.ledger.release(client.peer, message)
                 elif op == "withdraw":

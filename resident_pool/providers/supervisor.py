@@ -263,6 +263,9 @@ class ResidentWorker:
                 self._process.kill(grace_s=5.0)
             self._release_admission()
             raise
+        loaded = getattr(self._admitted_by, "loaded", None)
+        if loaded is not None:
+            loaded(self)  # its model is loaded: NVML's free memory shows its budget from now on
         self.transition(WorkerState.READY, "answered its first ping", only_from=(WorkerState.STARTING,))
         self.last_used = time.monotonic()
 

@@ -152,14 +152,15 @@ class Grant:
 @dataclass(frozen=True)
 class Recall:
     """Take back lease ``lease`` of the replica after at most the request in flight (the core's one rule for it:
-    ``Lifecycle.recall``). A kept lease is asked of its worker, which refuses it from then on and answers once any
-    request in flight is over: report ``recalled``. A backfilled session's lease (``client``) is asked of its
-    client, which gives it back (a ``released``) before its next request."""
+    ``Lifecycle.recall``). ``worker``: ask its worker, which refuses the lease from then on and answers once any
+    request in flight is over: report ``recalled``. ``client``: tell a backfilled session's client, which gives
+    it back (a ``released``) before its next request; whichever comes first ends the lease."""
 
     rid: int
     lease: int
     why: str = ""
     client: bool = False
+    worker: bool = True
 
 
 @dataclass(frozen=True)

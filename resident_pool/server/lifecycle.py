@@ -29,6 +29,7 @@ STOP_ATTEMPTS = 3  # a stop that fails is tried again, with SIGKILL, this many t
 _PENDING = {R.STARTING: "its start", R.CHECKING: "its liveness ping", R.HIBERNATING: "its hibernation",
             R.STOPPING: "its stop", R.DRAINING: "the ping of its abandoned request",
             R.LEASED: "the recall (or liveness ping) of its kept lease"}
+_RECALLING_BACKFILLED = "the recall of its backfilled lease"
 
 
 class Lifecycle:
@@ -97,18 +98,17 @@ class Lifecycle:
 
     def recall(self, now: float, replica: Replica, why: str = "", evict_for: float | None = None,
                backfilled: bool = False) -> list[Action]:
-        """The one rule for taking a lease back, after at most the request in flight, whoever asks (a waiting
-        client, admission, a drain, idleness, the host service): only a kept lease (asked of its worker) or a
-        ``backfilled`` one (its lease's mark; asked of its client) ever is. ``evict_for``: GB admission needs."""
+        """The one rule for taking a lease back, after at most the request in flight, whoever asks (a waiting client,
+        admission, a drain, idleness, the host service): only a kept or a ``backfilled`` one ever is, asked of its
+        worker (an idle session's memory comes back at once), a backfilled session's client told too (the only way
+        where its worker cannot answer ``recall``). ``evict_for``: GB admission needs."""
         if replica.lease is None or replica.recalling or not (replica.kept or backfilled):
             return []
-        replica.recalling = True
-        if evict_for is not None:
-            replica.evict_for = evict_for
-        if replica.kept:  # its worker answers within a request's time: past that, it is overdue
+        replica.recalling, replica.evict_for = True, replica.evict_for if evict_for is None else evict_for
+        if replica.can_recall:  # its worker answers within a request's time: past that, it is overdue
             spec = self.providers[replica.key].spec
             replica.deadline = now + spec.request_timeout_s + self.timings.report_margin_s
-        return [Recall(replica.rid, replica.lease, why, client=not replica.kept)]
+        return [Recall(replica.rid, replica.lease, why, client=not replica.kept, worker=replica.can_recall)]
 
     def recalled(self, now: float, replica: Replica, idle_s: float, served: int) -> list[Action]:
         """A recalled lease came back (``served``: requests the pool had not heard of): the replica is free, or
@@ -424,7 +424,7 @@ class Lifecycle:
 
     def _overdue(self, now: float, replica: Replica) -> list[Action]:
         """A transitional state outlived its deadline: the action behind it is escalated, never left half done."""
-        what = _PENDING.get(replica.state, "it")
+        what = _RECALLING_BACKFILLED if replica.recalling and not replica.kept else _PENDING.get(replica.state, "it")
         why = f"{replica.name}: {what} did not report back in time"
         replica.last_error = self.providers[replica.key].last_error = why
         if replica.state is R.STOPPING:

@@ -112,9 +112,11 @@ class Runtime:
                 self.on_exit(action.why)
             elif isinstance(action, c.Announce):
                 self.observer.events.emit(action.event, action.slug, **dict(action.fields))
-            elif isinstance(action, c.Recall) and action.client:
-                self._tell_recall(action)
+            elif isinstance(action, c.Recall) and not action.worker:
+                self._tell_recall(action)  # a worker that cannot answer ``recall``: its client is the only way
             else:
+                if isinstance(action, c.Recall) and action.client:
+                    self._tell_recall(action)  # the fast path: its session gives it back before its next request
                 run = {c.Start: self.starter.start, c.Place: self.starter.place, c.Withdraw: self.starter.withdraw,
                        c.Spawn: self.starter.spawn, c.Stop: self._stop, c.Ping: self._ping,
                        c.Hibernate: self._hibernate, c.Recall: self._recall}[type(action)]
@@ -202,7 +204,8 @@ class Runtime:
                    served if isinstance(served, int) and not isinstance(served, bool) else None)
 
     def _recall(self, action: c.Recall, inline: bool = False) -> None:
-        """A kept lease: its worker is asked for it back (it answers once any request in flight is over)."""
+        """A kept or backfilled lease: its worker is asked for it back (it answers once any request in flight is
+        over)."""
         worker = self.workers.get(action.rid)
         if worker is None:
             return
@@ -280,6 +283,7 @@ class Runtime:
             workers = list(self.workers.values())
             for lease in [lease for lease in self.by_lease if lease not in self.core.leases]:
                 del self.by_lease[lease]  # recalled, or its client went away: its release finds nothing
+                self.tell_lease.pop(lease, None)
         for worker in workers:
             if beat:  # a worker still loading its model counts on it too
                 worker.process.beat()

@@ -154,6 +154,8 @@ class Starter:
         except Exception as exc:  # noqa: BLE001 - whatever ends a start, its replica hears of it and is decided again
             self._failed(action.rid, worker, exc, worker.slug)
             return
+        if worker.admitter is runtime.admission:
+            runtime.admission.loaded(worker)  # NVML's free memory shows its budget from now on
         took = runtime.clock() - began
         runtime.event("started", action.rid, worker.pid, bool(answer.get("recall")),
                       noted=lambda: runtime.observer.on_started(worker, took))
