@@ -493,3 +493,19 @@ def test_the_gpu_line_leaves_a_kept_lease_just_granted_to_serve_its_one_request(
     assert of(state.tick(clock()), c.Recall) == []
     recall = one(state.used(clock(), kept.lease, 1, 1), c.Recall)  # its client says it served its call
     assert recall.lease == kept.lease and state.replicas[kept.rid].evict_for == 8
+
+
+def test_a_kept_warm_worker_goes_after_an_idle_kept_lease_of_another_provider(clock):
+    """Kept warm (min_replicas) is evicted last of all idle workers, a kept lease between calls included: the
+    merged order put every ready worker, kept warm too, before any kept lease."""
+    state = pool(clock, {"warm": gpu(4, min_replicas=1), "k": gpu(4), "big": gpu(6)})
+    warm = leased(state, clock, "warm", 1)
+    state.released(clock(), warm.lease, 1, "ok")
+    clock.advance(1)
+    kept = kept_lease(state, clock, "k", 2)
+    state.used(clock(), kept.lease, 2, 1)  # idle between calls now
+    clock.advance(1)
+    big = one(prepare(state, clock, one(ask(state, clock, "big", 3)[1], c.Start)), c.Place)
+    actions = state.not_placed(clock(), big.rid, {0: 2.0})  # 2 free + one 4 GB worker: enough
+    assert of(actions, c.Stop) == [] and one(actions, c.Recall).lease == kept.lease  # the kept-warm one stays
+    assert state.replicas[warm.rid].state is R.READY

@@ -223,12 +223,12 @@ class Admitting:
 
     def evictable(self, skip: frozenset[int] = frozenset()) -> list[Replica]:
         """Idle workers holding GPU memory, in the order they are evicted: backfilled, then ready ones before kept
-        leases, least recently used, kept-warm ones last. Idle: ready, or held by a kept lease between calls
+        leases, least recently used; kept-warm ones last of all. Idle: ready, or held by a kept lease between calls
         (Pool.predict's: its lease is recalled first, after at most the request in flight; a request may run on
         it now, which the core cannot see, so a ready worker goes before it). ``skip``: replicas known busy."""
         idle = [r for r in self.lifecycle.replicas.values() if r.admitted and r.rid not in skip
                 and (r.state is R.READY or (r.state is R.LEASED and r.kept and not r.recalling))]
-        return sorted(idle, key=lambda r: (not r.backfilled, r.state is not R.READY, self.lifecycle.kept_warm(r),
+        return sorted(idle, key=lambda r: (not r.backfilled, self.lifecycle.kept_warm(r), r.state is not R.READY,
                                            r.last_used, r.rid))
 
     def candidate(self, skip: frozenset[int] = frozenset()) -> tuple[int, bool, dict[int, float]] | None:
