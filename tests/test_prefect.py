@@ -106,7 +106,9 @@ def test_a_2000_input_campaign_survives_a_killed_worker_and_a_rerun_recomputes_n
     assert [r["index"] for r in records] == list(range(2000))  # one record per input: none lost, none twice
     failed = {r["index"]: r["reason"] for r in records if not r["ok"]}
     assert failed == {1500: "request_failed", 1700: "bad_input"}
-    assert first["ok"] == 1998 and first["missing"] == 0 and first["chunks"] == 20 and first["computed"] == 1999
+    assert first["ok"] == 1998 and first["missing"] == 0 and first["computed"] == 1999
+    # Task runs of 100 inputs at first, grown towards a second of the model's time (TaskSizer): never more.
+    assert 1 < first["chunks"] <= 20, first["chunks"]
 
     second = screen(input=str(inputs), provider="embedder", chunk_size=100, output=str(output))
     # Only the input the model refused is asked again (a refusal is not stored): one chunk of one input.
