@@ -23,6 +23,7 @@ import importlib.util
 import math
 import mmap
 import os
+import select
 import selectors
 import socket
 import struct
@@ -416,9 +417,15 @@ class _Server:
                     self._unlink_socket()
                     # os._exit: a thread a model library left running must not keep this process alive.
                     os._exit(0)
+                # New connections first, each read at once when its line is there: the pool's recall (and ping)
+                # comes on a connection of its own, and is read before a kept lease's next request in the same
+                # batch, so that request is refused: a waiting client waits for at most the one in flight.
+                events.sort(key=lambda event: event[0].fileobj is not listener)
                 for key, mask in events:
                     if key.fileobj is listener:
-                        self._accept(listener)
+                        accepted = self._accept(listener)
+                        if accepted is not None and select.select([accepted[0]], [], [], 0)[0]:
+                            self._read(*accepted)
                     elif mask & selectors.EVENT_WRITE:
                         self._flush(key.fileobj, key.data)
                     else:
@@ -435,16 +442,17 @@ class _Server:
             self.selector.close()
             self._unlink_socket()
 
-    def _accept(self, listener: socket.socket) -> None:
+    def _accept(self, listener: socket.socket):
         try:
             conn, _ = listener.accept()
         except OSError:
-            return
+            return None
         # Non-blocking: a client that stops reading holds only its own reply (see _send), never this loop.
         conn.setblocking(False)
         # A client's reused buffers are read in place: only it can change one, and only between its requests.
         inbox = self.protocol.Inbox(self.max_attachment_bytes, self.attach_min_bytes, reused=self.protocol.IN_PLACE)
         self.selector.register(conn, selectors.EVENT_READ, inbox)
+        return conn, inbox
 
     def _close(self, conn: socket.socket) -> None:
         unsent = self._unsent.pop(conn, None)

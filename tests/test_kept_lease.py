@@ -226,10 +226,9 @@ HOLD = textwrap.dedent(
 def test_a_waiting_client_is_held_up_by_a_kept_lease_for_at_most_one_request(pool_dir):
     """docs/workers.md: "a waiting client is never held up by a kept lease for more than one request". A holder
     calls Pool.predict in a loop (1 s requests) on a max_replicas = 1 provider; another client asks now and then.
-    Counted: the holder's requests that STARTED after the other client asked and before it was answered. Seen
-    2 in every run of 10 asks, and 4 in two of four runs: the worker's selector serves the holder's next line (its connection is first in
-    epoll's ready list) before it reads the recall's, and a lease granted to the waiter is recalled at once
-    for the re-queued holder, so the waiter's first request can lose the race too and it queues again."""
+    Counted: the holder's requests that STARTED after the other client asked and before it was answered. It saw 2
+    in one of ten asks in a full run (and 4 in earlier ones): the worker's selector served the holder's next line
+    (its connection first in epoll's ready list) before it accepted and read the recall's connection."""
     write_provider(pool_dir, "one", "")
     holder = subprocess.Popen([sys.executable, "-c", HOLD, "30"], stdout=subprocess.PIPE, text=True)
     try:
