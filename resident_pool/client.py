@@ -103,6 +103,15 @@ class _Link:
         self.workers.clear()
         self.pool.close()
 
+    def __del__(self) -> None:
+        # A Pool dropped without close() (a cached client at a process's end, a test's): its connections close
+        # here, as the kernel would close them at exit, and the pool ends their leases. Not left to the
+        # sockets' own finalizers, which warn (ResourceWarning) in whatever code runs when they are collected.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001, S110 - a finalizer must not raise; the descriptors go at exit anyway
+            pass
+
 
 class Pool:
     """This host's pool of resident workers, as seen from one client process.

@@ -362,6 +362,7 @@ class _Server:
     def __init__(self, slug, socket_path, on_predict, ready, on_reset, log, orphan_grace_s, release_cublas):
         self.protocol = load_protocol()
         self.arrays = load_arrays()
+        self.array_errors = (self.arrays.ArrayError,) if self.arrays else ()
         self.attach_min_bytes, self.max_attachment_bytes = self.arrays.limits() if self.arrays else (0, 0)
         self.slug = slug
         self.socket_path = os.fspath(socket_path)
@@ -417,9 +418,8 @@ class _Server:
                     self._unlink_socket()
                     # os._exit: a thread a model library left running must not keep this process alive.
                     os._exit(0)
-                # New connections first, each read at once when its line is there: the pool's recall (and ping)
-                # comes on a connection of its own, and is read before a kept lease's next request in the same
-                # batch, so that request is refused: a waiting client waits for at most the one in flight.
+                # New connections first, read at once: the pool's recall is read before a kept lease's next
+                # request in the same batch, which it refuses (a waiting client waits for one request at most).
                 events.sort(key=lambda event: event[0].fileobj is not listener)
                 for key, mask in events:
                     if key.fileobj is listener:
@@ -671,7 +671,7 @@ class _Server:
                              "acquire a new one"}
         try:
             payload = self._payload(request, message)
-        except self._array_errors as exc:
+        except self.array_errors as exc:
             return {"ok": False, "id": request_id, "reason": "bad_request", "error": f"bad request: {exc}"}
         started = time.monotonic()
         self.last_request = started
@@ -719,10 +719,6 @@ class _Server:
         return reply
 
     # -- arrays beside the line ------------------------------------------------
-    @property
-    def _array_errors(self) -> tuple[type[Exception], ...]:
-        return (self.arrays.ArrayError,) if self.arrays else ()
-
     def _negotiate(self, request: dict[str, Any], inbox) -> dict[str, Any] | None:
         return self.buffers.negotiate(request, inbox) if self.buffers else None
 
@@ -756,8 +752,7 @@ class _Server:
             return 0
 
     def _unlink_socket(self) -> None:
-        # A newer worker may have bound this path since (a restarted pool):
-        # only the socket this process bound is ours to remove.
+        # A newer worker may have bound this path since (a restarted pool): only the one this process bound goes.
         try:
             if os.stat(self.socket_path).st_ino == self.socket_inode:
                 os.unlink(self.socket_path)

@@ -1117,7 +1117,7 @@ def test_a_slow_first_chunk_holds_the_reader_back_at_the_backlog_lowered_to_3000
     monkeypatch.setattr(_FileRun, "hold_back", watched)
 
     def work(params):
-        texts = params["texts"].unwrap()
+        texts = params["texts"].items
         if params["label"].startswith("0-"):
             assert held_back.wait(timeout=60)  # the first chunk answers only once the reader has stopped
         return {"results": [{"n": len(text)} for text in texts], "failed": {}, "cold": False, "pid": 1,

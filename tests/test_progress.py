@@ -130,7 +130,7 @@ def _screened(tmp_path, source, chunk_size=64, window=4):
     def submit(_task, params):
         def answer():
             time.sleep(0.002)  # a chunk takes a moment, as a model's does: the reading runs ahead of it
-            return {"results": [{"n": len(t)} for t in params["texts"]], "failed": {}, "cold": False, "pid": 1,
+            return {"results": [{"n": len(t)} for t in params["texts"].items], "failed": {}, "cold": False, "pid": 1,
                     "version": "v1", "latency_s": 0.0}
         return pool.submit(answer)
 
