@@ -205,8 +205,12 @@ def test_logs_follow_prints_what_the_transcript_gains_and_moves_to_a_newer_one_u
     first.write_text("old line\n")
     (logs / "talker-x-0-20260101-000001-bbbbbb.log").write_text("another provider's\n")  # talker-x is not talker
     seen: list[str] = []
-    with subprocess.Popen([CLI, "logs", "talker", "-f"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as follower:
+    # Ctrl-C as in a terminal: a suite started in the background of a script inherits SIGINT ignored, and so
+    # would the follower, which then never stops (it hung a whole run so).
+    as_in_a_terminal = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                        "os.execv(sys.argv[1], sys.argv[1:])"]
+    with subprocess.Popen([*as_in_a_terminal, CLI, "logs", "talker", "-f"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as follower:
         reader = threading.Thread(target=lambda: seen.extend(iter(follower.stdout.readline, "")), daemon=True)
         reader.start()
         try:
@@ -219,7 +223,12 @@ def test_logs_follow_prints_what_the_transcript_gains_and_moves_to_a_newer_one_u
             wait_until(lambda: "the next start\n" in seen, timeout=30, message="the newer transcript")
         finally:
             follower.send_signal(signal.SIGINT)
-            follower.wait(timeout=30)
+            try:
+                follower.wait(timeout=30)
+            finally:
+                if follower.poll() is None:
+                    follower.kill()  # never left to Popen's exit, which waits without a timeout
+                    follower.wait()
             reader.join(timeout=10)
         said = follower.stderr.read()
     assert follower.returncode == 0, said
