@@ -37,7 +37,27 @@ POOL_START_TIMEOUT_S = 60.0
 # message per call would cost the pool a decode and its lock for every prediction.
 _NOTICE_S = 1.0
 _RECALLED_RETRIES = 5
-_request_ids = itertools.count(1)
+
+
+class _Process:
+    """This process's request ids, and the forks it came from (os.register_at_fork).
+
+    A Pool made before a fork (a module-level one, multiprocessing's fork start method) sees, in the child, its
+    parent's connections, kept leases and request ids: written on from both sides, one socket would carry two
+    processes' requests, and each would read the other's replies. A Pool notices ``forks`` changed and opens its
+    own."""
+
+    forks = 0
+    request_ids = itertools.count(1)
+
+
+def _forked() -> None:
+    _Process.forks += 1
+    # Another range for this process's request ids: a reply meant for its parent is never taken for its own.
+    _Process.request_ids = itertools.count((os.getpid() << 32) + 1)
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _check_priority(priority: str) -> None:
@@ -96,6 +116,16 @@ class _Link:
                 return  # the pool went away: the next call says so
             self.heard(line)
 
+    def disown(self) -> None:
+        """In a forked child: this link, its leases and its buffers are the parent's. Its leases are never given
+        back from here (the parent still uses them) and nothing is sent; only this process's copies of the
+        descriptors close, which the parent's connections outlive."""
+        for session in self.kept.values():
+            session._ended = True
+        self.kept.clear()
+        self.recalled.clear()
+        self.close()
+
     def close(self) -> None:
         for sock, inbox in self.workers.values():
             sock.close()
@@ -139,9 +169,22 @@ class Pool:
         self._local = threading.local()
         self._links: list[_Link] = []
         self._links_lock = threading.Lock()
+        self._forks = _Process.forks
 
     # -- connection ------------------------------------------------------------
+    def _leave_parents(self) -> None:
+        """In a process forked since the last call: forget the parent's links and leases (untouched: they are
+        its own), so this process connects, and acquires, anew."""
+        self._forks = _Process.forks
+        links, self._links = self._links, []
+        self._local = threading.local()
+        self._links_lock = threading.Lock()  # another thread of the parent may have held it at the fork
+        for link in links:
+            link.disown()
+
     def _link(self) -> _Link:
+        if self._forks != _Process.forks:
+            self._leave_parents()
         link = getattr(self._local, "link", None)
         if link is None:
             link = _Link(self._connect())
@@ -296,6 +339,8 @@ class Pool:
 
     def close(self) -> None:
         """Close this client's connections; its leases end with them (the kept ones given back first)."""
+        if self._forks != _Process.forks:
+            self._leave_parents()  # the parent's: not given back from here
         with self._links_lock:
             links, self._links = self._links, []
         for link in links:
@@ -459,6 +504,7 @@ class Session:
         self._reacquire = reacquire
         self._link = pool._link()  # the connection its lease is bound to: a recall comes on it
         self.recalls = 0  # leases given back on the pool's recall, each followed by a new one
+        self._forks = _Process.forks  # the process it was opened in (a child of a fork has other forks)
         self._hold(lease)
         self._ended = False
 
@@ -526,6 +572,10 @@ class Session:
             cached[1].close()
 
     def predict(self, payload: Any) -> Any:
+        if self._forks != _Process.forks:  # its lease and its connections are the parent's, which may still use them
+            raise WorkerRequestError(f"{self.slug}: this session was opened before this process was forked (pid "
+                                     f"{os.getpid()}); its lease is the parent's: open a session in this process",
+                                     slug=self.slug, reason="session_forked")
         if self._ended:
             raise WorkerRequestError(f"{self.slug}: this session has ended; open a new one", slug=self.slug,
                                      reason="session_ended")
@@ -544,7 +594,7 @@ class Session:
                                  slug=self.slug, reason="lease_recalled")
 
     def _predict_once(self, payload: Any) -> Any:
-        request_id = next(_request_ids)  # unique in this process: a reply to another request is never taken
+        request_id = next(_Process.request_ids)  # unique in this process: a reply to another request is never taken
         timeout = self.lease["request_timeout_s"]
         with self._failures(timeout, sent=False):
             sock, inbox = self._worker()
@@ -653,7 +703,7 @@ class Session:
             self._forget_worker()
 
     def release(self) -> None:
-        if self._ended:
+        if self._ended or self._forks != _Process.forks:  # a forked child's copy: the parent gives its lease back
             return
         self._close_buffers()
         self._ended = True
