@@ -8,6 +8,7 @@ own environment, where this package is not installed.
 from __future__ import annotations
 
 import array
+import errno
 import fcntl
 import json
 import mmap
@@ -691,9 +692,15 @@ def _populate(address: int, size: int) -> str:
     libc = _libc()
     if libc.madvise(address, size, MADV_POPULATE_WRITE) == 0:
         return "MADV_POPULATE_WRITE"
+    error = ctypes.get_errno()
+    if error != errno.EINVAL:
+        # ENOMEM (the memory is not there: a cgroup's limit), EFAULT (touching it would raise SIGBUS): no buffer,
+        # and the message goes in a fresh memfd as it would without one. Only a kernel that does not know the
+        # advice (before 5.14: EINVAL) gets its pages touched one by one.
+        raise OSError(error, f"populating a reused buffer of {size} bytes: {os.strerror(error)}")
     region = (ctypes.c_ubyte * size).from_address(address)
     memoryview(region).cast("B")[::_PAGE] = bytes(-(-size // _PAGE))  # an older kernel: touch each page
-    return f"touched (madvise MADV_POPULATE_WRITE: {os.strerror(ctypes.get_errno())})"
+    return f"touched (madvise MADV_POPULATE_WRITE: {os.strerror(error)})"
 
 
 def _meminfo() -> dict[str, int]:

@@ -992,3 +992,61 @@ def test_a_reply_that_claims_to_hold_nonsense_claims_nothing_and_the_buffer_is_r
     thread.join()
     assert len(inbox.slabs.free) == 1 and len(inbox.slabs.live) == 1  # let go of, and kept for the next message
     inbox.close()
+
+
+
+class _NoMemory:
+    """libc as the protocol uses it, but madvise(MADV_POPULATE_WRITE) fails with ``error``."""
+
+    def __init__(self, libc, error):
+        self.libc, self.error = libc, error
+
+    def __getattr__(self, name):
+        return getattr(self.libc, name)
+
+    def madvise(self, address, size, advice):
+        import ctypes
+
+        ctypes.set_errno(self.error)
+        return -1
+
+
+@pytest.mark.parametrize("error", ["ENOMEM", "EFAULT"])
+def test_a_buffer_whose_pages_cannot_be_populated_is_not_made_and_the_message_goes_fresh(monkeypatch, pair, error):
+    """MADV_POPULATE_WRITE failing for want of memory (ENOMEM), or where touching would raise SIGBUS (EFAULT),
+    means no reused buffer: the message goes in a fresh sealed memfd. Touching every page instead (the path for a
+    kernel that does not know the advice) committed the memory anyway, or killed the process."""
+    import errno as codes
+
+    monkeypatch.setattr(protocol, "_LIBC", _NoMemory(protocol._libc(), getattr(codes, error)))
+    monkeypatch.setattr(protocol, "_huge_slab", lambda size, name: None)
+    fds = open_fds()
+    with pytest.raises(OSError) as raised:
+        protocol.make_slab(4 << 20)
+    assert raised.value.errno == getattr(codes, error) and "populating" in str(raised.value)
+    assert open_fds() == fds, "make_slab left a descriptor open"
+    slabs = arrays.Slabs()
+    assert slabs.take(4 << 20, protocol.MAX_ATTACHMENT_BYTES) is None and not slabs.live
+    # A session's message all the same: the array goes, in a fresh sealed memfd.
+    left, right = pair
+    x = np.arange(1 << 20, dtype=np.float32)
+    raw, sent, fresh = arrays.encode({"x": x}, PEER, slabs=slabs)
+    assert fresh is not None and not slabs.pending
+    send_raw(left, raw, sent)
+    os.close(fresh)
+    got, _ = receive(right)
+    assert np.array_equal(got["x"], x)
+    slabs.close()
+
+
+def test_a_kernel_without_populate_write_gets_each_page_touched(monkeypatch):
+    """EINVAL (a kernel before 5.14 does not know the advice): the buffer is made, its pages touched one by one."""
+    import errno as codes
+
+    monkeypatch.setattr(protocol, "_LIBC", _NoMemory(protocol._libc(), codes.EINVAL))
+    monkeypatch.setattr(protocol, "_huge_slab", lambda size, name: None)
+    slab = protocol.make_slab(2 << 20)
+    try:
+        assert slab.size == 2 << 20 and protocol.SLAB_PATH["populate"].startswith("touched")
+    finally:
+        slab.close()
