@@ -267,6 +267,11 @@ class Slabs:
         self._drain()
         return slab
 
+    def size(self) -> int:
+        """The bytes of the buffers open (free, in use or lent out)."""
+        with self._lock:
+            return sum(slab.size for slab in self.live.values())
+
     def reserved(self, slab: Any) -> None:
         """The use ``take`` began is over."""
         self._returned.append(slab)

@@ -37,6 +37,9 @@ POOL_START_TIMEOUT_S = 60.0
 # message per call would cost the pool a decode and its lock for every prediction.
 _NOTICE_S = 1.0
 _RECALLED_RETRIES = 5
+# What a kept lease keeps of reused array buffers between calls (its own and the worker's it maps): small arrays
+# sent call after call stay fast; bigger ones are given back as the call returns (docs/arrays.md).
+KEPT_BUFFER_BYTES = 16 << 20
 
 
 class _Process:
@@ -390,6 +393,7 @@ class Pool:
             finally:
                 if session._ended:
                     link.kept.pop(slug, None)
+                session.trim()
             session.notice()
             return result
         raise WorkerRequestError(f"{slug}: its lease was taken back {_RECALLED_RETRIES} times in a row; the pool is "
@@ -700,6 +704,13 @@ class Session:
         lets go of its mappings of them and of its own reply buffers too."""
         cached = self.pool._link().workers.get((self.lease["socket"], self.pid, self.max_attachment_bytes))
         if cached is not None and cached[1].holds_buffers():
+            self._forget_worker()
+
+    def trim(self) -> None:
+        """After a call of a kept lease: reused buffers past KEPT_BUFFER_BYTES go with their connection (the worker
+        then lets go of its mappings of this side's and of its own answer buffers); the next call connects again."""
+        cached = self.pool._link().workers.get((self.lease["socket"], self.pid, self.max_attachment_bytes))
+        if cached is not None and cached[1].buffer_bytes() > KEPT_BUFFER_BYTES:
             self._forget_worker()
 
     def release(self) -> None:

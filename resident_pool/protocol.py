@@ -354,6 +354,11 @@ class Inbox(bytearray):
         """Whether reused buffers went either way on this connection (each side keeps some until it closes)."""
         return bool(self.mappings.entries) or (self.slabs is not None and self.slabs.used)
 
+    def buffer_bytes(self) -> int:
+        """The bytes of reused buffers this connection keeps: this side's own, and the peer's it maps."""
+        mapped = sum(entry[2] for entry in self.mappings.entries.values()) if self.mappings.entries else 0
+        return mapped + (self.slabs.size() if self.slabs is not None else 0)
+
     def close(self) -> None:
         """The connection is gone: its descriptors, its cached mappings, its own buffers."""
         self.close_fds()

@@ -1050,3 +1050,36 @@ def test_a_kernel_without_populate_write_gets_each_page_touched(monkeypatch):
         assert slab.size == 2 << 20 and protocol.SLAB_PATH["populate"].startswith("touched")
     finally:
         slab.close()
+
+
+def _buffer_maps(pid="self"):
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split()[4] for line in maps if "memfd:resident-pool" in line}  # by inode
+
+
+def test_pool_predict_keeps_small_buffers_between_calls_and_gives_big_ones_back_on_both_sides(pool_dir):
+    """A kept lease keeps at most KEPT_BUFFER_BYTES of reused buffers between calls: 1 MiB arrays sent call after
+    call go in the same buffer, never a new one; after a call with 32 MiB each way neither the client nor the
+    worker maps any of that call's buffers (the worker's own answer buffers included) once it has returned."""
+    from resident_pool.client import KEPT_BUFFER_BYTES
+
+    array_provider(pool_dir)
+    small = random_array("uint8", (1 << 20,))
+    with Pool() as pool:
+        before = _buffer_maps()
+        seen = set()
+        for _ in range(5):
+            assert pool.predict("arrays", {"action": "describe", "value": small})["sha256"]
+            seen |= _buffer_maps() - before
+        assert len(seen) == 1, f"1 MiB arrays went in {len(seen)} buffers, not one kept between calls"
+        big = random_array("uint8", (32 << 20,))
+        assert KEPT_BUFFER_BYTES < 32 << 20
+        answer = pool.predict("arrays", {"action": "make", "hex": "ab", "nbytes": 32 << 20, "dtype": "uint8",
+                                         "shape": [32 << 20], "ignored": big})
+        assert answer["value"].nbytes == 32 << 20
+        worker = answer["pid"]
+        del answer, big
+        assert not _buffer_maps() - before, "the client still maps a buffer of the big call"
+        wait_until(lambda: not _buffer_maps(worker), timeout=10,
+                   message=f"the worker to let go of its buffers: {_buffer_maps(worker)}")
+        assert pool.predict("arrays", {"action": "describe", "value": small})["sha256"]  # and the lease goes on
