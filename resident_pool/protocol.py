@@ -698,10 +698,10 @@ def _populate(address: int, size: int) -> str:
     if libc.madvise(address, size, MADV_POPULATE_WRITE) == 0:
         return "MADV_POPULATE_WRITE"
     error = ctypes.get_errno()
-    if error != errno.EINVAL:
-        # ENOMEM (the memory is not there: a cgroup's limit), EFAULT (touching it would raise SIGBUS): no buffer,
-        # and the message goes in a fresh memfd as it would without one. Only a kernel that does not know the
-        # advice (before 5.14: EINVAL) gets its pages touched one by one.
+    if error in (errno.ENOMEM, errno.EFAULT):
+        # The memory is not there (a cgroup's limit), or touching it would raise SIGBUS: no buffer, and the message
+        # goes in a fresh memfd as it would without one. A kernel that does not know the advice (before 5.14:
+        # EINVAL) gets the pages touched one by one.
         raise OSError(error, f"populating a reused buffer of {size} bytes: {os.strerror(error)}")
     region = (ctypes.c_ubyte * size).from_address(address)
     memoryview(region).cast("B")[::_PAGE] = bytes(-(-size // _PAGE))  # an older kernel: touch each page

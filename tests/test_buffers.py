@@ -1039,19 +1039,6 @@ def test_a_buffer_whose_pages_cannot_be_populated_is_not_made_and_the_message_go
     slabs.close()
 
 
-def test_a_kernel_without_populate_write_gets_each_page_touched(monkeypatch):
-    """EINVAL (a kernel before 5.14 does not know the advice): the buffer is made, its pages touched one by one."""
-    import errno as codes
-
-    monkeypatch.setattr(protocol, "_LIBC", _NoMemory(protocol._libc(), codes.EINVAL))
-    monkeypatch.setattr(protocol, "_huge_slab", lambda size, name: None)
-    slab = protocol.make_slab(2 << 20)
-    try:
-        assert slab.size == 2 << 20 and protocol.SLAB_PATH["populate"].startswith("touched")
-    finally:
-        slab.close()
-
-
 def _buffer_maps(pid="self"):
     with open(f"/proc/{pid}/maps") as maps:
         return {line.split()[4] for line in maps if "memfd:resident-pool" in line}  # by inode
