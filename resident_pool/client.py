@@ -509,6 +509,7 @@ class Session:
         self._link = pool._link()  # the connection its lease is bound to: a recall comes on it
         self.recalls = 0  # leases given back on the pool's recall, each followed by a new one
         self._forks = _Process.forks  # the process it was opened in (a child of a fork has other forks)
+        self._inbox: Inbox | None = None  # of the connection its last request went on
         self._hold(lease)
         self._ended = False
 
@@ -602,6 +603,7 @@ class Session:
         timeout = self.lease["request_timeout_s"]
         with self._failures(timeout, sent=False):
             sock, inbox = self._worker()
+            self._inbox = inbox  # for trim, after the call
             if sock.gettimeout() != timeout:  # settimeout is a system call (FIONBIO) even when nothing changes
                 sock.settimeout(timeout)
             if inbox.peer is None:
@@ -709,9 +711,12 @@ class Session:
     def trim(self) -> None:
         """After a call of a kept lease: reused buffers past KEPT_BUFFER_BYTES go with their connection (the worker
         then lets go of its mappings of this side's and of its own answer buffers); the next call connects again."""
-        cached = self.pool._link().workers.get((self.lease["socket"], self.pid, self.max_attachment_bytes))
-        if cached is not None and cached[1].buffer_bytes() > KEPT_BUFFER_BYTES:
+        inbox = self._inbox  # no lookup on the way out of a call that sent no array (most calls)
+        if inbox is None or (inbox.slabs is None and not inbox.mappings.entries):
+            return
+        if inbox.buffer_bytes() > KEPT_BUFFER_BYTES:
             self._forget_worker()
+            self._inbox = None
 
     def release(self) -> None:
         if self._ended or self._forks != _Process.forks:  # a forked child's copy: the parent gives its lease back
