@@ -249,7 +249,11 @@ class Slabs:
             elif len(self.live) >= self.LIVE:
                 return None
             else:
-                size = max(nbytes, min(limit, max(self.SMALLEST, 1 << (nbytes - 1).bit_length())))
+                # Rounded up (so the next message of a similar size fits) only where the buffer can then be kept
+                # free; a bigger one is used once and retired, so it is the message's size (to a page): an array
+                # of 2 GiB and a page never costs a second 2 GiB populated up front.
+                rounded = max(self.SMALLEST, 1 << (nbytes - 1).bit_length())
+                size = max(nbytes, min(limit, rounded) if rounded <= self.FREE_BYTES else nbytes)
                 try:
                     slab = protocol.make_slab(size)
                 except OSError:
@@ -262,6 +266,11 @@ class Slabs:
             self.used = True
         self._drain()
         return slab
+
+    def size(self) -> int:
+        """The bytes of the buffers open (free, in use or lent out)."""
+        with self._lock:
+            return sum(slab.size for slab in self.live.values())
 
     def reserved(self, slab: Any) -> None:
         """The use ``take`` began is over."""

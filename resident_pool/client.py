@@ -37,7 +37,30 @@ POOL_START_TIMEOUT_S = 60.0
 # message per call would cost the pool a decode and its lock for every prediction.
 _NOTICE_S = 1.0
 _RECALLED_RETRIES = 5
-_request_ids = itertools.count(1)
+# What a kept lease keeps of reused array buffers between calls (its own and the worker's it maps): small arrays
+# sent call after call stay fast; bigger ones are given back as the call returns (docs/arrays.md).
+KEPT_BUFFER_BYTES = 16 << 20
+
+
+class _Process:
+    """This process's request ids, and the forks it came from (os.register_at_fork).
+
+    A Pool made before a fork (a module-level one, multiprocessing's fork start method) sees, in the child, its
+    parent's connections, kept leases and request ids: written on from both sides, one socket would carry two
+    processes' requests, and each would read the other's replies. A Pool notices ``forks`` changed and opens its
+    own."""
+
+    forks = 0
+    request_ids = itertools.count(1)
+
+
+def _forked() -> None:
+    _Process.forks += 1
+    # Another range for this process's request ids: a reply meant for its parent is never taken for its own.
+    _Process.request_ids = itertools.count((os.getpid() << 32) + 1)
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _check_priority(priority: str) -> None:
@@ -96,6 +119,16 @@ class _Link:
                 return  # the pool went away: the next call says so
             self.heard(line)
 
+    def disown(self) -> None:
+        """In a forked child: this link, its leases and its buffers are the parent's. Its leases are never given
+        back from here (the parent still uses them) and nothing is sent; only this process's copies of the
+        descriptors close, which the parent's connections outlive."""
+        for session in self.kept.values():
+            session._ended = True
+        self.kept.clear()
+        self.recalled.clear()
+        self.close()
+
     def close(self) -> None:
         for sock, inbox in self.workers.values():
             sock.close()
@@ -139,9 +172,22 @@ class Pool:
         self._local = threading.local()
         self._links: list[_Link] = []
         self._links_lock = threading.Lock()
+        self._forks = _Process.forks
 
     # -- connection ------------------------------------------------------------
+    def _leave_parents(self) -> None:
+        """In a process forked since the last call: forget the parent's links and leases (untouched: they are
+        its own), so this process connects, and acquires, anew."""
+        self._forks = _Process.forks
+        links, self._links = self._links, []
+        self._local = threading.local()
+        self._links_lock = threading.Lock()  # another thread of the parent may have held it at the fork
+        for link in links:
+            link.disown()
+
     def _link(self) -> _Link:
+        if self._forks != _Process.forks:
+            self._leave_parents()
         link = getattr(self._local, "link", None)
         if link is None:
             link = _Link(self._connect())
@@ -296,6 +342,8 @@ class Pool:
 
     def close(self) -> None:
         """Close this client's connections; its leases end with them (the kept ones given back first)."""
+        if self._forks != _Process.forks:
+            self._leave_parents()  # the parent's: not given back from here
         with self._links_lock:
             links, self._links = self._links, []
         for link in links:
@@ -345,6 +393,7 @@ class Pool:
             finally:
                 if session._ended:
                     link.kept.pop(slug, None)
+                session.trim()
             session.notice()
             return result
         raise WorkerRequestError(f"{slug}: its lease was taken back {_RECALLED_RETRIES} times in a row; the pool is "
@@ -459,6 +508,8 @@ class Session:
         self._reacquire = reacquire
         self._link = pool._link()  # the connection its lease is bound to: a recall comes on it
         self.recalls = 0  # leases given back on the pool's recall, each followed by a new one
+        self._forks = _Process.forks  # the process it was opened in (a child of a fork has other forks)
+        self._inbox: Inbox | None = None  # of the connection its last request went on
         self._hold(lease)
         self._ended = False
 
@@ -526,6 +577,10 @@ class Session:
             cached[1].close()
 
     def predict(self, payload: Any) -> Any:
+        if self._forks != _Process.forks:  # its lease and its connections are the parent's, which may still use them
+            raise WorkerRequestError(f"{self.slug}: this session was opened before this process was forked (pid "
+                                     f"{os.getpid()}); its lease is the parent's: open a session in this process",
+                                     slug=self.slug, reason="session_forked")
         if self._ended:
             raise WorkerRequestError(f"{self.slug}: this session has ended; open a new one", slug=self.slug,
                                      reason="session_ended")
@@ -544,10 +599,11 @@ class Session:
                                  slug=self.slug, reason="lease_recalled")
 
     def _predict_once(self, payload: Any) -> Any:
-        request_id = next(_request_ids)  # unique in this process: a reply to another request is never taken
+        request_id = next(_Process.request_ids)  # unique in this process: a reply to another request is never taken
         timeout = self.lease["request_timeout_s"]
         with self._failures(timeout, sent=False):
             sock, inbox = self._worker()
+            self._inbox = inbox  # for trim, after the call
             if sock.gettimeout() != timeout:  # settimeout is a system call (FIONBIO) even when nothing changes
                 sock.settimeout(timeout)
             if inbox.peer is None:
@@ -652,8 +708,18 @@ class Session:
         if cached is not None and cached[1].holds_buffers():
             self._forget_worker()
 
+    def trim(self) -> None:
+        """After a call of a kept lease: reused buffers past KEPT_BUFFER_BYTES go with their connection (the worker
+        then lets go of its mappings of this side's and of its own answer buffers); the next call connects again."""
+        inbox = self._inbox  # no lookup on the way out of a call that sent no array (most calls)
+        if inbox is None or (inbox.slabs is None and not inbox.mappings.entries):
+            return
+        if inbox.buffer_bytes() > KEPT_BUFFER_BYTES:
+            self._forget_worker()
+            self._inbox = None
+
     def release(self) -> None:
-        if self._ended:
+        if self._ended or self._forks != _Process.forks:  # a forked child's copy: the parent gives its lease back
             return
         self._close_buffers()
         self._ended = True

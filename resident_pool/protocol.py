@@ -8,6 +8,7 @@ own environment, where this package is not installed.
 from __future__ import annotations
 
 import array
+import errno
 import fcntl
 import json
 import mmap
@@ -353,6 +354,11 @@ class Inbox(bytearray):
         """Whether reused buffers went either way on this connection (each side keeps some until it closes)."""
         return bool(self.mappings.entries) or (self.slabs is not None and self.slabs.used)
 
+    def buffer_bytes(self) -> int:
+        """The bytes of reused buffers this connection keeps: this side's own, and the peer's it maps."""
+        mapped = sum(entry[2] for entry in self.mappings.entries.values()) if self.mappings.entries else 0
+        return mapped + (self.slabs.size() if self.slabs is not None else 0)
+
     def close(self) -> None:
         """The connection is gone: its descriptors, its cached mappings, its own buffers."""
         self.close_fds()
@@ -691,9 +697,15 @@ def _populate(address: int, size: int) -> str:
     libc = _libc()
     if libc.madvise(address, size, MADV_POPULATE_WRITE) == 0:
         return "MADV_POPULATE_WRITE"
+    error = ctypes.get_errno()
+    if error in (errno.ENOMEM, errno.EFAULT):
+        # The memory is not there (a cgroup's limit), or touching it would raise SIGBUS: no buffer, and the message
+        # goes in a fresh memfd as it would without one. A kernel that does not know the advice (before 5.14:
+        # EINVAL) gets the pages touched one by one.
+        raise OSError(error, f"populating a reused buffer of {size} bytes: {os.strerror(error)}")
     region = (ctypes.c_ubyte * size).from_address(address)
     memoryview(region).cast("B")[::_PAGE] = bytes(-(-size // _PAGE))  # an older kernel: touch each page
-    return f"touched (madvise MADV_POPULATE_WRITE: {os.strerror(ctypes.get_errno())})"
+    return f"touched (madvise MADV_POPULATE_WRITE: {os.strerror(error)})"
 
 
 def _meminfo() -> dict[str, int]:

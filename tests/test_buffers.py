@@ -992,3 +992,81 @@ def test_a_reply_that_claims_to_hold_nonsense_claims_nothing_and_the_buffer_is_r
     thread.join()
     assert len(inbox.slabs.free) == 1 and len(inbox.slabs.live) == 1  # let go of, and kept for the next message
     inbox.close()
+
+
+
+class _NoMemory:
+    """libc as the protocol uses it, but madvise(MADV_POPULATE_WRITE) fails with ``error``."""
+
+    def __init__(self, libc, error):
+        self.libc, self.error = libc, error
+
+    def __getattr__(self, name):
+        return getattr(self.libc, name)
+
+    def madvise(self, address, size, advice):
+        import ctypes
+
+        ctypes.set_errno(self.error)
+        return -1
+
+
+@pytest.mark.parametrize("error", ["ENOMEM", "EFAULT"])
+def test_a_buffer_whose_pages_cannot_be_populated_is_not_made_and_the_message_goes_fresh(monkeypatch, pair, error):
+    """MADV_POPULATE_WRITE failing for want of memory (ENOMEM), or where touching would raise SIGBUS (EFAULT),
+    means no reused buffer: the message goes in a fresh sealed memfd. Touching every page instead (the path for a
+    kernel that does not know the advice) committed the memory anyway, or killed the process."""
+    import errno as codes
+
+    monkeypatch.setattr(protocol, "_LIBC", _NoMemory(protocol._libc(), getattr(codes, error)))
+    monkeypatch.setattr(protocol, "_huge_slab", lambda size, name: None)
+    fds = open_fds()
+    with pytest.raises(OSError) as raised:
+        protocol.make_slab(4 << 20)
+    assert raised.value.errno == getattr(codes, error) and "populating" in str(raised.value)
+    assert open_fds() == fds, "make_slab left a descriptor open"
+    slabs = arrays.Slabs()
+    assert slabs.take(4 << 20, protocol.MAX_ATTACHMENT_BYTES) is None and not slabs.live
+    # A session's message all the same: the array goes, in a fresh sealed memfd.
+    left, right = pair
+    x = np.arange(1 << 20, dtype=np.float32)
+    raw, sent, fresh = arrays.encode({"x": x}, PEER, slabs=slabs)
+    assert fresh is not None and not slabs.pending
+    send_raw(left, raw, sent)
+    os.close(fresh)
+    got, _ = receive(right)
+    assert np.array_equal(got["x"], x)
+    slabs.close()
+
+
+def _buffer_maps(pid="self"):
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split()[4] for line in maps if "memfd:resident-pool" in line}  # by inode
+
+
+def test_pool_predict_keeps_small_buffers_between_calls_and_gives_big_ones_back_on_both_sides(pool_dir):
+    """A kept lease keeps at most KEPT_BUFFER_BYTES of reused buffers between calls: 1 MiB arrays sent call after
+    call go in the same buffer, never a new one; after a call with 32 MiB each way neither the client nor the
+    worker maps any of that call's buffers (the worker's own answer buffers included) once it has returned."""
+    from resident_pool.client import KEPT_BUFFER_BYTES
+
+    array_provider(pool_dir)
+    small = random_array("uint8", (1 << 20,))
+    with Pool() as pool:
+        before = _buffer_maps()
+        seen = set()
+        for _ in range(5):
+            assert pool.predict("arrays", {"action": "describe", "value": small})["sha256"]
+            seen |= _buffer_maps() - before
+        assert len(seen) == 1, f"1 MiB arrays went in {len(seen)} buffers, not one kept between calls"
+        big = random_array("uint8", (32 << 20,))
+        assert KEPT_BUFFER_BYTES < 32 << 20
+        answer = pool.predict("arrays", {"action": "make", "hex": "ab", "nbytes": 32 << 20, "dtype": "uint8",
+                                         "shape": [32 << 20], "ignored": big})
+        assert answer["value"].nbytes == 32 << 20
+        worker = answer["pid"]
+        del answer, big
+        assert not _buffer_maps() - before, "the client still maps a buffer of the big call"
+        wait_until(lambda: not _buffer_maps(worker), timeout=10,
+                   message=f"the worker to let go of its buffers: {_buffer_maps(worker)}")
+        assert pool.predict("arrays", {"action": "describe", "value": small})["sha256"]  # and the lease goes on

@@ -256,3 +256,49 @@ def test_requests_served_on_a_recalled_kept_lease_are_counted(pool_dir):
         finish(run_client("count", {"action": "echo"}))  # 2: takes the holder's lease back, then releases its own
         (worker,) = holder.status()["workers"]
     assert worker["served"] == 2, f"status says {worker['served']} requests served; the worker served 2"
+
+
+FORKED_SESSION = textwrap.dedent(
+    """
+    import json, os
+    from resident_pool import Pool, WorkerRequestError
+    pool = Pool()
+    pool.predict("kept", {"action": "echo", "value": "warm"})  # a kept lease, made before the fork
+    with pool.session("held") as session:
+        session.predict({"action": "echo"})
+        before = {w["slug"]: (w["state"], (w["lease"] or {}).get("id")) for w in pool.status()["workers"]}
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's session refuses, and nothing it does gives the parent's leases back
+            try:
+                session.predict({"action": "echo"})
+                said = "answered"
+            except WorkerRequestError as error:
+                said = error.reason
+            session.release()
+            pool.close()
+            print(json.dumps({"child": said}), flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        after = {w["slug"]: (w["state"], (w["lease"] or {}).get("id")) for w in pool.status()["workers"]}
+        print(json.dumps({"before": before, "after": after, "again": session.predict({"action": "echo", "value": 2}),
+                          "kept": pool.predict("kept", {"action": "echo", "value": 3})["echo"]}), flush=True)
+    pool.close()
+    """
+)
+
+
+def test_a_forked_child_gives_back_none_of_the_parents_leases(pool_dir):
+    """After a fork the child's copy of a Pool is not its own: a session opened before the fork refuses there
+    (``session_forked``, naming the fix), and its release and ``Pool.close()`` in the child send no Release for
+    the parent's session or kept lease (the pool would take the worker from the parent while it still uses it)."""
+    write_provider(pool_dir, "kept", "")
+    write_provider(pool_dir, "held", "")
+    proc = subprocess.run([sys.executable, "-c", FORKED_SESSION], check=False, capture_output=True, text=True, timeout=90,
+                          start_new_session=True)
+    said = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and len(said) == 2, (proc.stdout, proc.stderr[-800:])
+    child, parent = said
+    assert child == {"child": "session_forked"}
+    assert parent["after"] == parent["before"], "the child gave back a lease of its parent's"
+    assert parent["before"]["held"][0] == "leased" and parent["before"]["kept"][0] == "leased"
+    assert parent["again"]["echo"] == 2 and parent["kept"] == 3

@@ -69,6 +69,44 @@ def test_status_shows_fingerprint_request_age_known_providers_and_the_last_error
         assert expected in human
 
 
+
+def test_a_kept_lease_between_calls_shows_as_idle_and_in_use_while_its_request_runs(pool_dir):
+    """Pool.predict's kept lease holds its worker between calls, and the pool counts it idle then (it retires,
+    evicts or recalls it as a ready one): status said plain "leased", as for a session's worker, and Pool.status()
+    gave no way to tell the two apart."""
+    write_provider(pool_dir, "kept", "")
+    with Pool() as pool:
+        pool.predict("kept", {"action": "echo"})
+        (row,) = pool.status()["workers"]
+        human = _cli("status").stdout
+        assert row["state"] == "leased" and row["lease"]["kept"] and row["idle"] is True
+        assert "leased (kept lease, idle)" in human
+        # Another thread's call waits for the one replica: the idle kept lease is recalled, and its new kept lease
+        # runs a request, which is not idle.
+        call = threading.Thread(target=pool.predict, args=("kept", {"action": "sleep", "seconds": 6}))
+        call.start()
+
+        def busy():
+            (row,) = pool.status()["workers"]
+            return row if row["in_flight_s"] is not None and row["lease"] and row["lease"]["kept"] else None
+
+        row = wait_until(busy, timeout=20, interval=0.1, message="the other thread's request to run")
+        human = _cli("status").stdout
+        call.join()
+    assert row["idle"] is False and "leased (kept lease, in use)" in human
+
+
+def test_a_session_s_worker_is_never_shown_idle(pool_dir):
+    """A session's lease is the strong one: its worker is leased, not idle, between its requests too."""
+    write_provider(pool_dir, "held", "")
+    with Pool() as pool, pool.session("held") as session:
+        session.predict({"action": "echo"})
+        (row,) = pool.status()["workers"]
+        human = _cli("status").stdout
+    assert row["state"] == "leased" and row["idle"] is False and row["lease"]["kept"] is False
+    assert "kept lease" not in human
+
+
 def test_the_daemon_tells_systemd_it_is_ready_pings_its_watchdog_and_says_when_it_stops(pool_dir, tmp_path):
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "notify"))

@@ -166,8 +166,14 @@ def _worker_row(worker: dict[str, Any], folder: str | None) -> list[str]:
     row["fingerprint"] = (worker.get("fingerprint") or "")[:8]
     row["gpu_gb"] = _gpu_cell(worker)
     row["in_flight"] = "" if worker.get("in_flight_s") is None else f"{worker['in_flight_s']:g} s"
+    said = []
+    if lease is not None and lease.get("kept"):  # Pool.predict's: idle between calls, recalled when wanted
+        said.append("kept lease, " + ("recalled" if lease.get("recalling") else
+                                      "idle" if worker.get("idle") else "in use"))
     if worker.get("kept_warm"):
-        row["state"] = f"{worker['state']} (kept warm)"
+        said.append("kept warm")
+    if said:
+        row["state"] = f"{worker['state']} ({'; '.join(said)})"
     return ["" if row.get(c.name) is None else safe(row[c.name]) for c in WORKER_COLUMNS]
 
 

@@ -42,6 +42,7 @@ def build_status(server: PoolServer) -> dict[str, Any]:
             "in_flight_s": None if in_flight is None else round(in_flight, 1),
             "gpu_used_gb": measured.gpu_used_gb, "gpu_peak_gb": measured.gpu_peak_gb,
             "over_budget": measured.over_budget, "kept_warm": row["kept_warm"],
+            "idle": _idle(row, in_flight),
         })
     providers: dict[str, Any] = {}
     breakers = {}
@@ -102,6 +103,16 @@ def _admission(server: PoolServer, state: dict[str, Any]) -> dict[str, Any]:
         except ResidentPoolError as exc:
             found["error"] = exc.headline
     return found
+
+
+def _idle(row: dict[str, Any], in_flight: float | None) -> bool:
+    """Whether the worker counts as idle now: nobody holds it, or a kept lease (Pool.predict's) holds it between
+    calls; such a worker is retired, evicted or recalled as a ready one is (docs/workers.md)."""
+    if row["state"] in ("ready", "hibernated"):
+        return True
+    lease = row["lease"]
+    return (row["state"] == "leased" and lease is not None and lease["kept"] and not lease["recalling"]
+            and in_flight is None)
 
 
 def _round(value: float | None) -> float | None:
