@@ -332,7 +332,9 @@ try:
         held.append(arrays.decode(message.obj, message.attachments)["x"])
         message.close()
     np.zeros(16 << 20, np.float32)  # an ordinary 64 MiB allocation after
-    threading.Thread(target=print).start()  # and a thread's stack
+    started = threading.Thread(target=lambda: None)  # and a thread's stack (it printed a newline into the line below)
+    started.start()
+    started.join()
     print("held", len(held), float(sum(x[0] for x in held[::1000])))
 except MemoryError:
     print(f"MemoryError after {len(held)} results held")
