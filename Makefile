@@ -25,15 +25,15 @@ JOBS ?= 4
 
 # Every test but load and soak at size (those are `make reliability`), in JOBS processes.
 test: setup
-	$(PY) -m pytest -n $(JOBS) -m "not soak"
+	$(PY) -m pytest -n $(JOBS) --dist loadgroup -m "not soak"
 
 # Before every commit: the unit tests and the decision core, plus a few real paths through a pool (smoke).
 test-fast: setup
-	$(PY) -m pytest -n $(JOBS) -m "(not e2e or smoke) and not soak"
+	$(PY) -m pytest -n $(JOBS) --dist loadgroup -m "(not e2e or smoke) and not soak"
 
 # Faults, hostile input, isolation, load and soak; prints the reliability table at the end.
 reliability: setup
-	RESIDENT_POOL_FULL_RELIABILITY=1 $(PY) -m pytest -n $(JOBS) -m reliability tests/test_reliability.py tests/test_lifecycle.py tests/test_hostile.py tests/test_isolation.py tests/test_security.py
+	RESIDENT_POOL_FULL_RELIABILITY=1 $(PY) -m pytest -n $(JOBS) --dist loadgroup -m reliability tests/test_reliability.py tests/test_lifecycle.py tests/test_hostile.py tests/test_isolation.py tests/test_security.py
 
 lint: setup
 	$(PY) -m ruff check resident_pool tests flows

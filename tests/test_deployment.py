@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "flows"))
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# One xdist worker takes the whole file (--dist loadgroup): its server and worker are started once.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("deployment")]
 
 RUN = """
 import json, sys

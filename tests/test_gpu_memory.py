@@ -86,9 +86,13 @@ def test_over_budget_with_the_stop_policy_is_flagged_under_a_request_and_stopped
     with Pool() as pool:
         wait_until(lambda: _worker(pool, "hog") is None, timeout=20, message="the worker to stop once released")
     assert not pid_alive(pid)
-    events = [json.loads(line) for line in (Path(isolated_dirs["logs"]) / "events.jsonl").read_text().splitlines()]
-    over = [e for e in events if e["event"] == "resident-pool.worker.over-budget"]
-    stopped = [e for e in events if e["event"] == "resident-pool.worker.stopped"]
+
+    def events(name):  # the stream is written as the runtime reports, a moment after status forgets the worker
+        lines = (Path(isolated_dirs["logs"]) / "events.jsonl").read_text().splitlines()
+        return [e for e in map(json.loads, lines) if e["event"] == name]
+
+    over = events("resident-pool.worker.over-budget")
+    stopped = wait_until(lambda: events("resident-pool.worker.stopped"), timeout=20, message="the stopped event")
     assert over[0]["payload"] == {"used_gb": 3.25, "budget_gb": 2.0, "policy": "stop"}
     assert stopped[0]["payload"]["cause"] == "over_budget" and stopped[0]["payload"]["gpu_peak_gb"] == 3.25
 

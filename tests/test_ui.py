@@ -31,7 +31,9 @@ from resident_pool.exits import exit_hint
 ROOT = Path(__file__).resolve().parents[1]
 STACK = ROOT / "infra" / "local" / "stack.sh"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# One xdist worker takes the whole file (make test runs --dist loadgroup): one stack and one browser, the tests
+# in file order (the last one stops the stack, and finds the pool the earlier runs started).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("ui")]
 
 FAILING_FLOW = """
 import json
