@@ -52,8 +52,14 @@ def test_transcripts_are_pruned_to_the_cap_of_3_while_a_live_workers_file_is_kep
                                            "[lifecycle]\nmax_replicas = 2\n")
     logs = Path(isolated_dirs["logs"])
 
-    def transcripts():
-        return sorted(logs.glob("perrequest-*.log"), key=lambda p: p.stat().st_mtime)
+    def transcripts():  # oldest first; one pruned between the listing and its stat is gone, not an error
+        found = []
+        for path in logs.glob("perrequest-*.log"):
+            try:
+                found.append((path.stat().st_mtime, path))
+            except FileNotFoundError:
+                continue
+        return [path for _, path in sorted(found)]
 
     with Pool() as pool, pool.session("perrequest") as held:
         live = Path(held.transcript)
