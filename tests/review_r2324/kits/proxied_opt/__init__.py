@@ -1,1 +1,0 @@
-"""A kit laid out for the original launcher: package <kit>_opt, a modes module, no stack."""
