@@ -311,7 +311,7 @@ def test_a_lifecycle_only_edit_applies_in_place(clock):
 
 # -- liveness ------------------------------------------------------------------------------------------------
 def test_an_idle_worker_is_pinged_every_ping_interval_and_stopped_when_it_does_not_answer(clock):
-    state = make(clock, Spec(ping_interval_s=30, idle_timeout_s=0), liveness_timeout_s=10)
+    state = make(clock, Spec(ping_interval_s=30), liveness_timeout_s=10)
     grant = lease_one(state, clock)
     state.released(clock(), grant.lease, CONN, "ok")
     clock.advance(29)
@@ -325,7 +325,7 @@ def test_an_idle_worker_is_pinged_every_ping_interval_and_stopped_when_it_does_n
 
 
 def test_a_liveness_ping_the_pool_could_not_send_is_not_held_against_the_worker(clock):
-    state = make(clock, Spec(ping_interval_s=30, idle_timeout_s=0))
+    state = make(clock, Spec(ping_interval_s=30))
     grant = lease_one(state, clock)
     state.released(clock(), grant.lease, CONN, "ok")
     clock.advance(30)
@@ -336,7 +336,7 @@ def test_a_liveness_ping_the_pool_could_not_send_is_not_held_against_the_worker(
 
 
 def test_a_request_during_a_liveness_ping_waits_for_the_pinged_worker_instead_of_starting_another(clock):
-    state = make(clock, Spec(ping_interval_s=30, idle_timeout_s=0, max_replicas=4))
+    state = make(clock, Spec(ping_interval_s=30, max_replicas=4))
     grant = lease_one(state, clock)
     state.released(clock(), grant.lease, CONN, "ok")
     clock.advance(30)
@@ -347,7 +347,7 @@ def test_a_request_during_a_liveness_ping_waits_for_the_pinged_worker_instead_of
 
 
 def test_a_liveness_ping_that_never_reports_is_overdue(clock):
-    state = make(clock, Spec(ping_interval_s=30, idle_timeout_s=0), liveness_timeout_s=10)
+    state = make(clock, Spec(ping_interval_s=30), liveness_timeout_s=10)
     grant = lease_one(state, clock)
     state.released(clock(), grant.lease, CONN, "ok")
     clock.advance(30)
@@ -516,7 +516,7 @@ def _admitted_ready(state: PoolState, clock: Clock, key: str, device: int = 0) -
 
 
 def _gpu(**kw) -> Spec:
-    return Spec(budget_gb=4, idle_timeout_s=0, ping_interval_s=10_000, **kw)
+    return Spec(budget_gb=4, ping_interval_s=10_000, **kw)
 
 
 def test_a_kept_warm_worker_is_exempt_from_idle_retirement(clock):
@@ -620,7 +620,7 @@ def test_only_the_decision_core_assigns_replica_and_lease_state():
 
 
 def test_a_kept_lease_between_calls_is_pinged_for_liveness_and_stopped_when_it_does_not_answer(clock):
-    state = make(clock, Spec(ping_interval_s=30, idle_timeout_s=0))
+    state = make(clock, Spec(ping_interval_s=30))
     kept = lease_one(state, clock, keep=True)
     clock.advance(30)
     ping = one(state.tick(clock()), c.Ping)
@@ -667,7 +667,7 @@ def test_a_recall_the_pool_could_not_send_keeps_the_lease_and_is_tried_again(clo
 
 
 def test_a_recall_keeps_its_deadline_across_a_liveness_ping(clock):
-    state = make(clock, Spec(ping_interval_s=30, idle_timeout_s=0, request_timeout_s=60))
+    state = make(clock, Spec(ping_interval_s=30, request_timeout_s=60))
     kept = _kept_in_use(state, clock)
     clock.advance(30)
     one(state.tick(clock()), c.Ping)

@@ -49,7 +49,7 @@ def one(actions, kind):
 
 
 def gpu(budget: float, **kw) -> Spec:
-    return Spec(budget_gb=budget, idle_timeout_s=0, ping_interval_s=10_000, **kw)
+    return Spec(budget_gb=budget, ping_interval_s=10_000, **kw)
 
 
 def pool(clock, specs: dict[str, Spec], policy: Policy | None = None, **timings) -> PoolState:

@@ -196,7 +196,7 @@ def test_a_failing_start_in_a_flow_emits_request_failed_and_breaker_open_related
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
-def test_the_relay_forwards_a_pool_side_idle_retirement_to_prefect(pool_dir, tmp_path):
+def test_the_relay_forwards_a_pool_side_idle_retirement_after_a_half_second_idle_timeout_to_prefect(pool_dir, tmp_path):
     from prefect.settings import PREFECT_API_URL
 
     write_provider(pool_dir, "retiring", "[lifecycle]\nidle_timeout_s = 0.5\n")

@@ -160,7 +160,7 @@ def test_a_request_past_a_half_second_timeout_is_a_request_timeout_naming_slug_t
 
 
 @both_ways
-def test_idle_worker_is_retired_and_a_busy_one_is_not(workers):
+def test_idle_worker_is_retired_after_a_half_second_idle_timeout_and_a_busy_one_is_not(workers):
     worker = workers(build_command=worker_command(), idle_timeout_s=0.5)
     busy_pid = worker.predict({"action": "sleep", "seconds": 1.5})["pid"]  # busy 3x the idle timeout
     assert worker.served == 1  # it answered: not retired while busy

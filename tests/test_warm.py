@@ -82,7 +82,7 @@ def test_the_warm_task_at_the_start_of_a_flow_makes_the_first_lease_warm(pool_di
     assert warmed["started"] == 1 and chunk == {"cold": False, "echo": 1}
 
 
-def test_min_replicas_start_with_the_pool_and_are_exempt_from_idle_retirement(pool_dir):
+def test_min_replicas_start_with_the_pool_and_are_exempt_from_a_half_second_idle_retirement(pool_dir):
     write_provider(pool_dir, "kept", "[lifecycle]\nmin_replicas = 1\nmax_replicas = 2\nidle_timeout_s = 0.5\n")
     with Pool() as pool:
         (first,) = wait_until(lambda: [w for w in _workers(pool, "kept") if w["state"] == "ready"], timeout=30,
