@@ -67,9 +67,8 @@ def test_admission_evicts_an_idle_worker_before_a_kept_lease_with_a_request_in_f
         gpu_provider(pool_dir, slug, 4)
     with Pool() as pool:
         busy = run_client("a4", {"action": "sleep", "seconds": 8})
-        wait_until(lambda: any(w["slug"] == "a4" and w["state"] == "leased" for w in pool.status()["workers"]),
-                   timeout=30, message="a4 busy")
-        time.sleep(1)  # a4's request is in flight
+        wait_until(lambda: any(w["slug"] == "a4" and w["state"] == "leased" and w.get("in_flight_s") is not None
+                               for w in pool.status()["workers"]), timeout=30, message="a4's request in flight")
         finish(run_client("b4", {"action": "echo"}))  # b4 ready, idle
         asked = time.time()
         c = finish(run_client("c4", {"action": "echo", "value": "c"}))
@@ -132,7 +131,7 @@ def test_a_recall_the_pool_cannot_send_does_not_kill_a_healthy_worker(pool_dir, 
             resource.prlimit(pool_pid, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{pool_pid}/fd")), hard))
             started = time.monotonic()
             go.set()
-            time.sleep(1.0)  # the recall goes out (and fails) meanwhile
+            time.sleep(1.0)  # how long the fault lasts: the recall goes out (and fails) in it; asserted after
         finally:
             resource.prlimit(pool_pid, resource.RLIMIT_NOFILE, (soft, hard))
         asker.join(timeout=60)
@@ -192,9 +191,9 @@ def test_sigterm_ends_the_pool_within_drain_grace_plus_kill_grace_with_a_busy_ke
     client = run_client("stubborn", {"action": "sleep", "seconds": 60})
     try:
         with Pool() as pool:
-            wait_until(lambda: any(w["state"] == "leased" for w in pool.status()["workers"]), timeout=30,
-                       message="the kept lease busy")
-        time.sleep(0.5)
+            wait_until(lambda: any(w["state"] == "leased" and w.get("in_flight_s") is not None
+                                   for w in pool.status()["workers"]), timeout=30,
+                       message="the kept lease's request in flight")
         pool_pid = int(Path(isolated_dirs["state"], "pool.pid").read_text())
         os.kill(pool_pid, signal.SIGTERM)
         started = time.monotonic()
@@ -235,7 +234,7 @@ def test_a_waiting_client_is_held_up_by_a_kept_lease_for_at_most_one_request(poo
         assert holder.stdout.readline().strip() == "kept"
         answers = []
         for _ in range(10):
-            time.sleep(1.3)
+            time.sleep(1.3)  # arrivals spaced over the holder's 1 s requests (the workload, not a wait for a state)
             answers.append(finish(run_client("one", {"action": "echo"})))
         starts = json.loads(holder.stdout.readline())
     finally:

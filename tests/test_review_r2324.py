@@ -344,7 +344,7 @@ def test_review_protocol_recv_line_ends_a_stream_with_protocol_error_as_the_orig
                     answers.append(json.loads(conn.makefile().readline()))
             except OSError as exc:
                 answers.append(repr(exc))
-            time.sleep(0.3)
+            time.sleep(0.3)  # the window a worker that exits at a dropped connection would die in
         alive = worker.poll() is None
     finally:
         if worker.poll() is None:
