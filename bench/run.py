@@ -603,22 +603,23 @@ worker_base.serve(slug="vectors", socket_path=sys.argv[1], on_predict=lambda pay
 
 
 def _flow_runs(env: Env, fasta: Path, provider: str, runs: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """``screen`` over ``fasta`` in a process of its own per (store, report) in ``runs``: what each printed."""
+    """``screen`` over ``fasta`` in a process of its own per (store, report) in ``runs`` (so its peak memory is its
+    own): what each printed, with the Prefect server's CPU seconds over it (``server_cpu_s``, None if not found)."""
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
     results = []
     with prefect_test_harness(server_startup_timeout=120):
+        server = _harness_server()
         child = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_LOGGING_LEVEL": "WARNING"}
         for store, report in runs:
-            done = subprocess.run([sys.executable, "-c", FLOW_PROCESS, str(ROOT / "flows"), str(fasta),
-                                   str(env.tmp / f"{provider}.{report}.jsonl"), str(env.manifests), report, provider],
-                                  env={**child, "RESIDENT_POOL_RESULTS_DIR": str(env.tmp / store)},
-                                  capture_output=True, text=True, check=False)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if done.returncode or not lines:
-                raise RuntimeError(f"the {provider} campaign failed: {done.stderr[-3000:]}")
-            results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+            before = _cpu_s(server) if server else None
+            output = env.tmp / f"{provider}.{report}.jsonl"
+            run = _child_result(FLOW_PROCESS, [str(ROOT / "flows"), str(fasta), str(output), str(env.manifests), report,
+                                               provider],
+                                {**child, "RESIDENT_POOL_RESULTS_DIR": str(env.tmp / store)})
+            run["server_cpu_s"] = _cpu_s(server) - before if server else None
+            results.append(run)
     return results
 
 
@@ -657,9 +658,6 @@ def write_fasta(path: Path, n: int, shortest: int = 50, longest: int = 500, seed
 def case_campaign_scale(table: Table, env: Env, quick: bool) -> None:
     """A million inputs through a trivial provider, chunk 1024, against the read-and-write floor measured beside it;
     the flow process's peak memory; the same input again; the Prefect server's CPU per task run."""
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
     n = 100_000 if quick else 1_000_000
     folder = env.manifests / "trivial"
     folder.mkdir(exist_ok=True)
@@ -669,25 +667,15 @@ def case_campaign_scale(table: Table, env: Env, quick: bool) -> None:
     fasta = env.tmp / "scale.fasta"
     write_fasta(fasta, n)
     case = f"campaign at scale ({n:,} inputs, trivial provider, chunk 1024)"
-    with prefect_test_harness(server_startup_timeout=120):
-        server = _harness_server()
-        # The flow run gets a process of its own, so its peak memory is its own.
-        child = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_LOGGING_LEVEL": "WARNING"}
-        floor = _child_result(FLOOR_PROCESS, [str(fasta), str(env.tmp / "floor.jsonl")])
-        runs = []
-        # The same campaign without its HTML report, into a store of its own: the report's cost is the difference.
-        for store, report in (("store-scale-bare", "no-report"), ("store-scale", "report"), ("store-scale", "report")):
-            before = _cpu_s(server) if server else None
-            run = _child_result(FLOW_PROCESS, [str(ROOT / "flows"), str(fasta), str(env.tmp / f"scale.{report}.jsonl"),
-                                               str(env.manifests), report],
-                                {**child, "RESIDENT_POOL_RESULTS_DIR": str(env.tmp / store)})
-            run["server_cpu_s"] = _cpu_s(server) - before if server else None
-            runs.append(run)
+    floor = _child_result(FLOOR_PROCESS, [str(fasta), str(env.tmp / "floor.jsonl")])
+    # The same campaign without its HTML report, into a store of its own: the report's cost is the difference.
+    runs = _flow_runs(env, fasta, "trivial", [("store-scale-bare", "no-report"), ("store-scale", "report"),
+                                              ("store-scale", "report")])
     bare, first, again = runs
     cost = first["peak_rss_mb"] - bare["peak_rss_mb"]
     table.add(case, "the HTML report's cost in flow process peak RSS", cost, "MB", "< 20", cost < 20,
               note=f"{first['peak_rss_mb']:.0f} MB with it, {bare['peak_rss_mb']:.0f} MB without; "
-                   f"report {(env.tmp / 'scale.report.jsonl.report.html').stat().st_size / 1024:.0f} KiB")
+                   f"report {(env.tmp / 'trivial.report.jsonl.report.html').stat().st_size / 1024:.0f} KiB")
     rate, floor_rate = n / first["wall_s"], n / floor["wall_s"]
     table.add(case, "read-and-write floor: records/s", floor_rate, "/s",
               note=f"{floor['wall_s']:.1f} s: the same FASTA read, a JSON Lines of the same records written")
