@@ -8,8 +8,10 @@ own environment, where this package is not installed.
 from __future__ import annotations
 
 import array
+import contextlib
 import errno
 import fcntl
+import itertools
 import json
 import mmap
 import os
@@ -66,6 +68,7 @@ CONNECT_TIMEOUT_S = 10.0
 DEFAULT_REQUEST_TIMEOUT_S = 6 * 3600.0
 # sun_path is 108 bytes on Linux, one of which is the terminating NUL.
 AF_UNIX_PATH_MAX = 107
+_BIND_SERIAL = itertools.count()  # temporary names of sockets one process binds at once
 RECV_CHUNK = 256 * 1024
 
 # The ops by the names the original design's workers and callers use.
@@ -187,22 +190,40 @@ def check_socket_path(path: str | os.PathLike[str]) -> str:
 
 
 def bind_unix(path: str | os.PathLike[str], backlog: int = 64) -> socket.socket:
-    """Bind a listening socket at ``path`` (a stale one is unlinked), mode 0600."""
+    """Bind a listening socket at ``path`` (a stale one is replaced), mode 0600.
+
+    It is bound and listening under a name of its own in the same folder before it is renamed onto ``path``:
+    a connect between bind() and listen() is refused, and a client that finds the file must find a listener.
+    """
     text = check_socket_path(path)
     try:
-        if stat.S_ISSOCK(os.lstat(text).st_mode):
-            os.unlink(text)
+        if not stat.S_ISSOCK(os.lstat(text).st_mode):  # never rename over a file that is not a socket
+            raise OSError(errno.EADDRINUSE, f"{text} exists and is not a socket; move it away")
     except FileNotFoundError:
         pass
+    folder = os.path.dirname(text)
+    temp = os.path.join(folder, f".{os.getpid():x}-{next(_BIND_SERIAL):x}.sock")
+    if len(os.fsencode(temp)) > AF_UNIX_PATH_MAX:  # a name near the limit: bound in place, as before
+        temp = text
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    # Bind under a umask that never exposes the socket, then make it exact.
-    old_umask = os.umask(0o177)
     try:
-        listener.bind(text)
-    finally:
-        os.umask(old_umask)
-    os.chmod(text, 0o600)
-    listener.listen(backlog)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)  # a stale one of a process with this pid
+        # Bind under a umask that never exposes the socket, then make it exact.
+        old_umask = os.umask(0o177)
+        try:
+            listener.bind(temp)
+        finally:
+            os.umask(old_umask)
+        os.chmod(temp, 0o600)
+        listener.listen(backlog)
+        os.replace(temp, text)
+    except BaseException:
+        listener.close()
+        if temp != text:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+        raise
     return listener
 
 

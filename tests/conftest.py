@@ -165,20 +165,22 @@ def _start_shared_prefect(config) -> str:
         info.write_text(json.dumps(shared))
 
     def leave() -> None:
+        process = _SHARED_PREFECT.get("process")
         with lock:
             now = json.loads(info.read_text())
             now["users"] -= 1
-            if now["users"] > 0:
+            last = now["users"] == 0
+            if last:
+                info.unlink()
+            else:
                 info.write_text(json.dumps(now))
-                return
-            info.unlink()
-        try:
-            os.killpg(now["pid"], signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        process = _SHARED_PREFECT.get("process")
-        if process is not None:
-            process.wait(timeout=30)
+        if last:
+            try:
+                os.killpg(now["pid"], signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        if process is not None:  # the worker that started it reaps it, once the last to leave has stopped it
+            process.wait(timeout=30 if last else 1800)
 
     config.add_cleanup(leave)
     _SHARED_PREFECT["url"] = shared["url"]

@@ -41,6 +41,42 @@ def wait_until(condition, timeout=10.0, interval=0.02, message="condition"):
         time.sleep(interval)
 
 
+def settled_task_runs(flow_state, count: int, timeout: float = 30.0) -> list:
+    """The flow run's ``count`` task runs, once each is recorded in a final state.
+
+    Prefect 3 records a task run from the events its engine sends, so a read made right after the flow returns can
+    find a run missing or still Running (run_count 1 after a retry that has already succeeded)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    flow_run = FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id]))
+
+    def recorded():
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=flow_run)
+        return runs if len(runs) == count and all(run.state and run.state.is_final() for run in runs) else None
+
+    return wait_until(recorded, timeout=timeout, interval=0.1,
+                      message=f"{count} task run(s) of flow run {flow_state.state_details.flow_run_id} in a final state")
+
+
+def wait_listening(socket_path: str, process: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Wait until ``process`` accepts connections on the Unix socket at ``socket_path`` (or has exited).
+
+    The socket's file exists from bind(); a connect before the listen() that follows it is refused."""
+    def accepting():
+        if process.poll() is not None:
+            return True
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(socket_path)
+            except OSError:
+                return False
+        return True
+
+    wait_until(accepting, timeout=timeout, message=f"a listener on {socket_path}")
+
+
 def tagged_processes(tag: str) -> list[int]:
     """Live pids (not this one) whose environment carries this run's tag."""
     needle = f"{TAG_VARIABLE}={tag}".encode()

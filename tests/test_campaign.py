@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
+from helpers import settled_task_runs, wait_until
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
 from providers import EMBEDDER_ENV, write_provider
@@ -210,7 +210,7 @@ def test_chunk_runs_are_named_by_their_inputs_and_nothing_is_persisted_by_prefec
         state = _state(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", _texts(100))), chunk_size=32,
                        output=str(tmp_path / "out.jsonl"))
     assert state.is_completed() and state.message == "100 ok, 0 failed"
-    runs = _task_runs(state)
+    runs = settled_task_runs(state, 4)
     assert sorted(run.name for run in runs) == sorted(
         ["predict-chunk[0-31]", "predict-chunk[32-63]", "predict-chunk[64-95]", "predict-chunk[96-99]"])
     # One replica: at most two chunk runs at once (one computing, the next holding its place in line).
@@ -242,7 +242,7 @@ def test_a_chunk_is_named_by_the_inputs_it_holds_when_repeats_and_bad_ones_are_l
     state = _state(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", [texts[0], "", texts[1], texts[0], texts[2]])),
                    output=str(tmp_path / "out.jsonl"))
     assert state.message == "4 ok, 1 failed"
-    assert [run.name for run in _task_runs(state)] == ["predict-chunk[0,2,4]"]
+    assert [run.name for run in settled_task_runs(state, 1)] == ["predict-chunk[0,2,4]"]
     from resident_pool.campaigns.campaign import Chunk
 
     assert Chunk(indexes=list(range(0, 200, 3)), keys=[b""] * 67).label == "0-198, 67 inputs"
@@ -1069,7 +1069,7 @@ def test_inputs_an_open_breaker_refused_are_recorded_with_what_opened_it_and_how
     state = _state(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", _texts(5))), output=str(tmp_path / "out.jsonl"))
     assert state.is_failed() and state.message.startswith("0 ok, 5 failed: embedder never started: "), state.message
     assert "closes in 157 s" in state.message  # the breaker's own words, with the start failure they quote
-    (run,) = _task_runs(state)
+    (run,) = settled_task_runs(state, 1)
     assert run.run_count == 1  # not retried
     records = _records(tmp_path / "out.jsonl")
     assert {r["reason"] for r in records} == {"breaker_open"}

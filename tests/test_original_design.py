@@ -19,7 +19,7 @@ import types
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
+from helpers import wait_listening, wait_until
 from providers import make_kit_venv, write_provider
 
 from resident_pool.host import paths
@@ -242,7 +242,7 @@ def test_a_worker_with_its_own_accept_loop_over_protocol_serves_a_second_client(
     worker = subprocess.Popen([str(venvs()), str(ORIGINAL / "raw_loop_worker.py"), socket_path], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_until(lambda: os.path.exists(socket_path) or worker.poll() is not None, message="the worker to bind")
+        wait_listening(socket_path, worker)  # its own loop binds, then listens: the file comes first
         # One client after another, each hanging up after its answer.
         replies = [ask(socket_path, {"op": "ping"}) for _ in range(3)]
         alive = worker.poll() is None

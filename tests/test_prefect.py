@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import RefusingClient, breaker_open, wait_until
+from helpers import RefusingClient, breaker_open, settled_task_runs, wait_until
 from prefect import flow, task
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -42,13 +42,6 @@ def fresh_results(tmp_path):
         yield
 
 
-def _task_runs(flow_state):
-    with get_client(sync_client=True) as client:
-        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])))
-
-
 @task(retries=2, retry_delay_seconds=0, retry_condition_fn=retry_pool_failures)
 def use_provider(slug, payload):
     return predict(slug, payload)
@@ -63,7 +56,7 @@ def test_a_refusal_at_start_fails_the_task_once_with_the_failure_artifact(pool_d
     write_provider(pool_dir, "kernels", 'worker_args = ["{socket}", "--exit-before-bind", "5"]\n')
     state = one_task_flow("kernels", {"action": "echo"}, return_state=True)
     assert state.is_failed()
-    (task_run,) = _task_runs(state)
+    (task_run,) = settled_task_runs(state, 1)
     assert task_run.run_count == 1  # a refusal is not retried
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run.id])))
@@ -83,7 +76,7 @@ def test_a_worker_that_dies_mid_request_is_retried_and_then_succeeds(pool_dir, t
     state = one_task_flow("flaky", {"action": "die_once", "marker": str(tmp_path / "died")}, return_state=True)
     assert state.is_completed(), state
     assert state.result()["survived"] is True
-    (task_run,) = _task_runs(state)
+    (task_run,) = settled_task_runs(state, 1)
     assert task_run.run_count == 2
 
 
@@ -267,7 +260,7 @@ def test_a_request_an_open_breaker_refuses_says_what_opened_it_when_it_closes_an
     monkeypatch.setattr(face, "_client", lambda manifests: RefusingClient(breaker_open(), pool_dir))
     state = one_task_flow("kernels", {"action": "echo"}, return_state=True)
     assert state.is_failed()
-    (task_run,) = _task_runs(state)
+    (task_run,) = settled_task_runs(state, 1)
     assert task_run.run_count == 1  # never retried: the breaker would refuse the retry too
     message = task_run.state.message
     for words in ("breaker_open", "closes in 157 s", "resident-pool stop kernels", "edit its manifest",
@@ -358,7 +351,7 @@ def test_the_validate_flow_runs_a_task_per_provider_that_fails_with_it_failures_
     state = validate(smoke=True, return_state=True)
     assert state.is_failed()
     assert "1 provider(s) failed" in state.message and "crashy smoke" in state.message
-    runs = {run.name: run for run in _task_runs(state)}
+    runs = {run.name: run for run in settled_task_runs(state, 3)}
     assert sorted(runs) == ["check crashy", "check echo", "check zz_fine"]
     assert runs["check crashy"].state.is_failed() and "crashy: smoke" in runs["check crashy"].state.message
     assert runs["check echo"].state.is_completed() and runs["check zz_fine"].state.is_completed()

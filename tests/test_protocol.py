@@ -118,6 +118,33 @@ def test_bound_socket_is_0600_and_replaces_a_stale_one(isolated_dirs):
         second.close()
 
 
+def test_a_socket_file_appears_only_once_it_listens_and_nothing_else_is_left_or_replaced(tmp_path, monkeypatch):
+    """CI saw a client that found the file connect before listen() and be refused (ECONNREFUSED): the file
+    appeared at bind(). Now it is renamed into place once it listens."""
+    import os
+
+    path = str(tmp_path / "w.sock")
+    seen_at_listen = []
+
+    class Watched(socket.socket):
+        def listen(self, *args):
+            seen_at_listen.append(os.path.exists(path))
+            return super().listen(*args)
+
+    monkeypatch.setattr(protocol.socket, "socket", Watched)
+    listener = protocol.bind_unix(path)
+    try:
+        assert seen_at_listen == [False]
+        assert os.listdir(tmp_path) == ["w.sock"]  # no temporary name left behind
+        protocol.connect(path).close()
+    finally:
+        listener.close()
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(OSError, match="not a socket"):
+        protocol.bind_unix(tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["notes.txt", "w.sock"]
+
+
 def test_protocol_is_standard_library_only():
     """Loaded by path in the model's environment: it may import nothing of ours."""
     import ast

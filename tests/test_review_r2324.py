@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
+from helpers import wait_listening
 from providers import make_kit_venv, write_provider
 
 from resident_pool.providers.worker_process import PROTOCOL_PATH, WORKER_BASE_PATH
@@ -259,8 +259,7 @@ def test_review_protocol_recv_line_ends_a_stream_with_protocol_error_as_the_orig
                                str(HERE / "raw_loop_worker.py"), socket_path], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_until(lambda: os.path.exists(socket_path) or worker.poll() is not None, timeout=30,
-                   message="the raw worker to bind")
+        wait_listening(socket_path, worker)  # its own loop binds, then listens: the file comes first
         answers = []
         for _ in range(2):
             try:
