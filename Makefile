@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Test processes at once: the tests wait on real processes and sockets more than they compute.
+# --dist loadgroup: each file listed in tests/scheduling.py runs whole on one of them.
 JOBS ?= 4
 
 # Every test but load and soak at size (those are `make reliability`), in JOBS processes.

@@ -10,6 +10,17 @@ from pathlib import Path
 import pytest
 from helpers import LONG_LIVED, TAG_VARIABLE, TEST_WORKER, describe_pids, stop_pool_in, tagged_processes, wait_until
 
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup: each file of ONE_WORKER_FILES to one worker, whole (scheduling.py says why not xdist's)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from scheduling import OneWorkerPerListedFile
+
+    return OneWorkerPerListedFile(config, log)
+
+
 # Every process the suite starts inherits this tag, so the leak check can
 # find them even after they were reparented.
 TAG = uuid.uuid4().hex

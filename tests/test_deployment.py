@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import prefect_server, stop_group, wait_until
 from providers import EMBEDDER_ENV, write_provider
+from scheduling import claim_worker
 
 from resident_pool.host.procs import pid_alive
 
@@ -25,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "flows"))
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 
-# One xdist worker takes the whole file (--dist loadgroup): its server and worker are started once.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("deployment")]
+# One xdist worker takes the whole file (ONE_WORKER_FILES in scheduling.py): its server and worker start once.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 RUN = """
 import json, sys
@@ -54,8 +55,9 @@ print(json.dumps(found))
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, request):
     """One real Prefect server for this file's tests: the PREFECT_* variables that point at it."""
+    claim_worker(request, "test_deployment.py's server")
     with prefect_server(tmp_path_factory.mktemp("server")) as env:
         yield {name: value for name, value in env.items() if name.startswith("PREFECT_")}
 

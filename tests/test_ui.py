@@ -25,18 +25,20 @@ from pathlib import Path
 import pytest
 from helpers import TAG_VARIABLE, describe_pids, free_port, tagged_processes, wait_until
 from providers import EMBEDDER_ENV, write_provider
+from scheduling import claim_worker
 
 from resident_pool.exits import exit_hint
 
 ROOT = Path(__file__).resolve().parents[1]
 STACK = ROOT / "infra" / "local" / "stack.sh"
 
-# One xdist worker takes the whole file (make test runs --dist loadgroup): one stack and one browser, the tests
+# One xdist worker takes the whole file (ONE_WORKER_FILES in scheduling.py): one stack and one browser, the tests
 # in file order (the last one stops the stack, and finds the pool the earlier runs started).
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("ui")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 FAILING_FLOW = """
 import json
+import time
 from prefect import flow, task
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -51,8 +53,14 @@ def campaign():
     return embed()
 
 state = campaign(return_state=True)
+deadline = time.monotonic() + 60  # Prefect records a task run from its engine's events, after the flow returns
 with get_client(sync_client=True) as client:
-    (run,) = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    while True:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        if runs and all(run.state and run.state.is_final() for run in runs) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+(run,) = runs
 print(json.dumps({"task_run": str(run.id), "failed": state.is_failed()}))
 """
 
@@ -127,9 +135,10 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, request):
     """`stack.sh up` on a free port, its own folders and providers (minilm, echo, a fast embedder, one that refuses
     to start); `stack.sh down` after the file's tests, and nothing of it left."""
+    claim_worker(request, "test_ui.py's stack")
     root = tmp_path_factory.mktemp("stack")
     manifests = root / "manifests"
     for slug in ("minilm", "echo"):
