@@ -3,12 +3,20 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import tempfile
 import uuid
 from pathlib import Path
 
 import pytest
-from helpers import LONG_LIVED, TAG_VARIABLE, TEST_WORKER, describe_pids, stop_pool_in, tagged_processes, wait_until
+from helpers import (
+    LONG_LIVED,
+    TAG_VARIABLE,
+    TEST_WORKER,
+    describe_pids,
+    short_folder,
+    stop_pool_in,
+    tagged_processes,
+    wait_until,
+)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -30,19 +38,25 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 @pytest.fixture(autouse=True)
-def isolated_dirs(monkeypatch, no_leaked_processes):  # the leak check runs after the pool is shut down
-    """A private state and log directory per test; short, for AF_UNIX paths.
+def isolated_dirs(monkeypatch, no_leaked_processes, request):  # the leak check runs after the pool is shut down
+    """A private state and log directory per test; short, for AF_UNIX paths; removed after a test that passed.
 
     A pool something in the test started there (a client, `resident-pool check`) is shut down after.
     """
-    state = tempfile.mkdtemp(prefix="rp-")
-    logs = tempfile.mkdtemp(prefix="rp-logs-")
-    monkeypatch.setenv("RESIDENT_POOL_STATE_DIR", os.path.join(state, "s"))
-    monkeypatch.setenv("RESIDENT_POOL_LOG_DIR", logs)
-    # Campaign results too: a test must not be answered from another test's (or the user's) result store.
-    monkeypatch.setenv("RESIDENT_POOL_RESULTS_DIR", os.path.join(state, "results"))
-    yield {"state": os.path.join(state, "s"), "logs": logs, "results": os.path.join(state, "results")}
-    stop_pool_in(os.path.join(state, "s"))
+    with short_folder(request, "rp-") as state, short_folder(request, "rp-logs-") as logs:
+        monkeypatch.setenv("RESIDENT_POOL_STATE_DIR", os.path.join(state, "s"))
+        monkeypatch.setenv("RESIDENT_POOL_LOG_DIR", logs)
+        # Campaign results too: a test must not be answered from another test's (or the user's) result store.
+        monkeypatch.setenv("RESIDENT_POOL_RESULTS_DIR", os.path.join(state, "results"))
+        yield {"state": os.path.join(state, "s"), "logs": logs, "results": os.path.join(state, "results")}
+        stop_pool_in(os.path.join(state, "s"))
+
+
+@pytest.fixture
+def short_tmp(request):
+    """A folder under the system's temp folder, short for AF_UNIX paths; removed after a test that passed."""
+    with short_folder(request, "rp-t-") as folder:
+        yield Path(folder)
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,7 @@ def _host_env(base: Path, name: str) -> dict[str, str]:
 
 
 @pytest.mark.timeout(600)
-def test_three_hosts_each_start_the_provider_once_and_a_killed_host_loses_nothing(pool_dir, tmp_path):
+def test_three_hosts_each_start_the_provider_once_and_a_killed_host_loses_nothing(pool_dir, tmp_path, short_tmp):
     pytest.importorskip("prefect_dask", reason="prefect-dask is not installed (pip install -e .[prefect])")
     from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
     from prefect_dask import DaskTaskRunner
@@ -47,7 +46,7 @@ def test_three_hosts_each_start_the_provider_once_and_a_killed_host_loses_nothin
     inputs.write_text("".join(json.dumps({"id": f"s{n}", "sequence": f"MKV{n}"}) + "\n" for n in range(600)))
     output = tmp_path / "out.jsonl"
     # Short, like the runtime folders real hosts use: a worker's socket path must fit AF_UNIX's 107 bytes.
-    hosts = Path(tempfile.mkdtemp(prefix="rp-hosts-"))
+    hosts = short_tmp
     scheduler_file = tmp_path / "scheduler.json"
     procs = []
     try:

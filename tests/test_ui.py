@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import TAG_VARIABLE, describe_pids, free_port, tagged_processes, wait_until
+from helpers import TAG_VARIABLE, describe_pids, free_port, short_folder, tagged_processes, wait_until
 from providers import EMBEDDER_ENV, write_provider
 from scheduling import claim_worker
 
@@ -146,31 +146,31 @@ def stack(tmp_path_factory, request):
     write_provider(manifests, "embedder", EMBEDDER_ENV + "[lifecycle]\nmax_replicas = 1\n", worker="embedder.py")
     write_provider(manifests, "crashy", 'worker_args = ["{socket}", "--exit-before-bind", "3"]\n'
                                        '[smoke]\npayload = { action = "echo" }\n')
-    state = tempfile.mkdtemp(prefix="rp-ui-")  # short: AF_UNIX paths
-    env = {name: value for name, value in os.environ.items() if not name.startswith(("RESIDENT_POOL_", "PREFECT_"))}
-    env.update({
-        "STACK_DIR": str(root / "stack"), "INPUT_ROOT": str(root),  # flow runs read only under it
-        "PREFECT_PORT": str(free_port()), "WORK_POOL": "rp-ui", "VENV": sys.prefix,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RESIDENT_POOL_MANIFESTS": str(manifests),
-        "RESIDENT_POOL_STATE_DIR": os.path.join(state, "s"), "RESIDENT_POOL_LOG_DIR": os.path.join(state, "logs"),
-        "RESIDENT_POOL_RESULTS_DIR": os.path.join(state, "results"), "RESIDENT_POOL_GPU_HEADROOM_GB": "0",
-        "EMBEDDER_DELAY_S": "0.15",  # a 2,000-input screen long enough (about 6 s) for its progress to be read
-        # A tag of the stack's own: its processes outlive each test on purpose, and are checked at the end.
-        TAG_VARIABLE: os.environ[TAG_VARIABLE] + "-stack",
-    })
-    started = Stack(env, root)
-    up = started.script("up")
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr + _tail(root / "stack" / "server.log")
-        started.api = Api(started.url, started.auth_file.read_text())
-        yield started
-    finally:
-        if not started.down_done:
-            started.down()
-        left = tagged_processes(started.tag)
-        for pid in left:
-            os.kill(pid, 9)
-        assert not left, f"left running after stack.sh down:\n{describe_pids(left)}"
+    with short_folder(request, "rp-ui-") as state:  # short: AF_UNIX paths
+        env = {name: value for name, value in os.environ.items() if not name.startswith(("RESIDENT_POOL_", "PREFECT_"))}
+        env.update({
+            "STACK_DIR": str(root / "stack"), "INPUT_ROOT": str(root),  # flow runs read only under it
+            "PREFECT_PORT": str(free_port()), "WORK_POOL": "rp-ui", "VENV": sys.prefix,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RESIDENT_POOL_MANIFESTS": str(manifests),
+            "RESIDENT_POOL_STATE_DIR": os.path.join(state, "s"), "RESIDENT_POOL_LOG_DIR": os.path.join(state, "logs"),
+            "RESIDENT_POOL_RESULTS_DIR": os.path.join(state, "results"), "RESIDENT_POOL_GPU_HEADROOM_GB": "0",
+            "EMBEDDER_DELAY_S": "0.15",  # a 2,000-input screen long enough (about 6 s) for its progress to be read
+            # A tag of the stack's own: its processes outlive each test on purpose, and are checked at the end.
+            TAG_VARIABLE: os.environ[TAG_VARIABLE] + "-stack",
+        })
+        started = Stack(env, root)
+        up = started.script("up")
+        try:
+            assert up.returncode == 0, up.stdout + up.stderr + _tail(root / "stack" / "server.log")
+            started.api = Api(started.url, started.auth_file.read_text())
+            yield started
+        finally:
+            if not started.down_done:
+                started.down()
+            left = tagged_processes(started.tag)
+            for pid in left:
+                os.kill(pid, 9)
+            assert not left, f"left running after stack.sh down:\n{describe_pids(left)}"
 
 
 def _tail(path: Path) -> str:
