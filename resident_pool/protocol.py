@@ -11,7 +11,6 @@ import array
 import contextlib
 import errno
 import fcntl
-import itertools
 import json
 import mmap
 import os
@@ -68,7 +67,6 @@ CONNECT_TIMEOUT_S = 10.0
 DEFAULT_REQUEST_TIMEOUT_S = 6 * 3600.0
 # sun_path is 108 bytes on Linux, one of which is the terminating NUL.
 AF_UNIX_PATH_MAX = 107
-_BIND_SERIAL = itertools.count()  # temporary names of sockets one process binds at once
 RECV_CHUNK = 256 * 1024
 
 # The ops by the names the original design's workers and callers use.
@@ -189,42 +187,70 @@ def check_socket_path(path: str | os.PathLike[str]) -> str:
     return text
 
 
-def bind_unix(path: str | os.PathLike[str], backlog: int = 64) -> socket.socket:
-    """Bind a listening socket at ``path`` (a stale one is replaced), mode 0600.
+def bind_unix(path: str | os.PathLike[str], backlog: int = 64, mode: int = 0o600,
+              gid: int | None = None) -> socket.socket:
+    """Bind a listening socket at ``path`` with ``mode`` (and group ``gid``); a stale socket there is replaced.
 
-    It is bound and listening under a name of its own in the same folder before it is renamed onto ``path``:
-    a connect between bind() and listen() is refused, and a client that finds the file must find a listener.
+    It is bound, given its mode and group, and listening under a name of its own in the same folder before it
+    appears at ``path``: a client that finds the file finds a listener it may connect to (a connect between
+    bind() and listen() is refused). A file at ``path`` that is not a socket is never replaced.
     """
     text = check_socket_path(path)
-    try:
-        if not stat.S_ISSOCK(os.lstat(text).st_mode):  # never rename over a file that is not a socket
-            raise OSError(errno.EADDRINUSE, f"{text} exists and is not a socket; move it away")
-    except FileNotFoundError:
-        pass
     folder = os.path.dirname(text)
-    temp = os.path.join(folder, f".{os.getpid():x}-{next(_BIND_SERIAL):x}.sock")
-    if len(os.fsencode(temp)) > AF_UNIX_PATH_MAX:  # a name near the limit: bound in place, as before
-        temp = text
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    temp = None
     try:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)  # a stale one of a process with this pid
-        # Bind under a umask that never exposes the socket, then make it exact.
-        old_umask = os.umask(0o177)
-        try:
-            listener.bind(temp)
-        finally:
-            os.umask(old_umask)
-        os.chmod(temp, 0o600)
+        for _ in range(8):  # a random name, never one that exists: nothing of anyone else's is unlinked
+            name = os.path.join(folder, f".{os.urandom(4).hex()}.s")
+            temp = name if len(os.fsencode(name)) <= AF_UNIX_PATH_MAX else text  # near the limit: in place
+            if temp == text:
+                with contextlib.suppress(FileNotFoundError):
+                    if stat.S_ISSOCK(os.lstat(text).st_mode):
+                        os.unlink(text)  # a stale one
+            # Bind under a umask that never exposes the socket, then make it exact.
+            old_umask = os.umask(0o177)
+            try:
+                listener.bind(temp)
+                break
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE or temp == text:
+                    temp = None
+                    raise
+            finally:
+                os.umask(old_umask)
+        else:
+            temp = None
+            raise OSError(errno.EADDRINUSE, f"no free temporary name for a socket in {folder}")
+        if gid is not None:
+            os.chown(temp, -1, gid)
+        os.chmod(temp, mode)
         listener.listen(backlog)
-        os.replace(temp, text)
+        if temp != text:
+            _put_in_place(temp, text)
+            temp = None
     except BaseException:
         listener.close()
-        if temp != text:
+        if temp is not None and temp != text:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
         raise
     return listener
+
+
+def _put_in_place(temp: str, path: str) -> None:
+    """Give the socket at ``temp`` the name ``path``: a link where nothing is (it never replaces), a rename over a
+    stale socket (never missing in between); anything else there is left alone and refused."""
+    try:
+        os.link(temp, path)
+    except OSError as exc:
+        if exc.errno not in (errno.EEXIST, errno.EPERM, errno.EOPNOTSUPP):  # EPERM: a file system without links
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise OSError(errno.EADDRINUSE, f"{path} exists and is not a socket; move it away") from None
+        os.replace(temp, path)
+        return
+    os.unlink(temp)
 
 
 class PeerError(ConnectionError):

@@ -130,6 +130,36 @@ def test_its_socket_is_0660_in_its_group_and_a_config_others_can_write_is_refuse
     assert done.returncode == 2 and str(service.config) in done.stderr and "chmod go-w" in done.stderr
 
 
+def test_the_admission_socket_is_already_0660_in_its_group_when_it_appears(tmp_path, monkeypatch):
+    """Review of the rename: the socket appeared at its path 0600 in the owner's group and was only then chown'd
+    and made 0660, so a pool of a group member that found it in between got EACCES ("does not answer")."""
+    from resident_pool.admission import service as svc
+    from resident_pool.admission.config import ServiceConfig
+
+    group = next(g for g in grp.getgrall() if g.gr_gid != os.getgid())  # not the owner's: a chown must happen
+    (tmp_path / "run").mkdir(mode=0o755)
+    tmp_path.chmod(0o755)
+    config = ServiceConfig(socket=str(tmp_path / "run" / "a.sock"), group=group.gr_name,
+                           state_dir=str(tmp_path / "state"), audit=str(tmp_path / "audit.jsonl"), capacity_gb="10",
+                           headroom_gb=0)
+    first_seen = []
+    real = svc.bind_unix
+
+    def watched(*args, **kwargs):
+        listener = real(*args, **kwargs)
+        info = os.stat(config.socket)  # the moment it is at its path, a client may find it
+        first_seen.append((oct(info.st_mode & 0o777), info.st_gid))
+        return listener
+
+    monkeypatch.setattr(svc, "bind_unix", watched)
+    service = svc.AdmissionService(config)
+    service.bind()
+    try:
+        assert first_seen == [("0o660", group.gr_gid)]
+    finally:
+        service.close()
+
+
 def test_a_pool_uses_the_service_and_status_says_so_with_the_queue_in_order_and_its_classes(
         service, pool_dir, monkeypatch):
     service.start()

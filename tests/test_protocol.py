@@ -145,6 +145,26 @@ def test_a_socket_file_appears_only_once_it_listens_and_nothing_else_is_left_or_
     assert (tmp_path / "notes.txt").read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["notes.txt", "w.sock"]
 
 
+def test_bind_unix_never_replaces_a_file_that_appears_while_it_binds(tmp_path, monkeypatch):
+    """Review of the rename: the not-a-socket check came before bind, chmod and listen, and the rename after them
+    replaced whatever was at the path by then (the old in-place bind() failed EADDRINUSE)."""
+    import os
+    import stat
+
+    path = tmp_path / "w.sock"
+
+    class Racing(socket.socket):
+        def listen(self, *args):
+            path.write_text("someone's data")  # a file put there between the check and the rename
+            return super().listen(*args)
+
+    monkeypatch.setattr(protocol.socket, "socket", Racing)
+    with pytest.raises(OSError, match="not a socket"):
+        protocol.bind_unix(path)
+    assert stat.S_ISREG(os.lstat(path).st_mode) and path.read_text() == "someone's data"
+    assert sorted(os.listdir(tmp_path)) == ["w.sock"]  # and its own temporary name is gone
+
+
 def test_protocol_is_standard_library_only():
     """Loaded by path in the model's environment: it may import nothing of ours."""
     import ast

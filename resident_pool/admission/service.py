@@ -102,9 +102,7 @@ class AdmissionService:
         if _answers(path):
             raise ResidentPoolError(f"admission service: another one already serves {path}; stop it first "
                                     "(`systemctl stop resident-pool-admission`)", reason="already_running")
-        self._listener = bind_unix(str(path))
-        os.chown(path, -1, gid)
-        os.chmod(path, 0o660)
+        self._listener = bind_unix(str(path), mode=0o660, gid=gid)  # in its group before it is at its path
         self._listener.settimeout(0.5)
         self.ledger.load()
         log.info("admission service %d on %s (group %s), ledger %s", os.getpid(), path, self.config.group,
