@@ -12,6 +12,7 @@ from helpers import (
     TAG_VARIABLE,
     TEST_WORKER,
     describe_pids,
+    remove_released_folders,
     short_folder,
     stop_pool_in,
     tagged_processes,
@@ -21,8 +22,8 @@ from helpers import (
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadgroup: each file of ONE_WORKER_FILES to one worker, whole (scheduling.py says why not xdist's)."""
-    if config.getvalue("dist") != "loadgroup":
+    """-n N: each file of ONE_WORKER_FILES to one worker, whole (scheduling.py says why not xdist's)."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):  # load: plain `pytest -n 4`
         return None
     from scheduling import OneWorkerPerListedFile
 
@@ -50,6 +51,11 @@ def isolated_dirs(monkeypatch, no_leaked_processes, request):  # the leak check 
         monkeypatch.setenv("RESIDENT_POOL_RESULTS_DIR", os.path.join(state, "results"))
         yield {"state": os.path.join(state, "s"), "logs": logs, "results": os.path.join(state, "results")}
         stop_pool_in(os.path.join(state, "s"))
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """The test is over, its teardown's failures counted: its short folders go, or stay if it failed."""
+    remove_released_folders()
 
 
 @pytest.fixture

@@ -43,19 +43,32 @@ def wait_until(condition, timeout=10.0, interval=0.02, message="condition"):
         time.sleep(interval)
 
 
+# Folders whose fixtures are done with them: (folder, session, the session's failures when it was made).
+_RELEASED: list[tuple[str, pytest.Session, int]] = []
+
+
 @contextmanager
 def short_folder(request, prefix: str):
     """A new folder under the system's temp folder (short: AF_UNIX socket paths must fit in 107 bytes).
 
-    Removed afterwards unless a test of this process failed meanwhile: a failure's transcripts and logs stay to be
-    read. The suite used to leave two such folders per test, about 2,400 per `make test`.
+    Removed once the test that released it is over, setup to teardown, unless a test of this process failed
+    meanwhile: a failure's transcripts and logs stay to be read (the leak check fails a test in its teardown,
+    after the fixtures that made its folders are gone). The suite used to leave two folders per test in /tmp.
     """
     failed_before = request.session.testsfailed
     folder = tempfile.mkdtemp(prefix=prefix)
     try:
         yield folder
     finally:
-        if request.session.testsfailed == failed_before:
+        _RELEASED.append((folder, request.session, failed_before))
+
+
+def remove_released_folders() -> None:
+    """The folders released so far go, each unless a test failed since it was made (conftest calls this once a
+    test's teardown is over, and failures in it counted)."""
+    while _RELEASED:
+        folder, session, failed_before = _RELEASED.pop()
+        if session.testsfailed == failed_before:
             shutil.rmtree(folder, ignore_errors=True)
 
 

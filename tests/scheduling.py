@@ -42,7 +42,8 @@ def claim_worker(request, what: str) -> None:
         if holder != worker:
             raise AssertionError(
                 f"{what} was set up on xdist workers {holder} and {worker}: its file's tests must run on one "
-                "(ONE_WORKER_FILES in tests/scheduling.py)") from None
+                f"(ONE_WORKER_FILES in tests/scheduling.py), unless {holder} crashed (see 'worker {holder} crashed' "
+                "above) and xdist gave the rest of the file to another") from None
         return
     with os.fdopen(fd, "w") as out:
         out.write(worker)

@@ -1,81 +1,112 @@
-"""The suite's own sharing among xdist workers (tests/scheduling.py): a listed file runs whole on one worker."""
+"""The suite's own machinery, run as `make test` runs it: sharing among xdist workers, and the short folders."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).parent
 
-CONFTEST = f"""
-import sys
-sys.path.insert(0, {str(HERE)!r})
-import pytest
-from scheduling import OneWorkerPerListedFile
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    return OneWorkerPerListedFile(config, log, files={{"test_shared.py"}})
+def _pytest(folder: Path, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    """pytest on ``folder`` with this suite's conftest as a plugin (its real fixtures and hooks in force)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-s", "-v",
+                           "-o", "addopts=", "--rootdir", str(folder), *args, str(folder)],
+                          cwd=folder, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+
+
+LISTED_FILE = """
+import time, pytest
+from scheduling import claim_worker
+
+@pytest.fixture(scope="module")
+def stack(request):
+    claim_worker(request, "test_ui.py's stack")
+    yield
+
+@pytest.mark.parametrize("n", range(8))
+def test_step(stack, n):
+    time.sleep(0.05)
 """
 
-TESTS = """
-import time
-import pytest
+OTHER_FILE = """
+import time, pytest
 
-@pytest.mark.parametrize("n", range({count}))
-def test_it(n):
+@pytest.mark.parametrize("n", range(16))
+def test_step(n):
     time.sleep(0.05)
 """
 
 
-def test_a_listed_file_runs_whole_on_one_worker_in_file_order_while_the_rest_is_shared(tmp_path):
+@pytest.mark.parametrize("dist", [[], ["--dist", "loadgroup"]], ids=["plain -n", "make test's --dist loadgroup"])
+def test_a_listed_file_runs_whole_on_one_worker_in_file_order_while_the_rest_is_shared(tmp_path, dist):
     """CI failed when test_ui.py's last test ran on another worker than the rest, which had started the stack's
-    pool: the xdist_group marks pytest-xdist's loadgroup reads group nothing under pytest 9."""
-    (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "test_shared.py").write_text(TESTS.format(count=8))
-    (tmp_path / "test_other.py").write_text(TESTS.format(count=16))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "3", "--dist", "loadgroup",
-                           "-v", "-o", "addopts=", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120, check=False)
+    pool: the xdist_group marks pytest-xdist's loadgroup reads group nothing under pytest 9 (a six-test file
+    marked so ran on four workers)."""
+    (tmp_path / "test_ui.py").write_text(LISTED_FILE)
+    (tmp_path / "test_other.py").write_text(OTHER_FILE)
+    done = _pytest(tmp_path, "-n", "3", *dist)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ran = re.findall(r"\[(gw\d)\] \[ *\d+%\] PASSED (test_\w+)\.py::test_it\[(\d+)\]", done.stdout)
-    shared = [(worker, int(n)) for worker, name, n in ran if name == "test_shared"]
+    ran = re.findall(r"\[(gw\d)\] (?:\[ *\d+%\] )?PASSED (test_\w+)\.py::test_step\[(\d+)\]", done.stdout)
+    listed = [(worker, int(n)) for worker, name, n in ran if name == "test_ui"]
     other = {worker for worker, name, _ in ran if name == "test_other"}
-    assert len(shared) == 8 and len({worker for worker, _ in shared}) == 1, shared
-    assert [n for _, n in shared] == list(range(8))  # in file order
+    assert len(listed) == 8 and len({worker for worker, _ in listed}) == 1, listed
+    assert [n for _, n in listed] == list(range(8))  # in file order
     assert len(other) > 1, done.stdout[-3000:]  # the rest is still shared out
 
 
-SHORT_FOLDER_TESTS = f"""
-import sys
-sys.path.insert(0, {str(HERE)!r})
-import pytest
-from helpers import short_folder
+FOLDERS = """
+import os, subprocess, sys, pytest
+
+def made(tag, dirs):
+    print(f"{tag}-STATE", dirs["state"])
+    print(f"{tag}-LOGS", dirs["logs"])
+    os.makedirs(dirs["state"])
+
+def test_passes(isolated_dirs):
+    made("PASSED", isolated_dirs)
+
+def test_fails(isolated_dirs):
+    made("FAILED", isolated_dirs)
+    assert False
 
 @pytest.fixture
-def folder(request):
-    with short_folder(request, "rp-meta-") as made:
-        print("MADE", made)
-        yield made
+def containers(isolated_dirs):
+    yield
+    raise AssertionError("containers left running")  # as the engines fixture says, in its teardown
 
-def test_passes(folder):
-    pass
+def test_errors_in_teardown(containers, isolated_dirs):
+    made("TEARDOWN", isolated_dirs)
 
-def test_fails(folder):
-    assert False
+def test_leaves_a_process_running(isolated_dirs):
+    made("LEAK", isolated_dirs)
+    with open(os.path.join(isolated_dirs["logs"], "worker.log"), "w") as log:
+        log.write("why it hung\\n")
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 """
 
 
-def test_a_short_folder_is_removed_after_a_test_that_passed_and_kept_after_one_that_failed(tmp_path):
-    """The suite left two folders in /tmp per test, about 2,400 a run (79,000 on this machine)."""
-    (tmp_path / "test_meta.py").write_text(SHORT_FOLDER_TESTS)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s", "-o", "addopts=",
-                           str(tmp_path / "test_meta.py")], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120, check=False)
-    made = re.findall(r"MADE (\S+)", done.stdout)
-    assert done.returncode == 1 and len(made) == 2, done.stdout[-3000:]
-    passed, failed = made
-    assert not Path(passed).exists() and Path(failed).is_dir()
-    Path(failed).rmdir()
+def test_a_tests_folders_go_when_it_passed_and_stay_when_it_failed_even_in_teardown(tmp_path):
+    """The suite left two folders in /tmp per test, about 2,400 a run (79,000 here). Removing them at the end of
+    their fixture lost the folders of a test failed later in its teardown: by the leak check (torn down after
+    isolated_dirs) or by a fixture such as engines' "containers left running" (review of the first fix)."""
+    (tmp_path / "test_folders.py").write_text(FOLDERS)
+    done = _pytest(tmp_path)
+    said = dict(re.findall(r"(\w+-(?:STATE|LOGS)) (/\S+)", done.stdout))
+    try:
+        assert done.returncode == 1 and "processes left running after the test" in done.stdout, done.stdout[-3000:]
+        assert not Path(said["PASSED-STATE"]).exists() and not Path(said["PASSED-LOGS"]).exists()
+        for tag in ("FAILED", "TEARDOWN", "LEAK"):
+            assert Path(said[f"{tag}-STATE"]).is_dir() and Path(said[f"{tag}-LOGS"]).is_dir(), tag
+        assert Path(said["LEAK-LOGS"], "worker.log").exists()
+    finally:
+        for name, folder in said.items():  # a state folder is the "s" inside the one made
+            shutil.rmtree(Path(folder).parent if name.endswith("STATE") else Path(folder), ignore_errors=True)
