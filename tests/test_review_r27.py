@@ -39,7 +39,7 @@ FORKED = textwrap.dedent(
             got.append([f"{me}-{n}", pool.predict("one", {"action": "echo", "value": f"{me}-{n}"})["echo"]])
         except Exception as error:
             got.append([f"{me}-{n}", f"{type(error).__name__}: {error}"])
-        print(json.dumps(got[-1]), flush=True)
+        os.write(1, (json.dumps(got[-1]) + "\\n").encode())  # one write: parent's and child's lines never mix
     if pid == 0:
         os._exit(0)
     os.waitpid(pid, 0)

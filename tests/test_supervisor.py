@@ -184,7 +184,9 @@ def test_stop_kills_a_worker_that_ignores_sigterm(workers):
 
     hung = threading.Thread(target=hang)
     hung.start()
-    wait_until(lambda: worker.state is WorkerState.BUSY, message="the request to be in flight")
+    # In flight in the worker, not only BUSY here: a stop before the worker read the request dropped the connection,
+    # and the worker, idle, took the shutdown and exited 0 (seen under load).
+    wait_until(lambda: "action sleep" in worker.transcript.read_text(), message="the worker to be sleeping")
     started = time.monotonic()
     rc = worker.stop(grace_s=1.0)
     hung.join(timeout=10)

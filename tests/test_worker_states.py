@@ -106,7 +106,8 @@ def test_every_edge_of_the_table_is_taken_by_a_real_worker(workers):
     busy = recording(workers(build_command=worker_command()))
     busy.predict({"action": "echo"})
     request = in_thread(lambda: busy.predict({"action": "sleep", "seconds": 60}))
-    wait_until(lambda: busy.state is WorkerState.BUSY, message="the request to be in flight")
+    wait_until(lambda: busy.state is WorkerState.BUSY and "action sleep" in busy.transcript.read_text(),
+               message="the request to be in flight in the worker")
     busy.stop(grace_s=1.0)  # busy -> stopping
     request.join(timeout=30)
 
