@@ -34,7 +34,7 @@ def stack(request):
 
 @pytest.mark.parametrize("n", range(8))
 def test_step(stack, n):
-    time.sleep(0.05)
+    time.sleep(0.02)
 """
 
 OTHER_FILE = """
@@ -42,7 +42,7 @@ import time, pytest
 
 @pytest.mark.parametrize("n", range(16))
 def test_step(n):
-    time.sleep(0.05)
+    time.sleep(0.02)
 """
 
 
@@ -53,7 +53,7 @@ def test_a_listed_file_runs_whole_on_one_worker_in_file_order_while_the_rest_is_
     marked so ran on four workers)."""
     (tmp_path / "test_ui.py").write_text(LISTED_FILE)
     (tmp_path / "test_other.py").write_text(OTHER_FILE)
-    done = _pytest(tmp_path, "-n", "3", *dist)
+    done = _pytest(tmp_path, "-n", "2", *dist)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ran = re.findall(r"\[(gw\d)\] (?:\[ *\d+%\] )?PASSED (test_\w+)\.py::test_step\[(\d+)\]", done.stdout)
     listed = [(worker, int(n)) for worker, name, n in ran if name == "test_ui"]
