@@ -213,8 +213,8 @@ def bind_unix(path: str | os.PathLike[str], backlog: int = 64, mode: int = 0o600
                 listener.bind(temp)
                 break
             except OSError as exc:
-                if exc.errno != errno.EADDRINUSE or temp == text:
-                    temp = None
+                taken, temp = temp, None  # a name in use is someone else's: never unlinked below
+                if exc.errno != errno.EADDRINUSE or taken == text:
                     raise
             finally:
                 os.umask(old_umask)
@@ -242,9 +242,7 @@ def _put_in_place(temp: str, path: str) -> None:
     stale socket (never missing in between); anything else there is left alone and refused."""
     try:
         os.link(temp, path)
-    except OSError as exc:
-        if exc.errno not in (errno.EEXIST, errno.EPERM, errno.EOPNOTSUPP):  # EPERM: a file system without links
-            raise
+    except OSError:  # EEXIST; or no link() here (EPERM, ENOSYS, EACCES from a sandbox): the rename still works
         with contextlib.suppress(FileNotFoundError):
             if not stat.S_ISSOCK(os.lstat(path).st_mode):
                 raise OSError(errno.EADDRINUSE, f"{path} exists and is not a socket; move it away") from None
