@@ -13,6 +13,9 @@ import pytest
 
 HERE = Path(__file__).parent
 
+# Each runs a pytest session of its own (some under xdist): whole-suite tier, not the fast one.
+pytestmark = pytest.mark.slow
+
 
 def _pytest(folder: Path, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
     """pytest on ``folder`` with this suite's conftest as a plugin (its real fixtures and hooks in force)."""
