@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -244,11 +243,12 @@ def test_an_error_in_acquire_that_is_not_the_librarys_own_is_answered_and_frees_
     reliability_row('foreign error in acquire (work_root unusable)', 'WorkerStartError naming the path; the provider served once fixed')
 
 
-def test_an_over_long_socket_path_is_a_named_error_not_a_dropped_connection(pool_dir, monkeypatch, tmp_path, reliability_row):
+def test_an_over_long_socket_path_is_a_named_error_not_a_dropped_connection(pool_dir, monkeypatch, short_tmp,
+                                                                           reliability_row):
     from resident_pool.client import shutdown_pool
 
     # The pool's own socket fits under this state directory; a worker's, a 40-character slug deeper, does not.
-    long_state = Path(tempfile.mkdtemp(prefix="rp-")) / ("long" * 15)
+    long_state = short_tmp / ("long" * 15)
     monkeypatch.setenv("RESIDENT_POOL_STATE_DIR", str(long_state))
     write_provider(pool_dir, "x" * 40, "")
     try:
