@@ -271,8 +271,12 @@ def test_a_task_that_waited_for_gpu_memory_and_paid_a_start_says_both(pool_dir, 
         with pool.session("a6"):
             runner = threading.Thread(target=lambda: ran.update(state=behind_a_holder(return_state=True)))
             runner.start()
-            wait_until(lambda: [w for w in pool.waiting() if w.get("slug") == "b6"], timeout=60,
-                       message="the flow's task to wait for GPU memory")
+            # Until the pool has told the task what it waits for: that report is made a moment after the wait
+            # shows in pool.waiting(), and one made after a6 let go said "held by nobody" (seen under load).
+            pool_log = Path(os.environ["RESIDENT_POOL_LOG_DIR"]) / "pool.log"
+            wait_until(lambda: [w for w in pool.waiting() if w.get("slug") == "b6"]
+                       and "b6 waits for 6 GB" in pool_log.read_text(), timeout=60,
+                       message="the flow's task to wait for GPU memory and be told why")
         runner.join(timeout=60)  # a6 let go: the waiting task evicts it and starts b6
     state = ran["state"]
     assert state.is_completed()
