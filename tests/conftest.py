@@ -13,6 +13,7 @@ from helpers import (
     TEST_WORKER,
     describe_pids,
     remove_released_folders,
+    run_folder,
     short_folder,
     stop_pool_in,
     tagged_processes,
@@ -172,8 +173,7 @@ def _start_shared_prefect(config) -> str:
 
     from filelock import FileLock
 
-    base = config._tmp_path_factory.getbasetemp()
-    root = base.parent if hasattr(config, "workerinput") else base
+    root = run_folder(config)
     info, lock = root / "prefect-server.json", FileLock(str(root / "prefect-server.lock"))
     with lock:
         shared = json.loads(info.read_text()) if info.exists() else None

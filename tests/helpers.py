@@ -43,6 +43,13 @@ def wait_until(condition, timeout=10.0, interval=0.02, message="condition"):
         time.sleep(interval)
 
 
+def run_folder(config) -> Path:
+    """The folder every process of this pytest run shares: the base temp folder, or its parent under xdist (each
+    worker has its own base inside it)."""
+    base = config._tmp_path_factory.getbasetemp()
+    return base.parent if hasattr(config, "workerinput") else base
+
+
 # Folders whose fixtures are done with them: (folder, session, the session's failures when it was made).
 _RELEASED: list[tuple[str, pytest.Session, int]] = []
 

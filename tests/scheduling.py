@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from helpers import run_folder
 from xdist.scheduler import LoadScopeScheduling
 
 # Files whose tests share a module-scoped stack or server and run in file order.
@@ -33,8 +34,7 @@ def claim_worker(request, what: str) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker is None:
         return
-    root = request.config._tmp_path_factory.getbasetemp().parent  # shared by the run's workers
-    claim = root / ("one-worker-" + "".join(c if c.isalnum() else "-" for c in what))
+    claim = run_folder(request.config) / ("one-worker-" + "".join(c if c.isalnum() else "-" for c in what))
     try:
         fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
