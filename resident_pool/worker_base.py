@@ -358,6 +358,116 @@ class _ReplyBuffers:
             slabs.reserved(slab)
 
 
+class _Outbox:
+    """Replies on their way out: encoded (arrays as attachments, in a connection's reused buffers for a client that
+    takes them), sent as far as each client reads, the rest kept per connection until it reads again.
+
+    A client that never reads its replies stalls only itself: its connection is not read again until its reply has
+    gone (``waiting``), while every other client is served.
+    """
+
+    def __init__(self, slug: str, protocol, arrays, buffers, selector: selectors.BaseSelector) -> None:
+        self.slug, self.protocol, self.arrays, self.buffers, self.selector = slug, protocol, arrays, buffers, selector
+        self.attach_min_bytes = arrays.limits()[0] if arrays else 0
+        # By connection: the rest of the bytes, the descriptors still to go with the first of them, and what to
+        # release once those have gone.
+        self.unsent: dict[socket.socket, tuple[memoryview, list[int], Callable[[], None]]] = {}
+
+    def waiting(self, conn: socket.socket) -> bool:
+        """Whether ``conn``'s last reply has not all gone yet (its next lines wait for it)."""
+        return conn in self.unsent
+
+    def reply(self, conn: socket.socket, reply: dict[str, Any], inbox=None, received=(),
+              release: Callable[[], None] | None = None) -> bool:
+        """Send ``reply``; its arrays go as attachments to a client that asked for them (else as lists).
+
+        ``release`` runs once the reply's descriptors are in the kernel's hands (or the
+        connection is gone); False when the connection is broken.
+        """
+        return self.send_encoded(conn, *self.encode(reply, inbox, received, release))
+
+    def encode(self, reply: dict[str, Any], inbox, received, release: Callable[[], None] | None
+               ) -> tuple[bytes, list[int], int | None, Callable[[], None] | None]:
+        """``reply`` as (line, descriptors, fresh memfd to close, release); its arrays in this connection's
+        reused buffers for a client of version 2."""
+        try:
+            if self.arrays is None:
+                raw, fds, fresh = self.protocol.encode_line(reply), [], None
+            else:
+                peer = inbox.peer if inbox is not None else None
+                slabs = self.buffers.slabs(inbox) if self.arrays.reuses(peer) else None
+                raw, fds, fresh = self.arrays.encode(reply, peer, self.attach_min_bytes, received, slabs)
+        except (ValueError, TypeError) as exc:
+            # The result itself cannot cross the wire (NaN, a set, over the cap).
+            fallback = {"ok": False, "reason": "request_failed", "id": reply.get("id"),
+                        "error": f"{self.slug}: the result cannot be sent: {exc}"}
+            return self.encode(fallback, None, (), release)
+        return raw, fds, fresh, release
+
+    def send_encoded(self, conn: socket.socket, raw: bytes, fds: list[int], fresh: int | None,
+                     release: Callable[[], None] | None, held: list[int] | None = None) -> bool:
+        if held:
+            raw = self.arrays.with_field(raw, "held", held)
+
+        def done() -> None:
+            if fresh is not None:
+                os.close(fresh)
+            if release is not None:
+                release()
+
+        return self._send(conn, memoryview(raw), list(fds), done)
+
+    def _send(self, conn: socket.socket, data: memoryview, fds: list[int], done: Callable[[], None]) -> bool:
+        """Send what the socket takes now; the rest waits until the client reads (EVENT_WRITE)."""
+        try:
+            if fds:
+                sent = conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            else:
+                sent = conn.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            done()
+            return False
+        if sent and fds:
+            fds = []  # in the kernel's hands now: ours may close
+        if not fds:
+            done()
+            done = _nothing
+        if sent < len(data):
+            self.unsent[conn] = (data[sent:], fds, done)
+            self.selector.modify(conn, selectors.EVENT_WRITE, self.selector.get_key(conn).data)
+        return True
+
+    def flush(self, conn: socket.socket) -> bool:
+        """The client read some: send more of its reply (False: the connection is broken)."""
+        data, fds, done = self.unsent.pop(conn)
+        self.selector.modify(conn, selectors.EVENT_READ, self.selector.get_key(conn).data)
+        return self._send(conn, data, fds, done)
+
+    def finish(self, conn: socket.socket) -> None:
+        """A last reply goes out before the process does (or the connection closes), for a few seconds at most."""
+        unsent = self.unsent.pop(conn, None)
+        if unsent is None:
+            return
+        data, fds, done = unsent
+        try:
+            conn.settimeout(_LAST_REPLY_TIMEOUT_S)
+            if fds:
+                data = data[conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]):]
+            conn.sendall(data)
+        except OSError:
+            pass  # the client is gone; the exit code still tells the pool
+        finally:
+            done()
+
+    def drop(self, conn: socket.socket) -> None:
+        """``conn`` closes: what its unsent reply holds is let go."""
+        unsent = self.unsent.pop(conn, None)
+        if unsent is not None:
+            unsent[2]()
+
+
 class _Server:
     def __init__(self, slug, socket_path, on_predict, ready, on_reset, log, orphan_grace_s, release_cublas):
         self.protocol = load_protocol()
@@ -384,9 +494,7 @@ class _Server:
         self._held_payload = None
         self.current = None  # the connection whose request is in flight (worker_base.empty builds its reply there)
         self.buffers = _ReplyBuffers(self.arrays, self.protocol, self.log) if self.arrays else None
-        # Replies a client has not read yet, by connection: the rest of the bytes, the descriptors
-        # still to go with the first of them, and what to release once those have gone.
-        self._unsent: dict[socket.socket, tuple[memoryview, list[int], Callable[[], None]]] = {}
+        self.outbox: _Outbox | None = None  # made with the selector, in run()
         self.stats = _Stats()
         self.in_flight = _InFlight()
         # Leases the pool took back: a request naming one is refused. Bounded: a lease is recalled once,
@@ -407,6 +515,7 @@ class _Server:
         # that connects and says nothing cannot wedge the others.
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, None)
+        self.outbox = _Outbox(self.slug, self.protocol, self.arrays, self.buffers, self.selector)
         try:
             while not self.stopping:
                 events = self.selector.select(_TICK_S)
@@ -427,14 +536,15 @@ class _Server:
                         if accepted is not None and select.select([accepted[0]], [], [], 0)[0]:
                             self._read(*accepted)
                     elif mask & selectors.EVENT_WRITE:
-                        self._flush(key.fileobj, key.data)
+                        self._flushed(key.fileobj, key.data)
                     else:
                         self._read(key.fileobj, key.data)
                     if self.stopping:
                         break
         finally:
-            for conn in list(self._unsent):
-                self._unsent.pop(conn)[2]()
+            self._answer_before_closing(listener)
+            for conn in list(self.outbox.unsent):
+                self.outbox.drop(conn)
             for key in list(self.selector.get_map().values()):
                 key.fileobj.close()
                 if key.data is not None:
@@ -455,9 +565,7 @@ class _Server:
         return conn, inbox
 
     def _close(self, conn: socket.socket) -> None:
-        unsent = self._unsent.pop(conn, None)
-        if unsent is not None:
-            unsent[2]()
+        self.outbox.drop(conn)
         self.selector.unregister(conn).data.close()  # its descriptors, mappings and buffers
         conn.close()
 
@@ -467,7 +575,7 @@ class _Server:
         try:
             got = self.protocol.fill(conn, inbox)
         except self.protocol.ProtocolError as exc:
-            self._reply(conn, {"ok": False, "error": f"bad request line: {exc}", "reason": "bad_request"})
+            self.outbox.reply(conn, {"ok": False, "error": f"bad request line: {exc}", "reason": "bad_request"})
             got = 0
         except OSError:
             got = 0
@@ -476,13 +584,70 @@ class _Server:
             return
         self._serve_lines(conn, inbox, len(inbox) - got)
 
-    def _serve_lines(self, conn: socket.socket, inbox, scan_from: int) -> None:
-        """Answer each whole line buffered for ``conn``, until one's reply must wait for the client to read."""
-        while not self.stopping and conn not in self._unsent:
+    def _flushed(self, conn: socket.socket, inbox) -> None:
+        """The client read some of its reply: more of it goes, and once it has all gone, its next lines are served."""
+        if not self.outbox.flush(conn):
+            self._close(conn)
+        elif not self.outbox.waiting(conn):
+            self._serve_lines(conn, inbox, 0)
+
+    def _answer_before_closing(self, listener: socket.socket) -> None:
+        """Stopping (a shutdown, or an exit): every request a client has already sent is answered, not run, before
+        its connection closes: ``lease_recalled`` where the pool took its lease back, else ``worker_stopping``.
+
+        Closing a connection with a request unread in it would reset it: the client could not tell a request that
+        never ran from one that died with its worker. Each connection's reading side is shut first, so from then
+        on a client's send fails (EPIPE) and it knows that request was never sent.
+        """
+        try:
+            listener.setblocking(False)
+            while True:  # clients that connected (and may have sent) but were not accepted yet
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    break
+                conn.setblocking(False)
+                self.selector.register(conn, selectors.EVENT_READ, self.protocol.Inbox(
+                    self.max_attachment_bytes, self.attach_min_bytes, reused=self.protocol.IN_PLACE))
+        except OSError as exc:  # a listener already gone: only the connections accepted are left to answer
+            self.log(f"could not take the last connections before closing: {exc}")
+        for key in list(self.selector.get_map().values()):
+            conn, inbox = key.fileobj, key.data
+            if inbox is None:
+                continue  # the listener
+            try:
+                conn.shutdown(socket.SHUT_RD)
+                self.outbox.finish(conn)  # a reply still on its way goes first
+                while self.protocol.fill(conn, inbox):  # queued before the shutdown: readable, then end of stream
+                    pass
+            except (OSError, self.protocol.ProtocolError):
+                continue  # gone, or a stream that cannot be read: nothing of it can be answered
+            self._serve_lines(conn, inbox, 0, handle=self._not_run)
+            self.outbox.finish(conn)
+
+    def _not_run(self, request: dict[str, Any], conn: socket.socket, inbox=None, message=None) -> dict[str, Any]:
+        """The answer to a request that came after the worker was told to stop: it did not run."""
+        lease = request.get("lease")
+        if request.get("op") == "predict" and isinstance(lease, str) and lease in self.recalled:
+            return self._recalled_reply(request.get("id"))
+        return {"ok": False, "id": request.get("id"), "reason": "worker_stopping",
+                "error": f"{self.slug}: the worker is shutting down; this request did not run: send it again"}
+
+    @staticmethod
+    def _recalled_reply(request_id: Any) -> dict[str, Any]:
+        return {"ok": False, "id": request_id, "reason": "lease_recalled",
+                "error": "the pool took this lease back (another request waits, or the worker retires); "
+                         "acquire a new one"}
+
+    def _serve_lines(self, conn: socket.socket, inbox, scan_from: int, handle=None) -> None:
+        """Answer each whole line buffered for ``conn``, until one's reply must wait for the client to read
+        (``handle``: what answers a request; the model's ops by default)."""
+        handle = handle or self._handle
+        while (not self.stopping or handle is not self._handle) and not self.outbox.waiting(conn):
             try:
                 message = self.protocol.pop_message(inbox, scan_from=scan_from)
             except self.protocol.ProtocolError as exc:
-                self._reply(conn, {"ok": False, "error": f"bad request line: {exc}", "reason": "bad_request"})
+                self.outbox.reply(conn, {"ok": False, "error": f"bad request line: {exc}", "reason": "bad_request"})
                 if exc.recoverable:
                     scan_from = 0
                     continue
@@ -499,13 +664,13 @@ class _Server:
                 self._held_payload = None  # its mappings are unmapped now, after the reply
 
             try:
-                reply = self._handle(message.obj, conn, inbox, message)
-                encoded = self._encode(conn, reply, inbox, message.attachments, release)
+                reply = handle(message.obj, conn, inbox, message)
+                encoded = self.outbox.encode(reply, inbox, message.attachments, release)
             except BaseException:
                 release()
                 raise
             del reply  # the result's arrays: whatever still holds a client's buffer after this, kept it
-            if not self._send_encoded(conn, *encoded, self._still_held(message)):
+            if not self.outbox.send_encoded(conn, *encoded, self._still_held(message)):
                 self._close(conn)
                 return
 
@@ -513,46 +678,6 @@ class _Server:
         if time.monotonic() - self.last_request < self.orphan_grace_s:
             return False
         return self.watchdog.gone()
-
-    def _reply(self, conn: socket.socket, reply: dict[str, Any], inbox=None, received=(),
-               release: Callable[[], None] | None = None) -> bool:
-        """Send ``reply``; its arrays go as attachments to a client that asked for them (else as lists).
-
-        ``release`` runs once the reply's descriptors are in the kernel's hands (or the
-        connection is gone); False when the connection is broken.
-        """
-        return self._send_encoded(conn, *self._encode(conn, reply, inbox, received, release))
-
-    def _encode(self, conn: socket.socket, reply: dict[str, Any], inbox, received,
-                release: Callable[[], None] | None) -> tuple[bytes, list[int], int | None, Callable[[], None] | None]:
-        """``reply`` as (line, descriptors, fresh memfd to close, release); its arrays in this connection's
-        reused buffers for a client of version 2."""
-        try:
-            if self.arrays is None:
-                raw, fds, fresh = self.protocol.encode_line(reply), [], None
-            else:
-                peer = inbox.peer if inbox is not None else None
-                slabs = self.buffers.slabs(inbox) if self.arrays.reuses(peer) else None
-                raw, fds, fresh = self.arrays.encode(reply, peer, self.attach_min_bytes, received, slabs)
-        except (ValueError, TypeError) as exc:
-            # The result itself cannot cross the wire (NaN, a set, over the cap).
-            fallback = {"ok": False, "reason": "request_failed", "id": reply.get("id"),
-                        "error": f"{self.slug}: the result cannot be sent: {exc}"}
-            return self._encode(conn, fallback, None, (), release)
-        return raw, fds, fresh, release
-
-    def _send_encoded(self, conn: socket.socket, raw: bytes, fds: list[int], fresh: int | None,
-                      release: Callable[[], None] | None, held: list[int] | None = None) -> bool:
-        if held:
-            raw = self.arrays.with_field(raw, "held", held)
-
-        def done() -> None:
-            if fresh is not None:
-                os.close(fresh)
-            if release is not None:
-                release()
-
-        return self._send(conn, memoryview(raw), list(fds), done)
 
     def _still_held(self, message) -> list[int]:
         """The client's reused buffers (by attachment index) something here still reads, now the reply is
@@ -563,61 +688,6 @@ class _Server:
         self._held_payload = None
         message.obj = {}  # the request, its references read in place
         return [index for index in reused if message.attachments[index].held()]
-
-    def _send(self, conn: socket.socket, data: memoryview, fds: list[int], done: Callable[[], None]) -> bool:
-        """Send what the socket takes now; the rest waits until the client reads (EVENT_WRITE).
-
-        A client that never reads its replies stalls only itself: this connection is not
-        read again until its reply has gone, while every other client is served.
-        """
-        try:
-            if fds:
-                sent = conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, self._fd_array(fds))])
-            else:
-                sent = conn.send(data)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
-            done()
-            return False
-        if sent and fds:
-            fds = []  # in the kernel's hands now: ours may close
-        if not fds:
-            done()
-            done = _nothing
-        if sent < len(data):
-            self._unsent[conn] = (data[sent:], fds, done)
-            self.selector.modify(conn, selectors.EVENT_WRITE, self.selector.get_key(conn).data)
-        return True
-
-    def _flush(self, conn: socket.socket, inbox) -> None:
-        """The client read some: send more of its reply, and once it has all gone, serve its next lines."""
-        data, fds, done = self._unsent.pop(conn)
-        self.selector.modify(conn, selectors.EVENT_READ, inbox)
-        if not self._send(conn, data, fds, done):
-            self._close(conn)
-        elif conn not in self._unsent:
-            self._serve_lines(conn, inbox, 0)
-
-    @staticmethod
-    def _fd_array(fds: list[int]):
-        return array.array("i", fds)
-
-    def _send_before_exit(self, conn: socket.socket) -> None:
-        """The last reply goes out before the process does (for a few seconds at most)."""
-        unsent = self._unsent.pop(conn, None)
-        if unsent is None:
-            return
-        data, fds, done = unsent
-        try:
-            conn.settimeout(_LAST_REPLY_TIMEOUT_S)
-            if fds:
-                data = data[conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, self._fd_array(fds))]):]
-            conn.sendall(data)
-        except OSError:
-            pass  # the client is gone; the exit code still tells the pool
-        finally:
-            done()
 
     # -- ops ---------------------------------------------------------------
     def _handle(self, request: dict[str, Any], conn: socket.socket, inbox=None, message=None) -> dict[str, Any]:
@@ -666,9 +736,7 @@ class _Server:
         request_id = request.get("id")
         lease = request.get("lease")
         if isinstance(lease, str) and lease in self.recalled:
-            return {"ok": False, "id": request_id, "reason": "lease_recalled",
-                    "error": "the pool took this lease back (another request waits, or the worker retires); "
-                             "acquire a new one"}
+            return self._recalled_reply(request_id)
         try:
             payload = self._payload(request, message)
         except self.array_errors as exc:
@@ -690,10 +758,10 @@ class _Server:
             code = _exit_code(exc)
             why = _readable(exc)
             self.log(f"exiting ({type(exc).__name__}, code {code}): {why}")
-            self._reply(conn, {"ok": False, "id": request_id, "reason": "worker_exiting",
+            self.outbox.reply(conn, {"ok": False, "id": request_id, "reason": "worker_exiting",
                                "error": why, "type": type(exc).__name__, "exit_code": code,
                                "traceback": traceback.format_exc(limit=8)[-4000:]})
-            self._send_before_exit(conn)
+            self.outbox.finish(conn)
             # Re-raise: kits arm timers that kill a process which swallowed
             # their refusal, and the exit code is what the operator branches on.
             raise

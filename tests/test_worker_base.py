@@ -18,11 +18,11 @@ from resident_pool.protocol import recv_line, send_line
 from resident_pool.providers.supervisor import PROTOCOL_PATH, WORKER_BASE_PATH
 
 
-def _start_raw(socket_path, **extra_env):
+def _start_raw(socket_path, stdout=subprocess.DEVNULL, **extra_env):
     env = {**os.environ, "RESIDENT_POOL_PROTOCOL": PROTOCOL_PATH, "RESIDENT_POOL_WORKER_BASE": WORKER_BASE_PATH,
            **extra_env}
     proc = subprocess.Popen([sys.executable, str(TEST_WORKER), socket_path], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=stdout, stderr=subprocess.STDOUT if stdout is not subprocess.DEVNULL else stdout)
     # The socket file exists from bind() on, a moment before listen(): wait for an answer, not the file.
     try:
         wait_until(lambda: _answers(socket_path), message="the worker to answer")
@@ -187,3 +187,40 @@ def test_the_request_in_flight_is_visible_while_the_worker_answers_nothing(tmp_p
         sleeper.join()
         assert started_at() == 0.0  # done
         proc.kill()
+
+
+def test_a_worker_told_to_shut_down_answers_every_request_already_sent_before_it_closes(tmp_path):
+    """Issue 31, finding 1. The pool stops a worker on a connection of its own, which the worker reads before its
+    clients' (new connections first); at d3993d0 it then closed every connection with the requests still unread
+    in them, and each client got ECONNRESET: a request that never ran looked like one that died with its worker.
+    Here the shutdown and two requests arrive while the worker is busy, so they are read in one batch."""
+    socket_path = str(paths.state_dir() / "raw.sock")
+    log = tmp_path / "worker.log"
+    with open(log, "w") as out, _start_raw(socket_path, stdout=out) as proc:
+        try:
+            kept, session = protocol.connect(socket_path), protocol.connect(socket_path)
+            for conn, lease in ((kept, "pool-1"), (session, "pool-2")):
+                send_line(conn, {"op": "predict", "id": 1, "lease": lease, "payload": {"action": "echo"}})
+                assert recv_line(conn, bytearray())["ok"]
+            assert _ask(socket_path, {"op": "recall", "id": 0, "lease": "pool-1"})["ok"]
+            busy = protocol.connect(socket_path)
+            send_line(busy, {"op": "predict", "id": 1, "payload": {"action": "sleep", "seconds": 1.0}})
+            wait_until(lambda: "action sleep" in log.read_text(), message="the worker to be busy")
+            send_line(kept, {"op": "predict", "id": 7, "lease": "pool-1", "payload": {"action": "echo"}})
+            send_line(session, {"op": "predict", "id": 8, "lease": "pool-2", "payload": {"action": "echo"}})
+            stop = protocol.connect(socket_path)
+            send_line(stop, {"op": "shutdown", "id": 0})
+            assert recv_line(busy, bytearray())["ok"]
+            assert recv_line(stop, bytearray())["stopping"]
+            recalled = recv_line(kept, bytearray())
+            unrun = recv_line(session, bytearray())
+            assert (recalled["id"], recalled["ok"], recalled["reason"]) == (7, False, "lease_recalled")
+            assert (unrun["id"], unrun["ok"], unrun["reason"]) == (8, False, "worker_stopping")
+            assert "did not run" in unrun["error"]
+            with pytest.raises(BrokenPipeError):  # a request sent from now on is refused as unsent, never reset
+                send_line(kept, {"op": "predict", "id": 9, "lease": "pool-1", "payload": {}})
+            assert proc.wait(timeout=30) == 0
+        finally:
+            for conn in (kept, session, busy, stop):
+                conn.close()
+            proc.kill()
