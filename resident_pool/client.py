@@ -627,6 +627,18 @@ class Session:
             self._ended = True  # the pool ended it already: nothing to release
             raise WorkerRequestError(f"{self.slug}: the pool took this lease back (another request waited); "
                                      "acquire again", slug=self.slug, reason="lease_recalled")
+        if reply.get("reason") == "worker_stopping":
+            # The worker was told to stop before it read this request, and answered it unrun: a kept lease acquires
+            # again unseen (Pool.predict), a session hears it and may send it again.
+            self._forget_worker()
+            self.release()
+            if self.lease.get("kept") or self._renews():
+                raise WorkerRequestError(f"{self.slug}: this lease's worker is stopping; acquire again",
+                                         slug=self.slug, reason="lease_recalled")
+            raise WorkerRequestError(
+                f"{self.slug}: the worker (pid {self.pid}) was stopping and did not run this request; send it again "
+                f"(transcript {self.transcript})", slug=self.slug, reason="worker_stopping",
+                transcript=self.transcript)
         self.served += 1
         self._unnoticed += 1
         if reply.get("ok"):
@@ -672,7 +684,16 @@ class Session:
                                          slug=self.slug, reason="lease_recalled") from exc
             if answer.get("error"):
                 raise error_from_dict(answer["error"]) from exc
-            raise
+            if not sent or isinstance(exc, arrays.NotSent):
+                raise WorkerRequestError(
+                    f"{self.slug}: could not reach its worker (pid {self.pid}): {type(exc).__name__}: {exc}; the "
+                    f"request did not run (transcript {self.transcript})", slug=self.slug,
+                    reason="worker_unreachable", transcript=self.transcript) from exc
+            raise WorkerRequestError(
+                f"{self.slug}: the connection to its worker (pid {self.pid}) broke after the request was sent "
+                f"({type(exc).__name__}: {exc}); the request may have run; the worker lives on. Send it again if it "
+                f"is safe to repeat (transcript {self.transcript})", slug=self.slug, reason="connection_broken",
+                transcript=self.transcript) from exc
         except BaseException:
             # Interrupted with the request in flight (Ctrl-C, a cancelled task): its reply may still
             # come on this connection, and the worker still computes. Drop the connection, and let

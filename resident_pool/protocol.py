@@ -75,7 +75,7 @@ OP_PING, OP_PREDICT, OP_STATS, OP_SHUTDOWN = "ping", "predict", "stats", "shutdo
 # (reason ``lease_recalled``), and the answer comes once any request in flight has ended.
 OP_RECALL = "recall"
 OPS = (OP_PING, OP_PREDICT, OP_STATS, OP_SHUTDOWN, OP_RECALL)
-REASONS = ("request_failed", "worker_exiting", "unknown_op", "bad_request")
+REASONS = ("request_failed", "worker_exiting", "unknown_op", "bad_request", "lease_recalled", "worker_stopping")
 
 
 class ProtocolError(Exception):

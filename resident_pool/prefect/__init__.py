@@ -583,7 +583,9 @@ def _prefect_event(record: dict[str, Any]) -> Event:
                  id=uuid.UUID(record["id"]), resource=resource, related=related, payload=payload)
 
 
-_RETRYABLE_REASONS = frozenset({"worker_died", "worker_stopped", "worker_exiting", "request_timeout"})
+# worker_stopping and worker_unreachable did not run; connection_broken may have, as worker_died may have.
+_RETRYABLE_REASONS = frozenset({"worker_died", "worker_stopped", "worker_exiting", "request_timeout",
+                                "worker_stopping", "worker_unreachable", "connection_broken"})
 
 
 def retry_pool_failures(task, task_run, state) -> bool:
