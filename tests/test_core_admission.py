@@ -19,6 +19,7 @@ from resident_pool.server.states import ReplicaState, StopCause
 
 R = ReplicaState
 CONN = 1
+KEPT_ACTIVE_S = Timings().kept_active_s  # a kept lease not heard of this long: idle between calls
 
 
 class Clock:
@@ -470,8 +471,8 @@ def kept_lease(state: PoolState, clock: Clock, key: str, connection: int) -> c.G
 def test_the_gpu_line_takes_an_idle_kept_lease_back_from_its_worker_then_evicts_it_after_a_ready_worker(clock):
     state = pool(clock, {"k": gpu(4), "r": gpu(4), "head": gpu(8)})
     kept = kept_lease(state, clock, "k", 1)
-    state.used(clock(), kept.lease, 1, 1)  # it served its call: idle between calls now
-    clock.advance(1)
+    state.used(clock(), kept.lease, 1, 1)  # it served its call, then its holder stopped calling: idle
+    clock.advance(KEPT_ACTIVE_S)
     ready = leased(state, clock, "r", 2)
     state.released(clock(), ready.lease, 2, "ok")  # used after the kept lease, but surely idle
     head = one(prepare(state, clock, one(ask(state, clock, "head", 3)[1], c.Start)), c.Place)
@@ -491,7 +492,10 @@ def test_the_gpu_line_leaves_a_kept_lease_just_granted_to_serve_its_one_request(
     assert of(state.not_placed(clock(), head.rid, {0: 1.5}), c.Recall) == []  # not used yet
     clock.advance(0.1)
     assert of(state.tick(clock()), c.Recall) == []
-    recall = one(state.used(clock(), kept.lease, 1, 1), c.Recall)  # its client says it served its call
+    assert of(state.used(clock(), kept.lease, 1, 1), c.Recall) == []  # served its call; its holder may call again
+    clock.advance(KEPT_ACTIVE_S)  # it did not: idle between calls now
+    retry = one(state.tick(clock()), c.Place)  # the room is read again, and still short
+    recall = one(state.not_placed(clock(), retry.rid, {0: 1.5}), c.Recall)
     assert recall.lease == kept.lease and state.replicas[kept.rid].evict_for == 8
 
 
@@ -503,9 +507,95 @@ def test_a_kept_warm_worker_goes_after_an_idle_kept_lease_of_another_provider(cl
     state.released(clock(), warm.lease, 1, "ok")
     clock.advance(1)
     kept = kept_lease(state, clock, "k", 2)
-    state.used(clock(), kept.lease, 2, 1)  # idle between calls now
-    clock.advance(1)
+    state.used(clock(), kept.lease, 2, 1)
+    clock.advance(KEPT_ACTIVE_S)  # its holder stopped calling: idle between calls now
     big = one(prepare(state, clock, one(ask(state, clock, "big", 3)[1], c.Start)), c.Place)
     actions = state.not_placed(clock(), big.rid, {0: 2.0})  # 2 free + one 4 GB worker: enough
     assert of(actions, c.Stop) == [] and one(actions, c.Recall).lease == kept.lease  # the kept-warm one stays
     assert state.replicas[warm.rid].state is R.READY
+
+
+# -- a kept lease whose holder is still calling: evicting it costs a restart (docs/admission.md) -----------------
+def _calling_holder_and_a_head(clock, head_class: str = "normal", policy: Policy | None = None):
+    """``k`` (8 GB) held by a kept lease whose client calls back to back; ``head`` (8 GB) waits in ``head_class``
+    on a 10 GB card with 1.5 GB free."""
+    state = pool(clock, {"k": gpu(8), "head": gpu(8)}, policy)
+    kept = kept_lease(state, clock, "k", 1)
+    state.used(clock(), kept.lease, 1, 1)
+    head = one(prepare(state, clock, one(ask(state, clock, "head", 2, head_class)[1], c.Start)), c.Place)
+    first = state.not_placed(clock(), head.rid, {0: 1.5})
+    return state, kept, head, first
+
+
+def _seconds_of_calls(state, clock, kept, seconds: float) -> list:
+    """The holder calls on for ``seconds``, telling the pool once a second; the GPU line looks at each tick."""
+    actions = []
+    for _ in range(int(seconds / 0.25)):
+        clock.advance(0.25)
+        looked = state.used(clock(), kept.lease, 1, 40) if clock.now % 1.0 == 0 else []
+        looked += state.tick(clock())
+        actions += looked
+        for retry in of(looked, c.Place):
+            actions += state.not_placed(clock(), retry.rid, {0: 1.5})
+    return actions
+
+
+def test_a_kept_lease_whose_holder_keeps_calling_is_not_evicted_for_a_head_of_its_class(clock):
+    """The bench's "2 of 3 fit": evicting a stream's kept lease between its calls made it restart later, and the
+    three streams took up to 1.61x the makespan of running two to the end, then the third."""
+    state, kept, _, first = _calling_holder_and_a_head(clock)
+    assert of(first, c.Recall) == []
+    assert of(_seconds_of_calls(state, clock, kept, 30.0), c.Recall) == []
+    clock.advance(KEPT_ACTIVE_S)  # the holder stopped calling: its worker does not stay pinned
+    retry = one(state.tick(clock()), c.Place)
+    recall = one(state.not_placed(clock(), retry.rid, {0: 1.5}), c.Recall)
+    assert recall.lease == kept.lease and state.replicas[kept.rid].evict_for == 8
+
+
+def test_a_head_of_a_higher_class_takes_a_calling_kept_lease(clock):
+    state, kept, _, first = _calling_holder_and_a_head(clock, head_class="interactive")
+    recall = one(first, c.Recall)  # its holder called a moment ago; the head outranks its class
+    assert recall.lease == kept.lease
+    assert one(state.recalled(clock(), kept.lease, served=3), c.Stop).cause is StopCause.EVICTED
+
+
+def test_a_head_that_aged_into_a_higher_class_takes_a_calling_kept_lease(clock):
+    state, kept, _, _ = _calling_holder_and_a_head(clock, policy=Policy(aging_s=10.0))
+    actions = _seconds_of_calls(state, clock, kept, 9.75)
+    assert of(actions, c.Recall) == []  # still normal, as the lease is
+    actions = _seconds_of_calls(state, clock, kept, 1.0)  # waited 10 s: it ranks as interactive now
+    assert one(actions, c.Recall).lease == kept.lease
+
+
+def test_a_kept_lease_running_one_long_request_is_not_evicted_though_its_holder_has_not_told_of_it(clock):
+    """Its client tells the pool of calls once they return: a 60 s request is seen only on its worker's
+    in-flight board, which the runtime reads at each tick."""
+    state, kept, _, _ = _calling_holder_and_a_head(clock)
+    for _ in range(240):
+        clock.advance(0.25)
+        for retry in of(state.tick(clock(), in_flight=frozenset({kept.rid})), c.Place):
+            assert of(state.not_placed(clock(), retry.rid, {0: 1.5}), c.Recall) == []
+    clock.advance(0.25)
+    retry = one(state.tick(clock(), in_flight=frozenset()), c.Place)  # it returned; the holder called no more
+    assert one(state.not_placed(clock(), retry.rid, {0: 1.5}), c.Recall).lease == kept.lease
+
+
+def test_a_backfilled_kept_lease_is_taken_back_though_its_holder_keeps_calling(clock):
+    """It went ahead of the head: what it took is given back as soon as the head could use it."""
+    state = pool(clock, {"big": gpu(8), "big2": gpu(8), "small": gpu(2)})
+    big = leased(state, clock, "big", 1)
+    big2 = one(prepare(state, clock, one(ask(state, clock, "big2", 2)[1], c.Start)), c.Place)
+    state.not_placed(clock(), big2.rid, {0: 2.0})  # a 10 GB card: 8 held, 2 free
+    _, actions = state.acquire(clock(), "small", 3, {}, keep=True)
+    place = one(prepare(state, clock, one(actions, c.Start)), c.Place)
+    assert place.backfill
+    spawn = one(state.placed(clock(), place.rid, 0, place.backfill), c.Spawn)
+    small = one(state.started(clock(), spawn.rid, 4000 + spawn.rid, True), c.Grant)
+    assert small.kept and state.leases[small.lease].backfilled
+    clock.advance(Timings().kept_active_s / 2)
+    state.used(clock(), small.lease, 3, 5)  # its holder calls on
+    state.memory_freed(clock())
+    state.not_placed(clock(), big2.rid, {0: 0.0})
+    assert one(state.released(clock(), big.lease, 1, "ok"), c.Stop).rid == big.rid
+    actions = state.not_placed(clock(), one(state.stopped(clock(), big.rid), c.Place).rid, {0: 6.0})
+    assert one(actions, c.Recall).lease == small.lease  # 6 free + small's 2: the head starts once it is back

@@ -44,6 +44,9 @@ class Timings:
     quiet_exit_s: float = 600.0  # no workers and no clients this long: the pool exits (0: never)
     keep_warm_s: float = 5.0  # how often providers are topped up to min_replicas
     breaker_cooldown_s: float = 300.0
+    # A kept lease whose holder was heard of this recently (its client tells the pool at most once a second while
+    # it calls) counts as busy for eviction: evicting it would cost its holder a restart (docs/admission.md).
+    kept_active_s: float = 2.0
 
 
 @dataclass(frozen=True)

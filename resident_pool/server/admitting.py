@@ -188,7 +188,7 @@ class Admitting:
             if have >= head.need_gb:
                 return _Plan(device, [], [], spare_gb=have - head.need_gb)  # what comes back is enough: wait
             chosen: list[Replica] = []
-            for replica in [*self._idle(now, device), *self._busy_backfilled(device)]:
+            for replica in [*self._idle(now, device, head), *self._busy_backfilled(device)]:
                 chosen.append(replica)
                 have += replica.budget_gb or 0.0
                 if have >= head.need_gb:
@@ -244,9 +244,20 @@ class Admitting:
                 freed[int(replica.device)] = freed.get(int(replica.device), 0.0) + replica.budget_gb
         return idle[0].rid, self.lifecycle.kept_warm(idle[0]), freed
 
-    def _idle(self, now: float, device: int) -> list[Replica]:
-        """``evictable`` workers on ``device``, but a kept lease just granted: it serves its one request first."""
-        return [r for r in self.evictable() if self._on(r, device) and not self.leasing.in_first_use(now, r)]
+    def _idle(self, now: float, device: int, head: Waiting) -> list[Replica]:
+        """``evictable`` workers on ``device`` that ``head`` may take (``_spared``)."""
+        return [r for r in self.evictable() if self._on(r, device) and not self._spared(now, r, head)]
+
+    def _spared(self, now: float, replica: Replica, head: Waiting) -> bool:
+        """A kept lease not evicted for ``head``: one just granted (it serves its one request first), or one whose
+        holder is still calling (evicting it costs that holder a restart), unless ``head`` ranks above the lease's
+        class, asked so or aged into it. A backfilled lease went ahead of the head: it is never spared."""
+        if self.leasing.in_first_use(now, replica):
+            return True
+        if replica.backfilled or not self.leasing.calling(now, replica):
+            return False
+        lease = self.leasing.leases[replica.lease]  # calling: a kept lease the core holds
+        return order.effective(head.priority, now - head.arrived, self.policy.aging_s) >= order.rank(lease.priority)
 
     def _busy_backfilled(self, device: int) -> list[Replica]:
         """Backfilled workers busy under a session's lease (a kept lease is idle between calls: ``_idle``), not
@@ -283,7 +294,7 @@ class Admitting:
         device = int(replica.device)
         if head.device is not None and head.device != device:
             return False
-        idle = self._idle(now, device)  # the free replica among them
+        idle = self._idle(now, device, head)  # the free replica among them
         return self.rooms.get(device, 0.0) + self._coming(device) + sum(r.budget_gb or 0.0 for r in idle) \
             >= head.need_gb
 

@@ -285,10 +285,14 @@ class PoolState:
         return [s.rid for s in starts], list(starts)
 
     # -- time passes ------------------------------------------------------------------------------------------
-    def tick(self, now: float, connections: int = 0) -> list[Action]:
+    def tick(self, now: float, connections: int = 0, in_flight: frozenset[int] | None = None) -> list[Action]:
         """Idle retirement, liveness pings, overdue reports, waits past their limit, ageing, the GPU line read
-        again, quiet exit, kept warm."""
+        again, quiet exit, kept warm. ``in_flight``: the kept-leased replicas the runtime found running a request
+        (None: not read this time)."""
         actions: list[Action] = []
+        if in_flight is not None:
+            for replica in self.replicas.values():
+                replica.in_flight = replica.rid in in_flight
         for replica in list(self.replicas.values()):
             actions += self.lifecycle.tick(now, replica)
         for provider, ticket in self.leasing.expired(now):

@@ -114,6 +114,19 @@ class Leasing:
         lease = self.leases.get(replica.lease) if replica.kept and replica.lease is not None else None
         return lease is not None and lease.noticed == 0 and now - lease.since < FIRST_USE_S
 
+    def calling(self, now: float, replica: Replica) -> bool:
+        """A kept lease whose holder is still calling: a request ran on it at the runtime's last look, or its
+        client was heard of (granted, or told of a call) within ``kept_active_s`` and does not wait for another
+        replica now (a client's connection is one thread: waiting there, it calls nothing else)."""
+        lease = self.leases.get(replica.lease) if replica.kept and replica.lease is not None else None
+        if lease is None:
+            return False
+        if replica.in_flight:
+            return True
+        if now - max(lease.since, lease.heard) >= self.timings.kept_active_s:
+            return False
+        return not any(ticket.connection == lease.connection for ticket in self.tickets.values())
+
     def _first_kept(self, now: float, provider: Provider) -> Replica | None:
         """The kept lease used least recently, not already being recalled nor in its first use."""
         kept = [r for r in provider.replicas.values() if r.kept and not r.recalling
@@ -180,6 +193,7 @@ class Leasing:
         if lease is None or lease.connection != connection or not lease.kept:
             return  # recalled meanwhile, or not its own: nothing to learn
         lease.noticed += served
+        lease.heard = now
         replica = self.lifecycle.replicas.get(lease.rid)
         if replica is not None and replica.lease == lease_id:
             self.lifecycle.touch(now, replica, served)

@@ -58,6 +58,7 @@ class Lease:
     since: float
     kept: bool = False  # held between calls (Pool.predict): idle while no request runs, recalled when wanted
     noticed: int = 0  # requests its client said it served (kept leases tell the pool now and then)
+    heard: float = float("-inf")  # when its client last told of calls (a kept lease's `used`)
     priority: str = "normal"
     backfilled: bool = False  # its worker's memory was placed ahead of a waiting request: it may be recalled
 
@@ -90,6 +91,7 @@ class Replica:
     idle_check: bool = False  # its kept lease is recalled for idleness: it retires if its worker was idle too
     evict_for: float | None = None  # the GB admission needs: evicted once its recalled lease is back
     can_recall: bool = False  # its worker answers ``recall`` (every worker on our worker_base does)
+    in_flight: bool = False  # a request ran on it at the runtime's last look (the worker's in-flight board)
     probes: int = 0  # pings of an abandoned request so far
     gone_lease: int | None = None  # the kept lease of a client that went away: its abandon pings recall it
     noticed_before: int = 0  # of that lease: the requests already counted

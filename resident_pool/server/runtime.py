@@ -281,6 +281,7 @@ class Runtime:
         """Heartbeats, deaths between requests, the core's clock, and what each wait for memory is for."""
         with self.lock:
             workers = list(self.workers.values())
+            kept = {rid for rid, replica in self.core.replicas.items() if replica.kept}
             for lease in [lease for lease in self.by_lease if lease not in self.core.leases]:
                 del self.by_lease[lease]  # recalled, or its client went away: its release finds nothing
                 self.tell_lease.pop(lease, None)
@@ -291,7 +292,11 @@ class Runtime:
             rc = worker.process.poll() if worker.process.proc is not None else None
             if rc is not None and not worker.stopped_on_purpose:
                 self.event("exited", worker.rid, rc)
-        self.event("tick", connections)
+        # A kept lease's holder may be calling for longer than its notices say (one long request): its worker's
+        # in-flight board says so, and the core then spares it from eviction (docs/admission.md).
+        in_flight = frozenset(worker.rid for worker in workers
+                              if worker.rid in kept and worker.process.in_flight_s() is not None)
+        self.event("tick", connections, in_flight)
         self.starter.report_waits()
 
     def forget_connection(self, connection: int) -> None:
