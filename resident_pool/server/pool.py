@@ -39,6 +39,8 @@ from .runtime import Runtime
 from .states import ReplicaState
 from .wire import Connection, Wire
 
+MANIFEST_WATCH_S = 1.0  # how often the manifests served are looked at for edits (a stat of two files each)
+
 __all__ = ["PoolServer", "policy_from", "timings_from"]
 
 log = logging.getLogger("resident_pool.pool")
@@ -102,6 +104,8 @@ class PoolServer:
         }, frozenset({"acquire", "stop", "warm"}), self._closed, config.max_connections, config.keepalive_s,
             self.tick_s, str(paths.log_dir() / "pool.log"))
         self._kept_warm_loaded = False
+        self._watched = 0.0
+        self._unreadable: dict[str, str] = {}  # providers whose edited manifest does not read: what was said
 
     @property
     def draining(self) -> bool:
@@ -182,9 +186,28 @@ class PoolServer:
             for slug in self.registry.kept_warm():
                 self._provider(slug, None)
         self.wire.reserve_again()
+        self._watch_manifests(now)
         self.runtime.maintain(beat, self.wire.connections)
         self._maintain_zygotes(now)
         self.observer.tick(now, self.wire.accept_tick)
+
+    def _watch_manifests(self, now: float) -> None:
+        """A manifest or worker script edited while its workers run is read again now, not at the next acquire (a
+        kept lease never makes one): a new version drains the old, whose kept leases are recalled, so new requests
+        reach the new version within about MANIFEST_WATCH_S. One that no longer reads is said once; the old serves."""
+        if now - self._watched < MANIFEST_WATCH_S:
+            return
+        self._watched = now
+        for known in self.registry.changed():
+            try:
+                self._provider(known.slug, str(known.source.parent.parent), known.variant)
+            except ResidentPoolError as exc:
+                if self._unreadable.get(known.key) != exc.headline:
+                    self._unreadable[known.key] = exc.headline
+                    log.warning("%s changed on disk but cannot be read (%s); its workers serve as they were",
+                                known.source, exc.headline)
+            else:
+                self._unreadable.pop(known.key, None)
 
     def _maintain_zygotes(self, now: float) -> None:
         """A zygote retires once no worker of its provider has been in use for the provider's idle timeout:

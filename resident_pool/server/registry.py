@@ -95,6 +95,13 @@ class Registry:
             self._loaded[key] = loaded
         return loaded
 
+    def changed(self) -> list[Loaded]:
+        """The providers whose manifest or worker script changed on disk since they were last read."""
+        with self._lock:
+            loaded = list(self._loaded.values())
+        return [known for known in loaded
+                if known.stamp != _stamp(known.source) + _stamp(known.manifest.worker_path)]
+
     def kept_warm(self) -> list[str]:
         """The providers of the pool's own folder that ask for warm workers from the start."""
         slugs = []
