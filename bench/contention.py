@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from threads import Background, together
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -94,8 +96,7 @@ def case_head_of_line(table, env, quick: bool) -> None:
                 except AdmissionTimeout as exc:
                     outcome["big2"] = exc
 
-            thread = threading.Thread(target=want_big2)
-            thread.start()
+            waiter = Background(want_big2)
             deadline = time.monotonic() + 30
             while not [w for w in pool.waiting() if w["slug"] == "big2"] and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -103,7 +104,7 @@ def case_head_of_line(table, env, quick: bool) -> None:
             asked = time.perf_counter()
             _predict("small", {})
             served[label] = time.perf_counter() - asked
-        thread.join(60)
+        waiter.join(60)
     on, off = served["backfill (default)"], served["strict order (RESIDENT_POOL_BACKFILL=0)"]
     table.add(case, "small served after asking, backfill", on, "s", "<= 1", on <= 1.0,
               note="big holds 8 GB, big2 (8 GB) waits; small fits in the 1.5 GB free (includes its worker's start)")
@@ -156,12 +157,7 @@ def _mixed_run(service_s: float, per_stream: int, streams: int, arrivals: list[f
         with lock:
             waits.append(waited)
 
-    threads = [threading.Thread(target=stream) for _ in range(streams)]
-    threads += [threading.Thread(target=interactive, args=(at,)) for at in arrivals]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    together([stream] * streams + [lambda at=at: interactive(at) for at in arrivals])
     return {"makespan": max(ends), "waits": waits}
 
 

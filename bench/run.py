@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT / "flows"))
+
+from threads import together  # noqa: E402 - bench/ is on the path (a script's own folder)
 
 
 # -- measurement helpers -------------------------------------------------------
@@ -709,14 +712,9 @@ def _echo_providers(env: Env, budgets: dict[str, float], declare_budgets: bool) 
 
 
 def _run_streams(stream: Callable[[str], None], slugs) -> float:
-    """One thread per provider's stream, all started together; the makespan in seconds."""
-    started = time.perf_counter()
-    threads = [threading.Thread(target=stream, args=(slug,)) for slug in slugs]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return time.perf_counter() - started
+    """One thread per provider's stream, all started together; the makespan in seconds. A stream that raised
+    fails the case (ThreadFailed): its makespan would be taken over fewer requests."""
+    return together([lambda slug=slug: stream(slug) for slug in slugs])
 
 
 def _admission_run(env: Env, budgets: dict[str, float], per_provider: int, service_s: float) -> dict[str, Any]:
@@ -731,19 +729,25 @@ def _admission_run(env: Env, budgets: dict[str, float], per_provider: int, servi
         for slug in budgets:  # start each provider once, then let the run begin from idle workers
             pool.predict(slug, {})
     waits: list[float] = []
+    raised: list[str] = []
     lock = threading.Lock()
 
     def stream(slug):
         with Pool() as pool:
             for _ in range(per_provider):
                 arrived = time.perf_counter()
-                pool.predict(slug, {"sleep_s": service_s})
+                try:
+                    pool.predict(slug, {"sleep_s": service_s})
+                except Exception as exc:  # counted: every call must be answered, by its worker or a new one
+                    with lock:
+                        raised.append(f"{type(exc).__module__}.{type(exc).__name__}: {exc}")
+                    continue
                 with lock:
                     waits.append(time.perf_counter() - arrived - service_s)
 
     makespan = _run_streams(stream, budgets)
     states = [json.loads(line) for line in audit.read_text().splitlines()]
-    return {"makespan": makespan, "waits": waits, "states": states}
+    return {"makespan": makespan, "waits": waits, "states": states, "raised": raised}
 
 
 def _release_to_admit(states: list[dict[str, Any]]) -> list[float]:
@@ -788,6 +792,9 @@ def case_admission(table: Table, env: Env, quick: bool) -> None:
         count = per_provider * len(budgets)
         table.add(case, f"{label}: oversubscription events", over, "", "0", over == 0,
                   note=f"{len(run['states'])} ledger states checked")
+        raised = run["raised"]
+        table.add(case, f"{label}: calls that raised", len(raised), "", "0", not raised,
+                  note=f"of {per_provider * len(budgets)}" + (f"; first: {raised[0][:160]}" if raised else ""))
         ratio = run["makespan"] / bound
         table.add(case, f"{label}: makespan / achievable bound ({count} requests)", ratio, "x", "<= 1.15",
                   ratio <= 1.15, note=f"makespan {run['makespan']:.2f} s, bound {bound:.2f} s without preempting "
@@ -1046,7 +1053,13 @@ def main() -> int:
             if (args.only and name not in args.only) or (not args.only and name in FULL_ONLY and not args.full):
                 continue
             print(f"== {name}", flush=True)
-            case(table, env, args.quick)
+            try:
+                case(table, env, args.quick)
+            except Exception as exc:  # a case that raised is a failed case, never rows from what was left
+                traceback.print_exc()
+                table.add(name, "the case raised", 1, "", "no exception", False,
+                          note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+                restart_pool()
     finally:
         env.close()
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -1057,7 +1070,7 @@ def main() -> int:
     (RESULTS / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(text)
     print_table(table.rows)
     print(f"{summary(table.rows)}; results in {RESULTS / 'latest.json'}")
-    return 0
+    return 1 if any(row["measure"] == "the case raised" for row in table.rows) else 0
 
 
 def print_table(rows: list[dict[str, Any]], console: Any = None) -> None:

@@ -46,3 +46,35 @@ def test_the_table_prints_an_install_hint_as_written():
     assert "pip install -e .[bench]" in text
     assert "case [x]" in text and "a [bold]measure[/bold]" in text and "[red]plain[/]" in text
     assert "not measured" in text
+
+
+def test_a_case_whose_thread_raised_fails_and_prints_no_rows_from_what_was_left(monkeypatch, tmp_path, capsys):
+    """Issue 31, finding 8: the admission case ran each provider's stream in a thread; one stream died on a raw
+    ConnectionResetError, the makespan was taken over fewer requests, and the row read NOT MET without saying
+    why (or could have read met). A thread that raises now fails its case, and the bench exits nonzero."""
+    bench = _bench()
+    rows_after = []
+
+    def case_with_a_dying_stream(table, env, quick):
+        def stream(slug):
+            if slug == "b":
+                raise ConnectionResetError(104, "Connection reset by peer")
+
+        bench._run_streams(stream, ["a", "b", "c"])
+        rows_after.append("the case went on")
+        table.add("streams", "makespan", 1.0, "x", "<= 1.15", True)
+
+    class NoEnv:
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench, "CASES", {"dying": case_with_a_dying_stream})
+    monkeypatch.setattr(bench, "Env", NoEnv)
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench, "restart_pool", lambda: None)
+    monkeypatch.setattr(sys, "argv", ["run.py"])
+    assert bench.main() == 1
+    assert not rows_after
+    rows = __import__("json").loads((tmp_path / "latest.json").read_text())["rows"]
+    assert [(row["case"], row["measure"], row["met"]) for row in rows] == [("dying", "the case raised", False)]
+    assert "1 of 3 thread(s) raised" in rows[0]["note"] and "ConnectionResetError" in capsys.readouterr().err
