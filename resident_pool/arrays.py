@@ -303,6 +303,10 @@ class Slabs:
         region = (ctypes.c_ubyte * slab.size).from_address(slab.address)
         region._unmap = slab.unmap  # the mapping outlives the slab's descriptor while a view lives
         with self._lock:
+            # A free buffer lent out (a reader handed back one it had let go) is in use until the view goes: off the
+            # free list, or the next message would be written under the caller's answer.
+            if slab in self.free:
+                self.free.remove(slab)
             slab.users += 1
         region._use = _Use(self, slab)
         view = memoryview(region).cast("B")
@@ -774,10 +778,17 @@ class NotSent(OSError):
     """The request never reached its peer whole (the connection was gone before it was sent): it did not run."""
 
 
-def complete(sock: Any, inbox: Any, raw: bytes, fds: list[int], fresh: int | None) -> dict[str, Any] | None:
+# Replies to earlier requests skipped in a row before the worker is taken for broken.
+STALE_REPLIES = 16
+
+
+def complete(sock: Any, inbox: Any, raw: bytes, fds: list[int], fresh: int | None,
+             request_id: int | None = None) -> dict[str, Any] | None:
     """Send a request ``encode`` made (closing its fresh memfd) and return its reply, as ``exchange``.
 
     ``NotSent`` when the sending failed: a line cut short is never read as a request, so it did not run.
+    ``request_id`` (ids rise on a connection): a reply to an earlier request, one no longer waited for (a worker
+    that answered twice), is skipped, never taken for this one's.
     """
     try:
         protocol.send_raw(sock, raw, fds)
@@ -786,9 +797,16 @@ def complete(sock: Any, inbox: Any, raw: bytes, fds: list[int], fresh: int | Non
     finally:
         if fresh is not None:
             os.close(fresh)
-    reply = protocol.recv_message(sock, inbox)
-    if reply is None:
-        return None
+    for _ in range(STALE_REPLIES + 1):
+        reply = protocol.recv_message(sock, inbox)
+        if reply is None:
+            return None
+        answered = reply.obj.get("id")
+        if request_id is None or not _int(answered) or answered >= request_id:
+            break
+        reply.close()
+    else:
+        raise protocol.ProtocolError(f"the worker sent {STALE_REPLIES + 1} replies to earlier requests in a row")
     try:
         held = reply.obj.pop("held", None)
         if inbox.slabs is not None:  # before reading the reply: a buffer the worker let go may take a copy

@@ -1072,3 +1072,35 @@ def test_pool_predict_keeps_small_buffers_between_calls_and_gives_big_ones_back_
         wait_until(lambda: not _buffer_maps(worker), timeout=10,
                    message=f"the worker to let go of its buffers: {_buffer_maps(worker)}")
         assert pool.predict("arrays", {"action": "describe", "value": small})["sha256"]  # and the lease goes on
+
+
+def test_a_buffer_the_worker_let_go_and_then_hands_back_is_not_filled_again_under_the_callers_answer(pair):
+    """Issue 31, finding 3: a worker answered "held": [] for the client's buffer, then named the same buffer in a
+    later reply: it was lent to the caller as that answer while it stayed on the session's free list, and the next
+    request filled it: the caller's read-only array changed from ones to sevens after predict had returned."""
+    left, right = pair
+    ones = np.ones(1 << 18, np.float32)  # 1 MiB: a reused buffer
+    slabs = _sent_in_a_slab(left, ones)
+    client = Inbox(reused=protocol.COPY)
+    client.slabs = slabs
+    sent = recv_message(right, Inbox(reused=protocol.IN_PLACE))
+    kept = os.dup(sent.attachments[0].fd)  # the worker keeps the client's buffer past its request
+    sent.close()
+    send_line(right, {"ok": True, "id": 1, "held": []})  # ... and says it let go of it
+    first = recv_message(left, client)
+    slabs.settle(first.obj.pop("held"))
+    first.close()
+    send_with_fds(right, {"ok": True, "id": 2, "buffers": [ones.nbytes],
+                          "result": {"$buffer": 0, "dtype": "float32", "shape": [ones.size]}}, [kept])
+    os.close(kept)
+    second = recv_message(left, client)
+    answer = arrays.decode(second.obj, second.attachments, slabs)["result"]
+    second.close()
+    assert answer.tolist()[:4] == [1.0, 1.0, 1.0, 1.0]
+    raw, fds, _ = arrays.encode({"x": np.full(1 << 18, 7, np.float32)}, PEER_2, slabs=slabs)  # the next request
+    send_raw(left, raw, fds)
+    assert answer.tolist()[:4] == [1.0, 1.0, 1.0, 1.0], "the caller's answer was filled by the next request"
+    recv_message(right, Inbox(reused=protocol.IN_PLACE)).close()
+    del answer
+    slabs.close()
+    client.close()
