@@ -618,7 +618,7 @@ class Session:
         encoded = arrays.encode(message, inbox.peer, inbox.attach_min_bytes, slabs=inbox.slabs)
         with self._failures(timeout):
             # Arrays in the payload and the result travel beside the line (arrays.py).
-            reply = arrays.complete(sock, inbox, *encoded)
+            reply = arrays.complete(sock, inbox, *encoded, request_id=request_id)
             if reply is None:
                 raise ConnectionResetError("the worker closed the connection without a reply")
             if reply.get("id") != request_id:
@@ -663,6 +663,22 @@ class Session:
         except PeerError as exc:
             self.release()
             raise ResidentPoolError(f"{self.slug}: {exc}", slug=self.slug, reason="peer_not_you") from None
+        except ProtocolError as exc:
+            # The worker answered in a form this side cannot read (not JSON, an attachment that is no sealed memfd,
+            # a reply to another request): its connection goes, and the pool checks the worker (a ping) before it
+            # serves again. Told without waiting for an answer: a bad reply costs no more than its round trip.
+            self._forget_worker()
+            self._ended = True
+            try:
+                self.pool._call(Release(self.lease["lease"], "bad_reply", self._unnoticed).to_message(),
+                                expect_reply=False)
+            except OSError:
+                pass  # the pool is gone: the lease went with its connection
+            ran = "the request may have run" if sent else "the request did not run"
+            raise WorkerRequestError(
+                f"{self.slug}: its worker (pid {self.pid}) sent a reply that cannot be read ({exc}); {ran}; "
+                f"transcript {self.transcript}", slug=self.slug, reason="bad_reply", transcript=self.transcript,
+                details={"protocol_error": str(exc)[:500]}) from None
         except TimeoutError as exc:
             self._forget_worker()
             self._end("timeout", {})
@@ -671,7 +687,7 @@ class Session:
                         f"{self.transcript}")
             raise RequestTimeout(headline, slug=self.slug, transcript=self.transcript,
                                  details={"timeout_s": timeout, "pid": self.pid}) from exc
-        except (OSError, ProtocolError) as exc:
+        except OSError as exc:
             self._forget_worker()
             answer = self._end("broken", {})
             recalled = self.lease.get("kept") or (self.backfilled and answer.get("gone"))

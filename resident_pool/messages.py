@@ -21,7 +21,8 @@ __all__ = ["KEY", "RELEASE_OUTCOMES", "SLUG", "Acquire", "LeaseGrant", "Release"
 SLUG = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
 # What the pool knows a provider by: its slug, or ``slug~variant`` for a build of it another way.
 KEY = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}(~[a-z0-9][a-z0-9_-]{0,39})?")
-RELEASE_OUTCOMES = ("ok", "broken", "exiting", "timeout", "abandoned")
+# bad_reply: the worker answered in a form its client could not read (it lives: checked before it serves again)
+RELEASE_OUTCOMES = ("ok", "broken", "exiting", "timeout", "abandoned", "bad_reply")
 _HOLDER_KEYS, _HOLDER_CHARS = 8, 300
 
 

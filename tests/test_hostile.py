@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,49 @@ def test_no_pickle_and_no_shell_anywhere_a_request_or_manifest_reaches():
         if re.search(r"shell\s*=\s*True", text) or "os.system(" in text or "os.popen(" in text:
             offenders.append(f"{path}: a shell")
     assert not offenders, offenders
+
+
+BAD_REPLIES = ["garbage", "not_object", "other_id", "huge", "regular_file", "pipe", "socket", "dev_zero",
+               "unsealed_memfd", "wrong_size", "offset_past_end", "many_fds"]
+
+
+def test_every_bad_reply_of_a_worker_is_a_library_error_naming_it_and_costs_no_wait_on_the_pool(pool_dir,
+                                                                                                  reliability_row):
+    """Issue 31, finding 10: each of these raised resident_pool.protocol.ProtocolError (no ResidentPoolError, no
+    provider named) and took about 2 s, the client waiting on the pool's answer to a broken release (which waits
+    DEATH_WAIT_S for a death). A worker not built on worker_base, or a buggy one, is enough."""
+    from resident_pool import Pool
+    from resident_pool.errors import WorkerRequestError
+    from resident_pool.providers.worker_process import DEATH_WAIT_S
+
+    write_provider(pool_dir, "bad", "", worker="bad_replies.py")
+    with Pool() as pool:
+        assert pool.predict("bad", {"bad": "none"})["good"]
+        started = time.monotonic()
+        for kind in BAD_REPLIES:
+            with pytest.raises(WorkerRequestError) as info:
+                pool.predict("bad", {"bad": kind})
+            error = info.value
+            assert (error.slug, error.reason) == ("bad", "bad_reply"), (kind, error)
+            assert error.transcript and "cannot be read" in error.headline and "may have run" in error.headline
+            assert pool.predict("bad", {"bad": "none"})["good"], kind  # its worker serves the next request
+        took = time.monotonic() - started
+    # Each bad reply waited DEATH_WAIT_S before: now a round trip (and the pool's ping of the worker) each.
+    assert took < DEATH_WAIT_S * len(BAD_REPLIES) / 4, f"{len(BAD_REPLIES)} bad replies and the calls after took {took:.1f} s"
+    reliability_row(f"worker sends {len(BAD_REPLIES)} kinds of malformed reply",
+                    "WorkerRequestError(bad_reply) naming the provider and transcript; next call served",
+                    seconds_each=round(took / len(BAD_REPLIES), 3))
+
+
+def test_a_reply_to_a_request_no_longer_waited_for_is_skipped_not_taken_for_the_next(pool_dir):
+    """Issue 31, finding 10: a stray reply line after a correct one made the next valid call fail with "the worker
+    answered request -5, not 87"."""
+    from resident_pool import Pool
+
+    write_provider(pool_dir, "bad", "", worker="bad_replies.py")
+    with Pool() as pool:
+        assert pool.predict("bad", {"bad": "extra_after"})["good"]
+        assert pool.predict("bad", {"bad": "none"})["good"]
+        assert pool.predict("bad", {"bad": "stale_then_good"})["good"]
+        with pool.session("bad") as session:
+            assert session.predict({"bad": "extra_after"})["good"] and session.predict({})["good"]

@@ -183,8 +183,9 @@ class Leasing:
             return self.lifecycle.free(now, replica)
         if outcome in ("timeout", "exiting", "died"):
             return self.lifecycle.ended_mid_lease(now, replica, outcome, rc)
-        why = "its client gave up on a request in flight" if outcome == "abandoned" \
-            else "its client's connection to it broke"
+        why = {"abandoned": "its client gave up on a request in flight",
+               "bad_reply": "it sent its client a reply that could not be read"}.get(
+            outcome, "its client's connection to it broke")
         return self.lifecycle.drains.abandon(now, replica, why)
 
     def used(self, now: float, lease_id: int, connection: int, served: int) -> None:

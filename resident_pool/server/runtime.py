@@ -331,7 +331,7 @@ class Runtime:
                                         "only its own leases", reason="bad_request")
             worker = self.by_lease.pop(release.lease, None) if lease is not None else None
             self.tell_lease.pop(release.lease, None)
-        quiet = release.outcome in ("ok", "abandoned")  # the client does not wait for an answer to these
+        quiet = release.outcome in ("ok", "abandoned", "bad_reply")  # the client does not wait for an answer to these
         if worker is None:  # ended already (a kept lease recalled, a stop --now): the client may acquire again
             return None if quiet else {"ok": True, "gone": True}
         outcome, rc, answer = release.outcome, None, {"ok": True}
