@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import priority as order
+from ..host.lines import shown
 from ..messages import SLUG
 from .config import Limits, ServiceConfig
 from .devices import Device, rooms
@@ -389,7 +390,7 @@ class HostLedger:
         if entry is None:
             raise Refused(f"no entry {key} of this pool to name a worker for", reason="not_yours")
         if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
-            raise Refused(f"started needs the worker's pid, not {pid!r}")
+            raise Refused(f"started needs the worker's pid, not {shown(pid)}")
         if self.procs.owner(pid) != peer.uid:
             raise Refused(f"pid {pid} is not a process of user {peer.user}: an entry is held only by its own "
                           "worker", reason="not_yours")
@@ -457,7 +458,7 @@ class HostLedger:
 
 def _key(value: Any) -> str:
     if not isinstance(value, str) or not KEY.fullmatch(value):
-        raise Refused(f"key {value!r} is not a worker's name (slug[replica])")
+        raise Refused(f"key {shown(value)} is not a worker's name (slug[replica])")
     return value
 
 
@@ -466,13 +467,13 @@ def _place_fields(fields: dict[str, Any]) -> tuple[str, str, int, float, int | N
     slug, replica, need = fields.get("slug"), fields.get("replica"), fields.get("need_gb")
     device, asked = fields.get("device"), fields.get("priority", order.DEFAULT)
     if not isinstance(slug, str) or not SLUG.fullmatch(slug.split("~")[0]):
-        raise Refused(f"slug {slug!r} is not a provider's name")
+        raise Refused(f"slug {shown(slug)} is not a provider's name")
     if not isinstance(replica, int) or isinstance(replica, bool) or not 0 <= replica < 10_000:
-        raise Refused(f"replica {replica!r} is not a replica number")
+        raise Refused(f"replica {shown(replica)} is not a replica number")
     if not isinstance(need, int | float) or isinstance(need, bool) or not 0 < need <= 100_000:
-        raise Refused(f"need_gb {need!r} is not a GPU budget in GB")
+        raise Refused(f"need_gb {shown(need)} is not a GPU budget in GB")
     if device is not None and (not isinstance(device, int) or isinstance(device, bool) or device < 0):
-        raise Refused(f"device {device!r} is not a device number")
+        raise Refused(f"device {shown(device)} is not a device number")
     if not order.is_class(asked):
-        raise Refused(f"priority {asked!r} is not a class: one of {', '.join(order.CLASSES)}")
+        raise Refused(f"priority {shown(asked)} is not a class: one of {', '.join(order.CLASSES)}")
     return key, slug, replica, float(need), device, asked, bool(fields.get("once"))
