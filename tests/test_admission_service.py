@@ -301,6 +301,28 @@ def test_an_error_reply_never_repeats_the_clients_text(service):
     assert max(len(json.dumps(r)) for r in replies) < 1024, replies
 
 
+def test_a_booking_cannot_be_named_on_a_process_its_pool_did_not_start(service, security_row):
+    """Issue 31 finding 5: a 1 GB booking named on a `sleep 100000` of the same user outlived its pool by more than
+    15 minutes. The asking pool here is a process of its own; the sleep is not its child."""
+    service.start()
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        asks = [{"op": "place", "key": "a[0]", "slug": "a", "replica": 0, "need_gb": 1},
+                {"op": "started", "key": "a[0]", "pid": sleeper.pid}]
+        done = subprocess.run([sys.executable, "-c", PROBE, service.socket, json.dumps(asks)], capture_output=True,
+                              text=True, timeout=60, check=True)
+        placed, named = json.loads(done.stdout)
+        assert placed["placed"] and named.get("reason") == "not_yours", named
+        assert "not a process this pool started" in named["error"]
+        wait_until(lambda: service.ask({"op": "status"})[0]["entries"] == [], timeout=10,
+                   message="the asking pool's booking to go with it")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    security_row("a pool names its user's `sleep` as the worker holding a booking",
+                 "refused (not_yours): only a process the pool started holds it", got="nothing")
+
+
 # -- real users ------------------------------------------------------------------------------------------------
 OTHER_POOL = textwrap.dedent("""
     import json, sys
