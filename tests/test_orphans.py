@@ -1,0 +1,95 @@
+"""A dead pool's workers, as the next pool finds them: run folders with a real socket and a real in-flight board."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+from helpers import wait_until
+
+from resident_pool.admission import Admission, Ledger, declared
+from resident_pool.admission.orphans import Orphans
+from resident_pool.protocol import bind_unix, recv_line, send_line
+from resident_pool.worker_base import IN_FLIGHT_FILE
+
+
+class StandIn:
+    """A worker's run folder with a socket that answers a shutdown (as worker_base does) and an in-flight board."""
+
+    def __init__(self, folder, busy: bool) -> None:
+        folder.mkdir(mode=0o700)
+        self.folder = folder
+        self.board = folder / IN_FLIGHT_FILE
+        self.mark(time.time() if busy else 0.0)
+        self.listener = bind_unix(folder / "worker.sock")
+        self.asked: list[dict] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def mark(self, started: float) -> None:
+        self.board.write_bytes(struct.pack("d", started))
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                message = recv_line(conn, bytearray())
+                if message is not None:
+                    self.asked.append(message)
+                    send_line(conn, {"ok": True, "id": message.get("id")})
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_an_idle_orphan_is_asked_to_exit_and_a_busy_one_only_once_its_request_ended(short_tmp):
+    idle, busy = StandIn(short_tmp / "g8-0-aaa", busy=False), StandIn(short_tmp / "g8-1-bbb", busy=True)
+    try:
+        orphans = Orphans(short_tmp)
+        orphans.start()
+        wait_until(lambda: idle.asked, timeout=10, message="the idle orphan to be asked")
+        assert idle.asked == [{"op": "shutdown", "id": 0}]
+        # Both stand-ins are this process (the peer's pid names it): the last word is the busy one's.
+        wait_until(lambda: "busy" in orphans.says(os.getpid()), timeout=10, message="the busy one to be seen busy")
+        assert busy.asked == []  # its request (sent before its pool died) is not cut short
+        busy.mark(0.0)
+        wait_until(lambda: busy.asked == [{"op": "shutdown", "id": 0}], timeout=10,
+                   message="the busy orphan to be asked once idle")
+        assert orphans.finished.wait(10)
+    finally:
+        idle.close()
+        busy.close()
+
+
+def test_a_wait_for_memory_a_dead_pools_worker_holds_says_what_it_waits_for(tmp_path, short_tmp):
+    """Issue 31 finding 13: the wait said only who held the memory, as if a live holder would let go."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pool that is gone
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ledger = Ledger(tmp_path / "ledger.json")
+        (tmp_path / "ledger.json").write_text(json.dumps([{
+            "slug": "g8", "replica": 0, "device": 0, "budget_gb": 8, "pid": worker.pid, "owner": dead.pid,
+            "since": time.time(), "loaded": True}]))
+        gate = Admission(ledger, devices=lambda: (declared("10"), "test"), headroom_gb=0.0,
+                         orphans=Orphans(short_tmp))
+        (held,) = gate.describe("g8", 8, 1.0)["holders"]
+        assert f"g8[0] 8 GB on GPU 0 (pid {worker.pid}), a worker of pool {dead.pid}, which is gone: it exits once " \
+               "idle for its orphan_grace_s" in held
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_a_pool_finds_no_orphan_in_a_folder_of_its_own_making(short_tmp):
+    orphans = Orphans(short_tmp)
+    orphans.start()
+    assert orphans.finished.is_set() and orphans.folders == []
+    assert not [t for t in threading.enumerate() if t.name == "orphans"]
