@@ -93,3 +93,39 @@ def test_a_pool_finds_no_orphan_in_a_folder_of_its_own_making(short_tmp):
     orphans.start()
     assert orphans.finished.is_set() and orphans.folders == []
     assert not [t for t in threading.enumerate() if t.name == "orphans"]
+
+
+HELD = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from resident_pool.protocol import bind_unix, recv_line, send_line
+listener = bind_unix(sys.argv[1] + "/worker.sock")
+print("up", flush=True)
+while True:
+    conn, _ = listener.accept()
+    message = recv_line(conn, bytearray())
+    if message is not None:
+        send_line(conn, {"ok": True, "id": message.get("id")})
+        time.sleep(3600)  # answered, but a leftover thread holds the interpreter
+"""
+
+
+def test_an_orphan_that_answers_but_does_not_exit_is_ended_with_its_group_as_a_stop_would(short_tmp):
+    """A worker whose model left a non-daemon thread answers the shutdown and stays: without the escalation it
+    would outlive its orphan watchdog (which ended with serve())."""
+    from pathlib import Path
+
+    folder = short_tmp / "loader-0-ccc"
+    folder.mkdir(mode=0o700)
+    held = subprocess.Popen([sys.executable, "-c", HELD, str(folder), str(Path(__file__).parents[1])],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert held.stdout.readline().strip() == "up"
+        orphans = Orphans(short_tmp)
+        orphans.start()
+        assert held.wait(timeout=30) == -15  # SIGTERM to its group, after the shutdown's 3 s
+        assert orphans.finished.wait(10)
+    finally:
+        if held.poll() is None:
+            held.kill()
+        held.communicate()

@@ -5,8 +5,9 @@ names its pid, alive) until its orphan watchdog retires it: once its pool's hear
 and it has been idle for its ``orphan_grace_s`` (120 s by default). The next pool of the same
 user (one per state folder) has no use for them: its clients reach workers only through it. So
 at its start it looks at the run folders the dead pool left, and asks each worker found idle
-there to shut down, as a stop would; one busy with a request its client sent before the pool
-died finishes it first (it is asked again once idle). A worker that does not answer (still
+there to shut down, as a stop would (and, as a stop escalates, ends its process group if a
+leftover thread holds it after it answered); one busy with a request its client sent before
+the pool died finishes it first (it is asked again once idle). A worker that does not answer (still
 loading its model, or hung) is left to its watchdog. What became of each is said in a wait's
 report, so a request waiting for that memory says what it waits for.
 """
@@ -15,12 +16,15 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import stat
 import struct
 import threading
+import time
 from pathlib import Path
 
 from ..host.lines import peer_credentials
+from ..host.procs import pid_alive, process_start, signal_group
 from ..protocol import ProtocolError, connect, recv_line, send_line
 from ..worker_base import IN_FLIGHT_FILE
 
@@ -28,6 +32,8 @@ __all__ = ["Orphans"]
 
 log = logging.getLogger("resident_pool.admission")
 ASK_TIMEOUT_S = 5.0  # a worker answers a shutdown between requests; a stuck one is its watchdog's
+SHUTDOWN_EXIT_S = 3.0  # after it answered, as a stop: a thread its model left running must not hold the exit long
+KILL_GRACE_S = 5.0
 AGAIN_S = 2.0  # how often a busy orphan is looked at again
 WAITS = "it exits once idle for its orphan_grace_s (120 s by default) with its pool gone"
 
@@ -75,6 +81,7 @@ class Orphans:
             return True  # gone, loading (no socket yet) or not ours: its watchdog's
         with conn:
             pid = peer_credentials(conn)[0]
+            started = process_start(pid)
             if _busy(folder):
                 self._say(pid, "busy with a request sent before its pool died: asked to exit once it is idle")
                 return False
@@ -87,13 +94,45 @@ class Orphans:
         if answered:
             log.info("asked pid %d, an idle worker of a pool that is gone (%s), to exit", pid, folder.name)
             self._say(pid, "its pool is gone: asked to exit, its memory comes back as it ends")
+            self._see_out(pid, started)
         else:
             self._say(pid, f"did not answer a shutdown: {WAITS}")
         return True
 
+    def _see_out(self, pid: int, started: int | None) -> None:
+        """As a stop escalates: a worker whose interpreter a leftover thread holds after it answered is ended with
+        its process group (its own session, as the pool started it), never another process given its pid."""
+        if _gone_within(pid, SHUTDOWN_EXIT_S):
+            return
+        for signum in (signal.SIGTERM, signal.SIGKILL):
+            if process_start(pid) != started or _group(pid) != pid:
+                return  # not the worker any more, or not the leader of its own group: nothing of ours to end
+            log.info("pid %d, a worker of a pool that is gone, still runs after its shutdown: %s to its group",
+                     pid, signal.Signals(signum).name)
+            signal_group(pid, signum)
+            if _gone_within(pid, KILL_GRACE_S):
+                return
+        self._say(pid, "did not end after SIGKILL (uninterruptible sleep in a driver?); its memory may stay held")
+
     def _say(self, pid: int, words: str) -> None:
         with self._lock:
             self._said[pid] = words
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while pid_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def _busy(folder: Path) -> bool:
