@@ -49,6 +49,7 @@ from prefect.tasks import exponential_backoff
 from resident_pool.campaigns.answers import per_input
 from resident_pool.campaigns.campaign import (
     BLOCK,
+    NO_ROOM,
     Campaign,
     CampaignSettings,
     Chunk,
@@ -365,9 +366,17 @@ def _screen_file(source: InputFile, output: Path, entry: FileProgress, *, store:
                  **{k: summary[k] for k in ("inputs", "ok", "failed", "computed", "from_store", "duplicates",
                                             "chunks", "cold_starts", "throughput_inputs_per_s", "wall_s")},
                  "failure reasons": _reasons(summary["failure_reasons"])}
-        line["report"] = str(write_report(report_path(output), title=f"{title}: {source.path.name}", summary=shown,
-                                          timeline=entry.timeline.points, sample=sample,
-                                          failures=summary["failures"]))
+        try:
+            line["report"] = str(write_report(report_path(output), title=f"{title}: {source.path.name}",
+                                              summary=shown, timeline=entry.timeline.points, sample=sample,
+                                              failures=summary["failures"]))
+        except OSError as exc:
+            if exc.errno not in NO_ROOM:
+                raise
+            raise ResidentPoolError(f"{report_path(output)}: {(exc.strerror or str(exc)).lower()} while writing the "
+                                    f"report (the output {output} is complete); free space on its disk and run the "
+                                    "campaign again: it is written again from the store in seconds",
+                                    reason="disk_full", details={"path": str(report_path(output))}) from None
     return line
 
 

@@ -301,7 +301,8 @@ def test_an_error_reply_never_repeats_the_clients_text(service):
     assert max(len(json.dumps(r)) for r in replies) < 1024, replies
 
 
-def test_a_booking_cannot_be_named_on_a_process_its_pool_did_not_start(service, security_row):
+@pytest.mark.reliability
+def test_a_booking_cannot_be_named_on_a_process_its_pool_did_not_start(service, security_row, reliability_row):
     """Issue 31 finding 5: a 1 GB booking named on a `sleep 100000` of the same user outlived its pool by more than
     15 minutes. The asking pool here is a process of its own; the sleep is not its child."""
     service.start()
@@ -321,6 +322,8 @@ def test_a_booking_cannot_be_named_on_a_process_its_pool_did_not_start(service, 
         sleeper.wait()
     security_row("a pool names its user's `sleep` as the worker holding a booking",
                  "refused (not_yours): only a process the pool started holds it", got="nothing")
+    reliability_row("service booking named on a non-worker", "refused (not_yours); the booking went "
+                    "with its pool; a dead pool's worker holds one orphan_grace_s at most")
 
 
 # -- real users ------------------------------------------------------------------------------------------------

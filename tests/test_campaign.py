@@ -1146,6 +1146,7 @@ def test_a_slow_first_chunk_holds_the_reader_back_at_the_backlog_lowered_to_3000
 SMALL_DISK = 'mount -t tmpfs -o size=96k tmpfs "$SMALL" && exec "$@"'
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize("full", ["output", "store"])
 def test_a_full_disk_ends_the_run_with_a_sentence_naming_the_file_and_the_fix_and_nothing_is_lost(
         pool_dir, embedder, tmp_path, full, reliability_row):
@@ -1192,3 +1193,22 @@ def test_a_full_disk_ends_the_run_with_a_sentence_naming_the_file_and_the_fix_an
     assert embedder() - before == 3000 - stored and (stored > 0) == (full == "output")
     reliability_row(f"campaign's {full} fills its disk", "one sentence naming the file and the fix; progress short "
                     "of 100%; the re-run wrote every input once")
+
+
+def test_a_report_its_disk_has_no_room_for_ends_the_run_naming_it_and_the_output_is_whole(pool_dir, embedder,
+                                                                                         tmp_path, monkeypatch):
+    """Issue 31 finding 11, the report beside the output: its write failing for room is the same sentence."""
+    import errno
+
+    import screen
+
+    def full(path, **_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(screen, "write_report", full)
+    inputs = _jsonl(tmp_path / "in.jsonl", _texts(10))
+    state = _state(pool_dir, input=str(inputs), output=str(tmp_path / "out.jsonl"))
+    assert state.is_failed()
+    assert state.message.startswith(f"{tmp_path / 'out.jsonl'}.report.html: no space left on device while writing "
+                                     "the report"), state.message
+    assert len(_records(tmp_path / "out.jsonl")) == 10

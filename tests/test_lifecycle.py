@@ -639,5 +639,5 @@ def test_the_next_pool_asks_a_killed_pools_idle_gpu_worker_to_exit_instead_of_wa
     assert second.returncode == 0, err
     assert int(out) != orphan  # served by the new pool's own worker, in the 8 GB the orphan gave back
     assert "asked pid" in Path(isolated_dirs["logs"], "pool.log").read_text()
-    reliability_row("pool SIGKILL, then a GPU call needs its idle worker's memory",
+    reliability_row("pool SIGKILL, then a GPU call needs its memory",
                     "the next pool asked the orphan to exit at once; served without the 120 s orphan grace")

@@ -92,8 +92,9 @@ def _logs(folder: Path) -> str:
     return "".join(f"\n--- {log.name}\n{log.read_text()[-3000:]}" for log in sorted(folder.glob("*.log")))
 
 
+@pytest.mark.reliability  # `make reliability` prints its rows: the routes open without the auth string among them
 def test_the_stack_refuses_every_request_without_its_auth_string_and_every_job_variable_that_runs_code(
-        stack, other_user, tmp_path, security_row):
+        stack, other_user, tmp_path, security_row, reliability_row):
     folder, port = stack["folder"], stack["port"]
     auth_file = folder / "auth"
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(auth_file.stat().st_mode) == 0o600
@@ -153,6 +154,8 @@ def test_the_stack_refuses_every_request_without_its_auth_string_and_every_job_v
                  "path refused naming RESIDENT_POOL_INPUT_ROOT")
     security_row("another local user calls every route of the stack's API without the auth string",
                  f"401 but the {len(documented)} routes docs/security.md lists", got="health, the UI, the schema")
+    reliability_row("stack routes called without the auth string", f"401 but the {len(documented)} routes "
+                    "docs/security.md lists (checked against the server's own list)")
 
 
 def _documented_open_routes() -> set[str]:

@@ -162,7 +162,8 @@ exit $rc
 """
 
 
-def test_the_suite_passes_on_a_host_with_the_admission_service_of_another_user(tmp_path):
+@pytest.mark.reliability
+def test_the_suite_passes_on_a_host_with_the_admission_service_of_another_user(tmp_path, reliability_row):
     """Issue 31 finding 7: `make test-fast` failed 26 tests on a host with /etc/resident-pool/admission.toml and a
     live service of another user. Here, in a private mount namespace (nothing of the host's is changed), a pool test
     runs with both in place and passes: the suite's own settings, not the host's."""
@@ -186,3 +187,5 @@ def test_the_suite_passes_on_a_host_with_the_admission_service_of_another_user(t
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "1 passed" in done.stdout
     assert [os.path.exists(f) for f in ("/etc/resident-pool", "/run/resident-pool")] == host  # untouched
+    reliability_row("host's admission config and service present", "the suite's pool test passes on "
+                    "its own settings (mount namespace; host untouched)")

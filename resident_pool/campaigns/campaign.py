@@ -39,6 +39,7 @@ from .results import ResultStore, default_results_dir, options_text, result_key
 
 __all__ = [
     "BLOCK",
+    "NO_ROOM",
     "Campaign",
     "CampaignSettings",
     "Chunk",
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 BLOCK = 1024  # records looked up in the store at once
-_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})  # a disk full, a quota, the file size limit
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})  # a disk full, a quota, the file size limit
 # One result (one input's answer) as decoded, and once written: over it, the record fails as bad_answer. A
 # worker's 40 MB sparse attachment costs nothing to send; writing an answer costs about three times its JSON
 # text (arrays by blocks, ARRAY_BLOCK), so this bounds what one answer in flight costs the client.
@@ -450,7 +451,7 @@ class Campaign:
         try:
             yield
         except OSError as exc:
-            if exc.errno not in _NO_ROOM:
+            if exc.errno not in NO_ROOM:
                 raise
             raise ResidentPoolError(
                 f"{self.output}: {(exc.strerror or str(exc)).lower()} while writing {what} ({self.folder.path / name});"
