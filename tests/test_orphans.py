@@ -3,50 +3,57 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from helpers import wait_until
 
 from resident_pool.admission import Admission, Ledger, declared
 from resident_pool.admission.orphans import Orphans
-from resident_pool.protocol import bind_unix, recv_line, send_line
 from resident_pool.worker_base import IN_FLIGHT_FILE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+STAND_IN = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from resident_pool.protocol import bind_unix, recv_line, send_line
+listener = bind_unix(sys.argv[1] + "/worker.sock")
+print("up", flush=True)
+while True:
+    conn, _ = listener.accept()
+    message = recv_line(conn, bytearray())
+    if message is not None and message.get("op") == "shutdown":
+        send_line(conn, {"ok": True, "id": message.get("id")})
+        sys.exit(0)
+    conn.close()
+"""
 
 
 class StandIn:
-    """A worker's run folder with a socket that answers a shutdown (as worker_base does) and an in-flight board."""
+    """A dead pool's worker: a process of its own session with a run folder, a socket that answers a shutdown by
+    exiting (as worker_base does), and an in-flight board the test sets."""
 
-    def __init__(self, folder, busy: bool) -> None:
+    def __init__(self, folder: Path, busy: bool) -> None:
         folder.mkdir(mode=0o700)
-        self.folder = folder
         self.board = folder / IN_FLIGHT_FILE
         self.mark(time.time() if busy else 0.0)
-        self.listener = bind_unix(folder / "worker.sock")
-        self.asked: list[dict] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        self.proc = subprocess.Popen([sys.executable, "-c", STAND_IN, str(folder), str(ROOT)], stdout=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        assert self.proc.stdout.readline().strip() == "up"
 
     def mark(self, started: float) -> None:
         self.board.write_bytes(struct.pack("d", started))
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            with conn:
-                message = recv_line(conn, bytearray())
-                if message is not None:
-                    self.asked.append(message)
-                    send_line(conn, {"ok": True, "id": message.get("id")})
-
     def close(self) -> None:
-        self.listener.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
 
 
 def test_an_idle_orphan_is_asked_to_exit_and_a_busy_one_only_once_its_request_ended(short_tmp):
@@ -54,14 +61,12 @@ def test_an_idle_orphan_is_asked_to_exit_and_a_busy_one_only_once_its_request_en
     try:
         orphans = Orphans(short_tmp)
         orphans.start()
-        wait_until(lambda: idle.asked, timeout=10, message="the idle orphan to be asked")
-        assert idle.asked == [{"op": "shutdown", "id": 0}]
-        # Both stand-ins are this process (the peer's pid names it): the last word is the busy one's.
-        wait_until(lambda: "busy" in orphans.says(os.getpid()), timeout=10, message="the busy one to be seen busy")
-        assert busy.asked == []  # its request (sent before its pool died) is not cut short
+        assert idle.proc.wait(timeout=10) == 0  # it answered the shutdown and left
+        wait_until(lambda: "busy" in orphans.says(busy.proc.pid), timeout=10, message="the busy one to be seen busy")
+        assert busy.proc.poll() is None  # its request (sent before its pool died) is not cut short
+        assert orphans.says(idle.proc.pid).startswith("its pool is gone: asked to exit")
         busy.mark(0.0)
-        wait_until(lambda: busy.asked == [{"op": "shutdown", "id": 0}], timeout=10,
-                   message="the busy orphan to be asked once idle")
+        assert busy.proc.wait(timeout=10) == 0  # asked once idle
         assert orphans.finished.wait(10)
     finally:
         idle.close()
@@ -113,11 +118,9 @@ while True:
 def test_an_orphan_that_answers_but_does_not_exit_is_ended_with_its_group_as_a_stop_would(short_tmp):
     """A worker whose model left a non-daemon thread answers the shutdown and stays: without the escalation it
     would outlive its orphan watchdog (which ended with serve())."""
-    from pathlib import Path
-
     folder = short_tmp / "loader-0-ccc"
     folder.mkdir(mode=0o700)
-    held = subprocess.Popen([sys.executable, "-c", HELD, str(folder), str(Path(__file__).parents[1])],
+    held = subprocess.Popen([sys.executable, "-c", HELD, str(folder), str(ROOT)],
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert held.stdout.readline().strip() == "up"
