@@ -34,7 +34,8 @@ test-fast: setup
 
 # Faults, hostile input, isolation, load and soak; prints the reliability table at the end.
 reliability: setup
-	RESIDENT_POOL_FULL_RELIABILITY=1 $(PY) -m pytest -n $(JOBS) --dist loadgroup -m reliability tests/test_reliability.py tests/test_lifecycle.py tests/test_hostile.py tests/test_isolation.py tests/test_security.py tests/test_kept_lease_reliability.py
+	RESIDENT_POOL_FULL_RELIABILITY=1 $(PY) -m pytest -n $(JOBS) --dist loadgroup -m reliability tests/test_reliability.py tests/test_lifecycle.py tests/test_hostile.py tests/test_isolation.py tests/test_security.py \
+		tests/test_admission_service.py tests/test_campaign.py tests/test_stack.py tests/test_suite_machinery.py tests/test_kept_lease_reliability.py
 
 lint: setup
 	$(PY) -m ruff check resident_pool tests flows

@@ -49,6 +49,7 @@ from prefect.tasks import exponential_backoff
 from resident_pool.campaigns.answers import per_input
 from resident_pool.campaigns.campaign import (
     BLOCK,
+    NO_ROOM,
     Campaign,
     CampaignSettings,
     Chunk,
@@ -59,7 +60,7 @@ from resident_pool.campaigns.campaign import (
 from resident_pool.campaigns.inputs import FORMATS, InputFile, Region
 from resident_pool.campaigns.progress import FileProgress, Progress
 from resident_pool.campaigns.report import VectorSample, report_path, write_report
-from resident_pool.campaigns.results import ResultStore, provider_version
+from resident_pool.campaigns.results import UNWRITABLE, ResultStore, provider_version
 from resident_pool.client import default_manifests
 from resident_pool.errors import CampaignFailed, InputError, ResidentPoolError, WorkerRequestError
 from resident_pool.prefect import (
@@ -227,6 +228,7 @@ class _FileRun:
         self.in_flight: dict[Any, Chunk] = {}
         self.inputs_in_flight = 0
         self.settled = 0
+        self.unwritable: ResidentPoolError | None = None  # the store or the output stopped taking writes
 
     def run(self) -> None:
         try:
@@ -251,7 +253,13 @@ class _FileRun:
             self.report()
         finally:
             while self.in_flight:  # what was computed is stored, even when reading the file failed
-                self.settle(block=True)
+                try:
+                    self.settle(block=True)
+                except ResidentPoolError as error:
+                    if error.reason not in UNWRITABLE:
+                        raise
+            if self.unwritable is not None:
+                raise self.unwritable
 
     def hold_back(self) -> None:
         """Read no further while too many inputs wait to be written behind the first one still waiting."""
@@ -288,6 +296,21 @@ class _FileRun:
         chunk, campaign = self.in_flight.pop(future), self.campaign
         self.inputs_in_flight -= len(chunk)
         try:
+            self._take(future, chunk, campaign)
+        except ResidentPoolError as error:
+            if error.reason not in UNWRITABLE:
+                raise
+            if self.unwritable is None:
+                self.unwritable = error
+                raise
+            return True  # kept in the store where it has room (a full output's disk), else computed next run
+        self.settled += len(chunk)
+        self.report()
+        return True
+
+    def _take(self, future: Any, chunk: Chunk, campaign: Campaign) -> None:
+        """A finished chunk's outcome into the campaign: its results, or its failure for each of its inputs."""
+        try:
             answer = future.result()
         except ResidentPoolError as error:
             campaign.fail(chunk, error.reason, str(error))
@@ -300,9 +323,6 @@ class _FileRun:
                                                         f"({campaign.version} planned, {served} served); run again")
             else:
                 campaign.finish(chunk, answer.pop("results"), answer.pop("failed"), answer)
-        self.settled += len(chunk)
-        self.report()
-        return True
 
     def counts(self) -> dict[str, int]:
         """Inputs read, inputs with their outcome (from the store, repeats, bad ones, chunks settled), failed."""
@@ -328,10 +348,16 @@ def _screen_file(source: InputFile, output: Path, entry: FileProgress, *, store:
     try:
         file_run.run()
         written = campaign.write(fmt)
-    finally:
-        campaign.close()
+    except BaseException as error:  # the file ends short: its progress says what was done, never 100%
+        counts = file_run.counts()
+        why = error.reason if isinstance(error, ResidentPoolError) else type(error).__name__
+        progress.tally.stop(entry, why, seen=counts["seen"], done=counts["done"], failed=counts["failed"])
+        raise
+    else:
         counts = file_run.counts()
         progress.tally.finish(entry, seen=counts["seen"], done=counts["seen"], failed=counts["failed"])
+    finally:
+        campaign.close()
         progress.show(force=True)
     summary = summarize(campaign.counts, written, campaign.chunk_stats, time.monotonic() - started)
     line = {"file": str(source.path), "output": str(output), **summary, "report": None}
@@ -340,9 +366,17 @@ def _screen_file(source: InputFile, output: Path, entry: FileProgress, *, store:
                  **{k: summary[k] for k in ("inputs", "ok", "failed", "computed", "from_store", "duplicates",
                                             "chunks", "cold_starts", "throughput_inputs_per_s", "wall_s")},
                  "failure reasons": _reasons(summary["failure_reasons"])}
-        line["report"] = str(write_report(report_path(output), title=f"{title}: {source.path.name}", summary=shown,
-                                          timeline=entry.timeline.points, sample=sample,
-                                          failures=summary["failures"]))
+        try:
+            line["report"] = str(write_report(report_path(output), title=f"{title}: {source.path.name}",
+                                              summary=shown, timeline=entry.timeline.points, sample=sample,
+                                              failures=summary["failures"]))
+        except OSError as exc:
+            if exc.errno not in NO_ROOM:
+                raise
+            raise ResidentPoolError(f"{report_path(output)}: {(exc.strerror or str(exc)).lower()} while writing the "
+                                    f"report (the output {output} is complete); free space on its disk and run the "
+                                    "campaign again: it is written again from the store in seconds",
+                                    reason="disk_full", details={"path": str(report_path(output))}) from None
     return line
 
 
@@ -491,6 +525,12 @@ def screen(
                                               priority=priority))
             except InputError as error:
                 refused.append(str(error))
+            except ResidentPoolError as error:
+                if error.reason not in UNWRITABLE:
+                    raise
+                # The store's or the output's disk is full: every later file would stop the same way.
+                logger.error("%s", error)
+                return Failed(message=str(error))
     if not files:
         progress.show(force=True)  # nothing to screen is done at once; a file's end says so for it
     for problem in refused:

@@ -50,6 +50,10 @@ def isolated_dirs(monkeypatch, no_leaked_processes, request):  # the leak check 
         monkeypatch.setenv("RESIDENT_POOL_LOG_DIR", logs)
         # Campaign results too: a test must not be answered from another test's (or the user's) result store.
         monkeypatch.setenv("RESIDENT_POOL_RESULTS_DIR", os.path.join(state, "results"))
+        # Never the host's admission service (/etc/resident-pool, /run/resident-pool): `off` is what `auto` gives on
+        # a host without one, and its configuration file is the test's own (absent). A service's tests set theirs.
+        monkeypatch.setenv("RESIDENT_POOL_ADMISSION_SERVICE", "off")
+        monkeypatch.setenv("RESIDENT_POOL_ADMISSION_CONFIG", os.path.join(state, "admission.toml"))
         yield {"state": os.path.join(state, "s"), "logs": logs, "results": os.path.join(state, "results")}
         stop_pool_in(os.path.join(state, "s"))
 

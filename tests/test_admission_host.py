@@ -21,6 +21,7 @@ class FakeProcs(Procs):
     def __init__(self) -> None:
         self.live: dict[int, int] = {100: 1, 200: 1, 300: 1}  # pid: uid-less start time
         self.owners: dict[int, int] = {}
+        self.parents: dict[int, int] = {}
 
     def start_time(self, pid: int) -> int | None:
         return self.live.get(pid)
@@ -31,14 +32,17 @@ class FakeProcs(Procs):
     def alive(self, pid: int, started: int | None) -> bool:
         return pid in self.live and (started is None or self.live[pid] == started)
 
+    def parent(self, pid: int) -> int | None:
+        return self.parents.get(pid) if pid in self.live else None
+
 
 TEN_GB = (Device(0, 10.0),)
 
 
-def ledger(tmp_path, devices=TEN_GB, **config) -> tuple[HostLedger, FakeProcs]:
+def ledger(tmp_path, devices=TEN_GB, clock=None, **config) -> tuple[HostLedger, FakeProcs]:
     procs = FakeProcs()
     made = HostLedger(ServiceConfig(state_dir=tmp_path, headroom_gb=0.5, **config), lambda: (list(devices), "test"),
-                      procs)
+                      procs, **({"clock": clock} if clock is not None else {}))
     return made, procs
 
 
@@ -129,7 +133,7 @@ def test_a_pool_cannot_release_name_or_withdraw_another_pools_entries(tmp_path):
 def test_a_dead_pools_budget_is_reclaimed_once_its_workers_are_gone(tmp_path):
     host, procs = ledger(tmp_path)
     place(host, ALICE, "a[0]", 4)
-    procs.live[555], procs.owners[555] = 7, ALICE.uid
+    procs.live[555], procs.owners[555], procs.parents[555] = 7, ALICE.uid, ALICE.pid
     host.started(ALICE, {"key": "a[0]", "pid": 555})
     place(host, ALICE, "b[0]", 2)  # still loading: held by the pool's own pid
     del procs.live[100]  # the pool is killed mid-admission
@@ -137,6 +141,42 @@ def test_a_dead_pools_budget_is_reclaimed_once_its_workers_are_gone(tmp_path):
     assert [e["slug"] for e in host.status(0.0, BOB)["entries"]] == ["a"]  # its worker outlives it a while
     procs.live[555] = 8  # the pid was reused by another process: not the worker any more
     assert host.reclaim() == [] and host.status(0.0, BOB)["entries"] == []
+
+
+def test_a_booking_is_held_only_by_a_process_its_pool_started(tmp_path):
+    """Issue 31 finding 5: the service took, in `started`, any pid of the caller's own user: a 1 GB booking named
+    on a `sleep 100000` outlived its pool by more than 15 minutes."""
+    host, procs = ledger(tmp_path)
+    place(host, ALICE, "a[0]", 1)
+    procs.live[777], procs.owners[777], procs.parents[777] = 1, ALICE.uid, 1  # alice's own `sleep`, not the pool's
+    with pytest.raises(Refused, match="not a process this pool started") as info:
+        host.started(ALICE, {"key": "a[0]", "pid": 777})
+    assert info.value.reason == "not_yours"
+    procs.live[600], procs.parents[600] = 1, ALICE.pid  # a zygote the pool started
+    procs.live[601], procs.owners[601], procs.parents[601] = 1, ALICE.uid, 600  # a worker it forked
+    host.started(ALICE, {"key": "a[0]", "pid": 601})
+    assert [e["pid"] for e in host.status(0.0, ALICE)["entries"]] == [601]
+
+
+def test_a_worker_outlives_its_dead_pools_booking_by_the_orphan_grace_at_most(tmp_path):
+    """Issue 31 finding 5: a worker that never exits (a request in flight for hours, or a process that is no worker)
+    holds its dead pool's booking for orphan_grace_s, then it is given back; a fake clock."""
+    clock = [0.0]
+    host, procs = ledger(tmp_path, clock=lambda: clock[0])
+    grace = host.config.orphan_grace_s
+    place(host, ALICE, "a[0]", 1)
+    procs.live[555], procs.owners[555], procs.parents[555] = 1, ALICE.uid, ALICE.pid
+    host.started(ALICE, {"key": "a[0]", "pid": 555})
+    assert not place(host, BOB, "b[0]", 9.5)[0]["placed"]  # waits for alice's gigabyte
+    del procs.live[ALICE.pid]  # the pool is killed; its worker runs on
+    assert host.reclaim() == []
+    clock[0] += grace - 1
+    assert not place(host, BOB, "b[0]", 9.5, now=clock[0])[0]["placed"]
+    assert host.status(clock[0], BOB)["entries"][0]["orphaned_s"] == grace - 1
+    clock[0] += 2
+    assert place(host, BOB, "b[0]", 9.5, now=clock[0])[0]["placed"]
+    assert [e["user"] for e in host.status(clock[0], BOB)["entries"]] == ["bob"]
+    assert host.config.orphan_grace_s == 150  # the workers' default 120 s grace and their 30 s heartbeat
 
 
 def test_bad_input_is_refused_naming_the_field(tmp_path):

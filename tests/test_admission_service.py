@@ -11,6 +11,7 @@ import grp
 import json
 import os
 import pwd
+import select
 import shutil
 import signal
 import socket
@@ -289,6 +290,42 @@ def test_a_hostile_client_gets_errors_and_the_service_keeps_serving_pools(servic
         assert pool.predict("a1", {"action": "echo"})["pid"]
 
 
+def test_an_error_reply_never_repeats_the_clients_text(service):
+    """Issue 31 finding 2: a 65,000-byte op was repeated, escaped, in a 325 KB error reply."""
+    service.start()
+    text = "\x7f" * 60_000
+    replies = service.ask({"op": text}, {"op": "place", "key": text}, {"op": "release", "key": ["k"] * 9_000},
+                          {"op": "place", "key": "a[0]", "slug": text, "replica": 0, "need_gb": 1},
+                          {"op": "place", "key": "a[0]", "slug": "a", "replica": 0, "need_gb": 1, "priority": text})
+    assert [r["reason"] for r in replies] == ["unknown_op"] + ["bad_request"] * 4
+    assert max(len(json.dumps(r)) for r in replies) < 1024, replies
+
+
+@pytest.mark.reliability
+def test_a_booking_cannot_be_named_on_a_process_its_pool_did_not_start(service, security_row, reliability_row):
+    """Issue 31 finding 5: a 1 GB booking named on a `sleep 100000` of the same user outlived its pool by more than
+    15 minutes. The asking pool here is a process of its own; the sleep is not its child."""
+    service.start()
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        asks = [{"op": "place", "key": "a[0]", "slug": "a", "replica": 0, "need_gb": 1},
+                {"op": "started", "key": "a[0]", "pid": sleeper.pid}]
+        done = subprocess.run([sys.executable, "-c", PROBE, service.socket, json.dumps(asks)], capture_output=True,
+                              text=True, timeout=60, check=True)
+        placed, named = json.loads(done.stdout)
+        assert placed["placed"] and named.get("reason") == "not_yours", named
+        assert "not a process this pool started" in named["error"]
+        wait_until(lambda: service.ask({"op": "status"})[0]["entries"] == [], timeout=10,
+                   message="the asking pool's booking to go with it")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    security_row("a pool names its user's `sleep` as the worker holding a booking",
+                 "refused (not_yours): only a process the pool started holds it", got="nothing")
+    reliability_row("service booking named on a non-worker", "refused (not_yours); the booking went "
+                    "with its pool; a dead pool's worker holds one orphan_grace_s at most")
+
+
 # -- real users ------------------------------------------------------------------------------------------------
 OTHER_POOL = textwrap.dedent("""
     import json, sys
@@ -441,3 +478,121 @@ def test_the_pools_trust_only_a_service_run_by_root_or_its_own_user(pool_dir, ot
         server.kill()
         server.communicate()
         shutil.rmtree(fake, ignore_errors=True)
+
+
+# -- a member that does not read ---------------------------------------------------------------------------------
+FLOOD = textwrap.dedent("""
+    import json, socket, sys
+    path, pairs = sys.argv[1], int(sys.argv[2])
+    s = socket.socket(socket.AF_UNIX); s.settimeout(30); s.connect(path)
+    buf = b""
+    def ask(message):
+        global buf
+        s.sendall((json.dumps(message) + "\\n").encode())
+        while True:
+            while b"\\n" not in buf:
+                chunk = s.recv(65536)
+                if not chunk:
+                    raise SystemExit("the service closed the connection")
+                buf += chunk
+            line, buf = buf.split(b"\\n", 1)
+            reply = json.loads(line)
+            if "push" not in reply:
+                return reply
+    for n in range(pairs):
+        ask({"op": "place", "id": n, "key": "x[0]", "slug": "x", "replica": 0, "need_gb": 1})
+        ask({"op": "withdraw", "id": n, "key": "x[0]"})
+    print("done", flush=True)
+""")
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no Threads line for pid {pid}")
+
+
+def _never_read(sock: socket.socket, within_s: float = 60.0) -> bool:
+    """Pipeline requests on ``sock`` and never read a reply: True once the service drops it, False once it stops
+    reading them (a send blocked for 5 s) or ``within_s`` passed."""
+    # 65,000 bytes of DEL: its reply once repeated it, escaped to 325 KB, more than the socket holds unread.
+    huge = json.dumps({"op": "\x7f" * 65_000, "id": 3}, ensure_ascii=False).encode() + b"\n"
+    hellos = b"".join(json.dumps({"op": "hello", "id": n}).encode() + b"\n" for n in range(100))
+    sock.setblocking(False)
+    pending, blocked_since, deadline = huge, None, time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        pending = pending or hellos  # whole lines only: a torn one would be refused for its size instead
+        try:
+            pending = pending[sock.send(pending):]
+            blocked_since = None
+        except BlockingIOError:
+            blocked_since = blocked_since or time.monotonic()
+            if time.monotonic() - blocked_since > 5:
+                return False
+            select.select([], [sock], [], 0.1)
+        except (BrokenPipeError, ConnectionResetError):
+            return True
+    return False
+
+
+def _answered(user: OtherUser, path: str) -> bool:
+    probe = user.run(PROBE, path, json.dumps([{"op": "hello"}]))
+    out, _ = probe.communicate(timeout=30)
+    return bool(out.strip()) and json.loads(out)[0].get("ok") is True
+
+
+@pytest.mark.reliability
+def test_a_member_who_never_reads_is_dropped_and_cannot_grow_the_services_threads_or_starve_another_user(
+        other, service, reliability_row, security_row):
+    """Issue 31 finding 2: a 65,000-byte op's error reply repeated it (325 KB) to a client that never read, its send
+    blocked for ever, and each wake for that pool started a thread waiting behind it (300 place/withdraw pairs: 4 to
+    305 threads; under a task limit the service died). Here: one connection pipelines requests it never reads, 14
+    more sit open (this user's 16 in all, with the flood's), another process of this user makes 600 place/withdraw
+    pairs that wake the silent one, and another user is answered throughout."""
+    from resident_pool.admission.config import ServiceConfig
+
+    service.start()
+    limits = ServiceConfig()  # the defaults a user gets
+    started = _threads(service.proc.pid)
+    silent = socket.socket(socket.AF_UNIX)
+    silent.connect(service.socket)
+    idle = []
+    flood = None
+    try:
+        send_line(silent, {"op": "place", "id": 1, "key": "fill[0]", "slug": "fill", "replica": 0, "need_gb": 10})
+        send_line(silent, {"op": "place", "id": 2, "key": "wait[0]", "slug": "wait", "replica": 0, "need_gb": 5})
+        for _ in range(limits.max_connections_per_user - 2):
+            idle.append(socket.socket(socket.AF_UNIX))
+            idle[-1].connect(service.socket)
+        dropped = _never_read(silent)
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD, service.socket, "600"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        most = started
+        while flood.poll() is None:
+            most = max(most, _threads(service.proc.pid))
+            assert _answered(other, service.socket), "another user was not answered while the flood ran"
+        out, err = flood.communicate(timeout=60)
+        assert flood.returncode == 0 and "done" in out, err
+        most = max(most, _threads(service.proc.pid))
+        assert most <= 8 + limits.max_connections, f"the service grew to {most} threads (from {started})"
+        assert service.proc.poll() is None and os.path.exists(service.socket)
+        assert dropped, "the service kept a connection that never read its replies (and stopped reading it)"
+        said = service.ask({"op": "status"})[0]
+        assert [a["slug"] for a in said["line"]] == []
+        # The pool comes back: its request, asked again, says why it had left the line.
+        (again,) = service.ask({"op": "place", "key": "wait[0]", "slug": "wait", "replica": 0, "need_gb": 5})
+        assert not again["placed"] and "dropped" in again["why"] and "did not read" in again["why"], again
+        assert len(json.dumps(again)) < 4096
+    finally:
+        if flood is not None and flood.poll() is None:
+            flood.kill()
+            flood.communicate()
+        silent.close()
+        for sock in idle:
+            sock.close()
+    reliability_row("admission service: a member never reads",
+                    "dropped, its waiting request told why; another user answered throughout",
+                    threads_most=most, threads_start=started)
+    security_row("a group member floods the admission service and never reads",
+                 "dropped; service threads bounded, other users answered", got="nothing")

@@ -7,6 +7,7 @@ computed to $EMBEDDER_COUNT, so "computes only what is new" is counted at the mo
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import json
 import os
@@ -1140,3 +1141,76 @@ def test_a_slow_first_chunk_holds_the_reader_back_at_the_backlog_lowered_to_3000
     campaign.close()
     store.close()
     assert [r["index"] for r in _records(tmp_path / "out.jsonl")] == list(range(20_000))
+
+
+SMALL_DISK = 'mount -t tmpfs -o size=96k tmpfs "$SMALL" && exec "$@"'
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("full", ["output", "store"])
+def test_a_full_disk_ends_the_run_with_a_sentence_naming_the_file_and_the_fix_and_nothing_is_lost(
+        pool_dir, embedder, tmp_path, full, reliability_row):
+    """Issue 31 finding 11: a campaign whose store or output filled its disk ended with `OperationalError: database
+    or disk is full` or `OSError: [Errno 28]` and a traceback naming no file, and its progress said 100% of what it
+    had read. A 96 KB filesystem of its own (tmpfs, in a mount namespace of the run's own: nothing of the host's is
+    mounted) holds the output or the store."""
+    from prefect.settings import PREFECT_API_URL
+
+    if os.getuid() != 0 or subprocess.run(["unshare", "--mount", "true"], capture_output=True,
+                                          check=False).returncode != 0:
+        pytest.skip("needs root and a mount namespace to give the run a small filesystem of its own")
+    small = tmp_path / "small"
+    small.mkdir()
+    inputs = tmp_path / "in.fasta"
+    inputs.write_text("".join(f">s{n}\n{text}\n" for n, text in enumerate(_texts(3000))))
+    output = (small if full == "output" else tmp_path) / "out.jsonl"
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "SMALL": str(small)}
+    if full == "store":
+        env["RESIDENT_POOL_RESULTS_DIR"] = str(small / "results")
+    argv = [sys.executable, str(ROOT / "flows" / "screen.py"), "--input", str(inputs), "--provider", "embedder",
+            "--manifests", str(pool_dir), "--output", str(output), "--chunk-size", "100", "--no-report"]
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", SMALL_DISK, "sh", *argv],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    said = done.stdout + done.stderr
+    assert done.returncode == 1, said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
+    named = str(output) if full == "output" else str(small / "results" / "embedder.sqlite3")
+    error = said[said.index("error: "):]
+    assert named in error and "no space left" in error and "free space" in error, error
+    progress = [line for line in said.splitlines() if "inputs done (" in line]
+    assert progress and not [line for line in progress if "(100.0%)" in line], progress
+    assert "3,000 inputs" in progress[-1] and "stopped" in progress[-1], progress[-1]
+    if full == "store":  # it went with its filesystem: the next run computes everything again, nothing to see
+        reliability_row("campaign's store fills its disk", "one sentence naming the store and the fix; progress "
+                        "short of 100%")
+        return
+    # Space freed (the same run on a roomy disk): every input is written exactly once; what was stored is kept.
+    with contextlib.closing(sqlite3.connect(Path(os.environ["RESIDENT_POOL_RESULTS_DIR"]) / "embedder.sqlite3")) \
+            as kept:
+        stored = kept.execute("SELECT count(*) FROM results").fetchone()[0]
+    before = embedder()
+    again = _state(pool_dir, input=str(inputs), output=str(tmp_path / "again.jsonl"), chunk_size=100, report=False)
+    assert again.message == "3000 ok, 0 failed"
+    assert sorted(r["index"] for r in _records(tmp_path / "again.jsonl")) == list(range(3000))
+    assert stored > 0 and embedder() - before == 3000 - stored  # what the first run stored is not computed again
+    reliability_row("campaign's output fills its disk", "one sentence naming the output and the fix; progress short "
+                    "of 100%; the re-run wrote every input once")
+
+
+def test_a_report_its_disk_has_no_room_for_ends_the_run_naming_it_and_the_output_is_whole(pool_dir, embedder,
+                                                                                         tmp_path, monkeypatch):
+    """Issue 31 finding 11, the report beside the output: its write failing for room is the same sentence."""
+    import errno
+
+    import screen
+
+    def full(path, **_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(screen, "write_report", full)
+    inputs = _jsonl(tmp_path / "in.jsonl", _texts(10))
+    state = _state(pool_dir, input=str(inputs), output=str(tmp_path / "out.jsonl"))
+    assert state.is_failed()
+    assert state.message.startswith(f"{tmp_path / 'out.jsonl'}.report.html: no space left on device while writing "
+                                     "the report"), state.message
+    assert len(_records(tmp_path / "out.jsonl")) == 10

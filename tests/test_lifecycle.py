@@ -610,3 +610,34 @@ def test_a_subprocess_mode_worker_serves_one_lease_and_is_never_handed_out_again
     reliability_row("subprocess-mode requests back to back", "a fresh worker for each one")
 
 
+
+
+def test_the_next_pool_asks_a_killed_pools_idle_gpu_worker_to_exit_instead_of_waiting_out_its_orphan_grace(
+        pool_dir, isolated_dirs, monkeypatch, reliability_row):
+    """Issue 31 finding 13: after a pool SIGKILL, a GPU provider's first call waited about 120 s (orphan_grace_s)
+    for the dead pool's idle worker to leave the ledger. The next pool asks it to exit at its start (it is this
+    user's, and no client reaches it but through a pool); the defaults are kept, 120 s grace included."""
+    monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")
+    write_provider(pool_dir, "g8", '[gpu]\npolicy = "required"\nvram_budget_gb = 8\n')
+    ask = "from resident_pool import Pool; print(Pool().predict('g8', {'action': 'echo'})['pid'], flush=True)"
+    first = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, timeout=120, check=True)
+    orphan = int(first.stdout)
+    dead = _pool_pid(isolated_dirs)
+    os.kill(dead, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(dead), timeout=10, message="the killed pool to be gone")
+    second = subprocess.Popen([sys.executable, "-c", ask], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: not pid_alive(orphan), timeout=30,
+                   message="the killed pool's idle worker to exit (its orphan grace is 120 s)")
+        out, err = second.communicate(timeout=60)
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.communicate()
+        if pid_alive(orphan):
+            os.kill(orphan, signal.SIGKILL)
+    assert second.returncode == 0, err
+    assert int(out) != orphan  # served by the new pool's own worker, in the 8 GB the orphan gave back
+    assert "asked pid" in Path(isolated_dirs["logs"], "pool.log").read_text()
+    reliability_row("pool SIGKILL, then a GPU call needs its memory",
+                    "the next pool asked the orphan to exit at once; served without the 120 s orphan grace")

@@ -159,3 +159,22 @@ def test_a_small_gzip_inputs_progress_is_an_estimate_within_20_points_of_the_inp
     worst = max(shown, key=lambda pair: abs(pair[1] - pair[0] / 20))
     assert abs(worst[1] - worst[0] / 20) < 20, (f"{worst[0]} of 2,000 inputs done ({worst[0] / 20:.1f} %) was shown "
                                                f"as {worst[1]} %; every update: {shown}")
+
+
+def test_a_file_that_stops_short_leaves_the_campaign_short_of_100_and_its_line_says_why():
+    """Issue 31 finding 11: a campaign whose disk filled logged "15,379 of 15,379 inputs done (100.0%)" for a
+    24,000-record file: the file was counted done with what had been read."""
+    clock = Clock()
+    progress = Progress(clock)
+    entry = progress.add_file("a.fasta", 24_000, 1_000_000)
+    later = progress.add_file("b.fasta", 100, 5_000)
+    progress.begin(entry)
+    clock.now += 10
+    progress.update(entry, seen=15_379, done=15_000, failed=0, fraction_read=0.64)
+    progress.stop(entry, "disk_full", seen=15_379, done=15_000, failed=0)
+    line = progress.line()
+    assert progress.percent() < 100 and line.startswith("15,000 of 24,100 inputs done (62.2%)"), line
+    assert "1 file stopped short (disk_full)" in line and "ETA" in line  # b.fasta is still to come
+    progress.begin(later)
+    progress.finish(later, seen=100, done=100, failed=0)
+    assert progress.percent() < 100 and "ETA" not in progress.line()  # nothing runs, and it never reached 100

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -47,3 +48,19 @@ def test_modules_other_than_settings_and_the_worker_side_do_not_read_the_environ
             continue
         readers += [f"{path.name}: {line.strip()}" for line in path.read_text().splitlines() if READ.search(line)]
     assert readers == []
+
+
+HOST_FOLDERS = ("/etc/resident-pool", "/run/resident-pool", "/var/lib/resident-pool")
+
+
+def test_every_test_runs_with_admission_settings_of_its_own_never_the_hosts(isolated_dirs):
+    """Issue 31 finding 7: with /etc/resident-pool/admission.toml and a service on /run/resident-pool on the host,
+    26 tests failed ("the admission service socket ... is served by uid 999"): the suite read the host's
+    configuration. Each test's settings name its own files (the conftest's), whatever the host has."""
+    from resident_pool.admission.remote import service_socket
+
+    config = settings()
+    assert service_socket(config) is None  # this user's own ledger, as on a host without the service
+    assert Path(isolated_dirs["state"]).parent in config.admission_config.parents
+    named = {name: value for name, value in os.environ.items() if name.startswith("RESIDENT_POOL_")}
+    assert not {name for name, value in named.items() if any(folder in value for folder in HOST_FOLDERS)}, named

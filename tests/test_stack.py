@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -91,8 +92,9 @@ def _logs(folder: Path) -> str:
     return "".join(f"\n--- {log.name}\n{log.read_text()[-3000:]}" for log in sorted(folder.glob("*.log")))
 
 
+@pytest.mark.reliability  # `make reliability` prints its rows: the routes open without the auth string among them
 def test_the_stack_refuses_every_request_without_its_auth_string_and_every_job_variable_that_runs_code(
-        stack, other_user, tmp_path, security_row):
+        stack, other_user, tmp_path, security_row, reliability_row):
     folder, port = stack["folder"], stack["port"]
     auth_file = folder / "auth"
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(auth_file.stat().st_mode) == 0o600
@@ -121,6 +123,9 @@ def test_the_stack_refuses_every_request_without_its_auth_string_and_every_job_v
                           str(auth_file)], capture_output=True, text=True, timeout=30, check=False)
     assert cat.returncode != 0 and auth not in cat.stdout
     assert Api(port, "resident-pool:guessed").call("POST", "/deployments/filter", {})[0] == 401
+    documented, answered = _documented_open_routes(), _open_routes(port)
+    assert answered == documented, f"answered without the auth string: {sorted(answered)}; docs/security.md " \
+        f"lists {sorted(documented)}"
 
     # With the auth string: no job variable that runs code, on the work pool or on a flow run.
     code, pool = user.call("GET", f"/work_pools/{stack['pool']}")
@@ -147,6 +152,42 @@ def test_the_stack_refuses_every_request_without_its_auth_string_and_every_job_v
                  "command, env or working_dir, or input=/etc/passwd",
                  "401 without the auth string (0600, its folder 0700); 422 for every such variable; the "
                  "path refused naming RESIDENT_POOL_INPUT_ROOT")
+    security_row("another local user calls every route of the stack's API without the auth string",
+                 f"401 but the {len(documented)} routes docs/security.md lists", got="health, the UI, the schema")
+    reliability_row("stack routes called without the auth string", f"401 but the {len(documented)} routes "
+                    "docs/security.md lists (checked against the server's own list)")
+
+
+def _documented_open_routes() -> set[str]:
+    """The routes docs/security.md says answer without the auth string: its table's `GET /path` cells."""
+    text = (ROOT / "docs" / "security.md").read_text()
+    if "exactly these routes answer" not in text:
+        return set()  # the manual lists none: every request without the auth string must then get 401
+    table = text.split("exactly these routes answer", 1)[1].split("\n\n", 2)[1]
+    return set(re.findall(r"^\| `([A-Z]+ /[^`]*)` \|", table, re.M))
+
+
+def _open_routes(port: int) -> set[str]:
+    """Every route of the real server that answers a request without the auth string (anything but a 401): each of
+    the API's (from its schema), with made-up ids, and the server's own pages."""
+    def status(method: str, path: str) -> int:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
+                                         data=b"{}" if method in ("POST", "PUT", "PATCH") else None,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            return error.code
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/openapi.json", timeout=30) as response:
+        schema = json.loads(response.read())
+    routes = [(method.upper(), "/api" + path) for path, methods in schema["paths"].items() for method in methods]
+    routes += [("GET", path) for path in ("/", "/ui-settings", "/docs", "/redoc", "/openapi.json")]
+    assert len(routes) > 100, routes  # the whole API, not a schema that lists nothing
+    made_up = str(uuid.uuid4())
+    return {f"{method} {path}" for method, path in routes
+            if status(method, re.sub(r"\{[^}]*\}", made_up, path)) != 401}
 
 
 SQUATTER = textwrap.dedent("""

@@ -113,3 +113,79 @@ def test_a_tests_folders_go_when_it_passed_and_stay_when_it_failed_even_in_teard
     finally:
         for name, folder in said.items():  # a state folder is the "s" inside the one made
             shutil.rmtree(Path(folder).parent if name.endswith("STATE") else Path(folder), ignore_errors=True)
+
+
+HOST_CONFIGURED = """
+from providers import write_provider
+from resident_pool import Pool
+
+def test_a_gpu_provider_is_served_through_this_users_own_ledger(pool_dir, monkeypatch):
+    monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")
+    write_provider(pool_dir, "g1", '[gpu]\\npolicy = "required"\\nvram_budget_gb = 1\\n')
+    with Pool() as pool:
+        assert pool.predict("g1", {"action": "echo"})["pid"]
+        assert pool.status()["admission"]["mode"] == "per-user ledger"
+"""
+
+# In a mount namespace of its own: /etc and /run are overlays (their changes vanish with the namespace), the host's
+# admission configuration is written there, and another user (nobody) serves the socket it names.
+HOST_SERVICE = r"""
+set -e
+mount -t tmpfs tmpfs "$SCRATCH"
+for top in etc run; do
+    mkdir "$SCRATCH/$top-up" "$SCRATCH/$top-work"
+    mount -t overlay overlay -o "lowerdir=/$top,upperdir=$SCRATCH/$top-up,workdir=$SCRATCH/$top-work" "/$top"
+done
+mkdir -p /etc/resident-pool /run/resident-pool
+chmod 0777 /run/resident-pool
+printf 'socket = "/run/resident-pool/admission.sock"\ngroup = "nogroup"\n' > /etc/resident-pool/admission.toml
+setpriv --reuid=nobody --regid=nogroup --clear-groups /usr/bin/python3 -c '
+import os, socket, time
+s = socket.socket(socket.AF_UNIX); s.bind("/run/resident-pool/admission.sock")
+os.chmod("/run/resident-pool/admission.sock", 0o777); s.listen()
+deadline = time.monotonic() + 300
+while time.monotonic() < deadline and os.getppid() != 1:
+    s.settimeout(1)
+    try:
+        s.accept()[0].close()
+    except OSError:
+        pass
+' &
+served=$!
+while [ ! -S /run/resident-pool/admission.sock ]; do sleep 0.05; done
+set +e
+"$@"
+rc=$?
+kill $served
+wait $served
+exit $rc
+"""
+
+
+@pytest.mark.reliability
+def test_the_suite_passes_on_a_host_with_the_admission_service_of_another_user(tmp_path, reliability_row):
+    """Issue 31 finding 7: `make test-fast` failed 26 tests on a host with /etc/resident-pool/admission.toml and a
+    live service of another user. Here, in a private mount namespace (nothing of the host's is changed), a pool test
+    runs with both in place and passes: the suite's own settings, not the host's."""
+    if os.getuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"):
+        pytest.skip("needs root, unshare and setpriv to give the host an admission service in a namespace of its own")
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                            f"mount -t tmpfs tmpfs {tmp_path}"], capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"no mount namespace can be made here: {probe.stderr.strip()}")
+    host = [os.path.exists(f) for f in ("/etc/resident-pool", "/run/resident-pool")]
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (tmp_path / "test_host_configured.py").write_text(HOST_CONFIGURED)
+    env = {**os.environ, "SCRATCH": str(scratch),
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", HOST_SERVICE, "sh",
+                           sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-v",
+                           "-o", "addopts=", "--rootdir", str(tmp_path), str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "1 passed" in done.stdout
+    assert [os.path.exists(f) for f in ("/etc/resident-pool", "/run/resident-pool")] == host  # untouched
+    reliability_row("host's admission config and service present", "the suite's pool test passes on "
+                    "its own settings (mount namespace; host untouched)")

@@ -67,6 +67,9 @@ class ServiceConfig(BaseModel):
     max_connections: int = Field(256, ge=1, description="connections served at once")
     max_connections_per_user: int = Field(16, ge=1, description="one user's connections at once")
     max_asks_per_pool: int = Field(256, ge=1, description="requests one pool may have waiting")
+    orphan_grace_s: float = Field(150.0, gt=0, description="how long a worker's booking outlives its pool: the "
+                                  "workers' default orphan_grace_s (120 s) and the 30 s their pool's heartbeat takes "
+                                  "to go stale; past it the booking is given back")
     default: Limits = Field(Limits(), description="every user not named under [users]")
     users: dict[str, Limits] = Field(default_factory=dict, description="a user's own limits; each field left out "
                                      "is [default]'s")

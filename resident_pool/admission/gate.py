@@ -18,8 +18,11 @@ from typing import Any
 
 from .. import priority as order
 from ..errors import AdmissionRefused, AdmissionTimeout, ResidentPoolError
+from ..host.procs import pid_alive
 from .devices import Device, read_devices, rooms
 from .ledger import Ledger
+from .orphans import WAITS as ORPHAN_WAITS
+from .orphans import Orphans
 
 __all__ = ["Admission", "Placement"]
 
@@ -58,9 +61,11 @@ class Admission:
         headroom_gb: float | None = None,
         holder_of: Callable[[str, int], str | None] | None = None,
         service: Any = None,
+        orphans: Orphans | None = None,
     ) -> None:
         """``holder_of(slug, replica)`` names who holds a worker (a flow run), for a wait's report; ``service``:
-        a ``remote.ServiceClient``, when the host admission service is in force."""
+        a ``remote.ServiceClient``, when the host admission service is in force; ``orphans``: a previous pool's
+        workers this pool asks to exit, whose state a wait's report says."""
         from ..settings import settings
 
         self.ledger = ledger
@@ -68,6 +73,7 @@ class Admission:
         self.headroom_gb = settings().gpu_headroom_gb if headroom_gb is None else headroom_gb
         self.holder_of = holder_of
         self.service = service
+        self.orphans = orphans
         self._cv = threading.Condition()
         self._queue: list[_Waiter] = []  # standalone workers waiting in this process
 
@@ -200,10 +206,19 @@ class Admission:
         }
 
     def _held_for(self, entry: dict[str, Any]) -> str:
-        if entry.get("user") is not None:
-            return ""  # another user's pool: who holds it there is theirs to say
+        """Who holds ``entry``, said after it: a flow run of this pool, or a worker whose pool is gone and what it
+        does now (a wait for it ends when it exits, not when a holder lets go)."""
+        if entry.get("user") is not None:  # the host service's: another user's holder is theirs to say
+            gone = entry.get("orphaned_s")
+            return f", its pool gone {gone:.0f} s: {self._orphan_words(entry['pid'])}" if gone is not None else ""
+        owner = entry.get("owner")
+        if isinstance(owner, int) and owner != os.getpid() and not pid_alive(owner):
+            return f", a worker of pool {owner}, which is gone: {self._orphan_words(entry['pid'])}"
         holder = self.holder_of(entry["slug"], entry["replica"]) if self.holder_of is not None else None
         return f" for {holder}" if holder else ""
+
+    def _orphan_words(self, pid: int) -> str:
+        return self.orphans.says(pid) if self.orphans is not None else ORPHAN_WAITS
 
     def timeout_error(self, slug: str, need_gb: float, waited_s: float, ahead: list[str] | None = None
                       ) -> AdmissionTimeout:

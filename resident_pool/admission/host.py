@@ -14,6 +14,7 @@ service (``service.py``) calls these methods under one lock and sends what they 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -23,17 +24,20 @@ from pathlib import Path
 from typing import Any
 
 from .. import priority as order
+from ..host.lines import shown
 from ..messages import SLUG
 from .config import Limits, ServiceConfig
 from .devices import Device, rooms
 
 __all__ = ["Entry", "HostLedger", "Peer", "Procs", "Refused"]
 
+log = logging.getLogger("resident_pool.admission")
 KEY = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}(~[a-z0-9][a-z0-9_-]{0,39})?\[\d{1,4}\]")
 RECALL_AGAIN_S = 5.0  # a recall not yet answered is said again this often (a push may be lost with its connection)
 # A pool tries its waiting request again every tick (0.25 s) and on every wake: one not heard of this long is
 # dropped from the line, so a stopped (SIGSTOP) or wedged pool's request cannot hold the head of it for ever.
 STALE_S = 10.0
+_MAX_DEPTH = 32  # a worker is the pool's child, or its zygote's: never this deep
 Push = tuple[tuple[int, int], dict[str, Any]]  # (uid, pool pid): the message
 
 
@@ -90,6 +94,13 @@ class Procs:
         now = self.start_time(pid)
         return now is not None and (started is None or now == started)
 
+    def parent(self, pid: int) -> int | None:
+        fields = self._stat(pid)
+        try:
+            return int(fields[1]) if fields else None
+        except (ValueError, IndexError):
+            return None
+
 
 @dataclass
 class Entry:
@@ -111,15 +122,19 @@ class Entry:
     since: float = field(default_factory=time.time)
     recalled_at: float | None = None  # when its pool was asked to give it back (monotonic)
     loaded: bool = False  # its worker answered: NVML's free memory shows it (``devices.rooms``)
+    pool_start: int | None = None  # the pool's start time: tells the pool from a process that took its pid
+    orphaned_at: float | None = None  # monotonic: when its pool was first seen gone, its worker running on
 
     @property
     def owner(self) -> tuple[int, int, str]:
         return (self.uid, self.pool, self.key)
 
-    def public(self) -> dict[str, Any]:
+    def public(self, now: float | None = None) -> dict[str, Any]:
+        """What any pool may read of it; ``orphaned_s``: how long its pool has been gone (None: it is not)."""
+        orphaned = None if self.orphaned_at is None or now is None else round(now - self.orphaned_at, 3)
         return {"user": self.user, "slug": self.slug, "replica": self.replica, "device": self.device,
                 "budget_gb": self.budget_gb, "pid": self.pid, "priority": self.priority,
-                "backfilled": self.backfilled, "since": self.since, "loaded": self.loaded}
+                "backfilled": self.backfilled, "since": self.since, "loaded": self.loaded, "orphaned_s": orphaned}
 
 
 @dataclass(eq=False)
@@ -154,10 +169,11 @@ class HostLedger:
     """Every user's budgets on this host, the line of those waiting, and the rules that place them."""
 
     def __init__(self, config: ServiceConfig, devices: Callable[[], tuple[list[Device], str]],
-                 procs: Procs | None = None) -> None:
+                 procs: Procs | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.devices = devices
         self.procs = procs or Procs()
+        self.clock = clock  # for the orphan grace; a test's own
         self.entries: dict[tuple[int, int, str], Entry] = {}
         self.asks: dict[tuple[int, int, str], Ask] = {}
         self.state_path = Path(config.state_dir) / "admission-ledger.json"
@@ -173,7 +189,8 @@ class HostLedger:
             return  # a torn file from a crash: the workers' pids are gone or will be reclaimed by NVML's reading
         for item in raw if isinstance(raw, list) else []:
             try:
-                entry = Entry(**{**item, "groups": tuple(item.get("groups", ())), "recalled_at": None})
+                entry = Entry(**{**item, "groups": tuple(item.get("groups", ())), "recalled_at": None,
+                                 "orphaned_at": None})
             except TypeError:
                 continue
             self.entries[entry.owner] = entry
@@ -183,7 +200,8 @@ class HostLedger:
         folder = self.state_path.parent
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         temp = folder / f".admission-ledger.{os.getpid()}"
-        temp.write_text(json.dumps([{**asdict(e), "recalled_at": None} for e in self.entries.values()]))
+        temp.write_text(json.dumps([{**asdict(e), "recalled_at": None, "orphaned_at": None}
+                                    for e in self.entries.values()]))
         os.chmod(temp, 0o600)
         os.replace(temp, self.state_path)
         if self.config.audit is not None:
@@ -348,8 +366,9 @@ class HostLedger:
         return self._book(peer, ask, where, backfilled=bool(fields.get("backfill")) or head is not ask), pushes
 
     def _book(self, peer: Peer, ask: Ask, device: int, backfilled: bool) -> dict[str, Any]:
+        started = self.procs.start_time(peer.pid)
         entry = Entry(peer.uid, peer.user, peer.groups, peer.pid, ask.key, ask.slug, ask.replica, device, ask.need_gb,
-                      peer.pid, self.procs.start_time(peer.pid), ask.priority, backfilled)
+                      peer.pid, started, ask.priority, backfilled, pool_start=started)
         self.entries[entry.owner] = entry
         self._saved()
         return {"placed": True, "device": device, "backfilled": backfilled, "priority": ask.priority}
@@ -381,20 +400,37 @@ class HostLedger:
         return self._wake(peer)
 
     def started(self, peer: Peer, fields: dict[str, Any]) -> None:
-        """The worker runs: its pid holds the entry now (so it outlives a dead pool). Only a pid of the asker's own
-        user is taken: naming another user's process (or pid 1) would keep a budget held for ever."""
+        """The worker runs: its pid holds the entry now (so it outlives a dead pool, by the orphan grace at most).
+        Only a process the pool started (its child, or a zygote's) is taken: naming another process of its user
+        (a `sleep`), another user's, or pid 1 would keep a budget held past its pool."""
         key = _key(fields.get("key"))
         pid = fields.get("pid")
         entry = self.entries.get((peer.uid, peer.pid, key))
         if entry is None:
             raise Refused(f"no entry {key} of this pool to name a worker for", reason="not_yours")
         if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
-            raise Refused(f"started needs the worker's pid, not {pid!r}")
+            raise Refused(f"started needs the worker's pid, not {shown(pid)}")
         if self.procs.owner(pid) != peer.uid:
             raise Refused(f"pid {pid} is not a process of user {peer.user}: an entry is held only by its own "
                           "worker", reason="not_yours")
+        if not self._started_by(pid, peer.pid):
+            raise Refused(f"pid {pid} is not a process this pool started: an entry is held only by its own worker",
+                          reason="not_yours")
         entry.pid, entry.pid_start = pid, self.procs.start_time(pid)
         self._saved()
+
+    def _started_by(self, pid: int, pool: int) -> bool:
+        """Whether ``pid`` is ``pool`` or descends from it (a worker it spawned, or one its zygote forked)."""
+        for _ in range(_MAX_DEPTH):
+            if pid == pool:
+                return True
+            if pid <= 1:
+                return False
+            parent = self.procs.parent(pid)
+            if parent is None:
+                return False
+            pid = parent
+        return False
 
     def loaded(self, peer: Peer, fields: dict[str, Any]) -> None:
         """The pool's worker answered (its model is loaded): NVML's free memory shows its budget from now on."""
@@ -413,8 +449,22 @@ class HostLedger:
         return self.reclaim() + self._wake(peer)
 
     def reclaim(self) -> list[Push]:
-        """Entries whose process is gone (a dead pool, a worker that exited) are given back."""
-        dead = [o for o, e in self.entries.items() if not self.procs.alive(e.pid, e.pid_start)]
+        """Entries whose process is gone (a dead pool, a worker that exited) are given back, and so are those whose
+        pool has been gone for ``orphan_grace_s`` while their worker runs on: a worker retires by then (its orphan
+        watchdog), and one that does not (a request in flight for hours) is seen only through NVML's free memory."""
+        now = self.clock()
+        dead = []
+        for owner, entry in self.entries.items():
+            if not self.procs.alive(entry.pid, entry.pid_start):
+                dead.append(owner)
+            elif entry.pid != entry.pool and not self.procs.alive(entry.pool, entry.pool_start):
+                if entry.orphaned_at is None:
+                    entry.orphaned_at = now
+                elif now - entry.orphaned_at >= self.config.orphan_grace_s:
+                    log.warning("%s's %s (pid %d) outlived its pool by %g s (orphan_grace_s): its %g GB booking is "
+                                "given back", entry.user, entry.key, entry.pid, self.config.orphan_grace_s,
+                                entry.budget_gb)
+                    dead.append(owner)
         for owner in dead:
             del self.entries[owner]
         if not dead:
@@ -451,13 +501,13 @@ class HostLedger:
                             "age_s": round(now - ask.arrived, 3), "needs_gb": ask.need_gb})
         over = [{"user": a.peer.user, "slug": a.slug, "needs_gb": a.need_gb, "why": self._over(a.peer, a.need_gb)}
                 for a in self.asks.values() if a not in line]
-        return {"entries": [e.public() for e in self.entries.values()], "line": waiting, "over_quota": over,
+        return {"entries": [e.public(now) for e in self.entries.values()], "line": waiting, "over_quota": over,
                 "free": free, "you": self.hello(peer)}
 
 
 def _key(value: Any) -> str:
     if not isinstance(value, str) or not KEY.fullmatch(value):
-        raise Refused(f"key {value!r} is not a worker's name (slug[replica])")
+        raise Refused(f"key {shown(value)} is not a worker's name (slug[replica])")
     return value
 
 
@@ -466,13 +516,13 @@ def _place_fields(fields: dict[str, Any]) -> tuple[str, str, int, float, int | N
     slug, replica, need = fields.get("slug"), fields.get("replica"), fields.get("need_gb")
     device, asked = fields.get("device"), fields.get("priority", order.DEFAULT)
     if not isinstance(slug, str) or not SLUG.fullmatch(slug.split("~")[0]):
-        raise Refused(f"slug {slug!r} is not a provider's name")
+        raise Refused(f"slug {shown(slug)} is not a provider's name")
     if not isinstance(replica, int) or isinstance(replica, bool) or not 0 <= replica < 10_000:
-        raise Refused(f"replica {replica!r} is not a replica number")
+        raise Refused(f"replica {shown(replica)} is not a replica number")
     if not isinstance(need, int | float) or isinstance(need, bool) or not 0 < need <= 100_000:
-        raise Refused(f"need_gb {need!r} is not a GPU budget in GB")
+        raise Refused(f"need_gb {shown(need)} is not a GPU budget in GB")
     if device is not None and (not isinstance(device, int) or isinstance(device, bool) or device < 0):
-        raise Refused(f"device {device!r} is not a device number")
+        raise Refused(f"device {shown(device)} is not a device number")
     if not order.is_class(asked):
-        raise Refused(f"priority {asked!r} is not a class: one of {', '.join(order.CLASSES)}")
+        raise Refused(f"priority {shown(asked)} is not a class: one of {', '.join(order.CLASSES)}")
     return key, slug, replica, float(need), device, asked, bool(fields.get("once"))

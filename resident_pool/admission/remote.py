@@ -15,7 +15,6 @@ import os
 import pwd
 import queue
 import socket
-import struct
 import threading
 import tomllib
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AdmissionRefused, ResidentPoolError
+from ..host.lines import peer_credentials
 from ..protocol import ProtocolError, recv_line, send_line
 from ..settings import Settings
 from .devices import Device
@@ -68,12 +68,6 @@ def _configured_socket(path: Path) -> str | None:
     except tomllib.TOMLDecodeError:
         return DEFAULT_SOCKET
     return named if isinstance(named, str) and named else DEFAULT_SOCKET
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of an AF_UNIX socket, as the kernel says."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", raw)
 
 
 def _trusted_uids(config: Settings) -> set[int]:

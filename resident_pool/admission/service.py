@@ -2,10 +2,12 @@
 
 It serves ``host.HostLedger`` on a socket of mode 0660 owned by the configured group (users
 not in it cannot connect), names each asking pool by the kernel's peer credentials, and keeps
-the ledger in its state folder across restarts. One thread per connection reads requests; one
-lock guards the ledger; pushes (``wake``, ``recall``) go out on a thread of their own, never
-blocking on a pool that does not read. Hostile input gets an error reply and, past the line
-cap, a closed connection; no message can name another user or another pool.
+the ledger in its state folder across restarts. One thread does everything, through
+``host.lines.LineServer``: it never blocks on a pool, so a member that stops reading (or never
+reads) holds nothing but its own connection, which is dropped once its replies wait too long
+or too many; its waiting requests leave the line, and say why when its pool asks again.
+Hostile input gets a short error reply (never the input repeated) and, past the line cap, a
+closed connection; no message can name another user or another pool.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import grp
 import logging
 import os
 import pwd
-import select
 import signal
 import socket
 import threading
@@ -24,17 +25,18 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ResidentPoolError
-from ..protocol import ProtocolError, bind_unix, recv_line, send_line
+from ..host.lines import Line, LineServer, shown
+from ..protocol import ProtocolError, bind_unix
 from .config import ServiceConfig
 from .devices import Device, devices_from
 from .host import HostLedger, Peer, Procs, Push, Refused
-from .remote import LINE_BYTES, peer_credentials
+from .remote import LINE_BYTES
 
 __all__ = ["AdmissionService"]
 
 log = logging.getLogger("resident_pool.admission")
-SEND_TIMEOUT_S = 2.0  # a reply to a pool that does not read for this long closes its connection
 RECLAIM_S = 1.0  # how often dead pools' and workers' entries are looked for, with nobody asking
+DROP_NOTE_S = 600.0  # how long a dropped pool's requests, asked again, say why it had been dropped
 
 
 def _answers(path: Path) -> bool:
@@ -49,38 +51,18 @@ def _answers(path: Path) -> bool:
         probe.close()
 
 
-class _Client:
-    def __init__(self, sock: socket.socket, peer: Peer, number: int) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.number = number
-        self.lock = threading.Lock()
-
-    def send(self, message: dict[str, Any]) -> bool:
-        """Send unless the pool stopped reading; False when the connection is no good any more."""
-        with self.lock:
-            try:
-                if not select.select([], [self.sock], [], SEND_TIMEOUT_S)[1]:
-                    return False
-                send_line(self.sock, message)
-                return True
-            except OSError:
-                return False
-
-
 class AdmissionService:
-    """The socket, the connections and the one lock around the ledger."""
+    """The socket, the ledger, and the one thread that serves every pool (a ``host.lines.Handler``)."""
 
     def __init__(self, config: ServiceConfig, devices: Callable[[], tuple[list[Device], str]] | None = None,
                  procs: Procs | None = None) -> None:
         self.config = config
         self.ledger = HostLedger(config, devices or (lambda: devices_from(
             config.fake_nvml, config.capacity_gb, "capacity_gb in the admission service's config")), procs)
-        self.lock = threading.Lock()
-        self.clients: dict[int, _Client] = {}
-        self._numbers = iter(range(1, 2**62))
         self.finished = threading.Event()
+        self.server: LineServer | None = None
         self._listener: socket.socket | None = None
+        self._dropped: dict[tuple[int, int], tuple[str, float]] = {}  # (uid, pool pid): why, when (monotonic)
 
     # -- the socket ------------------------------------------------------------------------------------
     def bind(self) -> None:
@@ -103,51 +85,73 @@ class AdmissionService:
             raise ResidentPoolError(f"admission service: another one already serves {path}; stop it first "
                                     "(`systemctl stop resident-pool-admission`)", reason="already_running")
         self._listener = bind_unix(str(path), mode=0o660, gid=gid)  # in its group before it is at its path
-        self._listener.settimeout(0.5)
+        self.server = LineServer(self._listener, self, max_line_bytes=LINE_BYTES, tick_s=RECLAIM_S)
         self.ledger.load()
         log.info("admission service %d on %s (group %s), ledger %s", os.getpid(), path, self.config.group,
                  self.ledger.state_path)
 
     def serve_forever(self) -> None:
         self.bind()
+        assert self.server is not None
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: self.finished.set())
-        threading.Thread(target=self._reclaim_loop, name="reclaim", daemon=True).start()
         try:
-            while not self.finished.is_set():
-                self.accept_once()
+            self.server.serve(self.finished)
         finally:
             self.close()
 
-    def accept_once(self) -> None:
-        assert self._listener is not None
-        try:
-            sock, _ = self._listener.accept()
-        except TimeoutError:
-            return
-        except OSError as exc:  # out of descriptors: wait for some to close, keep serving those connected
-            log.warning("accept failed: %s", exc)
-            time.sleep(0.1)
-            return
-        threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
-
     def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
         if self._listener is not None:
             self._listener.close()
+            self._listener = None
             try:
                 os.unlink(self.config.socket)
             except FileNotFoundError:
                 pass
 
-    def _reclaim_loop(self) -> None:
-        while not self.finished.wait(RECLAIM_S):
-            with self.lock:
-                pushes = self.ledger.reclaim()
-            self._push(pushes)
+    # -- what the line server tells ------------------------------------------------------------------------
+    def opened(self, line: Line) -> dict[str, Any] | None:
+        """A pool connects: named by the kernel; refused past the connection limits."""
+        peer = self._peer(line)
+        line.data = peer
+        assert self.server is not None
+        mine = sum(1 for other in self.server.lines.values() if other.peer.uid == peer.uid)
+        if len(self.server.lines) >= self.config.max_connections:
+            refused = "too many connections to the admission service"
+        elif mine >= self.config.max_connections_per_user:
+            refused = f"user {peer.user} has {mine} connections to the admission service already"
+        else:
+            return None
+        return {"ok": False, "reason": "too_many_connections", "error": refused}
+
+    def received(self, line: Line, message: dict[str, Any]) -> dict[str, Any]:
+        return self._answer(line, message)
+
+    def bad_line(self, line: Line, error: ProtocolError) -> dict[str, Any]:
+        return {"ok": False, "reason": "bad_request", "error": f"bad request line: {error}"}
+
+    def closed(self, line: Line, why: str, dropped: bool) -> None:
+        """A pool's connection ended: its waiting requests leave the line; a dropped pool hears why when it asks
+        again."""
+        peer: Peer | None = line.data
+        if peer is None:
+            return
+        if dropped:
+            self._dropped[(peer.uid, peer.pid)] = (why, time.monotonic())
+        self._push(self.ledger.gone(peer, line.number))
+
+    def tick(self, now: float) -> None:
+        for pool in [p for p, (_, when) in self._dropped.items() if now - when > DROP_NOTE_S]:
+            del self._dropped[pool]
+        self._push(self.ledger.reclaim())
 
     # -- one pool ------------------------------------------------------------------------------------------
-    def _peer(self, sock: socket.socket) -> Peer:
-        pid, uid, gid = peer_credentials(sock)
+    @staticmethod
+    def _peer(line: Line) -> Peer:
+        pid, uid, gid = line.peer.pid, line.peer.uid, line.peer.gid
         try:
             user = pwd.getpwuid(uid).pw_name
         except KeyError:
@@ -158,87 +162,61 @@ class AdmissionService:
             groups = ()
         return Peer(pid, uid, gid, user, groups)
 
-    def _serve(self, sock: socket.socket) -> None:
-        peer = self._peer(sock)
-        with self.lock:
-            mine = sum(1 for c in self.clients.values() if c.peer.uid == peer.uid)
-            refused = ("too many connections to the admission service" if len(self.clients) >=
-                       self.config.max_connections else f"user {peer.user} has {mine} connections to the admission "
-                       "service already" if mine >= self.config.max_connections_per_user else None)
-            client = _Client(sock, peer, next(self._numbers))
-            if refused is None:
-                self.clients[client.number] = client
-        if refused is not None:
-            client.send({"ok": False, "reason": "too_many_connections", "error": refused})
-            sock.close()
-            return
-        buf = bytearray()
-        try:
-            while True:
-                try:
-                    message = recv_line(sock, buf, LINE_BYTES)
-                except ProtocolError as exc:
-                    client.send({"ok": False, "reason": "bad_request", "error": f"bad request line: {exc}"})
-                    if exc.recoverable:
-                        continue
-                    return
-                if message is None:
-                    return
-                reply = self._answer(client, message)
-                if not client.send(reply):
-                    return
-        except OSError:
-            pass
-        finally:
-            sock.close()
-            with self.lock:
-                self.clients.pop(client.number, None)
-                pushes = self.ledger.gone(peer, client.number)
-            self._push(pushes)
-
-    def _answer(self, client: _Client, message: dict[str, Any]) -> dict[str, Any]:
+    def _answer(self, line: Line, message: dict[str, Any]) -> dict[str, Any]:
+        peer: Peer = line.data
         number = message.get("id")
         reply: dict[str, Any] = {"id": number if isinstance(number, int) else None}
         op = message.get("op")
         pushes: list[Push] = []
         try:
-            with self.lock:
-                now = time.monotonic()
-                if op == "hello":
-                    reply.update(self.ledger.hello(client.peer))
-                elif op == "place":
-                    answer, pushes = self.ledger.place(now, client.peer, client.number, message)
-                    reply.update(answer)
-                elif op == "started":
-                    self.ledger.started(client.peer, message)
-                elif op == "loaded":
-                    self.ledger.loaded(client.peer, message)
-                elif op == "release":
-                    pushes = self.ledger.release(client.peer, message)
-                elif op == "withdraw":
-                    pushes = self.ledger.withdraw(client.peer, message)
-                elif op == "status":
-                    reply.update(self.ledger.status(now, client.peer))
-                else:
-                    raise Refused(f"unknown admission service op {op!r}", reason="unknown_op")
+            now = time.monotonic()
+            if op == "hello":
+                reply.update(self.ledger.hello(peer))
+            elif op == "place":
+                answer, pushes = self.ledger.place(now, peer, line.number, message)
+                reply.update(self._noted(peer, answer))
+            elif op == "started":
+                self.ledger.started(peer, message)
+            elif op == "loaded":
+                self.ledger.loaded(peer, message)
+            elif op == "release":
+                pushes = self.ledger.release(peer, message)
+            elif op == "withdraw":
+                pushes = self.ledger.withdraw(peer, message)
+            elif op == "status":
+                reply.update(self.ledger.status(now, peer))
+            else:
+                raise Refused(f"unknown admission service op {shown(op)}", reason="unknown_op")
         except Refused as exc:
             return {**reply, "ok": False, "reason": exc.reason, "error": str(exc)}
         except Exception as exc:  # a bug must not end the service for every user: said, and logged in full
-            log.exception("admission service op %s failed", op)
-            return {**reply, "ok": False, "reason": "service_error", "error": f"{type(exc).__name__}: {exc}"}
+            log.exception("admission service op %s failed", shown(op))
+            return {**reply, "ok": False, "reason": "service_error",
+                    "error": f"{type(exc).__name__}: {shown(str(exc), 200)}; the service's log has the traceback"}
         self._push(pushes)
         return {**reply, "ok": True}
 
-    def _push(self, pushes: list[Push]) -> None:
-        if not pushes:
-            return
-        with self.lock:
-            targets = [(c, message) for (uid, pool), message in pushes for c in self.clients.values()
-                       if (c.peer.uid, c.peer.pid) == (uid, pool)]
-        if targets:
-            threading.Thread(target=self._send_pushes, args=(targets,), daemon=True).start()
+    def _noted(self, peer: Peer, answer: dict[str, Any]) -> dict[str, Any]:
+        """A place's answer; for a pool dropped a while ago, an unplaced one says why its requests had left the
+        line (they join it again as its pool asks)."""
+        pool = (peer.uid, peer.pid)
+        if answer.get("placed"):
+            self._dropped.pop(pool, None)
+            return answer
+        if pool not in self._dropped:
+            return answer
+        why, when = self._dropped[pool]
+        ago = time.monotonic() - when
+        return {**answer, "why": f"{answer.get('why')}; this pool's connection was dropped {ago:.0f} s ago: {why}; "
+                "its waiting requests left the line then and joined it again as the pool asked (a pool that stops "
+                "reading its connection loses its place)"}
 
-    @staticmethod
-    def _send_pushes(targets: list[tuple[_Client, dict[str, Any]]]) -> None:
-        for client, message in targets:
-            client.send(message)
+    def _push(self, pushes: list[Push]) -> None:
+        """Each push goes to every connection of the pool it names, queued: never a wait on a pool that does not
+        read."""
+        if not pushes or self.server is None:
+            return
+        for (uid, pool), message in pushes:
+            for line in list(self.server.lines.values()):
+                if (line.peer.uid, line.peer.pid) == (uid, pool):
+                    self.server.send(line, message)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import base64
 import binascii
+import errno
 import fcntl
 import json
 import math
@@ -23,12 +24,13 @@ import sys
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from .. import arrays
-from ..errors import InputError
+from ..errors import InputError, ResidentPoolError
 from ..settings import settings
 from .inputs import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_RECORDS, DEFAULT_MAX_RECORD_BYTES, Record, Region
 from .outdir import OutputDir
@@ -37,6 +39,7 @@ from .results import ResultStore, default_results_dir, options_text, result_key
 
 __all__ = [
     "BLOCK",
+    "NO_ROOM",
     "Campaign",
     "CampaignSettings",
     "Chunk",
@@ -47,6 +50,7 @@ __all__ = [
 ]
 
 BLOCK = 1024  # records looked up in the store at once
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})  # a disk full, a quota, the file size limit
 # One result (one input's answer) as decoded, and once written: over it, the record fails as bad_answer. A
 # worker's 40 MB sparse attachment costs nothing to send; writing an answer costs about three times its JSON
 # text (arrays by blocks, ARRAY_BLOCK), so this bounds what one answer in flight costs the client.
@@ -279,13 +283,19 @@ class Campaign:
 
     def close(self) -> None:
         if self.sink is not None:
-            self.sink.abandon()
+            try:
+                self.sink.abandon()
+            except OSError:  # what it still buffered, on a full disk: the file is removed below anyway
+                pass
             self.sink = None
         if self.temp is not None:  # not put in place: never left behind
             self.folder.unlink(self.temp)
             self.temp = None
         if not self.journal.closed:
-            self.journal.close()
+            try:
+                self.journal.close()
+            except OSError:  # its last lines, on a full disk: a re-run empties it first
+                pass
         self.folder.close()
 
     @property
@@ -430,8 +440,24 @@ class Campaign:
         return line
 
     def _journal(self, lines: list[str]) -> None:
-        self.journal.writelines(lines)
-        self.journal.flush()
+        with self._room("its journal", self.journal_name):
+            self.journal.writelines(lines)
+            self.journal.flush()
+
+    @contextmanager
+    def _room(self, what: str, name: str) -> Iterator[None]:
+        """A write to the output's folder that its disk cannot take becomes one sentence naming the output, the
+        file and the fix (the results computed so far are in the store, kept)."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno not in NO_ROOM:
+                raise
+            raise ResidentPoolError(
+                f"{self.output}: {(exc.strerror or str(exc)).lower()} while writing {what} ({self.folder.path / name});"
+                " free space on its disk (or give another --output) and run the campaign again: the results stored so "
+                "far are kept and are not computed again", reason="disk_full",
+                details={"path": str(self.output)}) from None
 
     # -- the output ---------------------------------------------------------------
     def _emit(self) -> None:
@@ -442,10 +468,15 @@ class Campaign:
         if not ready:
             return
         if self.sink is None:
-            self.temp = f".{self.output.name}.{uuid.uuid4().hex[:8]}.tmp"
+            self._open_sink()
+        with self._room("its output", self.temp or self.output.name):
+            self.sink.write(ready)
+
+    def _open_sink(self) -> None:
+        self.temp = f".{self.output.name}.{uuid.uuid4().hex[:8]}.tmp"
+        with self._room("its output", self.temp):
             out = os.fdopen(self.folder.open(self.temp, os.O_EXCL), "wb")
-            self.sink = _JsonlSink(out, self) if self.fmt == "jsonl" else _ParquetSink(out, self)
-        self.sink.write(ready)
+        self.sink = _JsonlSink(out, self) if self.fmt == "jsonl" else _ParquetSink(out, self)
 
     def count(self, entry: _Entry) -> None:
         """One record (or a Region's) as it is written: counted, its result offered to ``sample``, and the
@@ -484,13 +515,13 @@ class Campaign:
         if self.pending or self.waiting or self.order:
             raise InputError(f"{self.output}: {len(self.order)} inputs have no outcome yet; finish every chunk "
                              "before writing the output")
-        self.journal.flush()  # kept open, and locked, until the output has replaced the old one
+        with self._room("its journal", self.journal_name):
+            self.journal.flush()  # kept open, and locked, until the output has replaced the old one
         if self.sink is None:  # no input at all
-            self.temp = f".{self.output.name}.{uuid.uuid4().hex[:8]}.tmp"
-            out = os.fdopen(self.folder.open(self.temp, os.O_EXCL), "wb")
-            self.sink = _JsonlSink(out, self) if self.fmt == "jsonl" else _ParquetSink(out, self)
+            self._open_sink()
         sink, self.sink = self.sink, None
-        sink.close()
+        with self._room("its output", self.temp):
+            sink.close()
         self.folder.replace(self.temp, self.output.name)
         self.temp = None
         for start in range(0, len(self.demoted), 4096):  # computed again next time

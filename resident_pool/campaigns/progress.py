@@ -4,7 +4,8 @@ No Prefect here: ``flows/screen.py`` turns it into a progress artifact and log l
 exact where each file's records were counted before the campaign read them (an uncompressed file), and
 an estimate otherwise (a .gz file: the records seen so far over the fraction of its decompressed bytes
 they reach, ``InputFile.fraction_read()``). The percentage never goes down, and reaches 100 only when
-every file is done.
+every file is done: a file that stopped short (its disk full, the file refused on the way) counts the inputs
+it holds and those it got done, never more.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class FileProgress:
     failed: int = 0
     fraction_read: float = 0.0  # of its bytes, for the estimate where it was not counted
     finished: bool = False
+    stopped: str | None = None  # why it ended before every input was done
     timeline: Timeline = field(default_factory=Timeline)
 
     def known(self, guess: float | None) -> float:
@@ -108,6 +110,11 @@ class Progress:
         entry.seen, entry.done, entry.failed, entry.finished = seen, done, failed, True
         entry.timeline.close(self.clock() - (entry.started or self.started), done, failed)
 
+    def stop(self, entry: FileProgress, why: str, *, seen: int, done: int, failed: int) -> None:
+        """The file ended short of its last input: its count stays what it holds, its done what was done."""
+        entry.seen, entry.done, entry.failed, entry.stopped = seen, done, failed, why
+        entry.timeline.close(self.clock() - (entry.started or self.started), done, failed)
+
     # -- what is said ----------------------------------------------------------------
     @property
     def done(self) -> int:
@@ -157,14 +164,19 @@ class Progress:
         return left / rate if rate and left >= 0 else None
 
     def line(self) -> str:
-        """One log line: done of known (about, where estimated), percent, rate, ETA, failed so far."""
+        """One log line: done of known (about, where estimated), percent, rate, ETA, failed so far, and the files
+        that stopped short."""
         known = self.known()
         about = "" if self.exact else "about "
         rate, eta = self.rate(), self.eta_s()
+        stopped = [entry for entry in self.files if entry.stopped is not None]
+        running = any(not entry.finished and entry.stopped is None for entry in self.files)
         parts = [f"{self.done:,} of {about}{known:,} inputs done ({self.percent():.1f}%)",
                  f"{rate:,.1f} inputs/s" if rate else "rate not known yet",
-                 f"ETA {_duration(eta)}" if eta is not None and self.percent() < 100 else None,
-                 f"{self.failed:,} failed" if self.failed else None]
+                 f"ETA {_duration(eta)}" if eta is not None and running else None,
+                 f"{self.failed:,} failed" if self.failed else None,
+                 f"{len(stopped)} file{'s' if len(stopped) > 1 else ''} stopped short ({stopped[-1].stopped})"
+                 if stopped else None]
         return "; ".join(part for part in parts if part)
 
 

@@ -26,8 +26,10 @@ from ..errors import ResidentPoolError
 from ..host.paths import default_results_dir, ensure_private_dir
 from ..providers.manifest import Manifest
 
-__all__ = ["ResultStore", "default_results_dir", "provider_version", "result_key"]
+__all__ = ["UNWRITABLE", "ResultStore", "default_results_dir", "provider_version", "result_key"]
 
+# The reasons a campaign stops for: what it computes can no longer be kept (the store's or the output's disk).
+UNWRITABLE = frozenset({"disk_full", "store_unwritable"})
 BUSY_TIMEOUT_MS = 120_000  # another campaign's write is one chunk: milliseconds, but a slow disk may stall it
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS results (
@@ -93,6 +95,9 @@ class ResultStore:
             self.connection.execute("PRAGMA synchronous=NORMAL")  # durable at each checkpoint; WAL keeps it atomic
             self.connection.executescript(_SCHEMA)
         except sqlite3.DatabaseError as exc:
+            full = _unwritable(self.path, exc)
+            if full is not None:
+                raise full from None
             raise ResidentPoolError(f"result store {self.path} cannot be opened ({exc}); move it aside and the next "
                                     "campaign starts a new one", reason="store_unreadable") from None
 
@@ -165,18 +170,53 @@ class ResultStore:
             return self.connection.execute("DELETE FROM results WHERE version != ?", (keep_version,)).rowcount
 
     def transaction(self) -> _Transaction:
-        return _Transaction(self.connection)
+        return _Transaction(self.connection, self.path)
 
 
 class _Transaction:
-    """BEGIN IMMEDIATE .. COMMIT (ROLLBACK on error): take the write lock up front, wait for it, never deadlock."""
+    """BEGIN IMMEDIATE .. COMMIT (ROLLBACK on error): take the write lock up front, wait for it, never deadlock.
 
-    def __init__(self, connection: sqlite3.Connection) -> None:
+    A write the store's disk has no room for (or cannot take) is rolled back and raised as one sentence naming
+    the store and the fix; what earlier transactions stored stays."""
+
+    def __init__(self, connection: sqlite3.Connection, path: Path) -> None:
         self.connection = connection
+        self.path = path
 
     def __enter__(self) -> sqlite3.Connection:
-        self.connection.execute("BEGIN IMMEDIATE")
+        try:
+            self.connection.execute("BEGIN IMMEDIATE")
+        except sqlite3.DatabaseError as exc:
+            raise _unwritable(self.path, exc) or exc from None
         return self.connection
 
     def __exit__(self, kind, value, traceback) -> None:
-        self.connection.execute("COMMIT" if kind is None else "ROLLBACK")
+        if kind is None:
+            try:
+                self.connection.execute("COMMIT")
+                return
+            except sqlite3.DatabaseError as exc:
+                kind, value = type(exc), exc
+        if self.connection.in_transaction:  # a failed COMMIT may have rolled back already
+            self.connection.execute("ROLLBACK")
+        if isinstance(value, sqlite3.DatabaseError):
+            full = _unwritable(self.path, value)
+            if full is not None:
+                raise full from None
+            raise value
+
+
+def _unwritable(path: Path, exc: sqlite3.DatabaseError) -> ResidentPoolError | None:
+    """The store's disk is full (or will not take a write): the campaign's sentence for it; None for another
+    error."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code == sqlite3.SQLITE_FULL:
+        why, reason = "no space left on its disk", "disk_full"
+    elif code is not None and code & 0xFF == sqlite3.SQLITE_IOERR:
+        why, reason = f"its disk did not take a write ({exc}: full, over a quota, or failing)", "store_unwritable"
+    else:
+        return None
+    return ResidentPoolError(
+        f"result store {path}: {why}; free space there (or set RESIDENT_POOL_RESULTS_DIR to a folder on a disk with "
+        "room) and run the campaign again: every result stored so far is kept and is not computed again",
+        reason=reason, details={"path": str(path)})

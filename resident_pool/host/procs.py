@@ -17,6 +17,7 @@ __all__ = [
     "child_env",
     "group_members",
     "pid_alive",
+    "process_start",
     "signal_group",
     "terminate_group",
     "wait_exit",
@@ -98,6 +99,15 @@ def wait_exit(proc: ProcessHandle, timeout: float) -> int | None:
     try:
         return proc.wait(timeout=max(0.0, timeout))
     except subprocess.TimeoutExpired:
+        return None
+
+
+def process_start(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (tells it from a later process given the same pid)."""
+    fields = _stat_fields(str(pid))
+    try:
+        return int(fields[19]) if fields else None
+    except (ValueError, IndexError):
         return None
 
 

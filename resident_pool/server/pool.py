@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..admission import Admission, Ledger
+from ..admission.orphans import Orphans
 from ..admission.remote import connect_service
 from ..errors import ResidentPoolError
 from ..host import paths
@@ -85,7 +86,7 @@ class PoolServer:
         self.core = PoolState(self.timings, time.monotonic(),
                               policy_from(config, self.service.info if self.service is not None else None))
         self.admission = Admission(self.ledger, headroom_gb=config.gpu_headroom_gb, holder_of=self._holder_of,
-                                   service=self.service)
+                                   service=self.service, orphans=Orphans(paths.workers_dir(self.state_dir)))
         self.zygotes = Zygotes()  # fork servers, one per provider environment that declares a preload
         self.hibernator = Hibernator(CudaCheckpoint(config.libcuda))  # for [lifecycle] evict = "hibernate"
         self.jit_sizes = JitSizes()
@@ -120,6 +121,7 @@ class PoolServer:
         log.info("pool %d (resident-pool %s) serving %s (manifests %s)", os.getpid(), __version__,
                  self.socket_path, self.manifests)
         threading.Thread(target=self._maintain_loop, name="maintain", daemon=True).start()
+        self.admission.orphans.start()  # a previous pool's idle workers give their memory back now
         self.observer.start()
         backoff = 0.0
         try:
