@@ -15,10 +15,12 @@ whoever waits, and the GPU line is decided again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .. import priority as order
 from ..errors import AdmissionTimeout, BreakerOpen, PoolStopping, ResidentPoolError, error_from_dict
+from . import events as ev
 from .actions import Action, Announce, Exit, Policy, Refuse, Spawn, Timings, Withdraw
 from .admitting import Admitting
 from .breaker import Breaker
@@ -43,6 +45,7 @@ class PoolState:
         self.stopping: str | None = None  # why the pool is stopping; None while it serves
         self.quiet_since = now
         self.last_keep_warm = now - timings.keep_warm_s
+        self._handlers = self._dispatch()
 
     # -- reading ------------------------------------------------------------------------------------
     @property
@@ -78,221 +81,230 @@ class PoolState:
         replica = self.lifecycle.replicas.get(rid)
         return replica.key if replica is not None else None
 
+    # -- the one entry point ----------------------------------------------------------------------------
+    def handle(self, now: float, event: ev.Event) -> ev.Decision:
+        """Decide what ``event`` calls for at ``now``: the actions to carry out, and what its asker needs back."""
+        return self._handlers[type(event)](now, event)
+
+    def _dispatch(self) -> dict[type, Callable[[float, Any], ev.Decision]]:
+        return {
+            ev.ManifestRead: self._manifest_read, ev.ClientAsked: self._client_asked, ev.TicketGone: self._ticket_gone,
+            ev.LeaseReleased: self._lease_released, ev.LeaseUsed: self._lease_used,
+            ev.LeaseRecalled: self._lease_recalled, ev.ConnectionClosed: self._connection_closed,
+            ev.StartPrepared: self._start_prepared, ev.BudgetPlaced: self._budget_placed,
+            ev.BudgetNotPlaced: self._budget_not_placed, ev.MemoryFreed: self._memory_freed,
+            ev.HostRecall: self._host_recall, ev.WorkerSpawned: self._worker_spawned,
+            ev.RestoreFailed: self._restore_failed, ev.WorkerStarted: self._worker_started,
+            ev.StartFailed: self._start_failed, ev.Pinged: self._pinged, ev.WorkerExited: self._worker_exited,
+            ev.HibernationEnded: self._hibernation_ended, ev.WorkerStopped: self._worker_stopped,
+            ev.RetireAsked: self._retire_asked, ev.StopAsked: self._stop_asked, ev.ShutdownAsked: self._shutdown_asked,
+            ev.WarmAsked: self._warm_asked, ev.Tick: self._tick,
+        }
+
     # -- providers ------------------------------------------------------------------------------------
-    def register(self, now: float, key: str, slug: str, version: str, fingerprint: str, spec: Spec,
-                 variant: bool = False) -> list[Action]:
+    def _manifest_read(self, now: float, event: ev.ManifestRead) -> ev.Decision:
         """A provider as its manifest is now; a new version drains the replicas of the old one."""
-        provider = self.providers.get(key)
+        provider = self.providers.get(event.key)
         if provider is None:
-            self.providers[key] = Provider(key, slug, version, fingerprint, spec,
-                                           Breaker(self.timings.breaker_cooldown_s), variant)
-            return []
-        provider.spec, provider.fingerprint, provider.variant = spec, fingerprint, variant
-        if version == provider.version:
-            return []
-        old, provider.version = provider.version, version
+            self.providers[event.key] = Provider(event.key, event.slug, event.version, event.fingerprint, event.spec,
+                                                 Breaker(self.timings.breaker_cooldown_s), event.variant)
+            return ev.Decision()
+        provider.spec, provider.fingerprint, provider.variant = event.spec, event.fingerprint, event.variant
+        if event.version == provider.version:
+            return ev.Decision()
+        old, provider.version = provider.version, event.version
         actions: list[Action] = []
         for replica in list(provider.replicas.values()):
-            if replica.version != version:
+            if replica.version != event.version:
                 actions += self.lifecycle.retire(now, replica, StopCause.DRAINED,
-                                                 f"its manifest changed (version {version} replaces {old})")
-        return actions + self._assign(now, key)
+                                                 f"its manifest changed (version {event.version} replaces {old})")
+        return ev.Decision(actions + self._assign(now, event.key))
 
     # -- waiting and leases ----------------------------------------------------------------------------
-    def acquire(self, now: float, key: str, connection: int, holder: dict[str, str],
-                priority: str = order.DEFAULT, keep: bool = False) -> tuple[int, list[Action]]:
-        """A client asks for a replica of ``key`` in class ``priority``: a ticket, answered by a Grant or a Refuse.
-
-        ``keep`` (Pool.predict): the client keeps the lease between calls; it counts as idle while no request
-        runs, and is recalled when another client waits, admission needs the memory, or the worker retires."""
-        provider = self.providers[key]
-        ticket = self.leasing.new_ticket(now, provider, connection, holder, priority, keep)
+    def _client_asked(self, now: float, event: ev.ClientAsked) -> ev.Decision:
+        """A ticket, answered by a Grant or a Refuse. A kept lease (``keep``: Pool.predict's) counts as idle once its
+        holder stops calling, and is recalled when another client waits, admission needs the memory, or the worker
+        retires."""
+        provider = self.providers[event.key]
+        ticket = self.leasing.new_ticket(now, provider, event.connection, event.holder, event.priority, event.keep)
         if self.stopping:
-            return ticket.id, [Refuse(ticket.id, stopping_error())]
+            return ev.Decision([Refuse(ticket.id, stopping_error())], ticket=ticket.id)
         if provider.breaker.is_open(provider.fingerprint, now):
-            return ticket.id, [Refuse(ticket.id, breaker_error(provider, now))]
+            return ev.Decision([Refuse(ticket.id, breaker_error(provider, now))], ticket=ticket.id)
         self.leasing.wait(ticket)
-        return ticket.id, self._assign(now, key)
+        return ev.Decision(self._assign(now, event.key), ticket=ticket.id)
 
-    def ticket_gone(self, now: float, ticket_id: int) -> list[Action]:
-        provider = self.leasing.ticket_gone(ticket_id)
-        return self._assign(now, provider.key) if provider is not None else []
+    def _ticket_gone(self, now: float, event: ev.TicketGone) -> ev.Decision:
+        provider = self.leasing.ticket_gone(event.ticket)
+        return ev.Decision(self._assign(now, provider.key) if provider is not None else [])
 
-    def released(self, now: float, lease_id: int, connection: int, outcome: str, served: int = 0,
-                 rc: int | None = None) -> list[Action]:
-        lease = self.leases.get(lease_id)
+    def _lease_released(self, now: float, event: ev.LeaseReleased) -> ev.Decision:
+        lease = self.leases.get(event.lease)
         key = self._key(lease.rid) if lease is not None else None
-        return self.leasing.released(now, lease_id, connection, outcome, served, rc) + self._assign(now, key)
+        actions = self.leasing.released(now, event.lease, event.connection, event.outcome, event.served, event.rc)
+        return ev.Decision(actions + self._assign(now, key))
 
-    def used(self, now: float, lease_id: int, connection: int, served: int) -> list[Action]:
-        lease = self.leases.get(lease_id)
-        self.leasing.used(now, lease_id, connection, served)
-        return self._assign(now, self._key(lease.rid)) if lease is not None else []  # a waiter may take it now
+    def _lease_used(self, now: float, event: ev.LeaseUsed) -> ev.Decision:
+        lease = self.leases.get(event.lease)
+        self.leasing.used(now, event.lease, event.connection, event.served)
+        return ev.Decision(self._assign(now, self._key(lease.rid)) if lease is not None else [])  # a waiter may take it
 
-    def recalled(self, now: float, lease_id: int, idle_s: float = 0.0, served: int | None = None,
-                 failure: str | None = None) -> list[Action]:
-        key, actions = self.leasing.recalled(now, lease_id, idle_s, served, failure)
-        if failure is not None:
-            return actions  # tried again at the next tick, not at once: the pool's own trouble needs a moment
-        return actions + self._assign(now, key)
+    def _lease_recalled(self, now: float, event: ev.LeaseRecalled) -> ev.Decision:
+        key, actions = self.leasing.recalled(now, event.lease, event.idle_s, event.served, event.failure)
+        if event.failure is not None:
+            return ev.Decision(actions)  # tried again at the next tick: the pool's own trouble needs a moment
+        return ev.Decision(actions + self._assign(now, key))
 
-    def connection_closed(self, now: float, connection: int) -> list[Action]:
-        touched, actions = self.leasing.connection_closed(now, connection)
-        return actions + [a for key in sorted(touched) for a in self._assign(now, key)]
+    def _connection_closed(self, now: float, event: ev.ConnectionClosed) -> ev.Decision:
+        touched, actions = self.leasing.connection_closed(now, event.connection)
+        return ev.Decision(actions + [a for key in sorted(touched) for a in self._assign(now, key)])
 
     # -- what the runtime saw of a replica ----------------------------------------------------------------
-    def prepared(self, now: float, rid: int, need_gb: float | None, device: int | None = None,
-                 wait: bool = True) -> list[Action]:
-        """A start is ready to spawn, once its ``need_gb`` of GPU memory (None: none) is placed."""
-        replica = self.replica(rid)
+    def _start_prepared(self, now: float, event: ev.StartPrepared) -> ev.Decision:
+        replica = self.replica(event.rid)
         if replica is None or replica.state is not ReplicaState.STARTING:
-            return []
+            return ev.Decision()
         if replica.abort is not None:
-            return [Withdraw(rid, "start_cancelled")]
-        if need_gb is None:
-            self.lifecycle.admitted(now, rid, None)
-            return [Spawn(rid)]
-        return self.admitting.enter(now, replica, need_gb, device, wait)
+            return ev.Decision([Withdraw(event.rid, "start_cancelled")])
+        if event.need_gb is None:
+            self.lifecycle.admitted(now, event.rid, None)
+            return ev.Decision([Spawn(event.rid)])
+        return ev.Decision(self.admitting.enter(now, replica, event.need_gb, event.device, event.wait))
 
-    def placed(self, now: float, rid: int, device: int, backfilled: bool = False) -> list[Action]:
-        """Its budget is in the ledger on ``device`` (ahead of the head of the line if ``backfilled``)."""
+    def _budget_placed(self, now: float, event: ev.BudgetPlaced) -> ev.Decision:
+        rid = event.rid
         self.admitting.placed(now, rid)
         replica = self.replica(rid)
         if replica is None or replica.state is not ReplicaState.STARTING:
-            return self.admitting.decide(now)  # ended meanwhile: its Gone gives the budget back
-        self.lifecycle.admitted(now, rid, str(device), backfilled)
+            return ev.Decision(self.admitting.decide(now))  # ended meanwhile: its Gone gives the budget back
+        self.lifecycle.admitted(now, rid, str(event.device), event.backfilled)
         actions: list[Action] = []
-        if backfilled:
+        if event.backfilled:
             head = self.admitting.in_order(now)[:1]
             actions.append(Announce("admission.backfilled", self.providers[replica.key].slug, (
-                ("replica", replica.index), ("device", device), ("budget_gb", replica.budget_gb),
+                ("replica", replica.index), ("device", event.device), ("budget_gb", replica.budget_gb),
                 ("ahead_of", self.providers[head[0].key].slug if head else None))))
         actions.append(Withdraw(rid, "start_cancelled") if replica.abort is not None else Spawn(rid))
-        return actions + self.admitting.decide(now)
+        return ev.Decision(actions + self.admitting.decide(now))
 
-    def not_placed(self, now: float, rid: int, rooms: dict[int, float]) -> list[Action]:
-        """A placement found no room: ``rooms`` is the room per device it read."""
-        return self.admitting.not_placed(now, rid, rooms)
+    def _budget_not_placed(self, now: float, event: ev.BudgetNotPlaced) -> ev.Decision:
+        return ev.Decision(self.admitting.not_placed(now, event.rid, event.rooms))
 
-    def memory_freed(self, now: float) -> list[Action]:
-        """A budget went back to the ledger (or another pool's did, the host service says)."""
-        return self.admitting.freed(now)
+    def _memory_freed(self, now: float, event: ev.MemoryFreed) -> ev.Decision:
+        return ev.Decision(self.admitting.freed(now))
 
-    def recall(self, now: float, rid: int, why: str) -> list[Action]:
-        """The host admission service wants a backfilled worker's memory back for another pool's request."""
-        return self.admitting.recall(now, rid, why)
+    def _host_recall(self, now: float, event: ev.HostRecall) -> ev.Decision:
+        return ev.Decision(self.admitting.recall(now, event.rid, event.why))
 
-    def admitted(self, now: float, rid: int, device: str | None) -> list[Action]:
-        return self.lifecycle.admitted(now, rid, device)
+    def _worker_spawned(self, now: float, event: ev.WorkerSpawned) -> ev.Decision:
+        return ev.Decision(self.lifecycle.spawned(now, event.rid, event.pid))
 
-    def spawned(self, now: float, rid: int, pid: int) -> list[Action]:
-        return self.lifecycle.spawned(now, rid, pid)
+    def _restore_failed(self, now: float, event: ev.RestoreFailed) -> ev.Decision:
+        return ev.Decision(self.lifecycle.restarted(now, event.rid, event.why))
 
-    def restarted(self, now: float, rid: int, why: str) -> list[Action]:
-        return self.lifecycle.restarted(now, rid, why)
+    def _worker_started(self, now: float, event: ev.WorkerStarted) -> ev.Decision:
+        key = self._key(event.rid)
+        return ev.Decision(self.lifecycle.started(now, event.rid, event.pid, event.can_recall) + self._assign(now, key))
 
-    def started(self, now: float, rid: int, pid: int | None, can_recall: bool = False) -> list[Action]:
-        key = self._key(rid)
-        return self.lifecycle.started(now, rid, pid, can_recall) + self._assign(now, key)
-
-    def start_failed(self, now: float, rid: int, error: ResidentPoolError) -> list[Action]:
-        """The start ended without a worker: the request it was for hears why; an open breaker refuses the rest."""
-        key = self._key(rid)
+    def _start_failed(self, now: float, event: ev.StartFailed) -> ev.Decision:
+        """The request the start was for hears why; an open breaker refuses the rest."""
+        rid, key = event.rid, self._key(event.rid)
         self.admitting.leave(rid)
         self.admitting.giving_back(self.replica(rid))
-        actions, error, ticket = self.lifecycle.start_failed(now, rid, error, self.stopping is not None)
+        actions, error, ticket = self.lifecycle.start_failed(now, rid, event.error, self.stopping is not None)
         if key is None:
-            return actions
+            return ev.Decision(actions)
         provider = self.providers[key]
         actions += self.leasing.refuse(provider, ticket, error) if error.reason != "client_gone" else []
         if provider.breaker.remaining_s(now) > 0:
             actions += self.leasing.refuse_all(provider, breaker_error(provider, now))
-        return actions + self._assign(now, key)
+        return ev.Decision(actions + self._assign(now, key))
 
-    def pinged(self, now: float, rid: int, purpose: str, answered: bool, rc: int | None = None,
-               failure: str | None = None, served: int | None = None) -> list[Action]:
-        key = self._key(rid)
-        return self.lifecycle.pinged(now, rid, purpose, answered, rc, failure, served) + self._assign(now, key)
+    def _pinged(self, now: float, event: ev.Pinged) -> ev.Decision:
+        key = self._key(event.rid)
+        actions = self.lifecycle.pinged(now, event.rid, event.purpose, event.answered, event.rc, event.failure,
+                                        event.served)
+        return ev.Decision(actions + self._assign(now, key))
 
-    def exited(self, now: float, rid: int, rc: int) -> list[Action]:
-        key = self._key(rid)
-        return self.lifecycle.exited(now, rid, rc) + self._assign(now, key)
+    def _worker_exited(self, now: float, event: ev.WorkerExited) -> ev.Decision:
+        key = self._key(event.rid)
+        return ev.Decision(self.lifecycle.exited(now, event.rid, event.rc) + self._assign(now, key))
 
-    def hibernated(self, now: float, rid: int, ok: bool, why: str) -> list[Action]:
-        key = self._key(rid)
-        self.admitting.giving_back(self.replica(rid) if ok else None)
-        return self.lifecycle.hibernated(now, rid, ok, why) + self._assign(now, key)
+    def _hibernation_ended(self, now: float, event: ev.HibernationEnded) -> ev.Decision:
+        key = self._key(event.rid)
+        self.admitting.giving_back(self.replica(event.rid) if event.ok else None)
+        return ev.Decision(self.lifecycle.hibernated(now, event.rid, event.ok, event.why) + self._assign(now, key))
 
-    def stopped(self, now: float, rid: int, failure: str | None = None) -> list[Action]:
-        key = self._key(rid)
+    def _worker_stopped(self, now: float, event: ev.WorkerStopped) -> ev.Decision:
+        rid, key = event.rid, self._key(event.rid)
         self.admitting.giving_back(self.replica(rid))
-        actions = self.lifecycle.stopped(now, rid, failure)
+        actions = self.lifecycle.stopped(now, rid, event.failure)
         if rid not in self.replicas:
             self.leasing.drop_kept(rid)
         provider = self.providers.get(key) if key is not None else None
         if provider is not None and provider.variant and not provider.replicas and not provider.queue:
-            del self.providers[key]  # a variant (a check's run) is gone with its last replica
-            return actions
-        return actions + self._assign(now, key)
+            del self.providers[provider.key]  # a variant (a check's run) is gone with its last replica
+            return ev.Decision(actions)
+        return ev.Decision(actions + self._assign(now, key))
 
     # -- ending replicas on purpose ------------------------------------------------------------------------
-    def retire(self, now: float, rid: int, cause: StopCause, why: str) -> list[Action]:
-        """End a replica once it is free (its measured memory is over budget, say)."""
-        replica = self.replica(rid)
+    def _retire_asked(self, now: float, event: ev.RetireAsked) -> ev.Decision:
+        replica = self.replica(event.rid)
         if replica is None or replica.retire is not None:
-            return []
-        return self.lifecycle.retire(now, replica, cause, why) + self._assign(now, replica.key)
+            return ev.Decision()
+        actions = self.lifecycle.retire(now, replica, event.cause, event.why)
+        return ev.Decision(actions + self._assign(now, replica.key))
 
-    def stop(self, now: float, key: str | None, at_once: bool, why: str,
-             cause: StopCause = StopCause.STOPPED) -> tuple[list[int], list[Action]]:
-        """Stop ``key``'s replicas (every provider's when None); leased ones drain first, up to drain_grace_s."""
-        targets = [r for r in self.replicas.values() if key in (None, r.key)]
-        if key is not None and key in self.providers:
-            self.providers[key].breaker.reset()
+    def _stop_asked(self, now: float, event: ev.StopAsked) -> ev.Decision:
+        """Leased replicas drain first, up to drain_grace_s."""
+        targets = [r for r in self.replicas.values() if event.key in (None, r.key)]
+        if event.key is not None and event.key in self.providers:
+            self.providers[event.key].breaker.reset()
         actions: list[Action] = []
         for replica in targets:
-            actions += self.lifecycle.retire(now, replica, cause, why, at_once=at_once,
+            actions += self.lifecycle.retire(now, replica, event.cause, event.why, at_once=event.at_once,
                                              drain_by=now + self.timings.drain_grace_s)
-        return [r.rid for r in targets], actions
+        return ev.Decision(actions, replicas=tuple(r.rid for r in targets))
 
-    def shutdown(self, now: float, why: str, at_once: bool = False) -> list[Action]:
-        """Stop taking leases, refuse every waiting request, stop every replica (leased ones drain first)."""
+    def _shutdown_asked(self, now: float, event: ev.ShutdownAsked) -> ev.Decision:
         if self.stopping:
-            return []
-        self.stopping = why
+            return ev.Decision()
+        self.stopping = event.why
         actions = [a for p in self.providers.values() for a in self.leasing.refuse_all(p, stopping_error())]
-        return actions + self.stop(now, None, at_once, f"the pool is stopping ({why})", StopCause.POOL_STOPPING)[1]
+        stop = ev.StopAsked(None, event.at_once, f"the pool is stopping ({event.why})", StopCause.POOL_STOPPING)
+        return ev.Decision(actions + self._stop_asked(now, stop).actions)
 
-    def eviction_candidate(self, skip: frozenset[int] = frozenset()) -> tuple[int, bool, dict[int, float]] | None:
-        """The idle replica the GPU line would evict first (its order: ``Admitting.evictable``; ``skip``: replicas
-        known busy): its id, whether it is kept warm, and the budgets every idle kept-warm replica holds, per
-        device."""
-        return self.admitting.candidate(skip)
-
-    def evict(self, now: float, rid: int, needed_gb: float) -> list[Action]:
-        """Make room for ``needed_gb``: the idle replica ``rid`` is evicted (a kept lease's once it is back)."""
-        return self.lifecycle.evict(now, rid, needed_gb)
-
-    def warm(self, now: float, key: str, replicas: int, wait: bool = True) -> tuple[list[int], list[Action]]:
-        """Start replicas of ``key`` until ``replicas`` of its current version are live (held by nobody)."""
-        provider = self.providers[key]
+    def _warm_asked(self, now: float, event: ev.WarmAsked) -> ev.Decision:
+        provider = self.providers[event.key]
+        spec = provider.spec
         if self.stopping:
-            raise stopping_error()
+            return ev.Decision(error=stopping_error())
+        if spec.mode == "subprocess":
+            return ev.Decision(error=ResidentPoolError(
+                f'{provider.slug}: mode = "subprocess" starts a worker per request; it cannot be kept warm',
+                slug=provider.slug, reason="bad_request"))
+        if event.replicas > spec.max_replicas:
+            return ev.Decision(error=ResidentPoolError(
+                f"{provider.slug}: cannot keep {event.replicas} replicas warm: max_replicas = {spec.max_replicas} in "
+                "its manifest; raise it or ask for fewer", slug=provider.slug, reason="bad_request"))
         if provider.breaker.is_open(provider.fingerprint, now):
-            raise breaker_error(provider, now)
+            return ev.Decision(error=breaker_error(provider, now))
+        return self._top_up(now, provider, event.replicas, event.wait)
+
+    def _top_up(self, now: float, provider: Provider, replicas: int, wait: bool) -> ev.Decision:
+        """Start replicas of ``provider`` until ``replicas`` of its current version serve."""
         starts = [self.lifecycle.start(now, provider, None, wait=wait)
                   for _ in range(replicas - self.lifecycle.live(provider))]
-        return [s.rid for s in starts], list(starts)
+        return ev.Decision(list(starts), replicas=tuple(s.rid for s in starts))
 
     # -- time passes ------------------------------------------------------------------------------------------
-    def tick(self, now: float, connections: int = 0, in_flight: frozenset[int] | None = None) -> list[Action]:
+    def _tick(self, now: float, event: ev.Tick) -> ev.Decision:
         """Idle retirement, liveness pings, overdue reports, waits past their limit, ageing, the GPU line read
-        again, quiet exit, kept warm. ``in_flight``: the kept-leased replicas the runtime found running a request
-        (None: not read this time)."""
+        again, quiet exit, kept warm."""
         actions: list[Action] = []
-        if in_flight is not None:
+        if event.in_flight is not None:
             for replica in self.replicas.values():
-                replica.in_flight = replica.rid in in_flight
+                replica.in_flight = replica.rid in event.in_flight
         for replica in list(self.replicas.values()):
             actions += self.lifecycle.tick(now, replica)
         for provider, ticket in self.leasing.expired(now):
@@ -302,7 +314,7 @@ class PoolState:
         for key in [key for key, provider in self.providers.items() if provider.queue]:
             actions += self._assign(now, key)  # what could not be done for them earlier (a recall not sent)
         admission_waiting = bool(self.admitting.line)
-        if connections or self.replicas:
+        if event.connections or self.replicas:
             self.quiet_since = now
         elif 0 < self.timings.quiet_exit_s <= now - self.quiet_since and not self.stopping:
             actions.append(Exit("quiet"))
@@ -311,8 +323,106 @@ class PoolState:
             for provider in list(self.providers.values()):
                 if provider.spec.min_replicas > self.lifecycle.live(provider) \
                         and provider.breaker.remaining_s(now) == 0:
-                    actions += self.warm(now, provider.key, provider.spec.min_replicas, wait=False)[1]
-        return actions
+                    actions += self._top_up(now, provider, provider.spec.min_replicas, wait=False).actions
+        return ev.Decision(actions)
+
+    # -- the old named entry points, each one event (moved to ``handle``, then removed) ------------------------
+    def register(self, now: float, key: str, slug: str, version: str, fingerprint: str, spec: Spec,
+                 variant: bool = False) -> list[Action]:
+        return self.handle(now, ev.ManifestRead(key, slug, version, fingerprint, spec, variant)).actions
+
+    def acquire(self, now: float, key: str, connection: int, holder: dict[str, str],
+                priority: str = order.DEFAULT, keep: bool = False) -> tuple[int, list[Action]]:
+        decision = self.handle(now, ev.ClientAsked(key, connection, holder, priority, keep))
+        assert decision.ticket is not None
+        return decision.ticket, decision.actions
+
+    def ticket_gone(self, now: float, ticket_id: int) -> list[Action]:
+        return self.handle(now, ev.TicketGone(ticket_id)).actions
+
+    def released(self, now: float, lease_id: int, connection: int, outcome: str, served: int = 0,
+                 rc: int | None = None) -> list[Action]:
+        return self.handle(now, ev.LeaseReleased(lease_id, connection, outcome, served, rc)).actions
+
+    def used(self, now: float, lease_id: int, connection: int, served: int) -> list[Action]:
+        return self.handle(now, ev.LeaseUsed(lease_id, connection, served)).actions
+
+    def recalled(self, now: float, lease_id: int, idle_s: float = 0.0, served: int | None = None,
+                 failure: str | None = None) -> list[Action]:
+        return self.handle(now, ev.LeaseRecalled(lease_id, idle_s, served, failure)).actions
+
+    def connection_closed(self, now: float, connection: int) -> list[Action]:
+        return self.handle(now, ev.ConnectionClosed(connection)).actions
+
+    def prepared(self, now: float, rid: int, need_gb: float | None, device: int | None = None,
+                 wait: bool = True) -> list[Action]:
+        return self.handle(now, ev.StartPrepared(rid, need_gb, device, wait)).actions
+
+    def placed(self, now: float, rid: int, device: int, backfilled: bool = False) -> list[Action]:
+        return self.handle(now, ev.BudgetPlaced(rid, device, backfilled)).actions
+
+    def not_placed(self, now: float, rid: int, rooms: dict[int, float]) -> list[Action]:
+        return self.handle(now, ev.BudgetNotPlaced(rid, rooms)).actions
+
+    def memory_freed(self, now: float) -> list[Action]:
+        return self.handle(now, ev.MemoryFreed()).actions
+
+    def recall(self, now: float, rid: int, why: str) -> list[Action]:
+        return self.handle(now, ev.HostRecall(rid, why)).actions
+
+    def admitted(self, now: float, rid: int, device: str | None) -> list[Action]:
+        return self.lifecycle.admitted(now, rid, device)
+
+    def spawned(self, now: float, rid: int, pid: int) -> list[Action]:
+        return self.handle(now, ev.WorkerSpawned(rid, pid)).actions
+
+    def restarted(self, now: float, rid: int, why: str) -> list[Action]:
+        return self.handle(now, ev.RestoreFailed(rid, why)).actions
+
+    def started(self, now: float, rid: int, pid: int | None, can_recall: bool = False) -> list[Action]:
+        return self.handle(now, ev.WorkerStarted(rid, pid, can_recall)).actions
+
+    def start_failed(self, now: float, rid: int, error: ResidentPoolError) -> list[Action]:
+        return self.handle(now, ev.StartFailed(rid, error)).actions
+
+    def pinged(self, now: float, rid: int, purpose: str, answered: bool, rc: int | None = None,
+               failure: str | None = None, served: int | None = None) -> list[Action]:
+        return self.handle(now, ev.Pinged(rid, purpose, answered, rc, failure, served)).actions
+
+    def exited(self, now: float, rid: int, rc: int) -> list[Action]:
+        return self.handle(now, ev.WorkerExited(rid, rc)).actions
+
+    def hibernated(self, now: float, rid: int, ok: bool, why: str) -> list[Action]:
+        return self.handle(now, ev.HibernationEnded(rid, ok, why)).actions
+
+    def stopped(self, now: float, rid: int, failure: str | None = None) -> list[Action]:
+        return self.handle(now, ev.WorkerStopped(rid, failure)).actions
+
+    def retire(self, now: float, rid: int, cause: StopCause, why: str) -> list[Action]:
+        return self.handle(now, ev.RetireAsked(rid, cause, why)).actions
+
+    def stop(self, now: float, key: str | None, at_once: bool, why: str,
+             cause: StopCause = StopCause.STOPPED) -> tuple[list[int], list[Action]]:
+        decision = self.handle(now, ev.StopAsked(key, at_once, why, cause))
+        return list(decision.replicas), decision.actions
+
+    def shutdown(self, now: float, why: str, at_once: bool = False) -> list[Action]:
+        return self.handle(now, ev.ShutdownAsked(why, at_once)).actions
+
+    def eviction_candidate(self, skip: frozenset[int] = frozenset()) -> tuple[int, bool, dict[int, float]] | None:
+        return self.admitting.candidate(skip)
+
+    def evict(self, now: float, rid: int, needed_gb: float) -> list[Action]:
+        return self.lifecycle.evict(now, rid, needed_gb)
+
+    def warm(self, now: float, key: str, replicas: int, wait: bool = True) -> tuple[list[int], list[Action]]:
+        decision = self.handle(now, ev.WarmAsked(key, replicas, wait))
+        if decision.error is not None:
+            raise decision.error
+        return list(decision.replicas), decision.actions
+
+    def tick(self, now: float, connections: int = 0, in_flight: frozenset[int] | None = None) -> list[Action]:
+        return self.handle(now, ev.Tick(connections, in_flight)).actions
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """Plain data for status and metrics: the records as they are now."""
