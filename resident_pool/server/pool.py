@@ -30,6 +30,7 @@ from ..providers.zygote import Zygotes
 from ..settings import Settings, settings
 from ..version import __version__
 from . import actions as c
+from . import events as ev
 from .actions import Policy, Timings
 from .core import PoolState, stopping_error
 from .handles import Waiter
@@ -80,7 +81,7 @@ class PoolServer:
         self.ledger = Ledger(paths.ledger_path(self.state_dir), audit=config.ledger_audit)
         self.registry = Registry(self.manifests)
         # The runtime the host admission service wakes is made below: a lambda reaches it once it is there.
-        self.service = connect_service(config, on_wake=lambda: self.runtime.event("memory_freed"),
+        self.service = connect_service(config, on_wake=lambda: self.runtime.report(ev.MemoryFreed()),
                                        on_recall=lambda slug, index, why: self.runtime.recall_worker(  # noqa: PLW0108
                                            slug, index, why))
         self.core = PoolState(self.timings, time.monotonic(),
@@ -145,7 +146,7 @@ class PoolServer:
                  self.timings.drain_grace_s)
         with self.runtime.lock:
             targets = list(self.core.replicas)
-        self.runtime.event("shutdown", why, now)
+        self.runtime.report(ev.ShutdownAsked(why, now))
 
         def stop_everything() -> None:
             try:
@@ -234,8 +235,8 @@ class PoolServer:
             provider = self.core.providers.get(key)
             serving = provider is not None and any(r.live for r in provider.replicas.values())
         loaded = self.registry.load(slug, manifests, variant, serving=serving)
-        self.runtime.event("register", key, slug, loaded.version, loaded.fingerprint, spec_of(loaded.manifest),
-                           variant is not None)
+        self.runtime.report(ev.ManifestRead(key, slug, loaded.version, loaded.fingerprint, spec_of(loaded.manifest),
+                                            variant is not None))
         return key
 
     # -- ops ----------------------------------------------------------------------------------------------------
@@ -255,16 +256,18 @@ class PoolServer:
         key = self._provider(ask.slug, ask.manifests, ask.variant)
         asked = time.monotonic()
         waiter = Waiter(threading.Event(), connection.progress, tell=connection.tell, connection=connection.id)
-        with self.runtime.lock:
-            ticket, actions = self.core.acquire(time.monotonic(), key, connection.id, ask.holder or {}, ask.priority,
-                                                ask.keep)
-            self.runtime.waiters[ticket] = waiter
-            later = self.runtime.settle(actions)
-        self.runtime.carry_out(later)
+
+        def wait_for(decision: ev.Decision) -> None:  # under the lock, before any answer to its ticket is given
+            assert decision.ticket is not None
+            self.runtime.waiters[decision.ticket] = waiter
+
+        ticket = self.runtime.report(ev.ClientAsked(key, connection.id, ask.holder or {}, ask.priority, ask.keep),
+                                     noted=wait_for).ticket
+        assert ticket is not None
         try:
             while not waiter.event.wait(self.tick_s):
                 if connection.gone():  # its place in the queue must not hold up the rest
-                    self.runtime.event("ticket_gone", ticket)
+                    self.runtime.report(ev.TicketGone(ticket))
                     raise ResidentPoolError(f"{ask.slug}: the client waiting for a replica went away",
                                             slug=ask.slug, reason="client_gone")
         finally:
@@ -284,7 +287,7 @@ class PoolServer:
 
     def _op_used(self, message: dict[str, Any], connection: Connection) -> None:
         used = Used.parse(message)
-        self.runtime.event("used", used.lease, connection.id, used.served)
+        self.runtime.report(ev.LeaseUsed(used.lease, connection.id, used.served))
         # no answer: the client does not wait for one
 
     def _op_stop(self, message: dict[str, Any], connection: Connection) -> dict[str, Any]:
@@ -300,12 +303,12 @@ class PoolServer:
         return {"ok": True, **self.warm(ask.slug, ask.manifests, ask.replicas)}
 
     def _closed(self, connection: Connection) -> None:
-        self.runtime.event("connection_closed", connection.id)
+        self.runtime.report(ev.ConnectionClosed(connection.id))
         self.runtime.forget_connection(connection.id)
 
     def stop(self, slug: str | None, now: bool = False, why: str = "stopped by `resident-pool stop`") -> list[str]:
         """Stop ``slug``'s replicas (every provider's when None): leased ones drain first, up to drain_grace_s."""
-        targets, _ = self.runtime.event("stop", slug, now, why)
+        targets = list(self.runtime.report(ev.StopAsked(slug, now, why)).replicas)
         with self.runtime.lock:
             names = [self.core.replicas[rid].name for rid in targets if rid in self.core.replicas]
         self.runtime.wait_gone(targets, self._stop_bound())
@@ -318,21 +321,15 @@ class PoolServer:
             raise stopping_error()
         key = self._provider(slug, manifests)
         loaded = self.registry.get(key)
-        cap = loaded.manifest.lifecycle.max_replicas
-        if loaded.manifest.mode == "subprocess":
-            raise ResidentPoolError(f'{slug}: mode = "subprocess" starts a worker per request; it cannot be kept warm',
-                                    slug=slug, reason="bad_request")
-        if replicas > cap:
-            raise ResidentPoolError(f"{slug}: cannot keep {replicas} replicas warm: max_replicas = {cap} in "
-                                    f"{loaded.source}; raise it or ask for fewer", slug=slug, reason="bad_request")
-        with self.runtime.lock:
-            live = sum(1 for r in self.core.providers[key].replicas.values() if self.core.serves_new_requests(r))
-        starting, _ = self.runtime.event("warm", key, replicas)
+        decision = self.runtime.report(ev.WarmAsked(key, replicas))
+        if decision.error is not None:
+            raise decision.error
+        starting = list(decision.replicas)
         errors = self.runtime.wait_started(starting, self._stop_bound() + loaded.manifest.lifecycle.start_timeout_s
                                            + loaded.manifest.lifecycle.admission_timeout_s)
         if errors and len(errors) == len(starting):
             raise errors[0]
-        return {"slug": slug, "already_warm": min(live, replicas), "started": len(starting) - len(errors),
+        return {"slug": slug, "already_warm": replicas - len(starting), "started": len(starting) - len(errors),
                 "replicas": replicas, "errors": [e.headline for e in errors]}
 
     # -- what is read from outside ------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from ..providers.hibernate import CheckpointError, Hibernator
 from ..providers.worker_process import DEATH_WAIT_S
 from ..providers.zygote import Zygotes
 from . import actions as c
+from . import events as ev
 from .core import PoolState
 from .handles import Waiter, Worker
 from .registry import Registry
@@ -64,21 +65,21 @@ class Runtime:
         self.starter = Starter(self)
 
     # -- events in, actions out -----------------------------------------------------------------
-    def event(self, name: str, *args: Any, inline: bool = False, noted: Callable[[], None] | None = None) -> Any:
-        """Report ``name`` to the core under the lock, then carry out what it decided.
+    def report(self, event: ev.Event, inline: bool = False,
+               noted: Callable[[ev.Decision], None] | None = None) -> ev.Decision:
+        """Tell the core what happened, under the lock, then carry out what it decided.
 
-        ``noted`` runs once the core has decided, before any waiting client hears the answer: what a client
-        reads next (the events stream) already says what happened.
+        ``noted`` runs once the core has decided, before any waiting client hears the answer: what a client reads
+        next (the events stream) already says what happened, and a client's waiter is in place for its ticket.
         """
         with self.lock:
-            result = getattr(self.core, name)(self.clock(), *args)
-            actions = result[1] if isinstance(result, tuple) else result
+            decision = self.core.handle(self.clock(), event)
             if noted is not None:
-                noted()
-            later = self.settle(actions)
+                noted(decision)
+            later = self.settle(decision.actions)
             self.changed.notify_all()
         self.carry_out(later, inline=inline)
-        return result
+        return decision
 
     def settle(self, actions: list[c.Action]) -> list[c.Action]:
         """Answer waiting clients at once (the lock is held); return what must run outside it."""
@@ -134,12 +135,12 @@ class Runtime:
         except RuntimeError as exc:  # no thread to be had: a failure of the pool's own, never the worker's
             log.warning("cannot start a thread for %s (%s)", action, exc)
             if isinstance(action, c.Ping):
-                self.event("pinged", action.rid, action.purpose, False, None, f"no thread: {exc}")
+                self.report(ev.Pinged(action.rid, action.purpose, False, None, f"no thread: {exc}"))
             elif isinstance(action, c.Place):
-                self.event("not_placed", action.rid, {})  # tried again at the next reading
+                self.report(ev.BudgetNotPlaced(action.rid, {}))  # tried again at the next reading
             elif isinstance(action, (c.Start, c.Spawn)):
-                self.event("start_failed", action.rid, ResidentPoolError(
-                    f"the pool could not start a thread for a worker start ({exc})", reason="pool_error"))
+                self.report(ev.StartFailed(action.rid, ResidentPoolError(
+                    f"the pool could not start a thread for a worker start ({exc})", reason="pool_error")))
             else:
                 run(action)  # a stop or a hibernation runs here rather than leave a replica half done
 
@@ -174,7 +175,7 @@ class Runtime:
         except Exception as exc:  # EMFILE, ENOMEM: reported, decided again (a retry with SIGKILL)
             log.exception("stopping %s failed", worker.process.slug if worker else action.rid)
             failure = f"{type(exc).__name__}: {exc}"
-        self.event("stopped", action.rid, failure)
+        self.report(ev.WorkerStopped(action.rid, failure))
 
     def _ping(self, action: c.Ping) -> None:
         worker = self.workers.get(action.rid)
@@ -189,7 +190,7 @@ class Runtime:
             else:
                 answer = worker.process.ping(timeout=action.timeout_s, raise_own=True)
         except OSError as exc:
-            self.event("pinged", action.rid, action.purpose, False, None, f"{type(exc).__name__}: {exc}")
+            self.report(ev.Pinged(action.rid, action.purpose, False, None, f"{type(exc).__name__}: {exc}"))
             return
         if answer is None and action.purpose == "liveness" and worker.process.in_flight_s() is not None:
             answer = {"busy": True}  # a request began after the look and held the ping up: alive
@@ -200,8 +201,8 @@ class Runtime:
         elif action.purpose == "liveness":
             self.observer.collect_stats(worker)  # still checking: the worker is idle
         served = answer.get("served") if answer is not None and action.lease is not None else None
-        self.event("pinged", action.rid, action.purpose, answer is not None, rc, None,
-                   served if isinstance(served, int) and not isinstance(served, bool) else None)
+        counted = served if isinstance(served, int) and not isinstance(served, bool) else None
+        self.report(ev.Pinged(action.rid, action.purpose, answer is not None, rc, None, counted))
 
     def _recall(self, action: c.Recall, inline: bool = False) -> None:
         """A kept or backfilled lease: its worker is asked for it back (it answers once any request in flight is
@@ -214,17 +215,17 @@ class Runtime:
         try:
             answer = worker.process.recall(self.token(action.lease), timeout)
         except OSError as exc:  # the pool's own failure (out of descriptors): not the worker's, tried again later
-            self.event("recalled", action.lease, 0.0, None, f"{type(exc).__name__}: {exc}")
+            self.report(ev.LeaseRecalled(action.lease, 0.0, None, f"{type(exc).__name__}: {exc}"))
             return
         if answer is not None:
             idle, served = answer.get("idle_s"), answer.get("served")
-            self.event("recalled", action.lease, float(idle) if isinstance(idle, int | float) else 0.0,
-                       served if isinstance(served, int) and not isinstance(served, bool) and served >= 0 else None,
-                       inline=inline)
+            counted = served if isinstance(served, int) and not isinstance(served, bool) and served >= 0 else None
+            self.report(ev.LeaseRecalled(action.lease, float(idle) if isinstance(idle, int | float) else 0.0, counted),
+                        inline=inline)
             return
         rc = worker.process.wait_dead(DEATH_WAIT_S)
         if rc is not None:
-            self.event("exited", action.rid, rc)
+            self.report(ev.WorkerExited(action.rid, rc))
         # else: no answer from a live worker; the core's deadline on the recall escalates it
 
     def token(self, lease: int) -> str:
@@ -240,10 +241,10 @@ class Runtime:
         except CheckpointError as exc:
             note = f"{worker.slug}[{worker.index}] could not hibernate ({exc}); stopped instead"
             self.hibernator.noted(slug, note)
-            self.event("hibernated", action.rid, False, note, inline=True)
+            self.report(ev.HibernationEnded(action.rid, False, note), inline=True)
             return
         self.hibernator.noted(slug, f"{worker.slug}[{worker.index}] hibernated: {action.why}")
-        self.event("hibernated", action.rid, True, action.why)
+        self.report(ev.HibernationEnded(action.rid, True, action.why))
 
     def _release_budget(self, rid: int) -> None:
         worker = self.workers.get(rid)
@@ -253,7 +254,7 @@ class Runtime:
         if admitter is not None:
             admitter.release(worker)
         if admitter is self.admission:
-            self.event("memory_freed")  # whoever waits for memory tries again now
+            self.report(ev.MemoryFreed())  # whoever waits for memory tries again now
 
     def _tell_recall(self, action: c.Recall) -> None:
         """A backfilled session's lease: its client is told to give it back before its next request."""
@@ -267,7 +268,7 @@ class Runtime:
         with self.lock:
             rid = next((w.rid for w in self.workers.values() if w.loaded.slug == slug and w.index == index), None)
         if rid is not None:
-            self.event("recall", rid, why)
+            self.report(ev.HostRecall(rid, why))
 
     def _gone(self, action: c.Gone) -> None:
         self._release_budget(action.rid)
@@ -291,12 +292,12 @@ class Runtime:
             # Whoever reaped it (a status read asks the process too), the core hears of the exit here.
             rc = worker.process.poll() if worker.process.proc is not None else None
             if rc is not None and not worker.stopped_on_purpose:
-                self.event("exited", worker.rid, rc)
+                self.report(ev.WorkerExited(worker.rid, rc))
         # A kept lease's holder may be calling for longer than its notices say (one long request): its worker's
         # in-flight board says so, and the core then spares it from eviction (docs/admission.md).
         in_flight = frozenset(worker.rid for worker in workers
                               if worker.rid in kept and worker.process.in_flight_s() is not None)
-        self.event("tick", connections, in_flight)
+        self.report(ev.Tick(connections, in_flight))
         self.starter.report_waits()
 
     def forget_connection(self, connection: int) -> None:
@@ -305,7 +306,7 @@ class Runtime:
                 del self.tell_lease[lease]
 
     def retire(self, rid: int, cause: StopCause, why: str) -> None:
-        self.event("retire", rid, cause, why)
+        self.report(ev.RetireAsked(rid, cause, why))
 
     # -- what the pool's ops wait on ------------------------------------------------------------------
     def grant(self, grant: c.Grant, key: str) -> LeaseGrant:
@@ -351,8 +352,8 @@ class Runtime:
             book.failed(slug, worker.index, "timeout")
         # A worker that ended its lease's request (timed out, exiting, dead) is stopped before the client hears:
         # the next status and the next request see it gone.
-        self.event("released", release.lease, connection, outcome, release.served, rc,
-                   inline=outcome in ("timeout", "exiting", "died"))
+        self.report(ev.LeaseReleased(release.lease, connection, outcome, release.served, rc),
+                    inline=outcome in ("timeout", "exiting", "died"))
         return None if quiet else answer
 
     def wait_gone(self, rids: list[int], bound_s: float) -> None:

@@ -22,6 +22,7 @@ from ..providers.launch import command_builder
 from ..providers.supervisor import CpuOnly
 from ..providers.worker_process import Launch, WorkerProcess
 from . import actions as c
+from . import events as ev
 from .handles import Worker
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class Starter:
         device = int(worker.hibernation.device) if worker.hibernation is not None and worker.hibernation.device \
             else None
         worker.asked, worker.reported, worker.waits_for = runtime.clock(), 0.0, None
-        runtime.event("prepared", action.rid, need, device, action.wait)
+        runtime.report(ev.StartPrepared(action.rid, need, device, action.wait))
 
     def _need(self, worker: Worker) -> float | None:
         """The GPU memory a start needs placed first: None where it holds no GPU budget."""
@@ -81,7 +82,7 @@ class Starter:
         runtime = self.runtime
         worker = runtime.workers.get(action.rid)
         if worker is None:
-            runtime.event("not_placed", action.rid, {})
+            runtime.report(ev.BudgetNotPlaced(action.rid, {}))
             return
         try:
             placement = runtime.admission.place(worker, action.need_gb, action.device, action.priority,
@@ -90,20 +91,20 @@ class Starter:
             self._failed(action.rid, worker, exc, worker.slug)
             return
         if placement.device is None and action.once:
-            runtime.event("start_failed", action.rid, AdmissionTimeout(
+            runtime.report(ev.StartFailed(action.rid, AdmissionTimeout(
                 f"{worker.loaded.slug}: no room now for {action.need_gb:g} GB of GPU memory ({placement.why}); a "
                 "warm-up does not wait, queue or evict: it tries again later", slug=worker.loaded.slug,
-                reason="no_room"))
+                reason="no_room")))
             return
         if placement.device is None:
             first, worker.waits_for = worker.waits_for is None, placement.why
-            runtime.event("not_placed", action.rid, placement.rooms)
+            runtime.report(ev.BudgetNotPlaced(action.rid, placement.rooms))
             if first:
                 self.report_waits(action.rid)  # its client hears at once what it waits for, then every few seconds
             return
         worker.admitter, worker.env = runtime.admission, {"CUDA_VISIBLE_DEVICES": str(placement.device)}
         runtime.observer.on_admission(worker.loaded.slug, action.priority, runtime.clock() - worker.asked)
-        runtime.event("placed", action.rid, placement.device, placement.backfilled)
+        runtime.report(ev.BudgetPlaced(action.rid, placement.device, placement.backfilled))
 
     def withdraw(self, action: c.Withdraw) -> None:
         """The wait for memory ended unplaced: the error its request hears."""
@@ -126,9 +127,8 @@ class Starter:
         else:
             error = WorkerStartError(f"{slug}: the start was called off", slug=slug, reason="start_cancelled")
         observer = runtime.observer
-        runtime.event("start_failed", action.rid, error,
-                      noted=(lambda: observer.on_start_failed(worker, error))
-                      if worker is not None and action.reason != "start_cancelled" else None)
+        runtime.report(ev.StartFailed(action.rid, error), noted=(lambda _: observer.on_start_failed(worker, error))
+                       if worker is not None and action.reason != "start_cancelled" else None)
 
     def _ahead(self, rid: int) -> list[str]:
         with self.runtime.lock:
@@ -157,8 +157,8 @@ class Starter:
         if worker.admitter is runtime.admission:
             runtime.admission.loaded(worker)  # NVML's free memory shows its budget from now on
         took = runtime.clock() - began
-        runtime.event("started", action.rid, worker.pid, bool(answer.get("recall")),
-                      noted=lambda: runtime.observer.on_started(worker, took))
+        runtime.report(ev.WorkerStarted(action.rid, worker.pid, bool(answer.get("recall"))),
+                       noted=lambda _: runtime.observer.on_started(worker, took))
 
     def report_waits(self, only: int | None = None) -> None:
         """Every few seconds, each request waiting for memory hears (and the log says) what it waits for; ``only``:
@@ -191,8 +191,8 @@ class Starter:
     def _failed(self, rid: int, worker: Worker | None, exc: Exception, key: str) -> None:
         error = self._start_error(rid, worker, exc, key)
         observer = self.runtime.observer
-        self.runtime.event("start_failed", rid, error,
-                           noted=(lambda: observer.on_start_failed(worker, error)) if worker is not None else None)
+        self.runtime.report(ev.StartFailed(rid, error),
+                            noted=(lambda _: observer.on_start_failed(worker, error)) if worker is not None else None)
 
     def _called_off(self, rid: int) -> bool:
         with self.runtime.lock:
@@ -209,7 +209,7 @@ class Starter:
         def spawned(pid: int) -> None:
             if worker.admitter is runtime.admission:
                 runtime.admission.started(worker)  # the ledger names the loading worker from now on
-            runtime.event("spawned", worker.rid, pid)
+            runtime.report(ev.WorkerSpawned(worker.rid, pid))
 
         spawner = runtime.zygotes.spawner(loaded.manifest, launch)
         return process.start(launch, env, spawner=spawner, on_spawn=spawned,
@@ -241,7 +241,7 @@ class Starter:
             worker.process.kill(grace_s=runtime.kill_grace_s)
             worker.process = WorkerProcess(worker.loaded.slug, worker.index, state_dir=runtime.state_dir,
                                            start_timeout_s=worker.loaded.manifest.lifecycle.start_timeout_s)
-            runtime.event("restarted", worker.rid, f"{worker.slug}[{worker.index}]: {why}")
+            runtime.report(ev.RestoreFailed(worker.rid, f"{worker.slug}[{worker.index}]: {why}"))
             return None
         runtime.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}] restored from hibernation")
         return answer
