@@ -12,6 +12,7 @@ import pytest
 
 from resident_pool import priority
 from resident_pool.server import actions as c
+from resident_pool.server import events as ev
 from resident_pool.server.actions import Policy, Timings
 from resident_pool.server.core import PoolState
 from resident_pool.server.replica import Spec
@@ -56,28 +57,29 @@ def gpu(budget: float, **kw) -> Spec:
 def pool(clock, specs: dict[str, Spec], policy: Policy | None = None, **timings) -> PoolState:
     state = PoolState(Timings(**timings), clock(), policy)
     for key, spec in specs.items():
-        state.register(clock(), key, key, "v", "f", spec)
+        state.handle(clock(), ev.ManifestRead(key, key, "v", "f", spec))
     return state
 
 
 def ask(state: PoolState, clock: Clock, key: str, connection: int, cls: str = "normal"):
     """A request for ``key``: its ticket and what the core answered (a Start, or nothing while it waits)."""
-    return state.acquire(clock(), key, connection, {}, cls)
+    decision = state.handle(clock(), ev.ClientAsked(key, connection, {}, cls))
+    return decision.ticket, decision.actions
 
 
 def prepare(state: PoolState, clock: Clock, start: c.Start) -> list:
-    return state.prepared(clock(), start.rid, state.replicas[start.rid].budget_gb)
+    return state.handle(clock(), ev.StartPrepared(start.rid, state.replicas[start.rid].budget_gb)).actions
 
 
 def serve(state: PoolState, clock: Clock, place: c.Place, device: int = 0,
           room_after: float = 0.0) -> c.Grant:
     """Place ``place`` on ``device``, spawn and start it: the lease its request gets. A start still waiting
     is tried again at once (the room changed): it finds ``room_after`` GB."""
-    actions = state.placed(clock(), place.rid, device, place.backfill)
+    actions = state.handle(clock(), ev.BudgetPlaced(place.rid, device, place.backfill)).actions
     spawn = one(actions, c.Spawn)
     for retry in of(actions, c.Place):
-        state.not_placed(clock(), retry.rid, {device: room_after})
-    return one(state.started(clock(), spawn.rid, 4000 + spawn.rid), c.Grant)
+        state.handle(clock(), ev.BudgetNotPlaced(retry.rid, {device: room_after}))
+    return one(state.handle(clock(), ev.WorkerStarted(spawn.rid, 4000 + spawn.rid)).actions, c.Grant)
 
 
 def leased(state: PoolState, clock: Clock, key: str, connection: int, cls: str = "normal") -> c.Grant:
@@ -90,15 +92,15 @@ def leased(state: PoolState, clock: Clock, key: str, connection: int, cls: str =
 # -- the order: class, first come first served, ageing, caps ---------------------------------------------------
 def test_waiting_requests_are_served_by_class_then_in_arrival_order(clock):
     state = pool(clock, {"m": Spec()})
-    held = state.acquire(clock(), "m", 99, {})[1]
-    held = one(state.started(clock(), one(held, c.Start).rid, 1), c.Grant)
+    held = state.handle(clock(), ev.ClientAsked("m", 99, {})).actions
+    held = one(state.handle(clock(), ev.WorkerStarted(one(held, c.Start).rid, 1)).actions, c.Grant)
     tickets = {}
     for connection, cls in ((1, "batch"), (2, "normal"), (3, "interactive"), (4, "normal"), (5, "interactive")):
         clock.advance(0.001)
         tickets[connection] = ask(state, clock, "m", connection, cls)[0]
     served, lease, connection = [], held.lease, 99
     for _ in range(5):
-        grant = one(state.released(clock(), lease, connection, "ok"), c.Grant)
+        grant = one(state.handle(clock(), ev.LeaseReleased(lease, connection, "ok")).actions, c.Grant)
         served.append(grant.ticket)
         connection = next(conn for conn, t in tickets.items() if t == grant.ticket)
         lease = grant.lease
@@ -107,40 +109,40 @@ def test_waiting_requests_are_served_by_class_then_in_arrival_order(clock):
 
 def test_a_batch_request_ages_one_class_per_aging_s_so_it_is_never_starved(clock):
     state = pool(clock, {"m": Spec()}, Policy(aging_s=0.5))  # 500 ms per class
-    held = one(state.started(clock(), one(state.acquire(clock(), "m", 99, {})[1], c.Start).rid, 1), c.Grant)
+    held = one(state.handle(clock(), ev.WorkerStarted(one(state.handle(clock(), ev.ClientAsked("m", 99, {})).actions, c.Start).rid, 1)).actions, c.Grant)
     batch, _ = ask(state, clock, "m", 1, "batch")
     clock.advance(0.499)
-    assert of(state.tick(clock()), c.Announce) == []
+    assert of(state.handle(clock(), ev.Tick()).actions, c.Announce) == []
     clock.advance(0.002)
-    (aged,) = of(state.tick(clock()), c.Announce)
+    (aged,) = of(state.handle(clock(), ev.Tick()).actions, c.Announce)
     assert aged.event == "request.aged" and dict(aged.fields)["ranks_as"] == "normal"
     clock.advance(0.5)
-    (aged,) = of(state.tick(clock()), c.Announce)
+    (aged,) = of(state.handle(clock(), ev.Tick()).actions, c.Announce)
     assert dict(aged.fields)["ranks_as"] == "interactive"
     interactive, _ = ask(state, clock, "m", 2, "interactive")  # a fresh interactive one comes after it now
-    grant = one(state.released(clock(), held.lease, 99, "ok"), c.Grant)
+    grant = one(state.handle(clock(), ev.LeaseReleased(held.lease, 99, "ok")).actions, c.Grant)
     assert grant.ticket == batch and interactive in state.tickets
-    assert of(state.tick(clock()), c.Announce) == []  # each rise is announced once
+    assert of(state.handle(clock(), ev.Tick()).actions, c.Announce) == []  # each rise is announced once
 
 
 def test_without_ageing_a_batch_request_waits_behind_every_later_interactive_one(clock):
     state = pool(clock, {"m": Spec()}, Policy(aging_s=0))
-    held = one(state.started(clock(), one(state.acquire(clock(), "m", 99, {})[1], c.Start).rid, 1), c.Grant)
+    held = one(state.handle(clock(), ev.WorkerStarted(one(state.handle(clock(), ev.ClientAsked("m", 99, {})).actions, c.Start).rid, 1)).actions, c.Grant)
     ask(state, clock, "m", 1, "batch")
     clock.advance(3600)
     later, _ = ask(state, clock, "m", 2, "interactive")
-    assert one(state.released(clock(), held.lease, 99, "ok"), c.Grant).ticket == later
+    assert one(state.handle(clock(), ev.LeaseReleased(held.lease, 99, "ok")).actions, c.Grant).ticket == later
 
 
 def test_a_class_this_pool_may_not_claim_is_capped_to_the_highest_it_may(clock):
     state = pool(clock, {"m": Spec()}, Policy(classes=("normal", "batch")))
-    held = one(state.started(clock(), one(state.acquire(clock(), "m", 99, {})[1], c.Start).rid, 1), c.Grant)
+    held = one(state.handle(clock(), ev.WorkerStarted(one(state.handle(clock(), ev.ClientAsked("m", 99, {})).actions, c.Start).rid, 1)).actions, c.Grant)
     normal, _ = ask(state, clock, "m", 1, "normal")
     clock.advance(0.001)
     claimed, _ = ask(state, clock, "m", 2, "interactive")
     ticket = state.tickets[claimed]
     assert (ticket.asked, ticket.priority) == ("interactive", "normal")
-    assert one(state.released(clock(), held.lease, 99, "ok"), c.Grant).ticket == normal  # no jumping the line
+    assert one(state.handle(clock(), ev.LeaseReleased(held.lease, 99, "ok")).actions, c.Grant).ticket == normal  # no jumping the line
     waiting = state.snapshot(clock())["providers"]["m"]["waiting"]
     assert [(w["asked"], w["priority"]) for w in waiting] == [("interactive", "normal")]
 
@@ -162,7 +164,7 @@ def head_of_line(clock, policy: Policy | None = None):
     _, actions = ask(state, clock, "big2", 2)
     place = one(prepare(state, clock, one(actions, c.Start)), c.Place)
     assert place.backfill is False
-    assert state.not_placed(clock(), place.rid, {0: 1.5}) == []  # nothing idle to evict, nobody to backfill
+    assert state.handle(clock(), ev.BudgetNotPlaced(place.rid, {0: 1.5})).actions == []  # nothing idle to evict, nobody to backfill
     clock.advance(3)
     return state, big, place.rid
 
@@ -172,10 +174,10 @@ def test_a_small_request_that_fits_now_is_backfilled_ahead_of_a_head_that_does_n
     _, actions = ask(state, clock, "small", 3)
     place = one(prepare(state, clock, one(actions, c.Start)), c.Place)
     assert place.backfill and place.rid != big2
-    actions = state.placed(clock(), place.rid, 0, place.backfill)
+    actions = state.handle(clock(), ev.BudgetPlaced(place.rid, 0, place.backfill)).actions
     announced = one(actions, c.Announce)
     assert announced.event == "admission.backfilled" and dict(announced.fields)["ahead_of"] == "big2"
-    grant = one(state.started(clock(), one(actions, c.Spawn).rid, 7), c.Grant)
+    grant = one(state.handle(clock(), ev.WorkerStarted(one(actions, c.Spawn).rid, 7)).actions, c.Grant)
     assert state.leases[grant.lease].backfilled and state.replicas[grant.rid].backfilled
     assert [row["key"] for row in state.snapshot(clock())["gpu_line"]] == ["big2"]
 
@@ -190,11 +192,11 @@ def test_with_backfill_off_the_small_request_waits_behind_the_head(clock):
 def test_when_the_head_could_start_an_idle_worker_is_evicted_and_the_backfilled_busy_one_is_left_alone(clock):
     state, big, big2 = head_of_line(clock)
     small = serve(state, clock, one(prepare(state, clock, one(ask(state, clock, "small", 3)[1], c.Start)), c.Place))
-    actions = state.released(clock(), big.lease, 1, "ok")  # big idle: its 8 GB and the 0.5 left fit big2
+    actions = state.handle(clock(), ev.LeaseReleased(big.lease, 1, "ok")).actions  # big idle: its 8 GB and the 0.5 left fit big2
     stop = one(actions, c.Stop)
     assert stop.rid == big.rid and stop.cause is StopCause.EVICTED and of(actions, c.Recall) == []
     assert state.replicas[small.rid].state is R.LEASED
-    place = one(state.stopped(clock(), big.rid), c.Place)  # its budget goes back: the head tries at once
+    place = one(state.handle(clock(), ev.WorkerStopped(big.rid)).actions, c.Place)  # its budget goes back: the head tries at once
     assert place.rid == big2 and not place.backfill
 
 
@@ -202,29 +204,29 @@ def test_a_busy_backfilled_lease_is_recalled_after_its_request_when_only_its_mem
     state = pool(clock, {"big": gpu(8), "big2": gpu(8), "small": gpu(2)})
     big = leased(state, clock, "big", 1)
     big2 = one(prepare(state, clock, one(ask(state, clock, "big2", 2)[1], c.Start)), c.Place)
-    state.not_placed(clock(), big2.rid, {0: 2.0})  # a 10 GB card: 8 held, 2 free
+    state.handle(clock(), ev.BudgetNotPlaced(big2.rid, {0: 2.0}))  # a 10 GB card: 8 held, 2 free
     small = serve(state, clock, one(prepare(state, clock, one(ask(state, clock, "small", 3)[1], c.Start)), c.Place))
     assert state.replicas[small.rid].backfilled
-    state.memory_freed(clock())
-    state.not_placed(clock(), big2.rid, {0: 0.0})
-    actions = state.released(clock(), big.lease, 1, "ok")
+    state.handle(clock(), ev.MemoryFreed())
+    state.handle(clock(), ev.BudgetNotPlaced(big2.rid, {0: 0.0}))
+    actions = state.handle(clock(), ev.LeaseReleased(big.lease, 1, "ok")).actions
     # big's 8 GB alone would do on the empty card, but small took the 2 GB beside it: big is evicted at once,
     # and small's lease recalled; it finishes the request it runs
     assert one(actions, c.Stop).rid == big.rid
     assert of(actions, c.Recall) == []  # 0 + 8 = 8: enough without small
-    assert one(state.stopped(clock(), big.rid), c.Place).rid == big2.rid
-    actions = state.not_placed(clock(), big2.rid, {0: 6.0})  # another pool took 2 GB meanwhile: 6 + small's 2
+    assert one(state.handle(clock(), ev.WorkerStopped(big.rid)).actions, c.Place).rid == big2.rid
+    actions = state.handle(clock(), ev.BudgetNotPlaced(big2.rid, {0: 6.0})).actions  # another pool took 2 GB meanwhile: 6 + small's 2
     recall = one(actions, c.Recall)
     assert recall.lease == small.lease and "big2" in recall.why
     assert state.replicas[small.rid].state is R.LEASED  # its request runs on: the recall waits for it
     assert one(actions, c.Announce).event == "admission.recalled"
-    assert of(state.tick(clock()), c.Recall) == []  # told once
-    actions = state.released(clock(), small.lease, 3, "ok")  # the client gives it back after its request
+    assert of(state.handle(clock(), ev.Tick()).actions, c.Recall) == []  # told once
+    actions = state.handle(clock(), ev.LeaseReleased(small.lease, 3, "ok")).actions  # the client gives it back after its request
     assert one(actions, c.Stop).rid == small.rid and state.replicas[small.rid].state is R.STOPPING
     _, actions = ask(state, clock, "small", 3)  # its next request queues again in its own class: behind big2
     prepare(state, clock, one(actions, c.Start))
     assert [row["key"] for row in state.snapshot(clock())["gpu_line"]] == ["big2", "small"]
-    assert one(state.stopped(clock(), small.rid), c.Place).rid == big2.rid
+    assert one(state.handle(clock(), ev.WorkerStopped(small.rid)).actions, c.Place).rid == big2.rid
 
 
 def test_a_backfilled_sessions_lease_is_asked_of_its_worker_too_so_an_idle_session_gives_its_memory_at_once(clock):
@@ -234,50 +236,50 @@ def test_a_backfilled_sessions_lease_is_asked_of_its_worker_too_so_an_idle_sessi
     state = pool(clock, {"big": gpu(8), "big2": gpu(9.5), "small": gpu(1)})
     big = leased(state, clock, "big", 1)
     big2 = one(prepare(state, clock, one(ask(state, clock, "big2", 2)[1], c.Start)), c.Place)
-    state.not_placed(clock(), big2.rid, {0: 2.0})  # a 10 GB card: 8 held, 2 free
+    state.handle(clock(), ev.BudgetNotPlaced(big2.rid, {0: 2.0}))  # a 10 GB card: 8 held, 2 free
     _, actions = ask(state, clock, "small", 3)
     place = one(prepare(state, clock, one(actions, c.Start)), c.Place)
-    spawn = one(state.placed(clock(), place.rid, 0, place.backfill), c.Spawn)
-    small = one(state.started(clock(), spawn.rid, 4000 + spawn.rid, True), c.Grant)  # its worker answers recall
+    spawn = one(state.handle(clock(), ev.BudgetPlaced(place.rid, 0, place.backfill)).actions, c.Spawn)
+    small = one(state.handle(clock(), ev.WorkerStarted(spawn.rid, 4000 + spawn.rid, True)).actions, c.Grant)  # its worker answers recall
     assert state.leases[small.lease].backfilled
-    state.not_placed(clock(), big2.rid, {0: 1.0})
-    actions = state.released(clock(), big.lease, 1, "ok")  # big idle: 1 free + big's 8 + small's 1 = 9.5
+    state.handle(clock(), ev.BudgetNotPlaced(big2.rid, {0: 1.0}))
+    actions = state.handle(clock(), ev.LeaseReleased(big.lease, 1, "ok")).actions  # big idle: 1 free + big's 8 + small's 1 = 9.5
     assert one(actions, c.Stop).rid == big.rid
     recall = one(actions, c.Recall)
     assert (recall.lease, recall.worker, recall.client) == (small.lease, True, True)  # its worker, and its client
     assert state.replicas[small.rid].deadline is not None  # a worker that never answers is overdue, not waited for
     # the worker answers at once (no request in flight): the lease ends and small is evicted for big2
-    stop = one(state.recalled(clock(), small.lease, idle_s=5.0, served=1), c.Stop)
+    stop = one(state.handle(clock(), ev.LeaseRecalled(small.lease, idle_s=5.0, served=1)).actions, c.Stop)
     assert stop.rid == small.rid and stop.cause is StopCause.EVICTED
     assert small.lease not in state.leases
-    assert state.released(clock(), small.lease, 3, "ok") == []  # the client's own give-back then finds nothing
+    assert state.handle(clock(), ev.LeaseReleased(small.lease, 3, "ok")).actions == []  # the client's own give-back then finds nothing
 
 
 def test_a_backfilled_lease_on_a_worker_that_cannot_answer_recall_is_asked_of_its_client_only(clock):
     state = pool(clock, {"big": gpu(8), "big2": gpu(8), "small": gpu(2)})
     big = leased(state, clock, "big", 1)
     big2 = one(prepare(state, clock, one(ask(state, clock, "big2", 2)[1], c.Start)), c.Place)
-    state.not_placed(clock(), big2.rid, {0: 2.0})
+    state.handle(clock(), ev.BudgetNotPlaced(big2.rid, {0: 2.0}))
     small = serve(state, clock, one(prepare(state, clock, one(ask(state, clock, "small", 3)[1], c.Start)), c.Place))
-    state.memory_freed(clock())
-    state.not_placed(clock(), big2.rid, {0: 0.0})
-    state.released(clock(), big.lease, 1, "ok")
-    recall = one(state.not_placed(clock(), one(state.stopped(clock(), big.rid), c.Place).rid, {0: 6.0}), c.Recall)
+    state.handle(clock(), ev.MemoryFreed())
+    state.handle(clock(), ev.BudgetNotPlaced(big2.rid, {0: 0.0}))
+    state.handle(clock(), ev.LeaseReleased(big.lease, 1, "ok"))
+    recall = one(state.handle(clock(), ev.BudgetNotPlaced(one(state.handle(clock(), ev.WorkerStopped(big.rid)).actions, c.Place).rid, {0: 6.0})).actions, c.Recall)
     assert (recall.lease, recall.worker, recall.client) == (small.lease, False, True)
 
 
 def test_an_idle_backfilled_worker_is_evicted_first(clock):
     state = pool(clock, {"old": gpu(2), "small": gpu(2), "big": gpu(5), "head": gpu(5)})
     old = leased(state, clock, "old", 1)
-    state.released(clock(), old.lease, 1, "ok")  # idle, and the least recently used
+    state.handle(clock(), ev.LeaseReleased(old.lease, 1, "ok"))  # idle, and the least recently used
     clock.advance(1)
     big = leased(state, clock, "big", 2)
     head = one(prepare(state, clock, one(ask(state, clock, "head", 3)[1], c.Start)), c.Place)
-    assert of(state.not_placed(clock(), head.rid, {0: 2.0}), c.Stop) == []  # 2 + old's 2 < 5: nothing evicted
+    assert of(state.handle(clock(), ev.BudgetNotPlaced(head.rid, {0: 2.0})).actions, c.Stop) == []  # 2 + old's 2 < 5: nothing evicted
     small = serve(state, clock, one(prepare(state, clock, one(ask(state, clock, "small", 4)[1], c.Start)), c.Place))
-    state.released(clock(), small.lease, 4, "ok")  # idle now, used after old, but backfilled
-    retry = one(state.memory_freed(clock()), c.Place)  # someone outside let go of 3 GB
-    actions = state.not_placed(clock(), retry.rid, {0: 3.0})
+    state.handle(clock(), ev.LeaseReleased(small.lease, 4, "ok"))  # idle now, used after old, but backfilled
+    retry = one(state.handle(clock(), ev.MemoryFreed()).actions, c.Place)  # someone outside let go of 3 GB
+    actions = state.handle(clock(), ev.BudgetNotPlaced(retry.rid, {0: 3.0})).actions
     assert [s.rid for s in of(actions, c.Stop)] == [small.rid]  # either would do: the backfilled one goes
     assert state.replicas[old.rid].state is R.READY and state.replicas[big.rid].state is R.LEASED
     recalled = one(actions, c.Announce)
@@ -288,10 +290,10 @@ def test_the_fewest_workers_that_let_the_head_fit_are_evicted(clock):
     state = pool(clock, {"a": gpu(2), "b": gpu(2), "big": gpu(6), "head": gpu(6)})
     for key, connection in (("a", 1), ("b", 2), ("big", 3)):
         grant = leased(state, clock, key, connection)
-        state.released(clock(), grant.lease, connection, "ok")
+        state.handle(clock(), ev.LeaseReleased(grant.lease, connection, "ok"))
         clock.advance(1)
     head = one(prepare(state, clock, one(ask(state, clock, "head", 4)[1], c.Start)), c.Place)
-    actions = state.not_placed(clock(), head.rid, {0: 0.0})
+    actions = state.handle(clock(), ev.BudgetNotPlaced(head.rid, {0: 0.0})).actions
     # least recently used first would take a, b and big; big alone is enough, so a and b stay warm
     assert [s.rid for s in of(actions, c.Stop)] == [state.replicas[r].rid for r in state.replicas
                                                     if state.replicas[r].key == "big"]
@@ -304,43 +306,43 @@ def test_idle_workers_are_evicted_least_recently_used_first_and_never_for_nothin
     b = leased(state, clock, "b", 2)
     clock.advance(1)
     c_ = leased(state, clock, "c", 3)
-    state.released(clock(), b.lease, 2, "ok")
+    state.handle(clock(), ev.LeaseReleased(b.lease, 2, "ok"))
     clock.advance(1)
-    state.released(clock(), a.lease, 1, "ok")
+    state.handle(clock(), ev.LeaseReleased(a.lease, 1, "ok"))
     d = one(prepare(state, clock, one(ask(state, clock, "d", 4)[1], c.Start)), c.Place)
-    actions = state.not_placed(clock(), d.rid, {0: 0.0})
+    actions = state.handle(clock(), ev.BudgetNotPlaced(d.rid, {0: 0.0})).actions
     assert [s.rid for s in of(actions, c.Stop)] == [b.rid]  # b was used least recently; one is enough
     assert state.replicas[c_.rid].state is R.LEASED
-    serve(state, clock, one(state.stopped(clock(), b.rid), c.Place))
+    serve(state, clock, one(state.handle(clock(), ev.WorkerStopped(b.rid)).actions, c.Place))
     e = one(prepare(state, clock, one(ask(state, clock, "e", 5)[1], c.Start)), c.Place)
-    actions = state.not_placed(clock(), e.rid, {0: 0.0})
+    actions = state.handle(clock(), ev.BudgetNotPlaced(e.rid, {0: 0.0})).actions
     assert of(actions, c.Stop) == []  # a (4) alone is idle: 4 of the 9 needed; nothing is evicted for nothing
 
 
 def test_a_kept_warm_worker_goes_last_and_only_when_that_lets_the_head_fit(clock):
     state = pool(clock, {"kept": gpu(4, min_replicas=1), "other": gpu(4), "seven": gpu(7)})
     kept = leased(state, clock, "kept", 1)
-    state.released(clock(), kept.lease, 1, "ok")
+    state.handle(clock(), ev.LeaseReleased(kept.lease, 1, "ok"))
     clock.advance(1)
     other = leased(state, clock, "other", 2)
-    state.released(clock(), other.lease, 2, "ok")  # used after kept, but not kept warm: it goes first
+    state.handle(clock(), ev.LeaseReleased(other.lease, 2, "ok"))  # used after kept, but not kept warm: it goes first
     seven = one(prepare(state, clock, one(ask(state, clock, "seven", 3)[1], c.Start)), c.Place)
-    actions = state.not_placed(clock(), seven.rid, {0: -2.0})  # memory held outside: even both give only 6
+    actions = state.handle(clock(), ev.BudgetNotPlaced(seven.rid, {0: -2.0})).actions  # memory held outside: even both give only 6
     assert of(actions, c.Stop) == []  # nothing is evicted for nothing
-    state.memory_freed(clock())
-    actions = state.not_placed(clock(), seven.rid, {0: 3.0})
+    state.handle(clock(), ev.MemoryFreed())
+    actions = state.handle(clock(), ev.BudgetNotPlaced(seven.rid, {0: 3.0})).actions
     assert [s.rid for s in of(actions, c.Stop)] == [other.rid]  # 3 + 4: the kept-warm one stays
-    retry = one(state.stopped(clock(), other.rid), c.Place)
-    actions = state.not_placed(clock(), retry.rid, {0: 3.0})  # someone outside took other's 4 GB meanwhile
+    retry = one(state.handle(clock(), ev.WorkerStopped(other.rid)).actions, c.Place)
+    actions = state.handle(clock(), ev.BudgetNotPlaced(retry.rid, {0: 3.0})).actions  # someone outside took other's 4 GB meanwhile
     assert [s.rid for s in of(actions, c.Stop)] == [kept.rid]  # now only the kept-warm one lets it fit
 
 
 def test_a_backfill_never_takes_the_memory_the_head_is_about_to_get(clock):
     state = pool(clock, {"idle": gpu(4), "head": gpu(6), "fill": gpu(2)})
     idle = leased(state, clock, "idle", 1)
-    state.released(clock(), idle.lease, 1, "ok")
+    state.handle(clock(), ev.LeaseReleased(idle.lease, 1, "ok"))
     head = one(prepare(state, clock, one(ask(state, clock, "head", 2)[1], c.Start)), c.Place)
-    actions = state.not_placed(clock(), head.rid, {0: 3.0})  # 3 free + 4 idle = 7: evict idle for the head
+    actions = state.handle(clock(), ev.BudgetNotPlaced(head.rid, {0: 3.0})).actions  # 3 free + 4 idle = 7: evict idle for the head
     assert one(actions, c.Stop).rid == idle.rid
     _, actions = ask(state, clock, "fill", 3)
     # 2 GB fit in the 3 free now, but the head needs 6 of the 3 + 4 coming back: only 1 is spare
@@ -351,13 +353,13 @@ def test_a_wait_for_memory_ends_after_admission_timeout_s(clock):
     state = pool(clock, {"a": gpu(8), "b": gpu(8, admission_timeout_s=2)})
     leased(state, clock, "a", 1)
     b = one(prepare(state, clock, one(ask(state, clock, "b", 2)[1], c.Start)), c.Place)
-    state.not_placed(clock(), b.rid, {0: 1.5})
+    state.handle(clock(), ev.BudgetNotPlaced(b.rid, {0: 1.5}))
     clock.advance(1.999)
-    actions = state.tick(clock())
+    actions = state.handle(clock(), ev.Tick()).actions
     assert of(actions, c.Withdraw) == []
-    state.not_placed(clock(), one(actions, c.Place).rid, {0: 1.5})  # read again (poll_s): still no room
+    state.handle(clock(), ev.BudgetNotPlaced(one(actions, c.Place).rid, {0: 1.5}))  # read again (poll_s): still no room
     clock.advance(0.002)
-    withdraw = one(state.tick(clock()), c.Withdraw)
+    withdraw = one(state.handle(clock(), ev.Tick()).actions, c.Withdraw)
     assert (withdraw.rid, withdraw.reason) == (b.rid, "admission_timeout") and withdraw.waited_s >= 2
 
 
@@ -365,19 +367,19 @@ def test_the_room_is_read_again_every_poll_s_and_a_try_is_never_repeated_without
     state = pool(clock, {"a": gpu(8), "b": gpu(8)}, Policy(poll_s=0.25))
     leased(state, clock, "a", 1)
     b = one(prepare(state, clock, one(ask(state, clock, "b", 2)[1], c.Start)), c.Place)
-    assert of(state.not_placed(clock(), b.rid, {0: 9.0}), c.Place) == []  # the reading said room, the try did not
-    assert of(state.tick(clock()), c.Place) == []
+    assert of(state.handle(clock(), ev.BudgetNotPlaced(b.rid, {0: 9.0})).actions, c.Place) == []  # the reading said room, the try did not
+    assert of(state.handle(clock(), ev.Tick()).actions, c.Place) == []
     clock.advance(0.25)
-    assert one(state.tick(clock()), c.Place).rid == b.rid  # memory freed outside the pool is seen
+    assert one(state.handle(clock(), ev.Tick()).actions, c.Place).rid == b.rid  # memory freed outside the pool is seen
 
 
 def test_a_warm_up_never_waits_behind_or_ahead_of_a_request_waiting_for_memory(clock):
     state = pool(clock, {"a": gpu(8), "b": gpu(8), "w": gpu(1, min_replicas=1)}, keep_warm_s=1)
     leased(state, clock, "a", 1)
     b = one(prepare(state, clock, one(ask(state, clock, "b", 2)[1], c.Start)), c.Place)
-    state.not_placed(clock(), b.rid, {0: 1.5})
-    rids, _actions = state.warm(clock(), "w", 1, wait=False)
-    withdraw = one(state.prepared(clock(), rids[0], 1.0, None, False), c.Withdraw)
+    state.handle(clock(), ev.BudgetNotPlaced(b.rid, {0: 1.5}))
+    rids = list(state.handle(clock(), ev.WarmAsked("w", 1, wait=False)).replicas)
+    withdraw = one(state.handle(clock(), ev.StartPrepared(rids[0], 1.0, None, False)).actions, c.Withdraw)
     assert withdraw.reason == "no_room"
 
 
@@ -386,8 +388,8 @@ def test_a_client_gone_while_its_start_waits_for_memory_ends_that_wait(clock):
     leased(state, clock, "a", 1)
     ticket, actions = ask(state, clock, "b", 2)
     b = one(prepare(state, clock, one(actions, c.Start)), c.Place)
-    state.not_placed(clock(), b.rid, {0: 1.5})
-    withdraw = one(state.ticket_gone(clock(), ticket), c.Withdraw)
+    state.handle(clock(), ev.BudgetNotPlaced(b.rid, {0: 1.5}))
+    withdraw = one(state.handle(clock(), ev.TicketGone(ticket)).actions, c.Withdraw)
     assert (withdraw.rid, withdraw.reason) == (b.rid, "start_cancelled")
     assert state.snapshot(clock())["gpu_line"] == []
 
@@ -396,13 +398,13 @@ def test_the_gpu_line_is_ordered_by_class_and_the_head_is_tried_first(clock):
     state = pool(clock, {"a": gpu(8), "n": gpu(6), "i": gpu(6)})
     leased(state, clock, "a", 1)
     n = one(prepare(state, clock, one(ask(state, clock, "n", 2, "normal")[1], c.Start)), c.Place)
-    state.not_placed(clock(), n.rid, {0: 1.5})
+    state.handle(clock(), ev.BudgetNotPlaced(n.rid, {0: 1.5}))
     clock.advance(0.01)
     _, actions = ask(state, clock, "i", 3, "interactive")
     assert of(prepare(state, clock, one(actions, c.Start)), c.Place) == []  # it does not fit either
     line = state.snapshot(clock())["gpu_line"]
     assert [(r["key"], r["priority"], r["position"]) for r in line] == [("i", "interactive", 0), ("n", "normal", 1)]
-    place = one(state.memory_freed(clock()), c.Place)
+    place = one(state.handle(clock(), ev.MemoryFreed()).actions, c.Place)
     assert state.replicas[place.rid].key == "i"
 
 
@@ -410,14 +412,14 @@ def test_the_host_service_recalls_an_idle_backfilled_worker_at_once_and_a_busy_o
     state = pool(clock, {"a": gpu(8), "b": gpu(8), "s": gpu(1), "t": gpu(1)})
     leased(state, clock, "a", 1)
     b = one(prepare(state, clock, one(ask(state, clock, "b", 2)[1], c.Start)), c.Place)
-    state.not_placed(clock(), b.rid, {0: 1.5})
+    state.handle(clock(), ev.BudgetNotPlaced(b.rid, {0: 1.5}))
     s = serve(state, clock, one(prepare(state, clock, one(ask(state, clock, "s", 3)[1], c.Start)), c.Place),
               room_after=1.0)
-    state.released(clock(), s.lease, 3, "ok")
+    state.handle(clock(), ev.LeaseReleased(s.lease, 3, "ok"))
     t = serve(state, clock, one(prepare(state, clock, one(ask(state, clock, "t", 4)[1], c.Start)), c.Place))
-    stop = one(state.recall(clock(), s.rid, "bob's interactive request"), c.Stop)
+    stop = one(state.handle(clock(), ev.HostRecall(s.rid, "bob's interactive request")).actions, c.Stop)
     assert stop.cause is StopCause.EVICTED and "bob's interactive request" in stop.why
-    assert one(state.recall(clock(), t.rid, "bob's interactive request"), c.Recall).lease == t.lease
+    assert one(state.handle(clock(), ev.HostRecall(t.rid, "bob's interactive request")).actions, c.Recall).lease == t.lease
 
 
 def test_a_free_worker_goes_to_whoever_ranks_first_across_the_lines_not_to_its_own_providers_queue(clock):
@@ -427,11 +429,11 @@ def test_a_free_worker_goes_to_whoever_ranks_first_across_the_lines_not_to_its_o
     grants = [leased(state, clock, "camp", n, "batch") for n in (1, 2)]
     _, actions = ask(state, clock, "camp", 3, "batch")  # a third worker would not fit: it waits for memory
     third = one(prepare(state, clock, one(actions, c.Start)), c.Place)
-    state.not_placed(clock(), third.rid, {0: 2.0})
+    state.handle(clock(), ev.BudgetNotPlaced(third.rid, {0: 2.0}))
     clock.advance(0.01)
     _, actions = ask(state, clock, "inter", 4, "interactive")
     assert of(prepare(state, clock, one(actions, c.Start)), c.Place) == []  # tried first is the head: no room
-    actions = state.released(clock(), grants[0].lease, 1, "ok")
+    actions = state.handle(clock(), ev.LeaseReleased(grants[0].lease, 1, "ok")).actions
     assert of(actions, c.Grant) == []  # not to the waiting batch request
     assert one(actions, c.Stop).rid == grants[0].rid  # evicted for the interactive one
 
@@ -441,11 +443,11 @@ def test_with_every_request_in_one_class_the_oldest_waiting_request_gets_the_fre
     grants = [leased(state, clock, "camp", n) for n in (1, 2)]
     ticket, actions = ask(state, clock, "camp", 3)
     third = one(prepare(state, clock, one(actions, c.Start)), c.Place)
-    state.not_placed(clock(), third.rid, {0: 2.0})
+    state.handle(clock(), ev.BudgetNotPlaced(third.rid, {0: 2.0}))
     clock.advance(0.01)
     _, actions = ask(state, clock, "inter", 4)
     prepare(state, clock, one(actions, c.Start))
-    grant = one(state.released(clock(), grants[0].lease, 1, "ok"), c.Grant)
+    grant = one(state.handle(clock(), ev.LeaseReleased(grants[0].lease, 1, "ok")).actions, c.Grant)
     assert grant.ticket == ticket  # it asked first
 
 
@@ -453,17 +455,17 @@ def test_a_lease_granted_without_the_backfilled_mark_is_never_recalled_whoever_a
     state = pool(clock, {"a": gpu(4)})
     grant = leased(state, clock, "a", 1)
     assert not state.leases[grant.lease].backfilled
-    assert state.recall(clock(), grant.rid, "the host service asks") == []  # a stale or wrong recall: nothing
+    assert state.handle(clock(), ev.HostRecall(grant.rid, "the host service asks")).actions == []  # a stale or wrong recall: nothing
     assert state.replicas[grant.rid].state is R.LEASED
 
 
 # -- the GPU line and Pool.predict's kept lease: one rule for taking a lease back ------------------------------
 def kept_lease(state: PoolState, clock: Clock, key: str, connection: int) -> c.Grant:
     """``key`` started and leased as Pool.predict keeps it (its worker answers ``recall``)."""
-    _, actions = state.acquire(clock(), key, connection, {}, keep=True)
+    actions = state.handle(clock(), ev.ClientAsked(key, connection, {}, keep=True)).actions
     place = one(prepare(state, clock, one(actions, c.Start)), c.Place)
-    spawn = one(state.placed(clock(), place.rid, 0), c.Spawn)
-    grant = one(state.started(clock(), spawn.rid, 4000 + spawn.rid, True), c.Grant)
+    spawn = one(state.handle(clock(), ev.BudgetPlaced(place.rid, 0)).actions, c.Spawn)
+    grant = one(state.handle(clock(), ev.WorkerStarted(spawn.rid, 4000 + spawn.rid, True)).actions, c.Grant)
     assert grant.kept
     return grant
 
@@ -471,31 +473,31 @@ def kept_lease(state: PoolState, clock: Clock, key: str, connection: int) -> c.G
 def test_the_gpu_line_takes_an_idle_kept_lease_back_from_its_worker_then_evicts_it_after_a_ready_worker(clock):
     state = pool(clock, {"k": gpu(4), "r": gpu(4), "head": gpu(8)})
     kept = kept_lease(state, clock, "k", 1)
-    state.used(clock(), kept.lease, 1, 1)  # it served its call, then its holder stopped calling: idle
+    state.handle(clock(), ev.LeaseUsed(kept.lease, 1, 1))  # it served its call, then its holder stopped calling: idle
     clock.advance(KEPT_ACTIVE_S)
     ready = leased(state, clock, "r", 2)
-    state.released(clock(), ready.lease, 2, "ok")  # used after the kept lease, but surely idle
+    state.handle(clock(), ev.LeaseReleased(ready.lease, 2, "ok"))  # used after the kept lease, but surely idle
     head = one(prepare(state, clock, one(ask(state, clock, "head", 3)[1], c.Start)), c.Place)
-    actions = state.not_placed(clock(), head.rid, {0: 4.0})  # 4 free + one 4 GB worker: enough
+    actions = state.handle(clock(), ev.BudgetNotPlaced(head.rid, {0: 4.0})).actions  # 4 free + one 4 GB worker: enough
     assert [s.rid for s in of(actions, c.Stop)] == [ready.rid] and of(actions, c.Recall) == []
-    actions = state.not_placed(clock(), one(state.stopped(clock(), ready.rid), c.Place).rid, {0: 4.0})
+    actions = state.handle(clock(), ev.BudgetNotPlaced(one(state.handle(clock(), ev.WorkerStopped(ready.rid)).actions, c.Place).rid, {0: 4.0})).actions
     recall = one(actions, c.Recall)  # someone outside took 4 GB: now the kept lease gives way
     assert (recall.lease, recall.client) == (kept.lease, False)  # asked of its worker, not its client
-    assert of(state.tick(clock()), c.Recall) == []  # asked once
-    assert one(state.recalled(clock(), kept.lease, served=1), c.Stop).cause is StopCause.EVICTED
+    assert of(state.handle(clock(), ev.Tick()).actions, c.Recall) == []  # asked once
+    assert one(state.handle(clock(), ev.LeaseRecalled(kept.lease, served=1)).actions, c.Stop).cause is StopCause.EVICTED
 
 
 def test_the_gpu_line_leaves_a_kept_lease_just_granted_to_serve_its_one_request(clock):
     state = pool(clock, {"k": gpu(8), "head": gpu(8)})
     kept = kept_lease(state, clock, "k", 1)
     head = one(prepare(state, clock, one(ask(state, clock, "head", 2)[1], c.Start)), c.Place)
-    assert of(state.not_placed(clock(), head.rid, {0: 1.5}), c.Recall) == []  # not used yet
+    assert of(state.handle(clock(), ev.BudgetNotPlaced(head.rid, {0: 1.5})).actions, c.Recall) == []  # not used yet
     clock.advance(0.1)
-    assert of(state.tick(clock()), c.Recall) == []
-    assert of(state.used(clock(), kept.lease, 1, 1), c.Recall) == []  # served its call; its holder may call again
+    assert of(state.handle(clock(), ev.Tick()).actions, c.Recall) == []
+    assert of(state.handle(clock(), ev.LeaseUsed(kept.lease, 1, 1)).actions, c.Recall) == []  # served its call; its holder may call again
     clock.advance(KEPT_ACTIVE_S)  # it did not: idle between calls now
-    retry = one(state.tick(clock()), c.Place)  # the room is read again, and still short
-    recall = one(state.not_placed(clock(), retry.rid, {0: 1.5}), c.Recall)
+    retry = one(state.handle(clock(), ev.Tick()).actions, c.Place)  # the room is read again, and still short
+    recall = one(state.handle(clock(), ev.BudgetNotPlaced(retry.rid, {0: 1.5})).actions, c.Recall)
     assert recall.lease == kept.lease and state.replicas[kept.rid].evict_for == 8
 
 
@@ -504,13 +506,13 @@ def test_a_kept_warm_worker_goes_after_an_idle_kept_lease_of_another_provider(cl
     merged order put every ready worker, kept warm too, before any kept lease."""
     state = pool(clock, {"warm": gpu(4, min_replicas=1), "k": gpu(4), "big": gpu(6)})
     warm = leased(state, clock, "warm", 1)
-    state.released(clock(), warm.lease, 1, "ok")
+    state.handle(clock(), ev.LeaseReleased(warm.lease, 1, "ok"))
     clock.advance(1)
     kept = kept_lease(state, clock, "k", 2)
-    state.used(clock(), kept.lease, 2, 1)
+    state.handle(clock(), ev.LeaseUsed(kept.lease, 2, 1))
     clock.advance(KEPT_ACTIVE_S)  # its holder stopped calling: idle between calls now
     big = one(prepare(state, clock, one(ask(state, clock, "big", 3)[1], c.Start)), c.Place)
-    actions = state.not_placed(clock(), big.rid, {0: 2.0})  # 2 free + one 4 GB worker: enough
+    actions = state.handle(clock(), ev.BudgetNotPlaced(big.rid, {0: 2.0})).actions  # 2 free + one 4 GB worker: enough
     assert of(actions, c.Stop) == [] and one(actions, c.Recall).lease == kept.lease  # the kept-warm one stays
     assert state.replicas[warm.rid].state is R.READY
 
@@ -521,9 +523,9 @@ def _calling_holder_and_a_head(clock, head_class: str = "normal", policy: Policy
     on a 10 GB card with 1.5 GB free."""
     state = pool(clock, {"k": gpu(8), "head": gpu(8)}, policy)
     kept = kept_lease(state, clock, "k", 1)
-    state.used(clock(), kept.lease, 1, 1)
+    state.handle(clock(), ev.LeaseUsed(kept.lease, 1, 1))
     head = one(prepare(state, clock, one(ask(state, clock, "head", 2, head_class)[1], c.Start)), c.Place)
-    first = state.not_placed(clock(), head.rid, {0: 1.5})
+    first = state.handle(clock(), ev.BudgetNotPlaced(head.rid, {0: 1.5})).actions
     return state, kept, head, first
 
 
@@ -532,11 +534,11 @@ def _seconds_of_calls(state, clock, kept, seconds: float) -> list:
     actions = []
     for _ in range(int(seconds / 0.25)):
         clock.advance(0.25)
-        looked = state.used(clock(), kept.lease, 1, 40) if clock.now % 1.0 == 0 else []
-        looked += state.tick(clock())
+        looked = state.handle(clock(), ev.LeaseUsed(kept.lease, 1, 40)).actions if clock.now % 1.0 == 0 else []
+        looked += state.handle(clock(), ev.Tick()).actions
         actions += looked
         for retry in of(looked, c.Place):
-            actions += state.not_placed(clock(), retry.rid, {0: 1.5})
+            actions += state.handle(clock(), ev.BudgetNotPlaced(retry.rid, {0: 1.5})).actions
     return actions
 
 
@@ -547,8 +549,8 @@ def test_a_kept_lease_whose_holder_keeps_calling_is_not_evicted_for_a_head_of_it
     assert of(first, c.Recall) == []
     assert of(_seconds_of_calls(state, clock, kept, 30.0), c.Recall) == []
     clock.advance(KEPT_ACTIVE_S)  # the holder stopped calling: its worker does not stay pinned
-    retry = one(state.tick(clock()), c.Place)
-    recall = one(state.not_placed(clock(), retry.rid, {0: 1.5}), c.Recall)
+    retry = one(state.handle(clock(), ev.Tick()).actions, c.Place)
+    recall = one(state.handle(clock(), ev.BudgetNotPlaced(retry.rid, {0: 1.5})).actions, c.Recall)
     assert recall.lease == kept.lease and state.replicas[kept.rid].evict_for == 8
 
 
@@ -556,7 +558,7 @@ def test_a_head_of_a_higher_class_takes_a_calling_kept_lease(clock):
     state, kept, _, first = _calling_holder_and_a_head(clock, head_class="interactive")
     recall = one(first, c.Recall)  # its holder called a moment ago; the head outranks its class
     assert recall.lease == kept.lease
-    assert one(state.recalled(clock(), kept.lease, served=3), c.Stop).cause is StopCause.EVICTED
+    assert one(state.handle(clock(), ev.LeaseRecalled(kept.lease, served=3)).actions, c.Stop).cause is StopCause.EVICTED
 
 
 def test_a_head_that_aged_into_a_higher_class_takes_a_calling_kept_lease(clock):
@@ -573,11 +575,11 @@ def test_a_kept_lease_running_one_long_request_is_not_evicted_though_its_holder_
     state, kept, _, _ = _calling_holder_and_a_head(clock)
     for _ in range(240):
         clock.advance(0.25)
-        for retry in of(state.tick(clock(), in_flight=frozenset({kept.rid})), c.Place):
-            assert of(state.not_placed(clock(), retry.rid, {0: 1.5}), c.Recall) == []
+        for retry in of(state.handle(clock(), ev.Tick(in_flight=frozenset({kept.rid}))).actions, c.Place):
+            assert of(state.handle(clock(), ev.BudgetNotPlaced(retry.rid, {0: 1.5})).actions, c.Recall) == []
     clock.advance(0.25)
-    retry = one(state.tick(clock(), in_flight=frozenset()), c.Place)  # it returned; the holder called no more
-    assert one(state.not_placed(clock(), retry.rid, {0: 1.5}), c.Recall).lease == kept.lease
+    retry = one(state.handle(clock(), ev.Tick(in_flight=frozenset())).actions, c.Place)  # it returned; the holder called no more
+    assert one(state.handle(clock(), ev.BudgetNotPlaced(retry.rid, {0: 1.5})).actions, c.Recall).lease == kept.lease
 
 
 def test_a_backfilled_kept_lease_is_taken_back_though_its_holder_keeps_calling(clock):
@@ -585,17 +587,17 @@ def test_a_backfilled_kept_lease_is_taken_back_though_its_holder_keeps_calling(c
     state = pool(clock, {"big": gpu(8), "big2": gpu(8), "small": gpu(2)})
     big = leased(state, clock, "big", 1)
     big2 = one(prepare(state, clock, one(ask(state, clock, "big2", 2)[1], c.Start)), c.Place)
-    state.not_placed(clock(), big2.rid, {0: 2.0})  # a 10 GB card: 8 held, 2 free
-    _, actions = state.acquire(clock(), "small", 3, {}, keep=True)
+    state.handle(clock(), ev.BudgetNotPlaced(big2.rid, {0: 2.0}))  # a 10 GB card: 8 held, 2 free
+    actions = state.handle(clock(), ev.ClientAsked("small", 3, {}, keep=True)).actions
     place = one(prepare(state, clock, one(actions, c.Start)), c.Place)
     assert place.backfill
-    spawn = one(state.placed(clock(), place.rid, 0, place.backfill), c.Spawn)
-    small = one(state.started(clock(), spawn.rid, 4000 + spawn.rid, True), c.Grant)
+    spawn = one(state.handle(clock(), ev.BudgetPlaced(place.rid, 0, place.backfill)).actions, c.Spawn)
+    small = one(state.handle(clock(), ev.WorkerStarted(spawn.rid, 4000 + spawn.rid, True)).actions, c.Grant)
     assert small.kept and state.leases[small.lease].backfilled
     clock.advance(Timings().kept_active_s / 2)
-    state.used(clock(), small.lease, 3, 5)  # its holder calls on
-    state.memory_freed(clock())
-    state.not_placed(clock(), big2.rid, {0: 0.0})
-    assert one(state.released(clock(), big.lease, 1, "ok"), c.Stop).rid == big.rid
-    actions = state.not_placed(clock(), one(state.stopped(clock(), big.rid), c.Place).rid, {0: 6.0})
+    state.handle(clock(), ev.LeaseUsed(small.lease, 3, 5))  # its holder calls on
+    state.handle(clock(), ev.MemoryFreed())
+    state.handle(clock(), ev.BudgetNotPlaced(big2.rid, {0: 0.0}))
+    assert one(state.handle(clock(), ev.LeaseReleased(big.lease, 1, "ok")).actions, c.Stop).rid == big.rid
+    actions = state.handle(clock(), ev.BudgetNotPlaced(one(state.handle(clock(), ev.WorkerStopped(big.rid)).actions, c.Place).rid, {0: 6.0})).actions
     assert one(actions, c.Recall).lease == small.lease  # 6 free + small's 2: the head starts once it is back
