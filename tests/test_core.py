@@ -258,16 +258,10 @@ def test_a_new_version_takes_a_kept_lease_back_then_stops_its_worker(clock):
 
 
 def test_admission_evicts_a_kept_lease_once_it_is_back_never_in_the_middle_of_a_request(clock):
-    state = PoolState(Timings(), clock())
-    state.handle(clock(), ev.ManifestRead("g", "g", "v", "f", _gpu()))
-    actions = state.handle(clock(), ev.ClientAsked("g", CONN, {}, keep=True)).actions
-    start = one(actions, c.Start)
-    state.admitted(clock(), start.rid, "0")
-    kept = one(state.handle(clock(), ev.WorkerStarted(start.rid, 1, True)).actions, c.Grant)
-    rid, held_warm, _ = state.eviction_candidate()
-    assert (rid, held_warm) == (kept.rid, False)
-    assert one(state.evict(clock(), rid, 4), c.Recall).lease == kept.lease
-    assert state.eviction_candidate() is None  # being recalled: not chosen twice
+    state = _gpu_pool(clock, "g")
+    kept = _kept_on_gpu(state, clock, "g")
+    assert one(_make_room(state, clock), c.Recall).lease == kept.lease
+    assert of(state.handle(clock(), ev.Tick()).actions, c.Recall) == []  # being recalled: not chosen twice
     stop = one(state.handle(clock(), ev.LeaseRecalled(kept.lease)).actions, c.Stop)  # the worker answered: no request in flight
     assert stop.cause is StopCause.EVICTED
 
@@ -527,6 +521,32 @@ def _gpu(**kw) -> Spec:
     return Spec(budget_gb=4, ping_interval_s=10_000, **kw)
 
 
+def _gpu_pool(clock: Clock, key: str, spec: Spec | None = None) -> PoolState:
+    """``key`` (4 GB, or ``spec``) beside ``head``, a 4 GB provider whose start ``_make_room`` asks for."""
+    state = PoolState(Timings(), clock())
+    state.handle(clock(), ev.ManifestRead(key, key, "v", "f", spec or _gpu()))
+    state.handle(clock(), ev.ManifestRead("head", "head", "v", "f", _gpu()))
+    return state
+
+
+def _kept_on_gpu(state: PoolState, clock: Clock, key: str) -> c.Grant:
+    """``key`` started through the GPU line on device 0 and leased as Pool.predict keeps it; then its holder stops
+    calling (idle between calls)."""
+    start = one(state.handle(clock(), ev.ClientAsked(key, CONN, {}, keep=True)).actions, c.Start)
+    one(state.handle(clock(), ev.StartPrepared(start.rid, 4)).actions, c.Place)
+    one(state.handle(clock(), ev.BudgetPlaced(start.rid, 0)).actions, c.Spawn)
+    kept = one(state.handle(clock(), ev.WorkerStarted(start.rid, 1, True)).actions, c.Grant)
+    clock.advance(Timings().kept_active_s)
+    return kept
+
+
+def _make_room(state: PoolState, clock: Clock) -> list[c.Action]:
+    """A start of ``head`` (4 GB) finds the card full: what the GPU line does to make room for it."""
+    start = one(state.handle(clock(), ev.ClientAsked("head", OTHER, {})).actions, c.Start)
+    place = one(state.handle(clock(), ev.StartPrepared(start.rid, 4)).actions, c.Place)
+    return state.handle(clock(), ev.BudgetNotPlaced(place.rid, {0: 0.0})).actions
+
+
 def test_a_kept_warm_worker_is_exempt_from_idle_retirement(clock):
     state = PoolState(Timings(), clock())
     state.handle(clock(), ev.ManifestRead("warm", "warm", "v", "f", Spec(budget_gb=4, min_replicas=1, idle_timeout_s=1,
@@ -554,10 +574,9 @@ def test_kept_warm_providers_are_topped_up_but_not_while_requests_wait_for_memor
 
 
 def test_a_hibernated_worker_gives_its_budget_back_and_its_next_lease_restores_it(clock):
-    state = PoolState(Timings(), clock())
-    state.handle(clock(), ev.ManifestRead("h", "h", "v", "f", _gpu(evict="hibernate")))
+    state = _gpu_pool(clock, "h", _gpu(evict="hibernate"))
     rid = _admitted_ready(state, clock, "h")
-    one(state.lifecycle.evict(clock(), rid, 4), c.Hibernate)
+    one(state.handle(clock(), ev.HostRecall(rid, "another pool's request needs it")).actions, c.Hibernate)
     assert replica(state, rid).state is R.HIBERNATING
     one(state.handle(clock(), ev.HibernationEnded(rid, True, "evicted")).actions, c.ReleaseBudget)
     assert replica(state, rid).state is R.HIBERNATED and not replica(state, rid).admitted
@@ -688,25 +707,18 @@ def test_a_recall_keeps_its_deadline_across_a_liveness_ping(clock):
 
 
 def test_an_eviction_overtaken_by_a_release_is_forgotten(clock):
-    state = PoolState(Timings(), clock())
-    state.handle(clock(), ev.ManifestRead("g", "g", "v", "f", _gpu()))
-    actions = state.handle(clock(), ev.ClientAsked("g", CONN, {}, keep=True)).actions
-    start = one(actions, c.Start)
-    state.admitted(clock(), start.rid, "0")
-    kept = one(state.handle(clock(), ev.WorkerStarted(start.rid, 1, True)).actions, c.Grant)
-    one(state.evict(clock(), kept.rid, 4), c.Recall)
+    state = _gpu_pool(clock, "g")
+    kept = _kept_on_gpu(state, clock, "g")
+    one(_make_room(state, clock), c.Recall)
     state.handle(clock(), ev.LeaseReleased(kept.lease, CONN, "ok"))  # its client gave it back first
     assert replica(state, kept.rid).evict_for is None
 
 
 def test_admission_skips_a_kept_lease_the_runtime_found_busy(clock):
-    state = PoolState(Timings(), clock())
-    state.handle(clock(), ev.ManifestRead("g", "g", "v", "f", _gpu()))
-    actions = state.handle(clock(), ev.ClientAsked("g", CONN, {}, keep=True)).actions
-    start = one(actions, c.Start)
-    state.admitted(clock(), start.rid, "0")
-    kept = one(state.handle(clock(), ev.WorkerStarted(start.rid, 1, True)).actions, c.Grant)
-    assert state.eviction_candidate(frozenset({kept.rid})) is None
+    state = _gpu_pool(clock, "g")
+    kept = _kept_on_gpu(state, clock, "g")
+    state.handle(clock(), ev.Tick(in_flight=frozenset({kept.rid})))  # a request runs on it: its holder is calling
+    assert of(_make_room(state, clock), c.Recall) == []
 
 
 def test_a_lease_still_held_after_the_drain_grace_is_killed_not_asked(clock):
@@ -737,13 +749,9 @@ def test_stop_and_shutdown_take_a_kept_lease_back_first(clock):
 
 
 def test_a_kept_lease_evicted_for_a_hibernating_provider_hibernates_once_back(clock):
-    state = PoolState(Timings(), clock())
-    state.handle(clock(), ev.ManifestRead("h", "h", "v", "f", _gpu(evict="hibernate")))
-    actions = state.handle(clock(), ev.ClientAsked("h", CONN, {}, keep=True)).actions
-    start = one(actions, c.Start)
-    state.admitted(clock(), start.rid, "0")
-    kept = one(state.handle(clock(), ev.WorkerStarted(start.rid, 1, True)).actions, c.Grant)
-    one(state.evict(clock(), kept.rid, 4), c.Recall)
+    state = _gpu_pool(clock, "h", _gpu(evict="hibernate"))
+    kept = _kept_on_gpu(state, clock, "h")
+    one(_make_room(state, clock), c.Recall)
     one(state.handle(clock(), ev.LeaseRecalled(kept.lease, served=1)).actions, c.Hibernate)
 
 
@@ -764,11 +772,9 @@ def test_a_used_notice_from_another_connection_changes_nothing(clock):
 
 
 def test_a_hibernated_worker_idle_past_its_timeout_is_killed(clock):
-    state = PoolState(Timings(), clock())
-    state.handle(clock(), ev.ManifestRead("h", "h", "v", "f", Spec(budget_gb=4, idle_timeout_s=60, ping_interval_s=10_000,
-                                                      evict="hibernate")))
+    state = _gpu_pool(clock, "h", Spec(budget_gb=4, idle_timeout_s=60, ping_interval_s=10_000, evict="hibernate"))
     rid = _admitted_ready(state, clock, "h")
-    one(state.evict(clock(), rid, 4), c.Hibernate)
+    one(_make_room(state, clock), c.Hibernate)
     state.handle(clock(), ev.HibernationEnded(rid, True, "evicted"))
     clock.advance(61)
     stop = one(state.handle(clock(), ev.Tick()).actions, c.Stop)

@@ -221,28 +221,15 @@ class Admitting:
                 total += replica.budget_gb or 0.0
         return total
 
-    def evictable(self, skip: frozenset[int] = frozenset()) -> list[Replica]:
+    def evictable(self) -> list[Replica]:
         """Idle workers holding GPU memory, in the order they are evicted: backfilled, then ready ones before kept
         leases, least recently used; kept-warm ones last of all. Idle: ready, or held by a kept lease between calls
         (Pool.predict's: its lease is recalled first, after at most the request in flight; a request may run on
-        it now, which the core cannot see, so a ready worker goes before it). ``skip``: replicas known busy."""
-        idle = [r for r in self.lifecycle.replicas.values() if r.admitted and r.rid not in skip
+        it now, which the core cannot see, so a ready worker goes before it)."""
+        idle = [r for r in self.lifecycle.replicas.values() if r.admitted
                 and (r.state is R.READY or (r.state is R.LEASED and r.kept and not r.recalling))]
         return sorted(idle, key=lambda r: (not r.backfilled, self.lifecycle.kept_warm(r), r.state is not R.READY,
                                            r.last_used, r.rid))
-
-    def candidate(self, skip: frozenset[int] = frozenset()) -> tuple[int, bool, dict[int, float]] | None:
-        """The first of ``evictable``: its id, whether it is kept warm, and the budgets every idle kept-warm
-        replica holds, per device."""
-        idle = self.evictable(skip)
-        if not idle:
-            return None
-        freed: dict[int, float] = {}
-        for replica in idle:
-            if self.lifecycle.kept_warm(replica) and replica.device is not None and replica.device.isdigit() \
-                    and replica.budget_gb:
-                freed[int(replica.device)] = freed.get(int(replica.device), 0.0) + replica.budget_gb
-        return idle[0].rid, self.lifecycle.kept_warm(idle[0]), freed
 
     def _idle(self, now: float, device: int, head: Waiting) -> list[Replica]:
         """``evictable`` workers on ``device`` that ``head`` may take (``_spared``)."""

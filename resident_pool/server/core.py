@@ -26,7 +26,7 @@ from .admitting import Admitting
 from .breaker import Breaker
 from .leases import Leasing
 from .lifecycle import Lifecycle, replica_rows
-from .replica import Lease, Provider, Replica, Spec, Ticket
+from .replica import Lease, Provider, Replica, Ticket
 from .states import ReplicaState, StopCause
 
 __all__ = ["PoolState", "breaker_error", "replica_timeout", "stopping_error"]
@@ -325,104 +325,6 @@ class PoolState:
                         and provider.breaker.remaining_s(now) == 0:
                     actions += self._top_up(now, provider, provider.spec.min_replicas, wait=False).actions
         return ev.Decision(actions)
-
-    # -- the old named entry points, each one event (moved to ``handle``, then removed) ------------------------
-    def register(self, now: float, key: str, slug: str, version: str, fingerprint: str, spec: Spec,
-                 variant: bool = False) -> list[Action]:
-        return self.handle(now, ev.ManifestRead(key, slug, version, fingerprint, spec, variant)).actions
-
-    def acquire(self, now: float, key: str, connection: int, holder: dict[str, str],
-                priority: str = order.DEFAULT, keep: bool = False) -> tuple[int, list[Action]]:
-        decision = self.handle(now, ev.ClientAsked(key, connection, holder, priority, keep))
-        assert decision.ticket is not None
-        return decision.ticket, decision.actions
-
-    def ticket_gone(self, now: float, ticket_id: int) -> list[Action]:
-        return self.handle(now, ev.TicketGone(ticket_id)).actions
-
-    def released(self, now: float, lease_id: int, connection: int, outcome: str, served: int = 0,
-                 rc: int | None = None) -> list[Action]:
-        return self.handle(now, ev.LeaseReleased(lease_id, connection, outcome, served, rc)).actions
-
-    def used(self, now: float, lease_id: int, connection: int, served: int) -> list[Action]:
-        return self.handle(now, ev.LeaseUsed(lease_id, connection, served)).actions
-
-    def recalled(self, now: float, lease_id: int, idle_s: float = 0.0, served: int | None = None,
-                 failure: str | None = None) -> list[Action]:
-        return self.handle(now, ev.LeaseRecalled(lease_id, idle_s, served, failure)).actions
-
-    def connection_closed(self, now: float, connection: int) -> list[Action]:
-        return self.handle(now, ev.ConnectionClosed(connection)).actions
-
-    def prepared(self, now: float, rid: int, need_gb: float | None, device: int | None = None,
-                 wait: bool = True) -> list[Action]:
-        return self.handle(now, ev.StartPrepared(rid, need_gb, device, wait)).actions
-
-    def placed(self, now: float, rid: int, device: int, backfilled: bool = False) -> list[Action]:
-        return self.handle(now, ev.BudgetPlaced(rid, device, backfilled)).actions
-
-    def not_placed(self, now: float, rid: int, rooms: dict[int, float]) -> list[Action]:
-        return self.handle(now, ev.BudgetNotPlaced(rid, rooms)).actions
-
-    def memory_freed(self, now: float) -> list[Action]:
-        return self.handle(now, ev.MemoryFreed()).actions
-
-    def recall(self, now: float, rid: int, why: str) -> list[Action]:
-        return self.handle(now, ev.HostRecall(rid, why)).actions
-
-    def admitted(self, now: float, rid: int, device: str | None) -> list[Action]:
-        return self.lifecycle.admitted(now, rid, device)
-
-    def spawned(self, now: float, rid: int, pid: int) -> list[Action]:
-        return self.handle(now, ev.WorkerSpawned(rid, pid)).actions
-
-    def restarted(self, now: float, rid: int, why: str) -> list[Action]:
-        return self.handle(now, ev.RestoreFailed(rid, why)).actions
-
-    def started(self, now: float, rid: int, pid: int | None, can_recall: bool = False) -> list[Action]:
-        return self.handle(now, ev.WorkerStarted(rid, pid, can_recall)).actions
-
-    def start_failed(self, now: float, rid: int, error: ResidentPoolError) -> list[Action]:
-        return self.handle(now, ev.StartFailed(rid, error)).actions
-
-    def pinged(self, now: float, rid: int, purpose: str, answered: bool, rc: int | None = None,
-               failure: str | None = None, served: int | None = None) -> list[Action]:
-        return self.handle(now, ev.Pinged(rid, purpose, answered, rc, failure, served)).actions
-
-    def exited(self, now: float, rid: int, rc: int) -> list[Action]:
-        return self.handle(now, ev.WorkerExited(rid, rc)).actions
-
-    def hibernated(self, now: float, rid: int, ok: bool, why: str) -> list[Action]:
-        return self.handle(now, ev.HibernationEnded(rid, ok, why)).actions
-
-    def stopped(self, now: float, rid: int, failure: str | None = None) -> list[Action]:
-        return self.handle(now, ev.WorkerStopped(rid, failure)).actions
-
-    def retire(self, now: float, rid: int, cause: StopCause, why: str) -> list[Action]:
-        return self.handle(now, ev.RetireAsked(rid, cause, why)).actions
-
-    def stop(self, now: float, key: str | None, at_once: bool, why: str,
-             cause: StopCause = StopCause.STOPPED) -> tuple[list[int], list[Action]]:
-        decision = self.handle(now, ev.StopAsked(key, at_once, why, cause))
-        return list(decision.replicas), decision.actions
-
-    def shutdown(self, now: float, why: str, at_once: bool = False) -> list[Action]:
-        return self.handle(now, ev.ShutdownAsked(why, at_once)).actions
-
-    def eviction_candidate(self, skip: frozenset[int] = frozenset()) -> tuple[int, bool, dict[int, float]] | None:
-        return self.admitting.candidate(skip)
-
-    def evict(self, now: float, rid: int, needed_gb: float) -> list[Action]:
-        return self.lifecycle.evict(now, rid, needed_gb)
-
-    def warm(self, now: float, key: str, replicas: int, wait: bool = True) -> tuple[list[int], list[Action]]:
-        decision = self.handle(now, ev.WarmAsked(key, replicas, wait))
-        if decision.error is not None:
-            raise decision.error
-        return list(decision.replicas), decision.actions
-
-    def tick(self, now: float, connections: int = 0, in_flight: frozenset[int] | None = None) -> list[Action]:
-        return self.handle(now, ev.Tick(connections, in_flight)).actions
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """Plain data for status and metrics: the records as they are now."""
