@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     gpu_headroom_gb: float = Field(0.5, ge=0, description="kept free on every device")
     fake_nvml: Path | None = Field(None, description="read device memory from this JSON file (drills, tests)")
     ledger_audit: Path | None = Field(None, description="append every ledger state to this JSONL file")
+    core_log: Path | None = Field(None, description="the pool's decision core's event log: every event it hears and "
+                                  "what it decides, a JSON line each, rewritten at each pool start "
+                                  "(`resident-pool replay FILE` feeds it to a fresh core)")
     admission_service: str = Field("auto", description="the host-wide admission service's socket: `auto` (in force "
                                    "where its configuration file exists, at the socket it names; else "
                                    "/run/resident-pool/admission.sock where that exists), `off` (this user's own "

@@ -208,6 +208,35 @@ def _metric_families(text: str) -> list[dict[str, Any]]:
 
 
 @app.command()
+def replay(
+    log: Annotated[Path, typer.Argument(help="a core event log (RESIDENT_POOL_CORE_LOG)")],
+    as_json: AsJson = False,
+) -> None:
+    """Feed a pool's core event log to a fresh decision core: exit 0 when it decides the same actions throughout,
+    else 1, naming the first event it decided otherwise."""
+    from ..server.eventlog import replay as replay_log
+
+    try:
+        with open(log, encoding="utf-8") as lines:
+            count, divergence = replay_log(lines)
+    except (OSError, ValueError, KeyError) as exc:
+        fail(f"resident-pool replay: {log} cannot be replayed: {safe(exc)}", as_json, "bad_log", code=2)
+    if as_json:
+        print_json({"events": count, "same": divergence is None,
+                    "divergence": None if divergence is None else {
+                        "line": divergence.line, "event": divergence.event, "recorded": divergence.recorded,
+                        "replayed": divergence.replayed}})
+    elif divergence is None:
+        console.print(f"{count} events replayed into a fresh core: the same decisions throughout", highlight=False)
+    else:
+        console.print(f"line {divergence.line}: the replayed core decided otherwise on {json.dumps(divergence.event)}"
+                      f"\n  recorded: {json.dumps(divergence.recorded)}\n  replayed: {json.dumps(divergence.replayed)}",
+                      markup=False, highlight=False)
+    if divergence is not None:
+        raise typer.Exit(1)
+
+
+@app.command()
 def events(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing events as they come.")] = False,
     from_start: Annotated[bool, typer.Option(

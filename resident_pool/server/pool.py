@@ -33,6 +33,7 @@ from . import actions as c
 from . import events as ev
 from .actions import Policy, Timings
 from .core import PoolState, stopping_error
+from .eventlog import EventLog
 from .handles import Waiter
 from .lifecycle import STOP_ATTEMPTS
 from .observing import Observer
@@ -84,8 +85,9 @@ class PoolServer:
         self.service = connect_service(config, on_wake=lambda: self.runtime.report(ev.MemoryFreed()),
                                        on_recall=lambda slug, index, why: self.runtime.recall_worker(  # noqa: PLW0108
                                            slug, index, why))
-        self.core = PoolState(self.timings, time.monotonic(),
-                              policy_from(config, self.service.info if self.service is not None else None))
+        started = time.monotonic()
+        policy = policy_from(config, self.service.info if self.service is not None else None)
+        self.core = PoolState(self.timings, started, policy)
         self.admission = Admission(self.ledger, headroom_gb=config.gpu_headroom_gb, holder_of=self._holder_of,
                                    service=self.service, orphans=Orphans(paths.workers_dir(self.state_dir)))
         self.zygotes = Zygotes()  # fork servers, one per provider environment that declares a preload
@@ -97,6 +99,8 @@ class PoolServer:
         self.runtime = Runtime(self.core, self.registry, self.admission, self.zygotes, self.hibernator,
                                self.state_dir, self.observer, config.kill_grace_s)
         self.runtime.on_exit = self.begin_stop
+        if config.core_log is not None:
+            self.runtime.event_log = EventLog(config.core_log, self.timings, policy, started)
         self.wire = Wire(self.socket_path, {
             "hello": self._op_hello, "acquire": self._op_acquire, "release": self._op_release,
             "status": lambda m, conn: {"ok": True, **self.status()},
@@ -133,6 +137,8 @@ class PoolServer:
         finally:
             self.observer.stop()
             self.wire.close()
+            if self.runtime.event_log is not None:
+                self.runtime.event_log.close()
             log.info("pool %d stopped", os.getpid())
 
     def _record_signal(self, signum, frame) -> None:

@@ -25,6 +25,7 @@ from ..providers.zygote import Zygotes
 from . import actions as c
 from . import events as ev
 from .core import PoolState
+from .eventlog import EventLog
 from .handles import Waiter, Worker
 from .registry import Registry
 from .starts import Starter
@@ -62,6 +63,7 @@ class Runtime:
         self.start_errors: dict[int, ResidentPoolError] = {}  # for warm-ups waiting on their starts
         self.nonce = secrets.token_hex(8)  # lease tokens of this pool never name another pool's lease
         self.on_exit: Callable[[str], None] = lambda why: None
+        self.event_log: EventLog | None = None  # RESIDENT_POOL_CORE_LOG: each event and its decision, for replay
         self.starter = Starter(self)
 
     # -- events in, actions out -----------------------------------------------------------------
@@ -73,7 +75,10 @@ class Runtime:
         next (the events stream) already says what happened, and a client's waiter is in place for its ticket.
         """
         with self.lock:
-            decision = self.core.handle(self.clock(), event)
+            now = self.clock()
+            decision = self.core.handle(now, event)
+            if self.event_log is not None:
+                self.event_log.write(now, event, decision)
             if noted is not None:
                 noted(decision)
             later = self.settle(decision.actions)
