@@ -592,7 +592,7 @@ PACKAGE = Path(resident_pool.__file__).parent
 ALLOWED_IMPORTS = {"__future__", "itertools", "dataclasses", "typing", "enum", "collections"}
 # The decision core: its face, its two owners (replicas; the waiting line and leases), its records and actions.
 CORE = ("core.py", "lifecycle.py", "drains.py", "leases.py", "admitting.py", "replica.py", "states.py", "breaker.py",
-        "actions.py", "events.py")
+        "actions.py", "events.py", "view.py")
 # The one order every waiting line keeps, shared with the host admission service: pure as well.
 SHARED = ("priority",)
 
@@ -717,7 +717,7 @@ def test_an_eviction_overtaken_by_a_release_is_forgotten(clock):
 def test_admission_skips_a_kept_lease_the_runtime_found_busy(clock):
     state = _gpu_pool(clock, "g")
     kept = _kept_on_gpu(state, clock, "g")
-    state.handle(clock(), ev.Tick(in_flight=frozenset({kept.rid})))  # a request runs on it: its holder is calling
+    state.handle(clock(), ev.Tick(in_flight={kept.rid: 0.5}))  # a request runs on it: its holder is calling
     assert of(_make_room(state, clock), c.Recall) == []
 
 
@@ -734,7 +734,7 @@ def test_a_kept_lease_ends_with_its_replica_and_the_pool_is_idle_again(clock):
     kept = _kept_in_use(state, clock)
     one(state.handle(clock(), ev.StopAsked("m", True, "stop --now")).actions, c.Stop)
     state.handle(clock(), ev.WorkerStopped(kept.rid))
-    assert kept.lease not in state.leases and state.idle()
+    assert kept.lease not in state.leases and state.view(clock()).idle
 
 
 def test_stop_and_shutdown_take_a_kept_lease_back_first(clock):

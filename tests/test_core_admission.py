@@ -143,8 +143,8 @@ def test_a_class_this_pool_may_not_claim_is_capped_to_the_highest_it_may(clock):
     ticket = state.tickets[claimed]
     assert (ticket.asked, ticket.priority) == ("interactive", "normal")
     assert one(state.handle(clock(), ev.LeaseReleased(held.lease, 99, "ok")).actions, c.Grant).ticket == normal  # no jumping the line
-    waiting = state.snapshot(clock())["providers"]["m"]["waiting"]
-    assert [(w["asked"], w["priority"]) for w in waiting] == [("interactive", "normal")]
+    waiting = state.view(clock()).providers["m"].waiting
+    assert [(w.asked, w.priority) for w in waiting] == [("interactive", "normal")]
 
 
 def test_the_order_is_one_pure_function_shared_with_the_host_service():
@@ -179,14 +179,14 @@ def test_a_small_request_that_fits_now_is_backfilled_ahead_of_a_head_that_does_n
     assert announced.event == "admission.backfilled" and dict(announced.fields)["ahead_of"] == "big2"
     grant = one(state.handle(clock(), ev.WorkerStarted(one(actions, c.Spawn).rid, 7)).actions, c.Grant)
     assert state.leases[grant.lease].backfilled and state.replicas[grant.rid].backfilled
-    assert [row["key"] for row in state.snapshot(clock())["gpu_line"]] == ["big2"]
+    assert [entry.key for entry in state.view(clock()).gpu_line] == ["big2"]
 
 
 def test_with_backfill_off_the_small_request_waits_behind_the_head(clock):
     state, _big, _ = head_of_line(clock, Policy(backfill=False))
     _, actions = ask(state, clock, "small", 3)
     assert of(prepare(state, clock, one(actions, c.Start)), c.Place) == []
-    assert [row["key"] for row in state.snapshot(clock())["gpu_line"]] == ["big2", "small"]
+    assert [entry.key for entry in state.view(clock()).gpu_line] == ["big2", "small"]
 
 
 def test_when_the_head_could_start_an_idle_worker_is_evicted_and_the_backfilled_busy_one_is_left_alone(clock):
@@ -225,7 +225,7 @@ def test_a_busy_backfilled_lease_is_recalled_after_its_request_when_only_its_mem
     assert one(actions, c.Stop).rid == small.rid and state.replicas[small.rid].state is R.STOPPING
     _, actions = ask(state, clock, "small", 3)  # its next request queues again in its own class: behind big2
     prepare(state, clock, one(actions, c.Start))
-    assert [row["key"] for row in state.snapshot(clock())["gpu_line"]] == ["big2", "small"]
+    assert [entry.key for entry in state.view(clock()).gpu_line] == ["big2", "small"]
     assert one(state.handle(clock(), ev.WorkerStopped(small.rid)).actions, c.Place).rid == big2.rid
 
 
@@ -391,7 +391,7 @@ def test_a_client_gone_while_its_start_waits_for_memory_ends_that_wait(clock):
     state.handle(clock(), ev.BudgetNotPlaced(b.rid, {0: 1.5}))
     withdraw = one(state.handle(clock(), ev.TicketGone(ticket)).actions, c.Withdraw)
     assert (withdraw.rid, withdraw.reason) == (b.rid, "start_cancelled")
-    assert state.snapshot(clock())["gpu_line"] == []
+    assert state.view(clock()).gpu_line == ()
 
 
 def test_the_gpu_line_is_ordered_by_class_and_the_head_is_tried_first(clock):
@@ -402,8 +402,8 @@ def test_the_gpu_line_is_ordered_by_class_and_the_head_is_tried_first(clock):
     clock.advance(0.01)
     _, actions = ask(state, clock, "i", 3, "interactive")
     assert of(prepare(state, clock, one(actions, c.Start)), c.Place) == []  # it does not fit either
-    line = state.snapshot(clock())["gpu_line"]
-    assert [(r["key"], r["priority"], r["position"]) for r in line] == [("i", "interactive", 0), ("n", "normal", 1)]
+    line = state.view(clock()).gpu_line
+    assert [(e.key, e.priority, e.position) for e in line] == [("i", "interactive", 0), ("n", "normal", 1)]
     place = one(state.handle(clock(), ev.MemoryFreed()).actions, c.Place)
     assert state.replicas[place.rid].key == "i"
 
@@ -575,10 +575,10 @@ def test_a_kept_lease_running_one_long_request_is_not_evicted_though_its_holder_
     state, kept, _, _ = _calling_holder_and_a_head(clock)
     for _ in range(240):
         clock.advance(0.25)
-        for retry in of(state.handle(clock(), ev.Tick(in_flight=frozenset({kept.rid}))).actions, c.Place):
+        for retry in of(state.handle(clock(), ev.Tick(in_flight={kept.rid: clock.now - 1000.0})).actions, c.Place):
             assert of(state.handle(clock(), ev.BudgetNotPlaced(retry.rid, {0: 1.5})).actions, c.Recall) == []
     clock.advance(0.25)
-    retry = one(state.handle(clock(), ev.Tick(in_flight=frozenset())).actions, c.Place)  # it returned; the holder called no more
+    retry = one(state.handle(clock(), ev.Tick(in_flight={})).actions, c.Place)  # it returned; the holder called no more
     assert one(state.handle(clock(), ev.BudgetNotPlaced(retry.rid, {0: 1.5})).actions, c.Recall).lease == kept.lease
 
 

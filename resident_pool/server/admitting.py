@@ -14,7 +14,6 @@ never touched. Like the rest of the core: no threads, sockets or clock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from .. import priority as order
 from .actions import Action, Announce, Place, Policy, Withdraw
@@ -22,6 +21,7 @@ from .leases import Leasing
 from .lifecycle import Lifecycle
 from .replica import Provider, Replica, Ticket
 from .states import ReplicaState
+from .view import LineEntry
 
 __all__ = ["Admitting", "Waiting"]
 
@@ -308,17 +308,15 @@ class Admitting:
             self._read_again()
         return actions + self.decide(now)
 
-    def rows(self, now: float) -> list[dict[str, Any]]:
+    def line_view(self, now: float) -> list[LineEntry]:
         """The line in order, for status: class, age, need, and what it waits for."""
-        rows = []
+        entries = []
         for position, entry in enumerate(self.in_order(now)):
             replica = self.lifecycle.replicas.get(entry.rid)
             ranks = order.effective(entry.priority, now - entry.arrived, self.policy.aging_s)
-            rows.append({
-                "position": position, "rid": entry.rid, "key": entry.key, "slug": self.providers[entry.key].slug,
-                "replica": replica.index if replica is not None else None, "priority": entry.priority,
-                "ranks_as": order.CLASSES[ranks], "age_s": round(now - entry.arrived, 3),
-                "waited_s": round(now - entry.since, 3), "needs_gb": entry.need_gb, "device": entry.device,
-                "ticket": replica.for_ticket if replica is not None else None,
-                "placing": entry.rid == self.placing})
-        return rows
+            entries.append(LineEntry(
+                position, entry.rid, entry.key, self.providers[entry.key].slug,
+                replica.index if replica is not None else None, entry.priority, order.CLASSES[ranks],
+                round(now - entry.arrived, 3), round(now - entry.since, 3), entry.need_gb, entry.device,
+                replica.for_ticket if replica is not None else None, entry.rid == self.placing))
+        return entries

@@ -25,9 +25,10 @@ from .actions import Action, Announce, Exit, Policy, Refuse, Spawn, Timings, Wit
 from .admitting import Admitting
 from .breaker import Breaker
 from .leases import Leasing
-from .lifecycle import Lifecycle, replica_rows
+from .lifecycle import Lifecycle
 from .replica import Lease, Provider, Replica, Ticket
 from .states import ReplicaState, StopCause
+from .view import CoreView, LeaseView, ProviderView, ReplicaView, TicketView
 
 __all__ = ["PoolState", "breaker_error", "replica_timeout", "stopping_error"]
 
@@ -62,13 +63,6 @@ class PoolState:
 
     def replica(self, rid: int) -> Replica | None:
         return self.lifecycle.replicas.get(rid)
-
-    def serves_new_requests(self, replica: Replica) -> bool:
-        return self.lifecycle.serves_new_requests(replica)
-
-    def idle(self) -> bool:
-        """Nothing leased and every replica ready: a pool of another version may step aside."""
-        return not self.leases and all(r.state == "ready" for r in self.replicas.values())
 
     def _assign(self, now: float, key: str | None) -> list[Action]:
         """After an event: free replicas of ``key`` go to whoever waits, then the GPU line is decided again."""
@@ -304,7 +298,8 @@ class PoolState:
         actions: list[Action] = []
         if event.in_flight is not None:
             for replica in self.replicas.values():
-                replica.in_flight = replica.rid in event.in_flight
+                ran = event.in_flight.get(replica.rid)
+                replica.in_flight_since = None if ran is None else now - ran
         for replica in list(self.replicas.values()):
             actions += self.lifecycle.tick(now, replica)
         for provider, ticket in self.leasing.expired(now):
@@ -326,25 +321,43 @@ class PoolState:
                     actions += self._top_up(now, provider, provider.spec.min_replicas, wait=False).actions
         return ev.Decision(actions)
 
-    def snapshot(self, now: float) -> dict[str, Any]:
-        """Plain data for status and metrics: the records as they are now."""
-        return {
-            "stopping": self.stopping,
-            "providers": {key: {
-                "slug": p.slug, "version": p.version, "fingerprint": p.fingerprint, "starts": p.starts,
-                "last_error": p.last_error, "breaker": p.breaker.snapshot(now), "variant": p.variant,
-                "waiting": [{"ticket": t.id, "holder": t.holder, "waited_s": round(now - t.arrived, 3),
-                             "priority": t.priority, "asked": t.asked,
-                             "ranks_as": order.CLASSES[order.effective(t.priority, now - t.arrived,
-                                                                       self.policy.aging_s)]}
-                            for t in self.leasing.in_order(now, p)],
-                "min_replicas": p.spec.min_replicas, "max_replicas": p.spec.max_replicas,
-            } for key, p in self.providers.items()},
-            "replicas": replica_rows(self.lifecycle, now, self.leases),
-            "gpu_line": self.admitting.rows(now),
-            "policy": {"aging_s": self.policy.aging_s, "backfill": self.policy.backfill,
-                       "classes": list(self.policy.classes)},
-        }
+    def view(self, now: float) -> CoreView:
+        """The records as they are at ``now``, read-only, each word (idle, serving, ending) decided here."""
+        serving = {key: self.lifecycle.live(p) for key, p in self.providers.items()}
+        leases = {lease.id: self._lease_view(now, lease) for lease in self.leases.values()}
+        replicas = tuple(self._replica_view(now, r, leases) for r in sorted(self.replicas.values(),
+                                                                            key=lambda r: (r.key, r.index)))
+        providers = {key: ProviderView(
+            key, p.slug, p.version, p.fingerprint, p.starts, p.last_error, p.breaker.snapshot(now), p.variant,
+            tuple(TicketView(t.id, dict(t.holder), round(now - t.arrived, 3), t.priority, t.asked,
+                             order.CLASSES[order.effective(t.priority, now - t.arrived, self.policy.aging_s)])
+                  for t in order.in_order(p.queue, now, self.policy.aging_s, lambda t: t.priority,
+                                          lambda t: t.arrived)),
+            p.spec.min_replicas, p.spec.max_replicas, serving[key],
+            sum(1 for r in replicas if r.key == key and not r.ending)) for key, p in self.providers.items()}
+        return CoreView(now, self.stopping, providers, replicas, tuple(self.admitting.line_view(now)),
+                        {"aging_s": self.policy.aging_s, "backfill": self.policy.backfill,
+                         "classes": list(self.policy.classes)}, leases)
+
+    def _lease_view(self, now: float, lease: Lease) -> LeaseView:
+        replica = self.replicas.get(lease.rid)
+        on = replica is not None and replica.lease == lease.id
+        return LeaseView(lease.id, lease.rid, lease.connection, dict(lease.holder), round(now - lease.since, 1),
+                         lease.kept, on and replica.recalling, lease.priority, lease.backfilled)
+
+    def _replica_view(self, now: float, r: Replica, leases: dict[int, LeaseView]) -> ReplicaView:
+        held = leases.get(r.lease) if r.lease is not None else None
+        ending = r.state in (ReplicaState.STOPPING, ReplicaState.STOPPED, ReplicaState.FAILED)
+        idle = r.state in (ReplicaState.READY, ReplicaState.HIBERNATED) or (
+            r.state is ReplicaState.LEASED and r.kept and not r.recalling and r.in_flight_since is None)
+        busy = r.in_flight_since is not None and r.state in (ReplicaState.LEASED, ReplicaState.DRAINING)
+        provider = self.providers[r.key]
+        return ReplicaView(
+            r.rid, r.key, provider.slug, r.index, r.state, r.version, r.version == provider.version, r.pid, r.device,
+            r.budget_gb, r.served, round(r.idle_s(now), 1), idle, self.lifecycle.serves_new_requests(r), ending,
+            r.retire[1] if r.retire else None, r.abort[1] if r.abort else None, r.last_error,
+            self.lifecycle.kept_warm(r), r.backfilled, r.kept, held,
+            round(now - r.in_flight_since, 1) if busy and r.in_flight_since is not None else None)
 
 
 # -- errors the core answers with ------------------------------------------------------------------------------

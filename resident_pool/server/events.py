@@ -4,7 +4,7 @@ The mirror of ``actions``: the runtime carries out actions and reports how each 
 clients and the clock did) as one of these; ``PoolState.handle(now, event)`` is the core's one
 entry point, and returns a ``Decision``. These are not the events stream of ``ops.events``
 (what an operator's automation reads): they are the core's input, and an event log of them
-(``eventlog``) replays an incident into a fresh core.
+(``corelog``) replays an incident into a fresh core.
 """
 
 from __future__ import annotations
@@ -284,11 +284,11 @@ class WarmAsked:
 
 @dataclass(frozen=True)
 class Tick:
-    """Time passed: ``connections`` clients are connected; ``in_flight``: the kept-leased replicas the runtime found
-    running a request (None: not read this time)."""
+    """Time passed: ``connections`` clients are connected; ``in_flight``: the leased replicas the runtime found
+    running a request, each with how long it had run (None: not read this time)."""
 
     connections: int = 0
-    in_flight: frozenset[int] | None = None
+    in_flight: dict[int, float] | None = None
 
 
 Event = (ManifestRead | ClientAsked | TicketGone | LeaseReleased | LeaseUsed | LeaseRecalled | ConnectionClosed

@@ -121,7 +121,7 @@ class Leasing:
         lease = self.leases.get(replica.lease) if replica.kept and replica.lease is not None else None
         if lease is None:
             return False
-        if replica.in_flight:
+        if replica.in_flight_since is not None:
             return True
         if now - max(lease.since, lease.heard) >= self.timings.kept_active_s:
             return False

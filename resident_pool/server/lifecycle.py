@@ -8,7 +8,6 @@ threads, sockets or clock; each method takes ``now`` and returns the actions to 
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 from ..errors import ResidentPoolError
 from ..exits import REFUSAL_CODES, describe_exit
@@ -17,7 +16,7 @@ from .drains import Drains
 from .replica import Provider, Replica
 from .states import ReplicaState, StopCause
 
-__all__ = ["NOT_THE_PROVIDERS_FAULT", "STOP_ATTEMPTS", "Lifecycle", "replica_rows"]
+__all__ = ["NOT_THE_PROVIDERS_FAULT", "STOP_ATTEMPTS", "Lifecycle"]
 
 R = ReplicaState
 # Start failures that say nothing about the provider (its client left, the card was full, the start was
@@ -430,19 +429,3 @@ class Lifecycle:
         if replica.state is R.STOPPING:
             return self.stopped(now, replica.rid, failure=f"{what} did not report back in time")
         return [Note(replica.rid, why), *self.end(now, replica, StopCause.OVERDUE, why, kill=True, force=True)]
-
-
-def replica_rows(lifecycle: Lifecycle, now: float, leases: dict[int, Any]) -> list[dict[str, Any]]:
-    """Plain data per replica, for status and metrics."""
-    providers = lifecycle.providers
-    return [{
-        "rid": r.rid, "key": r.key, "slug": providers[r.key].slug, "replica": r.index,
-        "state": r.state.value, "version": r.version, "current": r.version == providers[r.key].version,
-        "pid": r.pid, "device": r.device, "budget_gb": r.budget_gb, "served": r.served,
-        "idle_s": round(r.idle_s(now), 1), "retiring": r.retire[1] if r.retire else None,
-        "last_error": r.last_error, "kept_warm": lifecycle.kept_warm(r), "backfilled": r.backfilled,
-        "lease": None if r.lease is None or r.lease not in leases else {
-            "id": r.lease, "holder": leases[r.lease].holder, "age_s": round(now - leases[r.lease].since, 1),
-            "kept": r.kept, "recalling": r.recalling, "priority": leases[r.lease].priority,
-            "backfilled": leases[r.lease].backfilled},
-    } for r in sorted(lifecycle.replicas.values(), key=lambda r: (r.key, r.index))]

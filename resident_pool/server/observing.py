@@ -32,6 +32,7 @@ from ..providers.worker_process import WorkerProcess
 from ..settings import Settings
 from ..version import __version__
 from .states import ReplicaState, StopCause
+from .view import CoreView, ReplicaView
 
 __all__ = ["GPU_SAMPLE_S", "STATS_INTERVAL_S", "Measured", "Observer"]
 
@@ -48,7 +49,7 @@ GPU_SAMPLE_S = 2.0
 PRUNE_INTERVAL_S = 5.0
 
 # (core snapshot, {rid: runtime Worker}) taken together under the pool's lock
-Snapshot = Callable[[], tuple[dict[str, Any], dict[int, Any]]]
+Snapshot = Callable[[], tuple[CoreView, dict[int, Any]]]
 
 
 @dataclass
@@ -67,13 +68,11 @@ class Observer:
     """Metrics, events, GPU readings, transcript pruning and the systemd watchdog of one pool."""
 
     def __init__(self, config: Settings, manifests: Path, socket_path: str, snapshot: Snapshot,
-                 retire: Callable[[int, StopCause, str], None], waiting_gpu: Callable[[], list[dict[str, Any]]],
-                 finished: threading.Event) -> None:
+                 retire: Callable[[int, StopCause, str], None], finished: threading.Event) -> None:
         self.manifests = manifests
         self.socket_path = socket_path
         self.snapshot = snapshot
         self.retire = retire
-        self.waiting_gpu = waiting_gpu
         self.finished = finished
         self.metrics = PoolMetrics(self.metrics_snapshot)
         self.events = EventLog(paths.log_dir() / EVENTS_FILE)
@@ -120,20 +119,20 @@ class Observer:
                 and now - accept_tick < max(5.0, self._watchdog_s)):
             self._last_watchdog = now
             notify("WATCHDOG=1")  # both loops turn: the accept loop ticked, and this one got the lock
-        state, workers = self.snapshot()
+        view, workers = self.snapshot()
         due = []
         with self._lock:
-            for row in state["replicas"]:
-                measured = self.measured.setdefault(row["rid"], Measured())
+            for replica in view.replicas:
+                measured = self.measured.setdefault(replica.rid, Measured())
                 # A kept lease (Pool.predict) tells the pool of its requests only now and then: its worker's
                 # counts are asked for every few seconds instead, between its requests.
-                kept = row["state"] == ReplicaState.LEASED and (row["lease"] or {}).get("kept")
-                if ((row["state"] == ReplicaState.READY and row["served"] != measured.stats_served
+                kept = replica.state is ReplicaState.LEASED and replica.kept
+                if ((replica.state is ReplicaState.READY and replica.served != measured.stats_served
                      and now - measured.stats_at >= STATS_INTERVAL_S)
                         or (kept and now - measured.stats_at >= KEPT_STATS_INTERVAL_S)) \
-                        and not measured.collecting and row["rid"] in workers:
+                        and not measured.collecting and replica.rid in workers:
                     measured.collecting = True
-                    due.append((workers[row["rid"]], row["served"]))
+                    due.append((workers[replica.rid], replica.served))
         for worker, served in due:
             threading.Thread(target=self.collect_stats, args=(worker, STATS_TIMEOUT_S, served),
                              name=f"stats-{worker.rid}", daemon=True).start()
@@ -170,31 +169,31 @@ class Observer:
             self.metrics.book.record(worker.loaded.slug, worker.index, pid, answer)
 
     def _sample_gpu(self) -> None:
-        state, workers = self.snapshot()
-        targets = [(row, workers[row["rid"]]) for row in state["replicas"]
-                   if row["rid"] in workers and row["pid"] and _measurable(workers[row["rid"]].process)
-                   and row["state"] not in (ReplicaState.STOPPING, ReplicaState.STOPPED)]
+        view, workers = self.snapshot()
+        targets = [(replica, workers[replica.rid]) for replica in view.replicas
+                   if replica.rid in workers and replica.pid and _measurable(workers[replica.rid].process)
+                   and replica.state not in (ReplicaState.STOPPING, ReplicaState.STOPPED)]
         if not targets:
             return
         usage, _ = process_usage(self.fake_nvml)
         if usage is None:
             return
-        for row, worker in targets:
-            self._gpu_reading(row, worker, group_usage(usage, row["pid"]) / GIB)
+        for replica, worker in targets:
+            self._gpu_reading(replica, worker, group_usage(usage, replica.pid) / GIB)
 
-    def _gpu_reading(self, row: dict[str, Any], worker: Any, used_gb: float) -> None:
+    def _gpu_reading(self, replica: ReplicaView, worker: Any, used_gb: float) -> None:
         """Record one reading: flag and act on a worker over its budget; remember a new peak."""
-        budget = row["budget_gb"]
+        budget = replica.budget_gb
         policy = worker.loaded.manifest.gpu.over_budget
         with self._lock:
-            measured = self.measured.setdefault(row["rid"], Measured())
+            measured = self.measured.setdefault(replica.rid, Measured())
             measured.gpu_used_gb = round(used_gb, 3)
             rose = used_gb > 0 and (measured.gpu_peak_gb is None or used_gb > measured.gpu_peak_gb)
             if rose or measured.gpu_peak_gb is None:
                 measured.gpu_peak_gb = round(used_gb, 3)
             first = budget is not None and used_gb > budget and measured.over_budget is None
             if first:
-                measured.over_budget = (f"{row['key']}[{row['replica']}] is over its budget: measured "
+                measured.over_budget = (f"{replica.name} is over its budget: measured "
                                         f"{used_gb:.2f} GB of GPU memory, vram_budget_gb = {budget:g}")
             over = measured.over_budget
         if first:
@@ -202,12 +201,12 @@ class Observer:
                       else 'it keeps running (over_budget = "warn")')
             log.warning("%s; %s", over, action)
             worker.process.note(f"{over}; {action}")
-            self.events.emit("worker.over-budget", row["slug"], row["replica"], used_gb=round(used_gb, 3),
+            self.events.emit("worker.over-budget", replica.slug, replica.index, used_gb=round(used_gb, 3),
                              budget_gb=budget, policy=policy)
-        if over and policy == "stop" and row["retiring"] is None:
-            self.retire(row["rid"], StopCause.OVER_BUDGET, f'{over} (over_budget = "stop")')
+        if over and policy == "stop" and replica.retiring is None:
+            self.retire(replica.rid, StopCause.OVER_BUDGET, f'{over} (over_budget = "stop")')
         if rose:
-            self.peaks.observe(row["slug"], row["version"], used_gb, budget)
+            self.peaks.observe(replica.slug, replica.version, used_gb, budget)
 
     def _prune(self) -> None:
         _state, workers = self.snapshot()
@@ -275,29 +274,27 @@ class Observer:
     # -- what is read from outside ------------------------------------------------------------------
     def metrics_snapshot(self) -> dict[str, Any]:
         """The pool's records as the metrics collector reads them at scrape time."""
+        view, _ = self.snapshot()
         waiting_gpu: dict[str, int] = {}
-        for ticket in self.waiting_gpu():
-            waiting_gpu[ticket["slug"]] = waiting_gpu.get(ticket["slug"], 0) + 1
-        state, workers = self.snapshot()
+        for entry in view.gpu_line:
+            waiting_gpu[entry.key] = waiting_gpu.get(entry.key, 0) + 1
         providers, rows = {}, []
         live_states = [s.value for s in ReplicaState if s not in (ReplicaState.STOPPED, ReplicaState.FAILED)]
-        for key, provider in state["providers"].items():
-            providers[key] = {"waiting_replica": len(provider["waiting"]), "waiting_gpu": waiting_gpu.get(key, 0),
-                              "breaker_open": bool(provider["breaker"] and provider["breaker"]["open"]),
+        for key, provider in view.providers.items():
+            providers[key] = {"waiting_replica": len(provider.waiting), "waiting_gpu": waiting_gpu.get(key, 0),
+                              "breaker_open": bool(provider.breaker and provider.breaker["open"]),
                               "states": dict.fromkeys(live_states, 0),
-                              "peak_gb": self.peaks.get(provider["slug"], provider["version"])}
+                              "peak_gb": self.peaks.get(provider.slug, provider.version)}
         with self._lock:
             measured = {rid: (m.gpu_used_gb, m.gpu_peak_gb, m.over_budget) for rid, m in self.measured.items()}
-        for row in state["replicas"]:
-            states = providers[row["key"]]["states"]
-            states[row["state"]] = states.get(row["state"], 0) + 1
-            used, peak, over = measured.get(row["rid"], (None, None, None))
-            worker = workers.get(row["rid"])
-            leased = row["state"] == ReplicaState.LEASED and worker is not None
-            rows.append({"slug": row["key"], "replica": row["replica"], "idle_s": row["idle_s"],
-                         "budget_gb": row["budget_gb"], "gpu_used_gb": used, "gpu_peak_gb": peak,
+        for replica in view.replicas:
+            states = providers[replica.key]["states"]
+            states[replica.state.value] = states.get(replica.state.value, 0) + 1
+            used, peak, over = measured.get(replica.rid, (None, None, None))
+            rows.append({"slug": replica.key, "replica": replica.index, "idle_s": replica.idle_s,
+                         "budget_gb": replica.budget_gb, "gpu_used_gb": used, "gpu_peak_gb": peak,
                          "over_budget": over is not None,
-                         "in_flight_s": worker.process.in_flight_s() if leased else None})
+                         "in_flight_s": replica.in_flight_s})
         return {"version": __version__, "providers": providers, "workers": rows}
 
     def measured_of(self, rid: int) -> Measured:

@@ -33,13 +33,14 @@ from . import actions as c
 from . import events as ev
 from .actions import Policy, Timings
 from .core import PoolState, stopping_error
-from .eventlog import EventLog
+from .corelog import CoreLog
 from .handles import Waiter
 from .lifecycle import STOP_ATTEMPTS
 from .observing import Observer
 from .registry import Registry, spec_of
 from .runtime import Runtime
 from .states import ReplicaState
+from .status import StatusFacts, build_status, describe_holder, waiting
 from .wire import Connection, Wire
 
 MANIFEST_WATCH_S = 1.0  # how often the manifests served are looked at for edits (a stat of two files each)
@@ -93,18 +94,19 @@ class PoolServer:
         self.zygotes = Zygotes()  # fork servers, one per provider environment that declares a preload
         self.hibernator = Hibernator(CudaCheckpoint(config.libcuda))  # for [lifecycle] evict = "hibernate"
         self.jit_sizes = JitSizes()
-        self.observer = Observer(config, self.manifests, self.socket_path, self._snapshot,
+        self.observer = Observer(config, self.manifests, self.socket_path,
+                                 lambda: self.runtime.snapshot(),  # noqa: PLW0108 - the runtime is made below
                                  lambda rid, cause, why: self.runtime.retire(rid, cause, why),  # noqa: PLW0108
-                                 self._gpu_line, self.finished)
+                                 self.finished)
         self.runtime = Runtime(self.core, self.registry, self.admission, self.zygotes, self.hibernator,
                                self.state_dir, self.observer, config.kill_grace_s)
         self.runtime.on_exit = self.begin_stop
         if config.core_log is not None:
-            self.runtime.event_log = EventLog(config.core_log, self.timings, policy, started)
+            self.runtime.event_log = CoreLog(config.core_log, self.timings, policy, started)
         self.wire = Wire(self.socket_path, {
             "hello": self._op_hello, "acquire": self._op_acquire, "release": self._op_release,
             "status": lambda m, conn: {"ok": True, **self.status()},
-            "waiting": lambda m, conn: {"ok": True, "waiting": self.waiting()},
+            "waiting": lambda m, conn: {"ok": True, "waiting": waiting(*self.runtime.snapshot())},
             "stop": self._op_stop, "shutdown": self._op_shutdown, "warm": self._op_warm, "used": self._op_used,
             "metrics": lambda m, conn: {"ok": True, "text": self.observer.metrics.render()},
         }, frozenset({"acquire", "stop", "warm"}), self._closed, config.max_connections, config.keepalive_s,
@@ -115,7 +117,7 @@ class PoolServer:
 
     @property
     def draining(self) -> bool:
-        return self.core.stopping is not None
+        return self.runtime.view().stopping is not None
 
     # -- serving --------------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -148,10 +150,11 @@ class PoolServer:
         """Stop taking leases, let leased requests finish (up to drain_grace_s), stop every worker, exit."""
         if self.draining:
             return
-        log.info("stopping (%s): draining %d lease(s), up to %g s", why, len(self.core.leases),
+        view = self.runtime.view()
+        log.info("stopping (%s): draining %d lease(s), up to %g s", why, len(view.leases),
                  self.timings.drain_grace_s)
         with self.runtime.lock:
-            targets = list(self.core.replicas)
+            targets = [replica.rid for replica in view.replicas]
         self.runtime.report(ev.ShutdownAsked(why, now))
 
         def stop_everything() -> None:
@@ -221,25 +224,23 @@ class PoolServer:
     def _maintain_zygotes(self, now: float) -> None:
         """A zygote retires once no worker of its provider has been in use for the provider's idle timeout:
         with the last worker retired for idleness, but not with one admission evicted."""
-        state, _ = self._snapshot()
+        view = self.runtime.view()
         activity: dict[str, float] = {}
         timeouts = {}
-        for key in state["providers"]:
+        for key in view.providers:
             loaded = self.registry.get(key)
             if loaded is not None:
                 timeouts[key] = loaded.manifest.lifecycle.idle_timeout_s
-        for row in state["replicas"]:
-            used = now - row["idle_s"] if row["state"] == ReplicaState.READY else now
-            activity[row["key"]] = max(activity.get(row["key"], 0.0), used)
+        for replica in view.replicas:
+            used = now - replica.idle_s if replica.state is ReplicaState.READY else now
+            activity[replica.key] = max(activity.get(replica.key, 0.0), used)
         self.zygotes.maintain(activity, timeouts, now)
 
     # -- providers ----------------------------------------------------------------------------------------
     def _provider(self, slug: str, manifests: str | None, variant: Any = None) -> str:
         """Read ``slug``'s manifest as it is now and tell the core; its key."""
         key = f"{slug}~{variant.name}" if variant else slug
-        with self.runtime.lock:
-            provider = self.core.providers.get(key)
-            serving = provider is not None and any(r.live for r in provider.replicas.values())
+        serving = any(r.key == key and not r.ending for r in self.runtime.view().replicas)
         loaded = self.registry.load(slug, manifests, variant, serving=serving)
         self.runtime.report(ev.ManifestRead(key, slug, loaded.version, loaded.fingerprint, spec_of(loaded.manifest),
                                             variant is not None))
@@ -247,8 +248,7 @@ class PoolServer:
 
     # -- ops ----------------------------------------------------------------------------------------------------
     def _op_hello(self, message: dict[str, Any], connection: Connection) -> dict[str, Any]:
-        with self.runtime.lock:
-            idle = self.core.idle()
+        idle = self.runtime.view().idle
         return {"ok": True, "pid": os.getpid(), "version": __version__, "manifests": str(self.manifests),
                 "idle": idle, "draining": self.draining}
 
@@ -315,8 +315,8 @@ class PoolServer:
     def stop(self, slug: str | None, now: bool = False, why: str = "stopped by `resident-pool stop`") -> list[str]:
         """Stop ``slug``'s replicas (every provider's when None): leased ones drain first, up to drain_grace_s."""
         targets = list(self.runtime.report(ev.StopAsked(slug, now, why)).replicas)
-        with self.runtime.lock:
-            names = [self.core.replicas[rid].name for rid in targets if rid in self.core.replicas]
+        view = self.runtime.view()
+        names = [replica.name for replica in view.replicas if replica.rid in targets]
         self.runtime.wait_gone(targets, self._stop_bound())
         self.zygotes.retire(slug, why)
         return names
@@ -339,80 +339,16 @@ class PoolServer:
                 "replicas": replicas, "errors": [e.headline for e in errors]}
 
     # -- what is read from outside ------------------------------------------------------------------------------
-    def _snapshot(self) -> tuple[dict[str, Any], dict[int, Any]]:
-        with self.runtime.lock:
-            return self.core.snapshot(time.monotonic()), dict(self.runtime.workers)
-
     def _holder_of(self, slug: str, index: int) -> str | None:
         """Who holds (or waits to start) ``slug``'s replica ``index``: the flow run a client named, if any."""
-        state, _ = self._snapshot()
-        for row in state["replicas"]:
-            if row["key"] == slug and row["replica"] == index and row["lease"] and row["lease"]["holder"]:
-                return describe_holder(row["lease"]["holder"])
-        return None
-
-    def _gpu_line(self) -> list[dict[str, Any]]:
-        state, _ = self._snapshot()
-        return [{**row, "slug": row["key"]} for row in state["gpu_line"]]
-
-    def waiting(self) -> list[dict[str, Any]]:
-        """Every waiting request in the order it is served: for GPU memory (the GPU line), then for a free
-        replica, each with its class, age, need and what it waits for (memory held by whom, in which lease)."""
-        state, workers = self._snapshot()
-        queued = []
-        held = [_held_line(row) for row in state["replicas"] if row["budget_gb"] and row["device"] is not None]
-        for row in state["gpu_line"]:
-            worker = workers.get(row["rid"])
-            ticket = self._ticket_holder(state, row["key"], row["ticket"])
-            queued.append({"slug": row["key"], "replica": row["replica"], "for": "GPU memory",
-                           "position": row["position"], "priority": row["priority"], "ranks_as": row["ranks_as"],
-                           "age_s": row["age_s"], "waited_s": row["waited_s"], "needs_gb": row["needs_gb"],
-                           "holder": ticket, "waits_for": (worker.waits_for if worker is not None else None)
-                           or ("its placement is being tried" if row["placing"] else "its turn"),
-                           "held": held})
-        for key, provider in state["providers"].items():
-            busy = [f"{row['key']}[{row['replica']}] {row['state']}" + (
-                f" (lease {row['lease']['id']}: {describe_holder(row['lease']['holder']) or 'a client'})"
-                if row["lease"] else "") for row in state["replicas"] if row["key"] == key]
-            for position, ticket in enumerate(provider["waiting"]):
-                queued.append({"slug": key, "for": "a free replica", "position": position,
-                               "priority": ticket["priority"], "asked": ticket["asked"],
-                               "ranks_as": ticket["ranks_as"], "age_s": ticket["waited_s"],
-                               "holder": describe_holder(ticket["holder"]) if ticket["holder"] else None,
-                               "waits_for": f"max_replicas = {provider['max_replicas']}; " + ("; ".join(busy)
-                                                                                              or "a start")})
-        return queued
-
-    @staticmethod
-    def _ticket_holder(state: dict[str, Any], key: str, ticket: int | None) -> str | None:
-        for waiting in state["providers"].get(key, {}).get("waiting", []):
-            if waiting["ticket"] == ticket and waiting["holder"]:
-                return describe_holder(waiting["holder"])
+        for replica in self.runtime.view().replicas:
+            if replica.key == slug and replica.index == index and replica.lease and replica.lease.holder:
+                return describe_holder(replica.lease.holder)
         return None
 
     def status(self) -> dict[str, Any]:
-        from .status import build_status
-
-        return build_status(self)
-
-
-def _held_line(row: dict[str, Any]) -> str:
-    """``a6[0] 6 GB on GPU 0, leased (lease 4, flow run 'x'), backfilled``."""
-    lease = row["lease"]
-    text = f"{row['key']}[{row['replica']}] {row['budget_gb']:g} GB on GPU {row['device']}, {row['state']}"
-    if lease:
-        text += f" (lease {lease['id']}, {lease['priority']}" + (
-            f", {describe_holder(lease['holder'])}" if lease["holder"] else "") + (
-            ", recalled" if lease["recalling"] else "") + ")"
-    return text + (", backfilled" if row["backfilled"] else "")
-
-
-def describe_holder(holder: dict[str, str]) -> str:
-    """``flow run 'nimble-fox' (task predict-chunk[0-63])``, or whatever the client said."""
-    if "flow_run" in holder:
-        text = f"flow run {holder['flow_run']!r}"
-        if holder.get("task_run"):
-            text += f" (task {holder['task_run']})"
-        return text
-    return ", ".join(f"{key} {value}" for key, value in holder.items())
+        view, workers = self.runtime.snapshot()
+        return build_status(view, StatusFacts(
+            workers, self.registry, self.observer, self.zygotes, self.hibernator, self.jit_sizes, self.admission,
+            self.service, self.manifests, self.socket_path, self.started, str(self.ledger.path)))
 

@@ -91,7 +91,7 @@ class Replica:
     idle_check: bool = False  # its kept lease is recalled for idleness: it retires if its worker was idle too
     evict_for: float | None = None  # the GB admission needs: evicted once its recalled lease is back
     can_recall: bool = False  # its worker answers ``recall`` (every worker on our worker_base does)
-    in_flight: bool = False  # a request ran on it at the runtime's last look (the worker's in-flight board)
+    in_flight_since: float | None = None  # when the request running at the runtime's last look began (its board)
     probes: int = 0  # pings of an abandoned request so far
     gone_lease: int | None = None  # the kept lease of a client that went away: its abandon pings recall it
     noticed_before: int = 0  # of that lease: the requests already counted

@@ -25,11 +25,12 @@ from ..providers.zygote import Zygotes
 from . import actions as c
 from . import events as ev
 from .core import PoolState
-from .eventlog import EventLog
+from .corelog import CoreLog
 from .handles import Waiter, Worker
 from .registry import Registry
 from .starts import Starter
 from .states import ReplicaState, StopCause
+from .view import CoreView
 
 __all__ = ["Runtime"]
 
@@ -46,6 +47,7 @@ class Runtime:
                  hibernator: Hibernator, state_dir: Path, observer: Any, kill_grace_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.core = core
+        self.timings = core.timings  # what its own waits add to a worker's limits (report_margin_s)
         self.registry = registry
         self.admission = admission
         self.zygotes = zygotes
@@ -63,7 +65,7 @@ class Runtime:
         self.start_errors: dict[int, ResidentPoolError] = {}  # for warm-ups waiting on their starts
         self.nonce = secrets.token_hex(8)  # lease tokens of this pool never name another pool's lease
         self.on_exit: Callable[[str], None] = lambda why: None
-        self.event_log: EventLog | None = None  # RESIDENT_POOL_CORE_LOG: each event and its decision, for replay
+        self.event_log: CoreLog | None = None  # RESIDENT_POOL_CORE_LOG: each event and its decision, for replay
         self.starter = Starter(self)
 
     # -- events in, actions out -----------------------------------------------------------------
@@ -85,6 +87,16 @@ class Runtime:
             self.changed.notify_all()
         self.carry_out(later, inline=inline)
         return decision
+
+    def view(self) -> CoreView:
+        """The core's records now, read-only."""
+        with self.lock:
+            return self.core.view(self.clock())
+
+    def snapshot(self) -> tuple[CoreView, dict[int, Worker]]:
+        """The core's view and the workers the runtime holds, taken together."""
+        with self.lock:
+            return self.core.view(self.clock()), dict(self.workers)
 
     def settle(self, actions: list[c.Action]) -> list[c.Action]:
         """Answer waiting clients at once (the lock is held); return what must run outside it."""
@@ -216,7 +228,7 @@ class Runtime:
         if worker is None:
             return
         # Answered once any request in flight is over: as long as a request may run, and a little more.
-        timeout = worker.loaded.manifest.lifecycle.request_timeout_s + self.core.timings.report_margin_s
+        timeout = worker.loaded.manifest.lifecycle.request_timeout_s + self.timings.report_margin_s
         try:
             answer = worker.process.recall(self.token(action.lease), timeout)
         except OSError as exc:  # the pool's own failure (out of descriptors): not the worker's, tried again later
@@ -287,8 +299,9 @@ class Runtime:
         """Heartbeats, deaths between requests, the core's clock, and what each wait for memory is for."""
         with self.lock:
             workers = list(self.workers.values())
-            kept = {rid for rid, replica in self.core.replicas.items() if replica.kept}
-            for lease in [lease for lease in self.by_lease if lease not in self.core.leases]:
+            view = self.core.view(self.clock())
+            leased = {r.rid for r in view.replicas if r.state in (ReplicaState.LEASED, ReplicaState.DRAINING)}
+            for lease in [lease for lease in self.by_lease if lease not in view.leases]:
                 del self.by_lease[lease]  # recalled, or its client went away: its release finds nothing
                 self.tell_lease.pop(lease, None)
         for worker in workers:
@@ -298,10 +311,10 @@ class Runtime:
             rc = worker.process.poll() if worker.process.proc is not None else None
             if rc is not None and not worker.stopped_on_purpose:
                 self.report(ev.WorkerExited(worker.rid, rc))
-        # A kept lease's holder may be calling for longer than its notices say (one long request): its worker's
-        # in-flight board says so, and the core then spares it from eviction (docs/admission.md).
-        in_flight = frozenset(worker.rid for worker in workers
-                              if worker.rid in kept and worker.process.in_flight_s() is not None)
+        # How long each leased worker's request has run, from its in-flight board: status shows it, and a kept
+        # lease running one long request is not taken for idle, nor evicted (docs/admission.md).
+        in_flight = {worker.rid: ran for worker in workers if worker.rid in leased
+                     and (ran := worker.process.in_flight_s()) is not None}
         self.report(ev.Tick(connections, in_flight))
         self.starter.report_waits()
 
@@ -318,7 +331,7 @@ class Runtime:
         """The lease a waiting client gets: where the worker's socket is, and how long a request may run."""
         with self.lock:
             worker = self.by_lease[grant.lease]
-            lease = self.core.leases.get(grant.lease)
+            lease = self.core.view(self.clock()).lease(grant.lease)
             priority, backfilled = (lease.priority, lease.backfilled) if lease is not None else ("normal", False)
         process, manifest = worker.process, worker.loaded.manifest
         return LeaseGrant(lease=grant.lease, slug=key, replica=worker.index, pid=process.pid,
@@ -331,7 +344,7 @@ class Runtime:
     def release(self, release: Release, connection: int) -> dict[str, Any] | None:
         """A lease ends; what the client's last request saw is turned into a fact first (did the worker die?)."""
         with self.lock:
-            lease = self.core.leases.get(release.lease)
+            lease = self.core.view(self.clock()).lease(release.lease)
             if lease is not None and lease.connection != connection:
                 raise ResidentPoolError(f"lease {release.lease} is not held by this connection; a client releases "
                                         "only its own leases", reason="bad_request")
@@ -365,7 +378,7 @@ class Runtime:
         """Wait until none of ``rids`` is left (every stop reports back, or is escalated), at most ``bound_s``."""
         deadline = self.clock() + bound_s
         with self.lock:
-            while any(rid in self.core.replicas for rid in rids) and self.clock() < deadline:
+            while any(self.core.view(self.clock()).replica(rid) for rid in rids) and self.clock() < deadline:
                 self.changed.wait(0.25)
 
     def wait_started(self, rids: list[int], bound_s: float) -> list[ResidentPoolError]:
@@ -373,8 +386,9 @@ class Runtime:
         deadline = self.clock() + bound_s
 
         def starting() -> bool:
-            return any(self.core.replicas.get(rid) is not None
-                       and self.core.replicas[rid].state is ReplicaState.STARTING for rid in rids)
+            view = self.core.view(self.clock())
+            return any((replica := view.replica(rid)) is not None and replica.state is ReplicaState.STARTING
+                       for rid in rids)
 
         with self.lock:
             while starting() and self.clock() < deadline:

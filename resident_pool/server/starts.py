@@ -44,7 +44,7 @@ class Starter:
         """Prepare a start: its worker record, and the GPU memory it needs (refused at once if none could hold it)."""
         runtime = self.runtime
         with runtime.lock:
-            replica = runtime.core.replica(action.rid)
+            replica = runtime.view().replica(action.rid)
             if replica is None:
                 return
             key, index, budget = replica.key, replica.index, replica.budget_gb
@@ -132,9 +132,9 @@ class Starter:
 
     def _ahead(self, rid: int) -> list[str]:
         with self.runtime.lock:
-            rows = self.runtime.core.admitting.rows(self.runtime.clock())
-        names = [f"{r['key']}[{r['replica']}] ({r['needs_gb']:g} GB, {r['priority']})" for r in rows]
-        mine = next((n for n, r in enumerate(rows) if r["rid"] == rid), len(rows))
+            line = self.runtime.view().gpu_line
+        names = [f"{e.key}[{e.replica}] ({e.needs_gb:g} GB, {e.priority})" for e in line]
+        mine = next((n for n, e in enumerate(line) if e.rid == rid), len(line))
         return names[:mine]
 
     def spawn(self, action: c.Spawn) -> None:
@@ -166,25 +166,25 @@ class Starter:
         runtime = self.runtime
         now = runtime.clock()
         with runtime.lock:
-            rows = runtime.core.admitting.rows(now)
+            line = runtime.core.view(now).gpu_line
             due = []
-            for n, row in enumerate(rows):
-                worker = runtime.workers.get(row["rid"])
-                if only is not None and row["rid"] != only:
+            for n, entry in enumerate(line):
+                worker = runtime.workers.get(entry.rid)
+                if only is not None and entry.rid != only:
                     continue
                 # The first report as soon as a try found no room (or it waits behind another), then every few s.
-                tried = worker is not None and (worker.waits_for is not None or not row["placing"])
+                tried = worker is not None and (worker.waits_for is not None or not entry.placing)
                 if tried and now - worker.reported >= WAIT_REPORT_S:
                     worker.reported = now
-                    waiter = runtime.waiters.get(row["ticket"]) if row["ticket"] is not None else None
-                    ahead = [f"{r['key']}[{r['replica']}] ({r['needs_gb']:g} GB, {r['priority']})" for r in rows[:n]]
-                    due.append((worker, row, ahead, waiter))
-        for worker, row, ahead, waiter in due:
-            wait = runtime.admission.describe(worker.loaded.slug, row["needs_gb"], row["waited_s"], ahead,
+                    waiter = runtime.waiters.get(entry.ticket) if entry.ticket is not None else None
+                    ahead = [f"{e.key}[{e.replica}] ({e.needs_gb:g} GB, {e.priority})" for e in line[:n]]
+                    due.append((worker, entry, ahead, waiter))
+        for worker, entry, ahead, waiter in due:
+            wait = runtime.admission.describe(worker.loaded.slug, entry.needs_gb, entry.waited_s, ahead,
                                               worker.waits_for)
-            wait.update(priority=row["priority"], position=row["position"])
+            wait.update(priority=entry.priority, position=entry.position)
             log.info("%s waits for %g GB (%s, %.0f s so far); free %s; held by %s", wait["slug"], wait["needs_gb"],
-                     row["priority"], wait["waited_s"], wait["free"], "; ".join(wait["holders"]) or "nobody")
+                     entry.priority, wait["waited_s"], wait["free"], "; ".join(wait["holders"]) or "nobody")
             if waiter is not None and waiter.progress is not None:
                 waiter.progress({"waiting_for_admission": wait})
 
@@ -195,9 +195,8 @@ class Starter:
                             noted=(lambda _: observer.on_start_failed(worker, error)) if worker is not None else None)
 
     def _called_off(self, rid: int) -> bool:
-        with self.runtime.lock:
-            replica = self.runtime.core.replica(rid)
-            return replica is None or replica.abort is not None
+        replica = self.runtime.view().replica(rid)
+        return replica is None or replica.called_off is not None
 
     def _spawn(self, worker: Worker, env: dict[str, str]) -> dict[str, Any]:
         runtime, loaded, process = self.runtime, worker.loaded, worker.process
@@ -216,11 +215,8 @@ class Starter:
                              cancelled=lambda: self._abort_reason(worker.rid))
 
     def _abort_reason(self, rid: int) -> str | None:
-        with self.runtime.lock:
-            replica = self.runtime.core.replica(rid)
-            if replica is None:
-                return "it was forgotten"
-            return replica.abort[1] if replica.abort else None
+        replica = self.runtime.view().replica(rid)
+        return "it was forgotten" if replica is None else replica.called_off
 
     def _restored(self, worker: Worker) -> dict[str, Any] | None:
         """Restore a hibernated worker (placed already): its first answer; None when it starts afresh instead."""
@@ -230,7 +226,7 @@ class Starter:
             return None
         try:
             runtime.hibernator.restore(worker.process)
-            timeout = runtime.core.timings.liveness_timeout_s
+            timeout = runtime.timings.liveness_timeout_s
             answer = worker.process.ping(timeout=timeout)
             if answer is None:
                 raise CheckpointError(f"it did not answer a ping within {timeout:g} s of its restore")

@@ -19,7 +19,7 @@ from resident_pool.errors import AdmissionTimeout, WorkerStartError
 from resident_pool.host.procs import pid_alive
 from resident_pool.server import actions as c
 from resident_pool.server import events as ev
-from resident_pool.server.eventlog import EventLog, decode, encode, replay
+from resident_pool.server.corelog import CoreLog, decode, encode, replay
 from resident_pool.server.replica import Spec
 from resident_pool.server.states import StopCause
 
@@ -36,7 +36,7 @@ SAMPLES: list[object] = [
     ev.Pinged(1, "abandon", False, -9, None, 3), ev.WorkerExited(1, 0), ev.HibernationEnded(1, False, "no driver"),
     ev.WorkerStopped(1, "still ran"), ev.RetireAsked(1, StopCause.OVER_BUDGET, "9 GB > 8"),
     ev.StopAsked(None, True, "stop --all", StopCause.POOL_STOPPING), ev.ShutdownAsked("SIGTERM", True),
-    ev.WarmAsked("k", 2, False), ev.Tick(3, frozenset({1, 7})), ev.Tick(),
+    ev.WarmAsked("k", 2, False), ev.Tick(3, {1: 0.25, 7: 12.5}), ev.Tick(),
     c.Start(1, 2, True, False), c.Place(1, 8.0, None, "batch", 1.5, True, False), c.Withdraw(1, "no_room", 3.0),
     c.Spawn(1), c.Stop(1, StopCause.EVICTED, "made room", True), c.Ping(1, "liveness", 10.0, 5),
     c.Hibernate(1, "evicted"), c.Grant(2, 5, 1, True, True), c.Recall(1, 5, "waits", True, False),
@@ -64,7 +64,7 @@ def _logged(tmp_path, steps):
     from resident_pool.server.core import PoolState
 
     state, path = PoolState(Timings(), 1000.0, Policy()), tmp_path / "core.jsonl"
-    log = EventLog(path, Timings(), Policy(), 1000.0)
+    log = CoreLog(path, Timings(), Policy(), 1000.0)
     for now, event in steps:
         log.write(now, event, state.handle(now, event))
     log.close()

@@ -26,7 +26,7 @@ from .actions import Policy, Timings
 from .core import PoolState
 from .replica import Spec
 
-__all__ = ["FORMAT", "Divergence", "EventLog", "decode", "encode", "read", "replay"]
+__all__ = ["FORMAT", "CoreLog", "Divergence", "decode", "encode", "read", "replay"]
 
 FORMAT = "resident-pool core events 1"
 _RECORDS = {cls.__name__: cls for cls in (*typing.get_args(ev.Event), *typing.get_args(c.Action), ev.Decision, Spec,
@@ -88,7 +88,7 @@ def _as(hint: Any, value: Any) -> Any:
 
 
 # -- the log ----------------------------------------------------------------------------------------------
-class EventLog:
+class CoreLog:
     """Appends one line per event; opened by the pool at its start (the header line first)."""
 
     def __init__(self, path: Path, timings: Timings, policy: Policy, now: float) -> None:
