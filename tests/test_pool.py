@@ -166,10 +166,11 @@ def test_a_budget_no_device_can_hold_is_refused_at_once_and_a_long_wait_times_ou
     gpu_provider(pool_dir, "a6", 6)
     gpu_provider(pool_dir, "b6", 6, admission_timeout=1)
     with Pool() as pool:
+        pool.status()  # the pool is up: what is timed below is the refusal, not the pool's own start
         started = time.monotonic()
         with pytest.raises(AdmissionRefused, match="needs 12 GB but the largest device holds 10 GB"):
             pool.predict("huge", {})
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 5  # refused at once, not after admission_timeout_s (3600 s here)
         with pool.session("a6") as held:
             held.predict({"action": "echo"})
             with Pool() as other, pytest.raises(AdmissionTimeout) as info:

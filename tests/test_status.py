@@ -49,7 +49,9 @@ def test_status_shows_fingerprint_request_age_known_providers_and_the_last_error
         except WorkerStartError:
             pass
         with pool.session("busy") as session:
-            request = threading.Thread(target=session.predict, args=({"action": "sleep", "seconds": 3},))
+            release = pool_dir / "release"  # the request runs until the test has seen it: a slow CLI never misses it
+            request = threading.Thread(target=session.predict,
+                                       args=({"action": "hold", "until": str(release), "seconds": 60},))
             request.start()
 
             def aged():
@@ -58,6 +60,7 @@ def test_status_shows_fingerprint_request_age_known_providers_and_the_last_error
 
             row = wait_until(aged, timeout=20, interval=0.2, message="the request in flight to show its age")
             human = _cli("status").stdout
+            release.touch()
             request.join()
     assert row["fingerprint"] == load_manifest(pool_dir / "busy" / "manifest.toml").fingerprint()
     assert row["state"] == "leased" and row["lease"]["age_s"] >= row["in_flight_s"]

@@ -80,6 +80,11 @@ def main():
                 with open(payload["marker"], "w") as handle:
                     handle.write("done")
             return {"slept": payload["seconds"], "pid": os.getpid(), "started": started, "ended": time.time()}
+        if action == "hold":  # runs until the test lets it go (the file exists), at most ``seconds``
+            started = time.time()
+            while not os.path.exists(payload["until"]) and time.time() - started < float(payload["seconds"]):
+                time.sleep(0.02)
+            return {"held": time.time() - started, "pid": os.getpid()}
         if action == "raise":
             raise ValueError(payload.get("message", "bad input"))
         if action == "exit":
