@@ -177,7 +177,8 @@ class Zygote:
               + (f"; {threads} threads run here (Python's: {', '.join(named) or 'none'}; the rest native), and a "
                  "fork copies only the calling one" if threads > 1 else ""), flush=True)
         self.send({"event": "ready", "pid": self.pid, "modules": timings, "load_s": load_s, "threads": threads,
-                   "python": sys.executable, "paths": _path_stamps(), "files": _module_stamps()})
+                   "python_threads": named, "python": sys.executable, "paths": _path_stamps(),
+                   "files": _module_stamps()})
 
     def run_load_stage(self, name: str, weights_root: str | None):
         """``name`` is a function of the worker script, called with the weights root; the script's

@@ -89,14 +89,17 @@ class FlowRunZygote:
         current = self._current
         return current.pid if current is not None else None
 
-    def build(self, files: Iterable[str]) -> None:
-        """A zygote for these flow files, preloading now in the background, unless the current one has them."""
+    def build(self, files: Iterable[str]) -> bool:
+        """A zygote for these flow files, preloading now in the background, unless the current one has them (or
+        failed to start with them: it is tried again when they change); whether one was started."""
         files = tuple(sorted(set(files)))
         with self._lock:
-            if self._current is not None and files == self._files and not self._current.down:
-                return
+            current = self._current
+            if current is not None and files == self._files and (not current.down or current.failure):
+                return False
             self._files = files
             self._replace()
+            return True
 
     def _replace(self) -> None:
         """Under the lock: a new current zygote, its preload started; the old one retires with its last run."""
@@ -131,11 +134,13 @@ class FlowRunZygote:
                 self._rebuild(zygote)
                 raise ForkRefused(f"{exc}; a new zygote is preloading") from None
             raise
-        threads = zygote.info.get("threads", 1)
-        if threads > 1:  # never better until its flow files change: a fork copies one thread and every lock
-            raise ForkRefused(f"the zygote (pid {zygote.pid}) runs {threads} threads after its preload (a module "
-                              f"it loaded started one; its transcript names them), and a fork would copy a lock "
-                              "another thread holds")
+        # A Python thread may hold a lock (the import lock, a logging handler's) that its fork copies held, with
+        # no thread left to release it. Native pools (OpenBLAS, OpenMP) that numeric modules start at import
+        # reset themselves in a fork, as the pool's provider zygotes rely on. Never better until the files change.
+        threads = zygote.info.get("python_threads") or []
+        if threads:
+            raise ForkRefused(f"the zygote (pid {zygote.pid}) runs Python thread(s) {', '.join(threads)} after its "
+                              "preload (a module it loaded started them), and a fork would copy any lock they hold")
         stale = zygote.stale()
         if stale:
             self._rebuild(zygote)

@@ -126,10 +126,9 @@ class ResidentProcessWorker(ProcessWorker):
         deployments = await self.client.read_deployments(
             work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[self._work_pool_name])))
         files = flow_files(deployments)
-        if self.zygote.pid is None:
+        if await anyio.to_thread.run_sync(self.zygote.build, files):
             self._logger.info("forking flow runs from a zygote that preloads Prefect, resident_pool and %d flow "
-                              "file(s)", len(files))
-        await anyio.to_thread.run_sync(self.zygote.build, files)
+                              "file(s) (its transcript: zygote-flow-runs-*.log in the pool's log folder)", len(files))
         if self._delivery is None:
             await self._start_wake()
 
