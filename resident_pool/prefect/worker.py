@@ -45,7 +45,7 @@ __all__ = ["FLOW_RUN_VARIABLES", "SUPPORTED_PREFECT", "WORKER_TYPE", "ResidentPr
 
 WORKER_TYPE = "resident-process"
 # The Prefect releases whose internals the warm start was built and tested against; pyproject.toml pins the same.
-SUPPORTED_PREFECT = SpecifierSet(">=3.9.1,<3.10")
+SUPPORTED_PREFECT = ">=3.9.1,<3.10"
 
 # What a flow run may choose about how the worker starts it: a name, labels, whether output streams. Prefect's
 # own process template also offers `command`, `env` and `working_dir`: each runs code as the worker's user
@@ -67,7 +67,7 @@ def locked_job_template() -> dict[str, Any]:
 def prefect_refusal(version: str) -> str | None:
     """Why flow runs cannot be forked under Prefect ``version`` (it is outside SUPPORTED_PREFECT), or None."""
     try:
-        if Version(version) in SUPPORTED_PREFECT:
+        if Version(version) in SpecifierSet(SUPPORTED_PREFECT):
             return None
     except InvalidVersion:
         pass
