@@ -99,12 +99,15 @@ class ResidentProcessWorker(ProcessWorker):
 
     # -- life ------------------------------------------------------------------------------------
     async def setup(self) -> None:
+        if self.refusal is None:
+            self.zygote = FlowRunZygote()
+            # Registered before Prefect's setup enters the runs' task group: the stack unwinds that first, so
+            # the zygote, the only process that can report how its forks ended, outlives every run.
+            self._exit_stack.callback(self.zygote.stop)
         await super().setup()
         if self.refusal is not None:
             self._logger.warning(self.refusal)
             return
-        self.zygote = FlowRunZygote()
-        self._exit_stack.callback(self.zygote.stop)  # after the runs: the stack unwinds the runs' group first
         await self._warm()
 
     async def teardown(self, *exc_info: Any) -> None:
