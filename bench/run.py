@@ -1020,6 +1020,7 @@ def case_admission_start_zygote(table: Table, env: Env, quick: bool) -> None:
         table.add(case, f"{name} / plain spawn after an eviction", value / base, "x", target, met)
 
 
+from adhoc import case_adhoc_predict  # noqa: E402 - bench/ is on the path now
 from contention import case_head_of_line, case_host_race, case_mixed  # noqa: E402 - bench/ is on the path now
 
 CASES = {
@@ -1035,8 +1036,31 @@ CASES = {
     "head_of_line": case_head_of_line,
     "mixed_workload": case_mixed,
     "host_race": case_host_race,
+    "adhoc_predict": case_adhoc_predict,
 }
 FULL_ONLY = {"campaign_scale"}  # `make bench-full`; `make bench` stays near 10 minutes without them
+
+
+def run_case(name: str, case: Callable[..., None], table: Table, env: Env, quick: bool) -> None:
+    """One case; an exception in any thread it started fails it as one in the case itself does (a thread's
+    exception is otherwise printed and the case read as passed)."""
+    raised: list[threading.ExceptHookArgs] = []
+    previous = threading.excepthook
+
+    def record(args: threading.ExceptHookArgs) -> None:
+        raised.append(args)
+        previous(args)
+
+    threading.excepthook = record
+    try:
+        case(table, env, quick)
+    finally:
+        threading.excepthook = previous
+    if raised:
+        first = raised[0]
+        raise RuntimeError(f"case {name}: {len(raised)} thread(s) raised, the first "
+                           f"{first.thread.name if first.thread else '?'}: {first.exc_type.__name__}: "
+                           f"{first.exc_value}") from first.exc_value
 
 
 def main() -> int:
@@ -1054,7 +1078,7 @@ def main() -> int:
                 continue
             print(f"== {name}", flush=True)
             try:
-                case(table, env, args.quick)
+                run_case(name, case, table, env, args.quick)
             except Exception as exc:  # a case that raised is a failed case, never rows from what was left
                 traceback.print_exc()
                 table.add(name, "the case raised", 1, "", "no exception", False,

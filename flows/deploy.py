@@ -1,4 +1,4 @@
-"""Register the three flows as deployments on a process work pool.
+"""Register the three flows as deployments on a work pool of the project's own worker type (resident-process).
 
     python flows/deploy.py [--work-pool resident-pool] [--manifests DIR]
                            [--schedule "0 2 * * *" --inbox DIR [--outbox DIR]] [--provider minilm]
@@ -15,7 +15,7 @@ The forms are drawn for a person: each parameter described; the provider a
 dropdown of the providers in ``--manifests`` at deploy time, each described;
 predict's payload a choice of one JSON form per provider, drawn from its
 ``[smoke]`` payload. Run this again after adding a provider.
-Run a worker for the pool (`prefect worker start --pool resident-pool`) on
+Run a worker for the pool (`prefect worker start --pool resident-pool --type resident-process`) on
 each GPU host, with ``RESIDENT_POOL_MANIFESTS``, ``RESIDENT_POOL_INPUT_ROOT``
 (and ``RESIDENT_POOL_OUTPUT_ROOT``) in its environment; every flow run then
 reaches that host's resident pool and its folders (docs/security.md).
@@ -38,6 +38,7 @@ from prefect.schedules import Cron
 
 from resident_pool.errors import ManifestError
 from resident_pool.prefect import escape_markdown
+from resident_pool.prefect.worker import WORKER_TYPE, locked_job_template
 from resident_pool.providers.manifest import SLUG, Manifest, load_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,35 +51,31 @@ VALIDATE_CRON = "0 3 * * *"  # nightly, after the 2 a.m. screen a README example
 DEFAULT_PROVIDER = "minilm"  # the demo model: what a first run from the UI should meet
 
 
-# What a flow run may choose about how the worker starts it: a name, labels, whether output streams. Prefect's
-# own process template also offers `command`, `env` and `working_dir`: each runs code as the worker's user
-# (a command; PYTHONPATH or LD_PRELOAD; a folder whose planted modules `python -m prefect.engine` imports), and
-# whoever creates a flow run may set them. Without them here the server refuses such a flow run (422), and the
-# worker, having no placeholder for them, could not apply one anyway.
-FLOW_RUN_VARIABLES = ("name", "labels", "stream_output")
-
-
-def base_job_template() -> dict[str, Any]:
-    """The process work pool's template with only FLOW_RUN_VARIABLES, and no other variable accepted."""
-    from prefect.workers.process import ProcessWorker
-
-    default = ProcessWorker.get_default_base_job_template()
-    variables = default["variables"]
-    return {"job_configuration": {name: default["job_configuration"][name] for name in FLOW_RUN_VARIABLES},
-            "variables": {**variables, "additionalProperties": False,
-                          "properties": {name: variables["properties"][name] for name in FLOW_RUN_VARIABLES}}}
-
-
 def ensure_work_pool(name: str) -> None:
-    """The process work pool ``name`` with base_job_template(); a pool made before (with Prefect's) is updated."""
+    """The work pool ``name``, of the project's worker type with its locked job template (resident_pool.prefect.
+    worker); one made before is updated, and a process pool an earlier version of this script made is replaced."""
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
 
-    template = base_job_template()
+    template = locked_job_template()
     with get_client(sync_client=True) as client:
         try:
-            client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template))
+            client.create_work_pool(WorkPoolCreate(name=name, type=WORKER_TYPE, base_job_template=template))
+            return
         except ObjectAlreadyExists:
+            existing = client.read_work_pool(name)
+        if existing.type == WORKER_TYPE:
             client.update_work_pool(name, WorkPoolUpdate(base_job_template=template))
+            return
+        if existing.type != "process" or existing.base_job_template != template:
+            raise ValueError(f"work pool {name!r} is of type {existing.type!r}, not this project's {WORKER_TYPE!r}, "
+                             "and was not made by this script: give another --work-pool, or delete it "
+                             f"(`prefect work-pool delete {name}`) and deploy again")
+        # Ours (the locked template), from before the project had its own worker type: its deployments are
+        # registered again below, on the new pool of the same name.
+        client.delete_work_pool(name)
+        client.create_work_pool(WorkPoolCreate(name=name, type=WORKER_TYPE, base_job_template=template))
+        print(f"work pool {name!r} was a process pool; it is now of type {WORKER_TYPE!r}: start its worker with "
+              f"`prefect worker start --pool {name} --type {WORKER_TYPE}`", file=sys.stderr)
 
 
 def provider_choices(manifests: str | Path) -> list[str]:

@@ -124,6 +124,8 @@ class Settings(BaseSettings):
                                   "are removed (never one a live worker writes)")
     transcripts_max_mb: float = Field(500.0, gt=0, description="total size of one provider's transcripts; the "
                                       "oldest beyond it are removed (never one a live worker writes)")
+    flow_run_poll_s: float = Field(1.0, gt=0, description="the resident-process Prefect worker wakes on Prefect's "
+                                   "events for new flow runs; while that stream is down, it asks this often")
     pool_log_max_mb: float = Field(20.0, gt=0, description="the background pool's own log (pool.log) is rotated "
                                    "at this size; 3 old files are kept")
 

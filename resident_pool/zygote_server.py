@@ -177,7 +177,8 @@ class Zygote:
               + (f"; {threads} threads run here (Python's: {', '.join(named) or 'none'}; the rest native), and a "
                  "fork copies only the calling one" if threads > 1 else ""), flush=True)
         self.send({"event": "ready", "pid": self.pid, "modules": timings, "load_s": load_s, "threads": threads,
-                   "python": sys.executable, "paths": _path_stamps()})
+                   "python_threads": named, "python": sys.executable, "paths": _path_stamps(),
+                   "files": _module_stamps()})
 
     def run_load_stage(self, name: str, weights_root: str | None):
         """``name`` is a function of the worker script, called with the weights root; the script's
@@ -314,6 +315,21 @@ def _path_stamps() -> dict[str, int]:
             stamps[entry] = os.stat(entry or ".").st_mtime_ns
         except OSError:
             continue
+    return stamps
+
+
+def _module_stamps() -> dict[str, int]:
+    """Every loaded module's source file and its mtime: one edited since makes this zygote stale, since a fork
+    would run the code it loaded, not the code on disk."""
+    stamps = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str) or path in stamps:
+            continue
+        try:
+            stamps[path] = os.stat(path).st_mtime_ns
+        except OSError:
+            continue  # a module from a zip or a frozen one: nothing on disk to compare
     return stamps
 
 

@@ -1,4 +1,4 @@
-"""Deployments end to end on one real `prefect server` (shared by this file), a process worker per test.
+"""Deployments end to end on one real `prefect server` (shared by this file), a resident-process worker per test.
 
 Warm across flow runs: two deployment runs, the second served by the worker the
 first started. The nightly screen: registered with its cron over an inbox, run
@@ -78,7 +78,7 @@ def _run(env, deployment: str, parameters: dict, log: Path) -> dict:
 @contextmanager
 def _worker(env, pool: str, log: Path):
     with open(log, "w") as out:
-        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", pool, "--type", "process"], env=env,
+        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", pool, "--type", "resident-process"], env=env,
                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
         try:
             yield worker

@@ -1,6 +1,6 @@
 """What a scientist and an operator see, in headless Chromium against one real stack (`infra/local/stack.sh up`).
 
-One stack (Prefect server, process worker, events relay, deployments) on a
+One stack (Prefect server, resident-process worker, events relay, deployments) on a
 temporary port and folder, and one browser, shared by this file's tests; the
 model (minilm) loads once, in the stack's pool, for all of them. The stack runs
 under a tag of its own, so the per-test leak check does not count its workers;

@@ -157,6 +157,28 @@ def test_an_install_beside_the_script_makes_the_next_start_use_a_new_zygote(pool
     assert "changed since it preloaded" in retired
 
 
+def test_a_module_the_zygote_loaded_edited_on_disk_makes_the_next_start_use_a_new_zygote(pool_dir):
+    """The zygote judged itself stale only by its import path's folders: a preloaded module edited in place left
+    every fork running the old code."""
+    folder = write_provider(pool_dir, "edited", '[lifecycle]\npreload = ["helper"]\n').parent
+    helper = folder / "helper.py"
+    helper.write_text("VALUE = 1\n")
+    with Pool() as pool:
+        pool.predict("edited", {"action": "echo"})
+        old = pool.status()["providers"]["edited"]["start"]["zygote"]["pid"]
+        stamp = helper.stat().st_mtime_ns
+        helper.write_text("VALUE = 2\n")
+        os.utime(folder, ns=(folder.stat().st_atime_ns, folder.stat().st_mtime_ns))  # the folder itself unchanged
+        os.utime(helper, ns=(stamp + 1_000_000_000, stamp + 1_000_000_000))
+        _kill_worker(pool, "edited")
+        pool.predict("edited", {"action": "echo"})
+        new = pool.status()["providers"]["edited"]["start"]["zygote"]["pid"]
+        assert new != old
+        wait_until(lambda: not pid_alive(old), timeout=10, message="the stale zygote to retire")
+    retired = next(text for text in _transcripts("zygote-edited") if f"zygote pid {old} " in text)
+    assert f"{helper}, which it loaded, changed on disk since" in retired
+
+
 def _launch(argv, stop=None):
     return Launch(argv, {}, stop=stop, kill=stop)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A local stack on one host: Prefect server (SQLite), a process work pool and its
-# worker, the deployments, and the relay that forwards the pool's events to Prefect
+# A local stack on one host: Prefect server (SQLite), a work pool of the project's worker type (resident-process:
+# flow runs forked warm) and its worker, the deployments, and the relay that forwards the pool's events to Prefect
 # (so the shipped automations can fire). The resident pool itself starts on the
 # first request; `down` stops it too, with its model workers.
 #   infra/local/stack.sh up|down|status       (make stack-up, make stack-down, make stack-status)
@@ -107,7 +107,7 @@ wait_for_our_server() {  # the server this script started, listening, or why not
 }
 
 SERVER=("$VENV/bin/prefect" server start --host 127.0.0.1 --port "$PORT")
-WORKER=("$VENV/bin/prefect" worker start --pool "$POOL" --type process)
+WORKER=("$VENV/bin/prefect" worker start --pool "$POOL" --type resident-process)
 RELAY=("$VENV/bin/resident-pool" events --to-prefect)
 
 start() {  # name, command...

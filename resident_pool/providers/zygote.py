@@ -167,6 +167,13 @@ class Zygote:
                 now = None
             if now != stamp:
                 return f"{entry or '.'} changed since it preloaded (an install or upgrade)"
+        for path, stamp in (self.info.get("files") or {}).items():
+            try:
+                now = os.stat(path).st_mtime_ns
+            except OSError:
+                now = None
+            if now != stamp:
+                return f"{path}, which it loaded, changed on disk since"
         return None
 
     def describe(self) -> dict[str, Any]:

@@ -1,0 +1,203 @@
+"""Ad hoc runs from the UI: the resident-process worker against Prefect's process worker, same deployment, one run.
+
+A real `prefect server`, the project's deployments registered once (flows/deploy.py), and one worker at a time on
+their pool: Prefect's process worker with its defaults, the same with PREFECT_WORKER_QUERY_SECONDS=1 (so the gain
+shown is more than a shorter poll), then the resident-process worker. Each flow run is created as the UI creates
+one (POST create_flow_run with the form's parameters) and timed to the moment its answer artifact exists. Cold: the
+first run after the worker starts, the resident pool stopped before (the model loads too, as after
+`make stack-up`). Warm: 10 runs after it. A screen of the shipped FASTA, started the same way, on each worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+SEQUENCES = ["MKTAYIAKQRQISFVKSHFSRQ", "MSEQNNTEMTFQIQRIYTKDISFEAPNAPHVFQ", "MALWMRLLPLLALLALWGPDPAAA"]
+WARM_RUNS = 10
+POOL = "bench-adhoc"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Api:
+    """The server's REST API as the UI calls it (a 503 from a busy SQLite is asked again, as Prefect's client does)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def call(self, method: str, path: str, body: dict | None = None):
+        for attempt in range(40):
+            request = urllib.request.Request(self.url + path, method=method,
+                                             headers={"content-type": "application/json"},
+                                             data=None if body is None else json.dumps(body).encode())
+            try:
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    return json.loads(response.read() or b"null")
+            except urllib.error.HTTPError as error:
+                if error.code != 503 or attempt == 39:
+                    raise
+            time.sleep(0.25)
+        return None
+
+    def wait_for(self, run_id: str, key: str | None, timeout: float = 600) -> float:
+        """Seconds until the run's artifact ``key`` exists (``key`` None: until the run completes); a run that ends
+        otherwise fails the case."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if key is not None:
+                found = self.call("POST", "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}})
+                if any(artifact["key"] == key for artifact in found):
+                    return time.perf_counter()
+            state = self.call("GET", f"/flow_runs/{run_id}")["state"]
+            if state["type"] == "COMPLETED" and key is None:
+                return time.perf_counter()
+            if state["type"] in ("FAILED", "CRASHED", "CANCELLED"):
+                raise RuntimeError(f"flow run {run_id} ended {state['type']}: {state.get('message')}")
+            time.sleep(0.05)
+        raise TimeoutError(f"flow run {run_id} gave no answer within {timeout:g} s")
+
+
+class Stack:
+    """The server and the deployments; one worker at a time."""
+
+    def __init__(self, env, tmp: Path) -> None:
+        self.tmp = tmp
+        port = _free_port()
+        self.env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_API_URL":
+                    f"http://127.0.0.1:{port}/api", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                    "RESIDENT_POOL_INPUT_ROOT": str(ROOT / "data"), "RESIDENT_POOL_OUTPUT_ROOT": str(tmp)}
+        self.server_log = open(tmp / "server.log", "w")  # noqa: SIM115 - open for the server's life
+        self.server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                       env=self.env, stdout=self.server_log, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        self.api = Api(self.env["PREFECT_API_URL"])
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                self.api.call("GET", "/health")
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.server.poll() is not None:
+                    raise RuntimeError(f"the Prefect server did not start; see {tmp / 'server.log'}") from None
+                time.sleep(0.5)
+        subprocess.run([sys.executable, str(ROOT / "flows" / "deploy.py"), "--work-pool", POOL, "--manifests",
+                        str(env.manifests), "--paused", "--validate-schedule", ""], env=self.env, check=True,
+                       cwd=ROOT, timeout=300, capture_output=True)
+        self.predict = self.api.call("GET", "/deployments/name/predict/predict")["id"]
+        self.screen = self.api.call("GET", "/deployments/name/screen/screen")["id"]
+        self.worker: subprocess.Popen | None = None
+
+    def start_worker(self, kind: str, name: str, **extra: str) -> None:
+        """A worker of ``kind`` on the pool, returned once it says it started."""
+        log = self.tmp / f"worker-{name}.log"
+        env = {**self.env, **extra, "RESIDENT_POOL_RESULTS_DIR": str(self.tmp / f"results-{name}")}
+        with open(log, "w") as out:
+            self.worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", POOL, "--type", kind], env=env,
+                                           stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+        deadline = time.monotonic() + 120
+        while "started!" not in log.read_text():
+            if time.monotonic() > deadline or self.worker.poll() is not None:
+                raise RuntimeError(f"the {kind} worker did not start; see {log}")
+            time.sleep(0.05)
+
+    def stop_worker(self) -> None:
+        """Killed, group and all: Prefect's worker answers SIGTERM with a stop that can take minutes, and the runs
+        are over. A resident-process worker's zygote exits as its channel closes."""
+        if self.worker is not None:
+            os.killpg(self.worker.pid, signal.SIGKILL)
+            self.worker.wait(timeout=30)
+            self.worker = None
+
+    def predict_once(self) -> float:
+        started = time.perf_counter()
+        run = self.api.call("POST", f"/deployments/{self.predict}/create_flow_run", {"parameters": {
+            "provider": "minilm", "sequences": SEQUENCES, "payload": None, "priority": "interactive"}})
+        return self.api.wait_for(run["id"], "predict-minilm") - started
+
+    def screen_once(self, name: str) -> float:
+        started = time.perf_counter()
+        run = self.api.call("POST", f"/deployments/{self.screen}/create_flow_run", {"parameters": {
+            "input": str(ROOT / "data" / "uniprot-500.fasta"), "provider": "minilm",
+            "output": str(self.tmp / f"screen-{name}.jsonl")}})
+        return self.api.wait_for(run["id"], None) - started
+
+    def close(self) -> None:
+        self.stop_worker()
+        if self.server.poll() is None:
+            os.killpg(self.server.pid, signal.SIGTERM)
+            try:
+                self.server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.server.pid, signal.SIGKILL)
+                self.server.wait()
+        self.server_log.close()
+
+
+ARMS = {  # row name -> (worker type, its extra environment)
+    "process worker (defaults)": ("process", {}),
+    "process worker (PREFECT_WORKER_QUERY_SECONDS=1)": ("process", {"PREFECT_WORKER_QUERY_SECONDS": "1"}),
+    "ours": ("resident-process", {}),
+}
+
+
+def case_adhoc_predict(table, env, quick: bool) -> None:
+    """Warm and cold ad hoc predicts of three sequences, and a screen of the shipped file, on each worker."""
+    from resident_pool.client import shutdown_pool
+
+    tmp = env.tmp / "adhoc"
+    tmp.mkdir()
+    stack = Stack(env, tmp)
+    warm_runs = 3 if quick else WARM_RUNS
+    cold: dict[str, float] = {}
+    warm: dict[str, list[float]] = {}
+    screens: dict[str, float] = {}
+    try:
+        for name, (kind, extra) in ARMS.items():
+            slug = "".join(c if c.isalnum() else "-" for c in name)
+            shutdown_pool()  # cold: the model loads in this run too, as after `make stack-up`
+            stack.start_worker(kind, slug, **extra)
+            cold[name] = stack.predict_once()
+            warm[name] = [stack.predict_once() for _ in range(warm_runs)]
+            if name != "process worker (PREFECT_WORKER_QUERY_SECONDS=1)":
+                screens[name] = stack.screen_once(slug)
+            stack.stop_worker()
+            print(f"    {name}: cold {cold[name]:.2f} s, warm p50 {statistics.median(warm[name]):.2f} s"
+                  + (f", screen {screens[name]:.1f} s" if name in screens else ""), flush=True)
+    finally:
+        stack.close()
+        shutil.rmtree(tmp / "prefect-home", ignore_errors=True)
+    case = "ad hoc predict (UI)"
+    ours, default, short = (statistics.median(warm[name]) for name in
+                            ("ours", "process worker (defaults)", "process worker (PREFECT_WORKER_QUERY_SECONDS=1)"))
+    for name in ARMS:
+        table.add(case, f"warm p50, {name}", statistics.median(warm[name]), "s", "", None,
+                  note=f"create_flow_run to answer artifact, {len(warm[name])} runs, 3 sequences, minilm")
+    table.add(case, "warm: ours / process worker (defaults)", ours / default, "x", "<= 0.2", ours / default <= 0.2)
+    table.add(case, "warm: ours / process worker (query 1 s)", ours / short, "x", "<= 0.4", ours / short <= 0.4)
+    for name in ("process worker (defaults)", "ours"):
+        table.add(case, f"cold, {name}", cold[name], "s", "", None,
+                  note="first run after the worker started, the resident pool stopped before")
+    ratio = cold["ours"] / cold["process worker (defaults)"]
+    table.add(case, "cold: ours / process worker (defaults)", ratio, "x", "<= 0.5", ratio <= 0.5)
+    for name, seconds in screens.items():
+        table.add(case, f"screen of uniprot-500.fasta, {name}", seconds, "s", "", None,
+                  note="create_flow_run to Completed")
+    ratio = screens["ours"] / screens["process worker (defaults)"]
+    table.add(case, "screen: ours / process worker (defaults)", ratio, "x", "<= 1", ratio <= 1)
