@@ -214,7 +214,7 @@ def replay(
 ) -> None:
     """Feed a pool's core event log to a fresh decision core: exit 0 when it decides the same actions throughout,
     else 1, naming the first event it decided otherwise."""
-    from ..server.eventlog import replay as replay_log
+    from ..server.corelog import replay as replay_log
 
     try:
         with open(log, encoding="utf-8") as lines:
