@@ -592,7 +592,7 @@ PACKAGE = Path(resident_pool.__file__).parent
 ALLOWED_IMPORTS = {"__future__", "itertools", "dataclasses", "typing", "enum", "collections"}
 # The decision core: its face, its two owners (replicas; the waiting line and leases), its records and actions.
 CORE = ("core.py", "lifecycle.py", "drains.py", "leases.py", "admitting.py", "replica.py", "states.py", "breaker.py",
-        "actions.py", "events.py", "view.py")
+        "actions.py", "events.py", "view.py", "starting.py")
 # The one order every waiting line keeps, shared with the host admission service: pure as well.
 SHARED = ("priority",)
 
@@ -625,10 +625,10 @@ def _assigned(target: ast.AST) -> list[ast.Attribute]:
     return [target] if isinstance(target, ast.Attribute) else []
 
 
-RECORD_FIELDS = {"state", "lease", "retire", "abort", "deadline", "drain_by", "for_ticket", "last_used",
+RECORD_FIELDS = {"state", "hold", "retire", "abort", "deadline", "drain_by", "for_ticket", "last_used",
                  "last_checked", "served", "stop", "leases", "tickets", "queue", "replicas", "stopping", "version",
-                 "kept", "recalling", "checking", "idle_check", "evict_for", "can_recall", "noticed", "admitted",
-                 "hibernated", "probes", "stop_attempts", "fresh", "last_error"}
+                 "kept", "recall", "check", "eviction", "drain", "can_recall", "noticed", "heard", "admitted",
+                 "in_flight_since", "probes", "stop_attempts", "fresh", "last_error", "noticed_before"}
 # (`pid` and `device` are left out: a WorkerProcess has them too, set by the runtime that owns it.)
 
 
@@ -711,7 +711,7 @@ def test_an_eviction_overtaken_by_a_release_is_forgotten(clock):
     kept = _kept_on_gpu(state, clock, "g")
     one(_make_room(state, clock), c.Recall)
     state.handle(clock(), ev.LeaseReleased(kept.lease, CONN, "ok"))  # its client gave it back first
-    assert replica(state, kept.rid).evict_for is None
+    assert replica(state, kept.rid).eviction is None
 
 
 def test_admission_skips_a_kept_lease_the_runtime_found_busy(clock):

@@ -498,7 +498,7 @@ def test_the_gpu_line_leaves_a_kept_lease_just_granted_to_serve_its_one_request(
     clock.advance(KEPT_ACTIVE_S)  # it did not: idle between calls now
     retry = one(state.handle(clock(), ev.Tick()).actions, c.Place)  # the room is read again, and still short
     recall = one(state.handle(clock(), ev.BudgetNotPlaced(retry.rid, {0: 1.5})).actions, c.Recall)
-    assert recall.lease == kept.lease and state.replicas[kept.rid].evict_for == 8
+    assert recall.lease == kept.lease and state.replicas[kept.rid].eviction.need_gb == 8
 
 
 def test_a_kept_warm_worker_goes_after_an_idle_kept_lease_of_another_provider(clock):
@@ -551,7 +551,7 @@ def test_a_kept_lease_whose_holder_keeps_calling_is_not_evicted_for_a_head_of_it
     clock.advance(KEPT_ACTIVE_S)  # the holder stopped calling: its worker does not stay pinned
     retry = one(state.handle(clock(), ev.Tick()).actions, c.Place)
     recall = one(state.handle(clock(), ev.BudgetNotPlaced(retry.rid, {0: 1.5})).actions, c.Recall)
-    assert recall.lease == kept.lease and state.replicas[kept.rid].evict_for == 8
+    assert recall.lease == kept.lease and state.replicas[kept.rid].eviction.need_gb == 8
 
 
 def test_a_head_of_a_higher_class_takes_a_calling_kept_lease(clock):

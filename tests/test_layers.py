@@ -3,7 +3,9 @@
 Each sub-package of ``resident_pool`` is one part, each top-level module another; the parts'
 imports must form no cycle (so there is an order in which each imports only what lies below
 it), and neither may the modules' inside a part. No list here says which part is above which:
-the imports themselves say it, and a cycle is the error.
+the imports themselves say it, and a cycle is the error. An import made for type hints only
+(under ``TYPE_CHECKING``) is an edge too: a lower module types a call back up with a
+``typing.Protocol`` of its own.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ STANDALONE = {"protocol", "arrays", "worker_base", "kit_probe", "env_probe", "zy
 CLASS_LINES = 400
 
 
-def _modules() -> dict[str, Path]:
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
     """Every module by dotted name below the package (``server.core``, ``errors``, ``prefect``)."""
     found = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(package).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         found[".".join(parts) or "__init__"] = path
@@ -40,16 +42,12 @@ def _is_alias(path: Path) -> bool:
     return "sys.modules[__name__]" in path.read_text()
 
 
-def _imports(name: str, path: Path) -> set[str]:
-    """The package's own modules ``name`` imports, anywhere in it (inside functions too)."""
+def _imports(name: str, path: Path, modules: dict[str, Path] = MODULES) -> set[str]:
+    """The package's own modules ``name`` imports, anywhere in it (inside functions, and for type hints, too)."""
     here = name.split(".") if path.name != "__init__.py" else [*name.split("."), "__init__"]
     found = set()
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                   and "TYPE_CHECKING" in ast.unparse(block.test) for n in ast.walk(block)}
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue  # names for type hints only: no import happens
         if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("resident_pool")):
             if node.level:
                 base = here[: len(here) - node.level]
@@ -58,12 +56,12 @@ def _imports(name: str, path: Path) -> set[str]:
                 target = node.module.split(".")[1:]
             for alias in node.names:  # `from . import paths` names a module; `from .x import y` a name in x
                 dotted = ".".join([*target, alias.name])
-                found.add(dotted if dotted in MODULES else ".".join(target))
+                found.add(dotted if dotted in modules else ".".join(target))
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("resident_pool."):
                     found.add(alias.name.removeprefix("resident_pool."))
-    return {module for module in found if module in MODULES and module != name}
+    return {module for module in found if module in modules and module != name}
 
 
 def _part(module: str) -> str:
@@ -93,13 +91,13 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def _graphs() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+def _graphs(found: dict[str, Path] = MODULES) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     parts: dict[str, set[str]] = {}
     modules: dict[str, set[str]] = {}
-    for name, path in MODULES.items():
+    for name, path in found.items():
         if name in ("__init__", "__main__") or _is_alias(path):
             continue  # the package's face re-exports from below; aliases only point
-        imported = {m for m in _imports(name, path) if not _is_alias(MODULES[m]) and m not in ("__init__",)}
+        imported = {m for m in _imports(name, path, found) if not _is_alias(found[m]) and m not in ("__init__",)}
         modules[name] = imported
         parts.setdefault(_part(name), set()).update(_part(m) for m in imported if _part(m) != _part(name))
     return parts, modules
@@ -142,3 +140,15 @@ def test_importing_the_client_loads_nothing_of_the_server():
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
     assert "resident_pool.client" in loaded
     assert {m for m in loaded if _part(m.removeprefix("resident_pool.")) in ("server", "providers", "admission")} == set()
+
+
+def test_a_two_way_pair_hidden_behind_type_checking_is_an_import_cycle(tmp_path):
+    """server/pool.py <-> status.py, runtime.py <-> starts.py and lifecycle.py <-> drains.py each hid their back edge
+    behind TYPE_CHECKING, which this test skipped: a planted pair must fail it."""
+    (tmp_path / "part").mkdir()
+    (tmp_path / "part" / "__init__.py").write_text("")
+    (tmp_path / "part" / "upper.py").write_text("from .lower import helper\n")
+    (tmp_path / "part" / "lower.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .upper import Upper\n")
+    _, modules = _graphs(_modules(tmp_path))
+    assert _cycle(modules) == ["part.lower", "part.upper", "part.lower"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import priority as order
+from . import starting
 from .actions import Action, Announce, Place, Policy, Withdraw
 from .leases import Leasing
 from .lifecycle import Lifecycle
@@ -76,7 +77,7 @@ class Admitting:
         """A start needs ``need_gb``: it waits in the line, or (a warm-up, ``wait`` False) it is placed only
         if nobody waits and it fits now."""
         provider = self.providers[replica.key]
-        ticket = self.leasing.tickets.get(replica.for_ticket) if replica.for_ticket is not None else None
+        ticket = self.leasing.ticket(replica.for_ticket)
         priority = ticket.priority if ticket is not None else order.CLASSES[-1]
         arrived = ticket.arrived if ticket is not None else now
         entry = Waiting(replica.rid, replica.key, need_gb, device, priority, arrived, now,
@@ -96,7 +97,8 @@ class Admitting:
         if self.placing == rid:
             self.placing = None
         if not self.line:
-            self.lifecycle.settle_backfill()  # nobody waits for memory: nothing is taken ahead of anyone
+            # Nobody waits for memory: nothing is taken ahead of anyone.
+            starting.settle_backfill(self.lifecycle.replicas.values())
 
     # -- reports from the runtime -------------------------------------------------------------------------
     def placed(self, now: float, rid: int) -> None:
@@ -105,7 +107,7 @@ class Admitting:
         self.line.pop(rid, None)
         self._read_again()  # it took room
         if not self.line:
-            self.lifecycle.settle_backfill()
+            starting.settle_backfill(self.lifecycle.replicas.values())
 
     def not_placed(self, now: float, rid: int, rooms: dict[int, float]) -> list[Action]:
         if self.placing == rid:
@@ -217,7 +219,7 @@ class Admitting:
         for replica in self.lifecycle.replicas.values():
             if not self._on(replica, device):
                 continue
-            if replica.state in (R.STOPPING, R.HIBERNATING) or (replica.recalling and replica.evict_for is not None):
+            if replica.state in (R.STOPPING, R.HIBERNATING) or (replica.recalling and replica.eviction is not None):
                 total += replica.budget_gb or 0.0
         return total
 

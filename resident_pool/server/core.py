@@ -21,6 +21,7 @@ from typing import Any
 from .. import priority as order
 from ..errors import AdmissionTimeout, BreakerOpen, PoolStopping, ResidentPoolError, error_from_dict
 from . import events as ev
+from . import starting
 from .actions import Action, Announce, Exit, Policy, Refuse, Spawn, Timings, Withdraw
 from .admitting import Admitting
 from .breaker import Breaker
@@ -161,7 +162,7 @@ class PoolState:
         if replica.abort is not None:
             return ev.Decision([Withdraw(event.rid, "start_cancelled")])
         if event.need_gb is None:
-            self.lifecycle.admitted(now, event.rid, None)
+            starting.admitted(replica, None)
             return ev.Decision([Spawn(event.rid)])
         return ev.Decision(self.admitting.enter(now, replica, event.need_gb, event.device, event.wait))
 
@@ -171,7 +172,7 @@ class PoolState:
         replica = self.replica(rid)
         if replica is None or replica.state is not ReplicaState.STARTING:
             return ev.Decision(self.admitting.decide(now))  # ended meanwhile: its Gone gives the budget back
-        self.lifecycle.admitted(now, rid, str(event.device), event.backfilled)
+        starting.admitted(replica, str(event.device), event.backfilled)
         actions: list[Action] = []
         if event.backfilled:
             head = self.admitting.in_order(now)[:1]
@@ -191,10 +192,13 @@ class PoolState:
         return ev.Decision(self.admitting.recall(now, event.rid, event.why))
 
     def _worker_spawned(self, now: float, event: ev.WorkerSpawned) -> ev.Decision:
-        return ev.Decision(self.lifecycle.spawned(now, event.rid, event.pid))
+        starting.spawned(self.replica(event.rid), event.pid)
+        return ev.Decision()
 
     def _restore_failed(self, now: float, event: ev.RestoreFailed) -> ev.Decision:
-        return ev.Decision(self.lifecycle.restarted(now, event.rid, event.why))
+        replica = self.replica(event.rid)
+        starting.restore_failed(replica, self.providers.get(replica.key) if replica else None, event.why)
+        return ev.Decision()
 
     def _worker_started(self, now: float, event: ev.WorkerStarted) -> ev.Decision:
         key = self._key(event.rid)
@@ -288,7 +292,7 @@ class PoolState:
     def _top_up(self, now: float, provider: Provider, replicas: int, wait: bool) -> ev.Decision:
         """Start replicas of ``provider`` until ``replicas`` of its current version serve."""
         starts = [self.lifecycle.start(now, provider, None, wait=wait)
-                  for _ in range(replicas - self.lifecycle.live(provider))]
+                  for _ in range(replicas - self.lifecycle.serving_count(provider))]
         return ev.Decision(list(starts), replicas=tuple(s.rid for s in starts))
 
     # -- time passes ------------------------------------------------------------------------------------------
@@ -316,14 +320,14 @@ class PoolState:
         if now - self.last_keep_warm >= self.timings.keep_warm_s and not self.stopping and not admission_waiting:
             self.last_keep_warm = now
             for provider in list(self.providers.values()):
-                if provider.spec.min_replicas > self.lifecycle.live(provider) \
+                if provider.spec.min_replicas > self.lifecycle.serving_count(provider) \
                         and provider.breaker.remaining_s(now) == 0:
                     actions += self._top_up(now, provider, provider.spec.min_replicas, wait=False).actions
         return ev.Decision(actions)
 
     def view(self, now: float) -> CoreView:
         """The records as they are at ``now``, read-only, each word (idle, serving, ending) decided here."""
-        serving = {key: self.lifecycle.live(p) for key, p in self.providers.items()}
+        serving = {key: self.lifecycle.serving_count(p) for key, p in self.providers.items()}
         leases = {lease.id: self._lease_view(now, lease) for lease in self.leases.values()}
         replicas = tuple(self._replica_view(now, r, leases) for r in sorted(self.replicas.values(),
                                                                             key=lambda r: (r.key, r.index)))
@@ -354,7 +358,7 @@ class PoolState:
         provider = self.providers[r.key]
         return ReplicaView(
             r.rid, r.key, provider.slug, r.index, r.state, r.version, r.version == provider.version, r.pid, r.device,
-            r.budget_gb, r.served, round(r.idle_s(now), 1), idle, self.lifecycle.serves_new_requests(r), ending,
+            r.budget_gb, r.served, round(r.idle_s(now), 1), idle, self.lifecycle.serving(r), ending,
             r.retire[1] if r.retire else None, r.abort[1] if r.abort else None, r.last_error,
             self.lifecycle.kept_warm(r), r.backfilled, r.kept, held,
             round(now - r.in_flight_since, 1) if busy and r.in_flight_since is not None else None)

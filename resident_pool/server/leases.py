@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from .. import priority as order
 from ..errors import ResidentPoolError
+from . import starting
 from .actions import Action, Announce, Grant, Policy, Refuse, Timings
 from .lifecycle import Lifecycle
 from .replica import Lease, Provider, Replica, Ticket
@@ -87,7 +88,7 @@ class Leasing:
             hibernated = self._first(provider, R.HIBERNATED)  # a restore costs a copy back, not a start
             if hibernated is not None:
                 actions.append(self.lifecycle.restore(now, provider, hibernated, ticket.id))
-            elif self.lifecycle.live(provider) < provider.spec.max_replicas:
+            elif self.lifecycle.serving_count(provider) < provider.spec.max_replicas:
                 actions.append(self.lifecycle.start(now, provider, ticket.id))
             elif (kept := self._first_kept(now, provider)) is not None:
                 actions += self.lifecycle.recall(now, kept, "another client waits for it")  # idle between calls
@@ -97,22 +98,26 @@ class Leasing:
 
     def _first(self, provider: Provider, state: ReplicaState) -> Replica | None:
         """The lowest-numbered replica in ``state`` that serves new requests."""
-        found = [r for r in provider.replicas.values() if r.state is state and self.lifecycle.serves_new_requests(r)]
+        found = [r for r in provider.replicas.values() if r.state is state and self.lifecycle.serving(r)]
         return min(found, key=lambda r: r.index) if found else None
 
     def _coming(self, provider: Provider) -> int:
         """Replicas that will serve soon: starting, answering a liveness ping, or a lease being recalled (not one
         recalled for its memory: that one is evicted once it is back)."""
         return sum(1 for r in provider.replicas.values()
-                   if (r.state in (R.STARTING, R.CHECKING) or (r.recalling and r.evict_for is None))
+                   if (r.state in (R.STARTING, R.CHECKING) or (r.recalling and r.eviction is None))
                    and r.abort is None
-                   and self.lifecycle.serves_new_requests(r))
+                   and self.lifecycle.serving(r))
 
     def in_first_use(self, now: float, replica: Replica) -> bool:
         """A kept lease just granted, that its holder has not used yet (nor held a moment without): it is not
         taken back, for a waiting client or for admission, before it served its one request."""
         lease = self.leases.get(replica.lease) if replica.kept and replica.lease is not None else None
         return lease is not None and lease.noticed == 0 and now - lease.since < FIRST_USE_S
+
+    def ticket(self, ticket_id: int | None) -> Ticket | None:
+        """A waiting request, by its id (None: none, or no longer waiting)."""
+        return self.tickets.get(ticket_id) if ticket_id is not None else None
 
     def calling(self, now: float, replica: Replica) -> bool:
         """A kept lease whose holder is still calling: a request ran on it at the runtime's last look, or its
@@ -130,7 +135,7 @@ class Leasing:
     def _first_kept(self, now: float, provider: Provider) -> Replica | None:
         """The kept lease used least recently, not already being recalled nor in its first use."""
         kept = [r for r in provider.replicas.values() if r.kept and not r.recalling
-                and self.lifecycle.serves_new_requests(r) and not self.in_first_use(now, r)]
+                and self.lifecycle.serving(r) and not self.in_first_use(now, r)]
         return min(kept, key=lambda r: (r.last_used, r.index)) if kept else None
 
     def _lease(self, now: float, ticket: Ticket, replica: Replica) -> Grant:
@@ -148,8 +153,8 @@ class Leasing:
             return None
         provider = self.providers[ticket.key]
         provider.queue.remove(ticket)
-        covered = self.lifecycle.covering(provider)
-        self.lifecycle.hand_over(provider, ticket_id, [t.id for t in provider.queue if t.id not in covered])
+        covered = starting.covering(provider)
+        starting.hand_over(provider, ticket_id, [t.id for t in provider.queue if t.id not in covered])
         return provider
 
     def refuse(self, provider: Provider, ticket_id: int | None, error: ResidentPoolError) -> list[Action]:
@@ -186,7 +191,7 @@ class Leasing:
         why = {"abandoned": "its client gave up on a request in flight",
                "bad_reply": "it sent its client a reply that could not be read"}.get(
             outcome, "its client's connection to it broke")
-        return self.lifecycle.drains.abandon(now, replica, why)
+        return self.lifecycle.abandon(now, replica, why)
 
     def used(self, now: float, lease_id: int, connection: int, served: int) -> None:
         """The client of a kept lease says it served ``served`` more requests (now and then, not every call)."""
@@ -244,7 +249,7 @@ class Leasing:
             if replica is not None and replica.lease == lease.id:
                 self.lifecycle.unlease(now, replica, 0)
                 kept = (lease.id, lease.noticed) if lease.kept else None
-                actions += self.lifecycle.drains.abandon(now, replica, "its client went away", kept)
+                actions += self.lifecycle.abandon(now, replica, "its client went away", kept)
                 touched.add(replica.key)
         return touched, actions
 
@@ -253,6 +258,6 @@ class Leasing:
         found = []
         for ticket in list(self.tickets.values()):
             provider = self.providers[ticket.key]
-            if now >= ticket.deadline and ticket.id not in self.lifecycle.covering(provider):
+            if now >= ticket.deadline and ticket.id not in starting.covering(provider):
                 found.append((provider, ticket))
         return found

@@ -1,8 +1,13 @@
 """The decision core's replica rules: every move of a replica, from its start to its end, and nothing else.
 
-It owns the replica records (their state, retirement, deadlines, measurements of use); the
-waiting requests and leases belong to ``leases.Leases``. Like the rest of the core: no
-threads, sockets or clock; each method takes ``now`` and returns the actions to carry out.
+It owns the replica records (their state, retirement, deadlines, measurements of use, and the
+small records of what is under way on one: its hold by a lease and a recall of it, an eviction
+waiting for that recall, a liveness check, a drain); the waiting requests and leases belong to
+``leases.Leasing``, the GPU line to ``admitting.Admitting``, and each asks the others by name.
+A start's bookkeeping (``starting``) and an abandoned request's drain (``drains``) are
+functions of these records that end nothing: the ends they call for are decided here. Like the
+rest of the core: no threads, sockets or clock; each method takes ``now`` and returns the
+actions to carry out.
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ import itertools
 
 from ..errors import ResidentPoolError
 from ..exits import REFUSAL_CODES, describe_exit
+from . import drains
 from .actions import Action, Gone, Hibernate, Note, Ping, Recall, ReleaseBudget, Start, Stop, Timings
-from .drains import Drains
-from .replica import Provider, Replica
+from .replica import Check, Eviction, Hold, Provider, Replica
+from .replica import Recall as Taking
 from .states import ReplicaState, StopCause
 
 __all__ = ["NOT_THE_PROVIDERS_FAULT", "STOP_ATTEMPTS", "Lifecycle"]
@@ -39,25 +45,24 @@ class Lifecycle:
         self.timings = timings
         self.replicas: dict[int, Replica] = {}
         self._ids = itertools.count(1)
-        self.drains = Drains(self)
 
     # -- questions asked in several places ----------------------------------------------------------
-    def serves_new_requests(self, replica: Replica) -> bool:
-        """Of its provider's current version and not on its way out: a new request may get it."""
+    def serving(self, replica: Replica) -> bool:
+        """A new request may get it: of its provider's current version, not retiring, not ending."""
         provider = self.providers[replica.key]
-        return replica.version == provider.version and replica.retire is None and replica.live
+        return replica.version == provider.version and replica.retire is None and not replica.ending
 
     def kept_warm(self, replica: Replica) -> bool:
         """One of its provider's ``min_replicas`` (the lowest-numbered ones that serve new requests)."""
         keep = self.providers[replica.key].spec.min_replicas
-        if not keep or not self.serves_new_requests(replica):
+        if not keep or not self.serving(replica):
             return False
-        warm = sorted(r.index for r in self.providers[replica.key].replicas.values() if self.serves_new_requests(r))
+        warm = sorted(r.index for r in self.providers[replica.key].replicas.values() if self.serving(r))
         return replica.index in warm[:keep]
 
-    def live(self, provider: Provider) -> int:
-        """Replicas that count against max_replicas: those that serve new requests."""
-        return sum(1 for r in provider.replicas.values() if self.serves_new_requests(r))
+    def serving_count(self, provider: Provider) -> int:
+        """Replicas that count against max_replicas: those serving (a new request may get them)."""
+        return sum(1 for r in provider.replicas.values() if self.serving(r))
 
     # -- starts ----------------------------------------------------------------------------------------
     def start(self, now: float, provider: Provider, ticket: int | None, wait: bool = True) -> Start:
@@ -86,24 +91,28 @@ class Lifecycle:
         the client may keep it between calls (its worker can be asked to give it back, and it serves more
         than one lease)."""
         replica.transition(R.LEASED, "leased")
-        replica.lease, replica.deadline = lease_id, None
-        replica.kept = keep and replica.can_recall and self.providers[replica.key].spec.mode != "subprocess"
+        kept = keep and replica.can_recall and self.providers[replica.key].spec.mode != "subprocess"
+        replica.hold, replica.deadline = Hold(lease_id, kept), None
         cold, replica.fresh = replica.fresh, False
-        return cold, replica.kept
+        return cold, kept
 
     def touch(self, now: float, replica: Replica, served: int) -> None:
         """Its kept lease served ``served`` more requests (the client says so now and then): idle from now."""
         replica.last_used, replica.served = now, replica.served + served
 
     def recall(self, now: float, replica: Replica, why: str = "", evict_for: float | None = None,
-               backfilled: bool = False) -> list[Action]:
+               backfilled: bool = False, idle_check: bool = False) -> list[Action]:
         """The one rule for taking a lease back, after at most the request in flight, whoever asks (a waiting client,
         admission, a drain, idleness, the host service): only a kept or a ``backfilled`` one ever is, asked of its
         worker (an idle session's memory comes back at once), a backfilled session's client told too (the only way
-        where its worker cannot answer ``recall``). ``evict_for``: GB admission needs."""
-        if replica.lease is None or replica.recalling or not (replica.kept or backfilled):
+        where its worker cannot answer ``recall``). ``evict_for``: GB admission needs; ``idle_check``: taken back for
+        idleness, it retires if its worker says it was idle that long too."""
+        hold = replica.hold
+        if hold is None or hold.recall is not None or not (hold.kept or backfilled):
             return []
-        replica.recalling, replica.evict_for = True, replica.evict_for if evict_for is None else evict_for
+        hold.recall = Taking(idle_check)
+        if evict_for is not None:
+            replica.eviction = Eviction(evict_for)
         if replica.can_recall:  # its worker answers within a request's time: past that, it is overdue
             spec = self.providers[replica.key].spec
             replica.deadline = now + spec.request_timeout_s + self.timings.report_margin_s
@@ -113,7 +122,8 @@ class Lifecycle:
         """A recalled lease came back (``served``: requests the pool had not heard of): the replica is free, or
         ends, or makes room for admission. The worker's own word on how long it has been idle counts here,
         not the client's notices: a request that ran long was no idle time, and does not retire it."""
-        needed, idle_check = replica.evict_for, replica.idle_check
+        hold, eviction = replica.hold, replica.eviction
+        idle_check = hold is not None and hold.recall is not None and hold.recall.idle_check
         self.unlease(now, replica, served)
         replica.last_used, replica.deadline = now - max(0.0, idle_s), None
         spec = self.providers[replica.key].spec
@@ -121,39 +131,21 @@ class Lifecycle:
             return self.end(now, replica, StopCause.IDLE, f"idle for {idle_s:.1f} s (idle_timeout_s = "
                                                           f"{spec.idle_timeout_s:g})")
         actions = self.free(now, replica)  # it was busy, not idle that long: it stays
-        if needed is not None and replica.state is R.READY:
-            actions += self.evict(now, replica.rid, needed)
+        if eviction is not None and replica.state is R.READY:
+            actions += self.evict(now, replica.rid, eviction.need_gb)
         return actions
 
     def recall_failed(self, now: float, replica: Replica, failure: str) -> list[Action]:
         """The pool could not send a recall (its own failure, EMFILE): the lease stays, the next look tries again."""
-        replica.recalling, replica.deadline, replica.evict_for = False, None, None
+        if replica.hold is not None:
+            replica.hold.recall = None
+        replica.deadline, replica.eviction = None, None
         return [Note(replica.rid, f"the pool could not recall its lease ({failure}); not its fault")]
 
     def unlease(self, now: float, replica: Replica, served: int) -> None:
         """Its lease ended, after ``served`` requests: idle time counts from now."""
-        replica.lease, replica.served, replica.last_used = None, replica.served + served, now
-        replica.kept = replica.recalling = replica.checking = replica.idle_check = False
-        replica.evict_for = None
-
-    def admitted(self, now: float, rid: int, device: str | None, backfilled: bool = False) -> list[Action]:
-        """Admission placed the replica's budget (on ``device``; None where it holds no GPU budget), ahead of a
-        waiting request if ``backfilled``."""
-        replica = self.replicas.get(rid)
-        if replica is not None and replica.state is R.STARTING:
-            replica.device, replica.admitted = device, replica.budget_gb is not None and device is not None
-            replica.backfilled = backfilled and replica.admitted
-        return []
-
-    def settle_backfill(self) -> None:
-        """Nobody waits for memory any more: no worker holds memory ahead of anyone."""
-        for replica in self.replicas.values():
-            replica.backfilled = False
-
-    def spawned(self, now: float, rid: int, pid: int) -> list[Action]:
-        if (replica := self.replicas.get(rid)) is not None and replica.state is R.STARTING:
-            replica.pid = pid
-        return []
+        replica.hold, replica.served, replica.last_used = None, replica.served + served, now
+        replica.check = replica.eviction = None
 
     def started(self, now: float, rid: int, pid: int | None, can_recall: bool = False) -> list[Action]:
         """The replica answered its first ping (or its restore's): it serves, or ends if it was called off.
@@ -164,7 +156,7 @@ class Lifecycle:
             return []
         replica.can_recall = can_recall
         self.providers[replica.key].breaker.succeeded()
-        replica.pid, replica.hibernated, replica.for_ticket = pid or replica.pid, False, None
+        replica.pid, replica.for_ticket = pid or replica.pid, None
         replica.last_used = replica.last_checked = now
         ending = replica.abort or replica.retire
         if ending:
@@ -198,37 +190,13 @@ class Lifecycle:
             error.details["breaker_opened"] = True  # the Prefect helpers and the events stream say so once
         return [Gone(rid, None, error.headline)], error, replica.for_ticket
 
-    def restarted(self, now: float, rid: int, why: str) -> list[Action]:
-        """A restore from hibernation failed (``why``) and the replica is being started afresh instead."""
-        replica = self.replicas.get(rid)
-        if replica is not None and replica.state is R.STARTING:
-            provider = self.providers[replica.key]
-            provider.starts += 1
-            replica.hibernated, replica.pid = False, None
-            replica.last_error = provider.last_error = why
-        return []
-
-    def hand_over(self, provider: Provider, gone_ticket: int, waiting: list[int]) -> None:
-        """The request a start served went away: another waiting one takes it over; with none, a start still
-        waiting for admission is called off (the card's memory is not taken for nobody), one already
-        running finishes and serves whoever comes next."""
-        for replica in provider.replicas.values():
-            if replica.state is R.STARTING and replica.for_ticket == gone_ticket:
-                replica.for_ticket = waiting.pop(0) if waiting else None
-                if replica.for_ticket is None and replica.pid is None:
-                    replica.abort = replica.abort or (StopCause.STOPPED, "the client waiting for it went away")
-
-    def covering(self, provider: Provider) -> set[int]:
-        """The tickets a start in progress serves."""
-        return {r.for_ticket for r in provider.replicas.values() if r.state is R.STARTING and r.for_ticket}
-
     # -- ends of leases -------------------------------------------------------------------------------
     def free(self, now: float, replica: Replica) -> list[Action]:
         """A lease ended cleanly: ready again, or on its way out if it drains."""
         provider = self.providers[replica.key]
         if provider.spec.mode == "subprocess" and replica.retire is None:
             replica.retire = (StopCause.ONE_LEASE, 'mode = "subprocess": a worker serves one lease')
-        if self.serves_new_requests(replica) and replica.state is R.LEASED:
+        if self.serving(replica) and replica.state is R.LEASED:
             replica.transition(R.READY, "released")
             return []
         return self.end(now, replica, *(replica.retire or (StopCause.DRAINED, "its manifest changed")))
@@ -252,14 +220,30 @@ class Lifecycle:
         if replica is None:
             return []
         if purpose == "liveness":
-            if replica.state is R.CHECKING or (replica.state is R.LEASED and replica.checking):
+            if replica.state is R.CHECKING or (replica.state is R.LEASED and replica.check is not None):
                 return self._checked(now, replica, answered, rc, failure)
             return []
-        return self.drains.pinged(now, replica, answered, rc, failure, served)
+        spec = self.providers[replica.key].spec
+        drained = drains.pinged(now, replica, answered, rc, failure, served, self.serving(replica),
+                                spec.abandon_grace_s)
+        if drained.died is not None:
+            return drained.actions + self.died(now, replica, drained.died, "died while its abandoned request ran")
+        if drained.end is not None:
+            cause, why, kill = drained.end
+            if cause is StopCause.ABANDONED:
+                replica.last_error = self.providers[replica.key].last_error = f"{replica.name}: {why}; stopped"
+            return drained.actions + self.end(now, replica, cause, why, kill=kill)
+        return drained.actions
+
+    def abandon(self, now: float, replica: Replica, why: str, kept: tuple[int, int] | None = None) -> list[Action]:
+        """Its client is gone mid-lease: freed once its request (if any) is over, never handed out before
+        (``drains``); ``kept``: a kept lease's (lease, requests its client told of)."""
+        grace = self.providers[replica.key].spec.abandon_grace_s
+        return drains.abandon(now, replica, why, grace, self.timings.abandon_probe_s, kept)
 
     def _checked(self, now: float, replica: Replica, answered: bool, rc: int | None, failure: str | None
                  ) -> list[Action]:
-        replica.last_checked, replica.checking = now, False
+        replica.last_checked, replica.check = now, None
         if not replica.recalling:  # a recall out at the same time keeps its own deadline
             replica.deadline = None
         if answered or failure:
@@ -298,7 +282,7 @@ class Lifecycle:
         if not ok:
             return [Note(rid, why), *self.end(now, replica, StopCause.EVICTED, why)]
         replica.transition(R.HIBERNATED, why)
-        replica.hibernated, replica.admitted, replica.deadline = True, False, None
+        replica.admitted, replica.deadline = False, None
         if replica.retire:
             return [ReleaseBudget(rid), *self.end(now, replica, *replica.retire, kill=True)]
         return [ReleaseBudget(rid)]
@@ -339,7 +323,7 @@ class Lifecycle:
             replica.abort = replica.abort or (cause, why)
             if not force:
                 return []
-        elif not replica.live:
+        elif replica.ending:
             return []
         replica.transition(R.STOPPING, why)
         replica.stop, replica.deadline = (cause, why), now + self.timings.stop_overdue_s
@@ -400,10 +384,9 @@ class Lifecycle:
             if 0 < spec.idle_timeout_s <= now - replica.last_used and not self.kept_warm(replica):
                 # Its client has not said it used it for that long: taken back, and it retires if its worker
                 # says it was idle that long too (a single long request is no idle time).
-                replica.idle_check = True
-                return self.recall(now, replica, "its client has not used it for idle_timeout_s")
+                return self.recall(now, replica, "its client has not used it for idle_timeout_s", idle_check=True)
             if now - replica.last_checked >= spec.ping_interval_s:  # alive between calls too: it answers
-                replica.checking = True
+                replica.check = Check(now)
                 replica.deadline = now + self.timings.liveness_timeout_s + self.timings.report_margin_s
                 return [Ping(replica.rid, "liveness", self.timings.liveness_timeout_s)]
         idle = replica.idle_s(now)

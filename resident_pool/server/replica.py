@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from .breaker import Breaker
 from .states import REPLICA_EDGES, ReplicaState, StopCause
 
-__all__ = ["Lease", "Provider", "Replica", "ReplicaTransitionError", "Spec", "Ticket"]
+__all__ = ["Check", "Drain", "Eviction", "Hold", "Lease", "Provider", "Recall", "Replica", "ReplicaTransitionError",
+           "Spec", "Ticket"]
 
 
 class ReplicaTransitionError(RuntimeError):
@@ -64,6 +65,46 @@ class Lease:
 
 
 @dataclass(eq=False)
+class Recall:
+    """A lease being taken back, after at most the request in flight (asked of its worker, or its client)."""
+
+    idle_check: bool = False  # for idleness: the replica retires if its worker says it was idle that long too
+
+
+@dataclass(eq=False)
+class Hold:
+    """The lease a replica is held by."""
+
+    lease: int
+    kept: bool = False  # Pool.predict's: idle between calls, recalled when another needs it
+    recall: Recall | None = None
+
+
+@dataclass(eq=False)
+class Eviction:
+    """Admission needs the replica's memory: it is evicted once its lease is back."""
+
+    need_gb: float
+
+
+@dataclass(eq=False)
+class Check:
+    """A liveness ping of a replica held by a kept lease between its calls."""
+
+    since: float
+
+
+@dataclass(eq=False)
+class Drain:
+    """A gone client's request, pinged until it is over (up to abandon_grace_s)."""
+
+    kept_lease: int | None  # the gone client's kept lease: its worker is asked with a recall, which counts what it
+    # served on it and refuses it from then on
+    noticed_before: int  # of that lease: the requests already counted
+    probes: int = 1
+
+
+@dataclass(eq=False)
 class Replica:
     """One worker of one provider, as the decision core sees it."""
 
@@ -74,7 +115,7 @@ class Replica:
     budget_gb: float | None
     since: float
     state: ReplicaState = ReplicaState.STARTING
-    lease: int | None = None
+    hold: Hold | None = None
     retire: tuple[StopCause, str] | None = None  # why it ends once free; None keeps it
     abort: tuple[StopCause, str] | None = None  # why a start in progress is called off
     deadline: float | None = None  # when the transitional state it is in is overdue
@@ -84,23 +125,16 @@ class Replica:
     last_used: float = 0.0
     last_checked: float = 0.0
     served: int = 0
-    kept: bool = False  # its lease is a kept one: idle between calls, recalled when another needs it
-    recalling: bool = False  # its lease (a kept one, or a backfilled one) is being taken back, after the request in
-    # flight if any
-    checking: bool = False  # a liveness ping of its kept lease (between calls) is out
-    idle_check: bool = False  # its kept lease is recalled for idleness: it retires if its worker was idle too
-    evict_for: float | None = None  # the GB admission needs: evicted once its recalled lease is back
+    eviction: Eviction | None = None
+    check: Check | None = None
+    drain: Drain | None = None
     can_recall: bool = False  # its worker answers ``recall`` (every worker on our worker_base does)
     in_flight_since: float | None = None  # when the request running at the runtime's last look began (its board)
-    probes: int = 0  # pings of an abandoned request so far
-    gone_lease: int | None = None  # the kept lease of a client that went away: its abandon pings recall it
-    noticed_before: int = 0  # of that lease: the requests already counted
     stop_attempts: int = 0
     pid: int | None = None
     device: str | None = None
     admitted: bool = False  # holds a GPU budget in the ledger
     backfilled: bool = False  # its budget was placed ahead of a request that waits for memory still
-    hibernated: bool = False
     last_error: str | None = None
     stop: tuple[StopCause, str] | None = None  # why it moved to STOPPING
 
@@ -115,13 +149,25 @@ class Replica:
         self.state = new
 
     @property
-    def live(self) -> bool:
-        """Started or starting, and not on its way out."""
-        return self.state not in (ReplicaState.STOPPING, ReplicaState.STOPPED, ReplicaState.FAILED)
+    def ending(self) -> bool:
+        """On its way out or gone: stopping, stopped, or its start failed."""
+        return self.state in (ReplicaState.STOPPING, ReplicaState.STOPPED, ReplicaState.FAILED)
+
+    @property
+    def lease(self) -> int | None:
+        return self.hold.lease if self.hold is not None else None
+
+    @property
+    def kept(self) -> bool:
+        return self.hold is not None and self.hold.kept
+
+    @property
+    def recalling(self) -> bool:
+        return self.hold is not None and self.hold.recall is not None
 
     def kept_idle(self) -> bool:
         """Held by a kept lease between calls, and not being taken back or checked."""
-        return self.state is ReplicaState.LEASED and self.kept and not self.recalling and not self.checking
+        return self.state is ReplicaState.LEASED and self.kept and not self.recalling and self.check is None
 
     def idle_s(self, now: float) -> float:
         """Idle time counts only while nobody holds it (ready, hibernated), or between the calls of a kept lease."""

@@ -66,7 +66,8 @@ class Runtime:
         self.nonce = secrets.token_hex(8)  # lease tokens of this pool never name another pool's lease
         self.on_exit: Callable[[str], None] = lambda why: None
         self.event_log: CoreLog | None = None  # RESIDENT_POOL_CORE_LOG: each event and its decision, for replay
-        self.starter = Starter(self)
+        self.starter = Starter(self, registry, admission, zygotes, hibernator, observer, state_dir, kill_grace_s,
+                               self.timings)
 
     # -- events in, actions out -----------------------------------------------------------------
     def report(self, event: ev.Event, inline: bool = False,

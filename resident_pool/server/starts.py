@@ -11,34 +11,68 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
-from ..admission import read_devices
+from ..admission import Admission, read_devices
 from ..errors import AdmissionTimeout, ResidentPoolError, WorkerStartError
-from ..providers.hibernate import CheckpointError
+from ..providers.hibernate import CheckpointError, Hibernator
 from ..providers.kit_rules import stray_variables
 from ..providers.launch import command_builder
 from ..providers.supervisor import CpuOnly
 from ..providers.worker_process import Launch, WorkerProcess
+from ..providers.zygote import Zygotes
 from . import actions as c
 from . import events as ev
-from .handles import Worker
+from .actions import Timings
+from .handles import Waiter, Worker
+from .observing import Observer
+from .registry import Registry
+from .view import CoreView
 
-if TYPE_CHECKING:
-    from .runtime import Runtime
-
-__all__ = ["WAIT_REPORT_S", "Starter"]
+__all__ = ["WAIT_REPORT_S", "Runtime", "Starter"]
 
 log = logging.getLogger("resident_pool.pool")
 WAIT_REPORT_S = 5.0  # how often a request waiting for memory hears what it waits for
 
 
+class Runtime(Protocol):
+    """What the starter asks of the runtime that holds it: to hear how a step ended, and the records it keeps."""
+
+    lock: threading.RLock
+    workers: dict[int, Worker]
+    waiters: dict[int, Waiter]
+
+    def clock(self) -> float: ...
+
+    def report(self, event: ev.Event, inline: bool = False,
+               noted: Callable[[ev.Decision], None] | None = None) -> ev.Decision: ...
+
+    def view(self) -> CoreView: ...
+
+    def adopt(self, worker: Worker) -> None: ...
+
+    def keep_error(self, rid: int, error: ResidentPoolError) -> None: ...
+
+
 class Starter:
     """Carries out Start, Place, Withdraw and Spawn actions for the runtime."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, registry: Registry, admission: Admission, zygotes: Zygotes,
+                 hibernator: Hibernator, observer: Observer, state_dir: Path, kill_grace_s: float,
+                 timings: Timings) -> None:
         self.runtime = runtime
+        self.registry = registry
+        self.admission = admission
+        self.zygotes = zygotes
+        self.hibernator = hibernator
+        self.observer = observer
+        self.state_dir = state_dir
+        self.kill_grace_s = kill_grace_s
+        self.timings = timings
 
     def start(self, action: c.Start) -> None:
         """Prepare a start: its worker record, and the GPU memory it needs (refused at once if none could hold it)."""
@@ -51,8 +85,8 @@ class Starter:
             worker = runtime.workers.get(action.rid)
         try:
             if worker is None:
-                loaded = runtime.registry.get(key)
-                process = WorkerProcess(loaded.slug, index, state_dir=runtime.state_dir,
+                loaded = self.registry.get(key)
+                process = WorkerProcess(loaded.slug, index, state_dir=self.state_dir,
                                         start_timeout_s=loaded.manifest.lifecycle.start_timeout_s)
                 worker = Worker(action.rid, key, index, budget, loaded, process)
                 runtime.adopt(worker)
@@ -74,7 +108,7 @@ class Starter:
         if manifest.gpu.policy == "recommended" and not read_devices()[0]:
             worker.admitter, worker.env = CpuOnly(), {"CUDA_VISIBLE_DEVICES": ""}
             return None
-        self.runtime.admission.check(worker.loaded.slug, float(worker.budget_gb))
+        self.admission.check(worker.loaded.slug, float(worker.budget_gb))
         return float(worker.budget_gb)
 
     def place(self, action: c.Place) -> None:
@@ -85,7 +119,7 @@ class Starter:
             runtime.report(ev.BudgetNotPlaced(action.rid, {}))
             return
         try:
-            placement = runtime.admission.place(worker, action.need_gb, action.device, action.priority,
+            placement = self.admission.place(worker, action.need_gb, action.device, action.priority,
                                                 action.backfill, action.waited_s, action.once)
         except Exception as exc:  # noqa: BLE001 - a refusal from the host service, a ledger that cannot be written
             self._failed(action.rid, worker, exc, worker.slug)
@@ -102,8 +136,8 @@ class Starter:
             if first:
                 self.report_waits(action.rid)  # its client hears at once what it waits for, then every few seconds
             return
-        worker.admitter, worker.env = runtime.admission, {"CUDA_VISIBLE_DEVICES": str(placement.device)}
-        runtime.observer.on_admission(worker.loaded.slug, action.priority, runtime.clock() - worker.asked)
+        worker.admitter, worker.env = self.admission, {"CUDA_VISIBLE_DEVICES": str(placement.device)}
+        self.observer.on_admission(worker.loaded.slug, action.priority, runtime.clock() - worker.asked)
         runtime.report(ev.BudgetPlaced(action.rid, placement.device, placement.backfilled))
 
     def withdraw(self, action: c.Withdraw) -> None:
@@ -113,11 +147,11 @@ class Starter:
         slug = worker.loaded.slug if worker is not None else str(action.rid)
         if worker is not None and worker.admitter is None:
             try:
-                runtime.admission.withdraw(worker)
+                self.admission.withdraw(worker)
             except (OSError, ResidentPoolError) as exc:  # the host service forgets an ask whose pool went quiet
                 log.warning("%s: could not withdraw its admission ask: %s", slug, exc)
         if action.reason == "admission_timeout" and worker is not None:
-            error: ResidentPoolError = runtime.admission.timeout_error(slug, float(worker.budget_gb or 0),
+            error: ResidentPoolError = self.admission.timeout_error(slug, float(worker.budget_gb or 0),
                                                                        action.waited_s, self._ahead(action.rid))
         elif action.reason == "no_room":
             error = AdmissionTimeout(f"{slug}: no room now for {worker.budget_gb if worker else 0:g} GB of GPU "
@@ -126,7 +160,7 @@ class Starter:
             log.info("%s: could not keep a worker warm now: %s", slug, error.headline)
         else:
             error = WorkerStartError(f"{slug}: the start was called off", slug=slug, reason="start_cancelled")
-        observer = runtime.observer
+        observer = self.observer
         runtime.report(ev.StartFailed(action.rid, error), noted=(lambda _: observer.on_start_failed(worker, error))
                        if worker is not None and action.reason != "start_cancelled" else None)
 
@@ -154,11 +188,11 @@ class Starter:
         except Exception as exc:  # noqa: BLE001 - whatever ends a start, its replica hears of it and is decided again
             self._failed(action.rid, worker, exc, worker.slug)
             return
-        if worker.admitter is runtime.admission:
-            runtime.admission.loaded(worker)  # NVML's free memory shows its budget from now on
+        if worker.admitter is self.admission:
+            self.admission.loaded(worker)  # NVML's free memory shows its budget from now on
         took = runtime.clock() - began
         runtime.report(ev.WorkerStarted(action.rid, worker.pid, bool(answer.get("recall"))),
-                       noted=lambda _: runtime.observer.on_started(worker, took))
+                       noted=lambda _: self.observer.on_started(worker, took))
 
     def report_waits(self, only: int | None = None) -> None:
         """Every few seconds, each request waiting for memory hears (and the log says) what it waits for; ``only``:
@@ -166,7 +200,7 @@ class Starter:
         runtime = self.runtime
         now = runtime.clock()
         with runtime.lock:
-            line = runtime.core.view(now).gpu_line
+            line = runtime.view().gpu_line
             due = []
             for n, entry in enumerate(line):
                 worker = runtime.workers.get(entry.rid)
@@ -180,7 +214,7 @@ class Starter:
                     ahead = [f"{e.key}[{e.replica}] ({e.needs_gb:g} GB, {e.priority})" for e in line[:n]]
                     due.append((worker, entry, ahead, waiter))
         for worker, entry, ahead, waiter in due:
-            wait = runtime.admission.describe(worker.loaded.slug, entry.needs_gb, entry.waited_s, ahead,
+            wait = self.admission.describe(worker.loaded.slug, entry.needs_gb, entry.waited_s, ahead,
                                               worker.waits_for)
             wait.update(priority=entry.priority, position=entry.position)
             log.info("%s waits for %g GB (%s, %.0f s so far); free %s; held by %s", wait["slug"], wait["needs_gb"],
@@ -190,7 +224,7 @@ class Starter:
 
     def _failed(self, rid: int, worker: Worker | None, exc: Exception, key: str) -> None:
         error = self._start_error(rid, worker, exc, key)
-        observer = self.runtime.observer
+        observer = self.observer
         self.runtime.report(ev.StartFailed(rid, error),
                             noted=(lambda _: observer.on_start_failed(worker, error)) if worker is not None else None)
 
@@ -206,11 +240,11 @@ class Starter:
             launch = replace(launch, env={**launch.env, **stray_variables(loaded.strip_kit, os.environ, set())})
 
         def spawned(pid: int) -> None:
-            if worker.admitter is runtime.admission:
-                runtime.admission.started(worker)  # the ledger names the loading worker from now on
+            if worker.admitter is self.admission:
+                self.admission.started(worker)  # the ledger names the loading worker from now on
             runtime.report(ev.WorkerSpawned(worker.rid, pid))
 
-        spawner = runtime.zygotes.spawner(loaded.manifest, launch)
+        spawner = self.zygotes.spawner(loaded.manifest, launch)
         return process.start(launch, env, spawner=spawner, on_spawn=spawned,
                              cancelled=lambda: self._abort_reason(worker.rid))
 
@@ -225,21 +259,21 @@ class Starter:
         if hibernation is None:
             return None
         try:
-            runtime.hibernator.restore(worker.process)
-            timeout = runtime.timings.liveness_timeout_s
+            self.hibernator.restore(worker.process)
+            timeout = self.timings.liveness_timeout_s
             answer = worker.process.ping(timeout=timeout)
             if answer is None:
                 raise CheckpointError(f"it did not answer a ping within {timeout:g} s of its restore")
         except CheckpointError as exc:
             why = f"its restore from hibernation failed ({exc}); stopped, and a fresh worker started"
             worker.process.note(why)
-            runtime.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}]: {why}")
-            worker.process.kill(grace_s=runtime.kill_grace_s)
-            worker.process = WorkerProcess(worker.loaded.slug, worker.index, state_dir=runtime.state_dir,
+            self.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}]: {why}")
+            worker.process.kill(grace_s=self.kill_grace_s)
+            worker.process = WorkerProcess(worker.loaded.slug, worker.index, state_dir=self.state_dir,
                                            start_timeout_s=worker.loaded.manifest.lifecycle.start_timeout_s)
             runtime.report(ev.RestoreFailed(worker.rid, f"{worker.slug}[{worker.index}]: {why}"))
             return None
-        runtime.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}] restored from hibernation")
+        self.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}] restored from hibernation")
         return answer
 
     def _start_error(self, rid: int, worker: Worker | None, exc: Exception, key: str) -> ResidentPoolError:
@@ -250,6 +284,6 @@ class Starter:
             error = WorkerStartError(f"{key}: could not start a worker: {type(exc).__name__}: {exc}", slug=key,
                                      transcript=transcript)
         if worker is not None and worker.process.proc is not None and worker.process.returncode is None:
-            worker.process.kill(grace_s=self.runtime.kill_grace_s)
+            worker.process.kill(grace_s=self.kill_grace_s)
         self.runtime.keep_error(rid, error)
         return error
