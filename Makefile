@@ -38,7 +38,8 @@ reliability: setup
 		tests/test_admission_service.py tests/test_campaign.py tests/test_stack.py tests/test_suite_machinery.py tests/test_kept_lease_reliability.py
 
 lint: setup
-	$(PY) -m ruff check resident_pool tests flows
+	$(PY) -m ruff check resident_pool tests flows bench
+	$(PY) -m mypy
 
 # Prefect's temporary server would otherwise try to send telemetry from an offline host,
 # and its first start on a new machine (database migrations) can outlast the default 20 s.

@@ -11,10 +11,10 @@ import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import ManifestError
 from ..host import paths
@@ -25,7 +25,7 @@ from . import jit_cache, kit_rules
 from .exec_env import Bind, container_name, engine_controls, interpreter, parse_bind, passthrough_env, wrap
 from .kit_rules import KitRow, apply_row, jit_root, jit_root_is_default, kit_env, run_probe
 from .manifest import Manifest, VenvEnv
-from .supervisor import Admitter, BuildCommand, ResidentWorker
+from .supervisor import Admitter, ResidentWorker
 from .weights import HashCache, WeightsReport, cache_dir, verify_weights
 from .worker_process import ARRAYS_PATH, PROTOCOL_PATH, WORKER_BASE_PATH, Launch, shared_files_env
 
@@ -326,10 +326,18 @@ def plan_launch(
     return plan.with_kit(plan.probe()) if manifest.kit is not None else plan
 
 
-def command_builder(manifest: Manifest, cache: HashCache | None = None) -> BuildCommand:
-    """A ``build_command`` for ResidentWorker; weights and kit are checked at every start."""
+class Slot(Protocol):
+    """What building a worker's command reads of what runs it (a ResidentWorker, or the pool's WorkerProcess)."""
 
-    def build(worker: ResidentWorker) -> Launch:
+    socket_path: Any  # str or os.PathLike
+    replica: int
+    device: str | None
+
+
+def command_builder(manifest: Manifest, cache: HashCache | None = None) -> Callable[[Slot], Launch]:
+    """A ``build_command`` for ResidentWorker (and the pool's workers); weights and kit are checked at every start."""
+
+    def build(worker: Slot) -> Launch:
         heartbeat = getattr(worker, "heartbeat_path", None)  # a process handle that keeps one says where
         plan = plan_launch(manifest, worker.socket_path, name=container_name(manifest.slug, worker.replica),
                            device=worker.device, cache=cache, heartbeat=str(heartbeat) if heartbeat else None)

@@ -245,7 +245,9 @@ class Admitting:
             return True
         if replica.backfilled or not self.leasing.calling(now, replica):
             return False
-        lease = self.leasing.leases[replica.lease]  # calling: a kept lease the core holds
+        lease = self.leasing.leases.get(replica.lease) if replica.lease is not None else None
+        if lease is None:
+            return False
         return order.effective(head.priority, now - head.arrived, self.policy.aging_s) >= order.rank(lease.priority)
 
     def _busy_backfilled(self, device: int) -> list[Replica]:

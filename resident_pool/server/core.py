@@ -345,9 +345,9 @@ class PoolState:
 
     def _lease_view(self, now: float, lease: Lease) -> LeaseView:
         replica = self.replicas.get(lease.rid)
-        on = replica is not None and replica.lease == lease.id
+        recalling = replica is not None and replica.lease == lease.id and replica.recalling
         return LeaseView(lease.id, lease.rid, lease.connection, dict(lease.holder), round(now - lease.since, 1),
-                         lease.kept, on and replica.recalling, lease.priority, lease.backfilled)
+                         lease.kept, recalling, lease.priority, lease.backfilled)
 
     def _replica_view(self, now: float, r: Replica, leases: dict[int, LeaseView]) -> ReplicaView:
         held = leases.get(r.lease) if r.lease is not None else None

@@ -210,7 +210,7 @@ class Leasing:
         lease ends, and its replica is free. ``failure``: the pool could not send the recall; the lease stays."""
         lease = self.leases.get(lease_id)
         replica = self.lifecycle.replicas.get(lease.rid) if lease is not None else None
-        if replica is None or replica.lease != lease_id or not replica.recalling:
+        if lease is None or replica is None or replica.lease != lease_id or not replica.recalling:
             return None, []
         if failure is not None:
             return replica.key, self.lifecycle.recall_failed(now, replica, failure)

@@ -116,7 +116,7 @@ class Lifecycle:
         if replica.can_recall:  # its worker answers within a request's time: past that, it is overdue
             spec = self.providers[replica.key].spec
             replica.deadline = now + spec.request_timeout_s + self.timings.report_margin_s
-        return [Recall(replica.rid, replica.lease, why, client=not replica.kept, worker=replica.can_recall)]
+        return [Recall(replica.rid, hold.lease, why, client=not hold.kept, worker=replica.can_recall)]
 
     def recalled(self, now: float, replica: Replica, idle_s: float, served: int) -> list[Action]:
         """A recalled lease came back (``served``: requests the pool had not heard of): the replica is free, or
@@ -247,7 +247,8 @@ class Lifecycle:
         if not replica.recalling:  # a recall out at the same time keeps its own deadline
             replica.deadline = None
         if answered or failure:
-            note = [Note(replica.rid, f"the pool could not ping it ({failure}); not its fault")] if failure else []
+            note: list[Action] = [Note(replica.rid, f"the pool could not ping it ({failure}); not its fault")] \
+                if failure else []
             if replica.state is R.LEASED:
                 return note + (self.retire(now, replica, *replica.retire) if replica.retire else [])
             if replica.retire:

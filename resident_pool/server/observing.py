@@ -179,7 +179,8 @@ class Observer:
         if usage is None:
             return
         for replica, worker in targets:
-            self._gpu_reading(replica, worker, group_usage(usage, replica.pid) / GIB)
+            if replica.pid is not None:  # those without one were left out above
+                self._gpu_reading(replica, worker, group_usage(usage, replica.pid) / GIB)
 
     def _gpu_reading(self, replica: ReplicaView, worker: Any, used_gb: float) -> None:
         """Record one reading: flag and act on a worker over its budget; remember a new peak."""
@@ -278,7 +279,8 @@ class Observer:
         waiting_gpu: dict[str, int] = {}
         for entry in view.gpu_line:
             waiting_gpu[entry.key] = waiting_gpu.get(entry.key, 0) + 1
-        providers, rows = {}, []
+        providers: dict[str, dict[str, Any]] = {}
+        rows = []
         live_states = [s.value for s in ReplicaState if s not in (ReplicaState.STOPPED, ReplicaState.FAILED)]
         for key, provider in view.providers.items():
             providers[key] = {"waiting_replica": len(provider.waiting), "waiting_gpu": waiting_gpu.get(key, 0),

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from ..admission import Admission, Ledger
@@ -37,7 +38,7 @@ from .corelog import CoreLog
 from .handles import Waiter
 from .lifecycle import STOP_ATTEMPTS
 from .observing import Observer
-from .registry import Registry, spec_of
+from .registry import Loaded, Registry, spec_of
 from .runtime import Runtime
 from .states import ReplicaState
 from .status import StatusFacts, build_status, describe_holder, waiting
@@ -83,7 +84,7 @@ class PoolServer:
         self.ledger = Ledger(paths.ledger_path(self.state_dir), audit=config.ledger_audit)
         self.registry = Registry(self.manifests)
         # The runtime the host admission service wakes is made below: a lambda reaches it once it is there.
-        self.service = connect_service(config, on_wake=lambda: self.runtime.report(ev.MemoryFreed()),
+        self.service = connect_service(config, on_wake=self._memory_freed,
                                        on_recall=lambda slug, index, why: self.runtime.recall_worker(  # noqa: PLW0108
                                            slug, index, why))
         started = time.monotonic()
@@ -102,7 +103,7 @@ class PoolServer:
                                self.state_dir, self.observer, config.kill_grace_s)
         self.runtime.on_exit = self.begin_stop
         if config.core_log is not None:
-            self.runtime.event_log = CoreLog(config.core_log, self.timings, policy, started)
+            self.runtime.core_log = CoreLog(config.core_log, self.timings, policy, started)
         self.wire = Wire(self.socket_path, {
             "hello": self._op_hello, "acquire": self._op_acquire, "release": self._op_release,
             "status": lambda m, conn: {"ok": True, **self.status()},
@@ -128,7 +129,8 @@ class PoolServer:
         log.info("pool %d (resident-pool %s) serving %s (manifests %s)", os.getpid(), __version__,
                  self.socket_path, self.manifests)
         threading.Thread(target=self._maintain_loop, name="maintain", daemon=True).start()
-        self.admission.orphans.start()  # a previous pool's idle workers give their memory back now
+        if self.admission.orphans is not None:
+            self.admission.orphans.start()  # a previous pool's idle workers give their memory back now
         self.observer.start()
         backoff = 0.0
         try:
@@ -139,12 +141,16 @@ class PoolServer:
         finally:
             self.observer.stop()
             self.wire.close()
-            if self.runtime.event_log is not None:
-                self.runtime.event_log.close()
+            if self.runtime.core_log is not None:
+                self.runtime.core_log.close()
             log.info("pool %d stopped", os.getpid())
 
-    def _record_signal(self, signum, frame) -> None:
+    def _record_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signal = signum  # only record it: the accept loop acts within a tick
+
+    def _memory_freed(self) -> None:
+        """The host admission service says memory was given back: whoever waits for it tries again."""
+        self.runtime.report(ev.MemoryFreed())
 
     def begin_stop(self, why: str, now: bool = False) -> None:
         """Stop taking leases, let leased requests finish (up to drain_grace_s), stop every worker, exit."""
@@ -237,14 +243,14 @@ class PoolServer:
         self.zygotes.maintain(activity, timeouts, now)
 
     # -- providers ----------------------------------------------------------------------------------------
-    def _provider(self, slug: str, manifests: str | None, variant: Any = None) -> str:
-        """Read ``slug``'s manifest as it is now and tell the core; its key."""
+    def _provider(self, slug: str, manifests: str | None, variant: Any = None) -> Loaded:
+        """Read ``slug``'s manifest as it is now and tell the core."""
         key = f"{slug}~{variant.name}" if variant else slug
         serving = any(r.key == key and not r.ending for r in self.runtime.view().replicas)
         loaded = self.registry.load(slug, manifests, variant, serving=serving)
         self.runtime.report(ev.ManifestRead(key, slug, loaded.version, loaded.fingerprint, spec_of(loaded.manifest),
                                             variant is not None))
-        return key
+        return loaded
 
     # -- ops ----------------------------------------------------------------------------------------------------
     def _op_hello(self, message: dict[str, Any], connection: Connection) -> dict[str, Any]:
@@ -259,7 +265,7 @@ class PoolServer:
         """Lease a ready replica of ``ask.slug``, starting one if the provider may have another."""
         if self.draining:
             raise stopping_error()
-        key = self._provider(ask.slug, ask.manifests, ask.variant)
+        key = self._provider(ask.slug, ask.manifests, ask.variant).key
         asked = time.monotonic()
         waiter = Waiter(threading.Event(), connection.progress, tell=connection.tell, connection=connection.id)
 
@@ -325,9 +331,8 @@ class PoolServer:
         """Start workers of ``slug`` until ``replicas`` of its current version are live; wait for them to answer."""
         if self.draining:
             raise stopping_error()
-        key = self._provider(slug, manifests)
-        loaded = self.registry.get(key)
-        decision = self.runtime.report(ev.WarmAsked(key, replicas))
+        loaded = self._provider(slug, manifests)
+        decision = self.runtime.report(ev.WarmAsked(loaded.key, replicas))
         if decision.error is not None:
             raise decision.error
         starting = list(decision.replicas)

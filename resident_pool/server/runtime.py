@@ -65,7 +65,7 @@ class Runtime:
         self.start_errors: dict[int, ResidentPoolError] = {}  # for warm-ups waiting on their starts
         self.nonce = secrets.token_hex(8)  # lease tokens of this pool never name another pool's lease
         self.on_exit: Callable[[str], None] = lambda why: None
-        self.event_log: CoreLog | None = None  # RESIDENT_POOL_CORE_LOG: each event and its decision, for replay
+        self.core_log: CoreLog | None = None  # RESIDENT_POOL_CORE_LOG: each event and its decision, for replay
         self.starter = Starter(self, registry, admission, zygotes, hibernator, observer, state_dir, kill_grace_s,
                                self.timings)
 
@@ -80,8 +80,8 @@ class Runtime:
         with self.lock:
             now = self.clock()
             decision = self.core.handle(now, event)
-            if self.event_log is not None:
-                self.event_log.write(now, event, decision)
+            if self.core_log is not None:
+                self.core_log.write(now, event, decision)
             if noted is not None:
                 noted(decision)
             later = self.settle(decision.actions)
@@ -101,7 +101,7 @@ class Runtime:
 
     def settle(self, actions: list[c.Action]) -> list[c.Action]:
         """Answer waiting clients at once (the lock is held); return what must run outside it."""
-        later = []
+        later: list[c.Action] = []
         for action in actions:
             if isinstance(action, (c.Grant, c.Refuse)):
                 waiter = self.waiters.get(action.ticket)
@@ -136,9 +136,11 @@ class Runtime:
             else:
                 if isinstance(action, c.Recall) and action.client:
                     self._tell_recall(action)  # the fast path: its session gives it back before its next request
-                run = {c.Start: self.starter.start, c.Place: self.starter.place, c.Withdraw: self.starter.withdraw,
-                       c.Spawn: self.starter.spawn, c.Stop: self._stop, c.Ping: self._ping,
-                       c.Hibernate: self._hibernate, c.Recall: self._recall}[type(action)]
+                runs: dict[type, Callable[[Any], None]] = {
+                    c.Start: self.starter.start, c.Place: self.starter.place, c.Withdraw: self.starter.withdraw,
+                    c.Spawn: self.starter.spawn, c.Stop: self._stop, c.Ping: self._ping, c.Hibernate: self._hibernate,
+                    c.Recall: self._recall}
+                run = runs[type(action)]
                 if inline and isinstance(action, c.Recall):
                     self._recall(action, inline=True)  # what comes of its answer (an eviction) runs here too
                 elif inline:
@@ -200,6 +202,7 @@ class Runtime:
         if worker is None:
             return
         busy = action.purpose == "liveness" and worker.process.in_flight_s() is not None
+        answer: dict[str, Any] | None
         try:  # a request in flight (a kept lease's) answers for the worker: it is alive and computing
             if busy:
                 answer = {"busy": True}
@@ -354,7 +357,8 @@ class Runtime:
         quiet = release.outcome in ("ok", "abandoned", "bad_reply")  # the client does not wait for an answer to these
         if worker is None:  # ended already (a kept lease recalled, a stop --now): the client may acquire again
             return None if quiet else {"ok": True, "gone": True}
-        outcome, rc, answer = release.outcome, None, {"ok": True}
+        outcome, rc = release.outcome, None
+        answer: dict[str, Any] = {"ok": True}
         book, slug = self.observer.metrics.book, worker.loaded.slug
         if outcome == "exiting":
             error = worker.process.exiting_error(release.reply or {})

@@ -86,6 +86,8 @@ class Starter:
         try:
             if worker is None:
                 loaded = self.registry.get(key)
+                if loaded is None:  # registered before any start of it, and kept while any replica of it lives
+                    raise ResidentPoolError(f"{key}: its manifest is not loaded in this pool", slug=key)
                 process = WorkerProcess(loaded.slug, index, state_dir=self.state_dir,
                                         start_timeout_s=loaded.manifest.lifecycle.start_timeout_s)
                 worker = Worker(action.rid, key, index, budget, loaded, process)
@@ -204,10 +206,10 @@ class Starter:
             due = []
             for n, entry in enumerate(line):
                 worker = runtime.workers.get(entry.rid)
-                if only is not None and entry.rid != only:
+                if worker is None or (only is not None and entry.rid != only):
                     continue
                 # The first report as soon as a try found no room (or it waits behind another), then every few s.
-                tried = worker is not None and (worker.waits_for is not None or not entry.placing)
+                tried = worker.waits_for is not None or not entry.placing
                 if tried and now - worker.reported >= WAIT_REPORT_S:
                     worker.reported = now
                     waiter = runtime.waiters.get(entry.ticket) if entry.ticket is not None else None
