@@ -153,21 +153,28 @@ class Release:
 @dataclass(frozen=True)
 class Used:
     """A kept lease served ``served`` more requests: the pool counts it idle from now (sent now and then, no
-    answer waited for)."""
+    answer waited for); ``queue_wait_s``: how long its last request waited in a batching worker's queue."""
 
     op: ClassVar[str] = "used"
     lease: int
     served: int = 0
+    queue_wait_s: float | None = None
 
     @classmethod
     def parse(cls, message: dict[str, Any]) -> Used:
         lease = message.get("lease")
         if not isinstance(lease, int) or isinstance(lease, bool):
             raise bad_request(f"used needs an integer lease, not {lease!r}")
-        return cls(lease, _count(message.get("served", 0), "used served"))
+        wait = message.get("queue_wait_s")
+        if wait is not None and (not isinstance(wait, int | float) or isinstance(wait, bool) or not 0 <= wait < 1e9):
+            raise bad_request(f"used queue_wait_s must be a number of seconds, not {str(wait)[:40]!r}")
+        return cls(lease, _count(message.get("served", 0), "used served"), None if wait is None else float(wait))
 
     def to_message(self) -> dict[str, Any]:
-        return {"op": self.op, "lease": self.lease, "served": self.served}
+        message: dict[str, Any] = {"op": self.op, "lease": self.lease, "served": self.served}
+        if self.queue_wait_s is not None:
+            message["queue_wait_s"] = self.queue_wait_s
+        return message
 
 
 @dataclass(frozen=True)

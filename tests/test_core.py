@@ -625,10 +625,11 @@ def _assigned(target: ast.AST) -> list[ast.Attribute]:
     return [target] if isinstance(target, ast.Attribute) else []
 
 
-RECORD_FIELDS = {"state", "hold", "retire", "abort", "deadline", "drain_by", "for_ticket", "last_used",
+RECORD_FIELDS = {"state", "holds", "retire", "abort", "deadline", "drain_by", "for_ticket", "last_used",
                  "last_checked", "served", "stop", "leases", "tickets", "queue", "replicas", "stopping", "version",
                  "kept", "recall", "check", "eviction", "drain", "can_recall", "noticed", "heard", "admitted",
-                 "in_flight_since", "probes", "stop_attempts", "fresh", "last_error", "noticed_before"}
+                 "in_flight_since", "probes", "stop_attempts", "fresh", "last_error", "noticed_before",
+                 "queue_wait_s", "idle_seen_s"}
 # (`pid` and `device` are left out: a WorkerProcess has them too, set by the runtime that owns it.)
 
 

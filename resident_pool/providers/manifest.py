@@ -182,6 +182,29 @@ class Lifecycle(_Strict):
         return self
 
 
+class Batching(_Strict):
+    """Several callers share one worker, whose batch function runs what they have queued as one model call
+    (``serve(on_predict_batch=...)``; docs/batching.md). Absent: one request at a time, as the original design."""
+
+    max_batch_size: int = Field(64, ge=1, le=65536, description="Items one model call takes at most.")
+    max_callers: int | None = Field(
+        None, ge=1, le=1024, description="Leases one replica carries at once (default: max_batch_size); a new "
+        "replica starts, where max_replicas allows, once every replica is full.")
+    max_wait_ms: float = Field(
+        0.0, ge=0, le=60_000, description="How long a batch may be held open for more items when fewer than "
+        "max_batch_size are queued (0: never; a lone caller is served at once).")
+    max_batch_work: int | None = Field(
+        None, ge=1, description="A bound on the work one model call holds, by the worker's own size_of(payload) "
+        "(sequence lengths, say): a batch is bounded by its work, not only by its count.")
+    max_queue_wait_s: float | None = Field(
+        None, gt=0, description="Where the worker reports its callers wait longer than this in its queue, "
+        "another replica is started (where max_replicas allows) though this one has room.")
+
+    @property
+    def callers(self) -> int:
+        return self.max_callers if self.max_callers is not None else self.max_batch_size
+
+
 class WeightFile(_Strict):
     path: str
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -340,6 +363,7 @@ class Manifest(_Strict):
     weights: Weights = Field(default_factory=Weights)
     kit: Kit | None = None
     smoke: Smoke = Field(default_factory=Smoke)
+    batching: Batching | None = None
 
     # Set by load_manifest; not part of the file.
     path: Path | None = Field(None, exclude=True)
@@ -389,6 +413,9 @@ class Manifest(_Strict):
         if self.mode == "subprocess" and self.lifecycle.min_replicas:
             raise ValueError('lifecycle.min_replicas: a mode = "subprocess" worker is started per request and '
                              "cannot be kept warm; set min_replicas = 0")
+        if self.mode == "subprocess" and self.batching is not None:
+            raise ValueError('batching: a mode = "subprocess" worker serves one lease; remove [batching], or hold '
+                             'the model (mode = "resident")')
         return self
 
     @property

@@ -238,17 +238,16 @@ class Admitting:
         return [r for r in self.evictable() if self._on(r, device) and not self._spared(now, r, head)]
 
     def _spared(self, now: float, replica: Replica, head: Waiting) -> bool:
-        """A kept lease not evicted for ``head``: one just granted (it serves its one request first), or one whose
-        holder is still calling (evicting it costs that holder a restart), unless ``head`` ranks above the lease's
-        class, asked so or aged into it. A backfilled lease went ahead of the head: it is never spared."""
+        """A replica held by kept leases not evicted for ``head``: one just granted (it serves its one request
+        first), or one whose holders are still calling (evicting it costs them a restart), unless ``head`` ranks
+        above their highest class, asked so or aged into it. A backfilled one went ahead of the head: it is never
+        spared."""
         if self.leasing.in_first_use(now, replica):
             return True
         if replica.backfilled or not self.leasing.calling(now, replica):
             return False
-        lease = self.leasing.leases.get(replica.lease) if replica.lease is not None else None
-        if lease is None:
-            return False
-        return order.effective(head.priority, now - head.arrived, self.policy.aging_s) >= order.rank(lease.priority)
+        return order.effective(head.priority, now - head.arrived, self.policy.aging_s) >= \
+            self.leasing.held_rank(replica)
 
     def _busy_backfilled(self, device: int) -> list[Replica]:
         """Backfilled workers busy under a session's lease (a kept lease is idle between calls: ``_idle``), not
@@ -266,8 +265,8 @@ class Admitting:
                 actions.append(Announce("admission.recalled", self.providers[replica.key].slug, (
                     ("replica", replica.index), ("idle", True), ("for", slug), ("priority", head.priority))))
         for replica in plan.recall:
-            if replica.lease is not None:
-                actions += self.leasing.recall(now, replica.lease, (
+            for lease in list(replica.holds):
+                actions += self.leasing.recall(now, lease, (
                     f"backfilled: {slug} ({head.priority}, {head.need_gb:g} GB) waits for its memory"),
                     evict_for=head.need_gb)
         return actions
@@ -296,8 +295,9 @@ class Admitting:
             return []
         if replica.state is R.READY:
             return self.lifecycle.evict(now, rid, replica.budget_gb or 0.0, why=f"evicted (idle, backfilled): {why}")
-        if replica.state is R.LEASED and replica.lease is not None:
-            return self.leasing.recall(now, replica.lease, why, evict_for=replica.budget_gb or 0.0)
+        if replica.state is R.LEASED:
+            return [action for lease in list(replica.holds)
+                    for action in self.leasing.recall(now, lease, why, evict_for=replica.budget_gb or 0.0)]
         return []
 
     # -- time passes ------------------------------------------------------------------------------------

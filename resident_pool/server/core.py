@@ -141,7 +141,7 @@ class PoolState:
 
     def _lease_used(self, now: float, event: ev.LeaseUsed) -> ev.Decision:
         lease = self.leases.get(event.lease)
-        self.leasing.used(now, event.lease, event.connection, event.served)
+        self.leasing.used(now, event.lease, event.connection, event.served, event.queue_wait_s)
         return ev.Decision(self._assign(now, self._key(lease.rid)) if lease is not None else [])  # a waiter may take it
 
     def _lease_recalled(self, now: float, event: ev.LeaseRecalled) -> ev.Decision:
@@ -345,12 +345,13 @@ class PoolState:
 
     def _lease_view(self, now: float, lease: Lease) -> LeaseView:
         replica = self.replicas.get(lease.rid)
-        recalling = replica is not None and replica.lease == lease.id and replica.recalling
+        hold = replica.holds.get(lease.id) if replica is not None else None
+        recalling = hold is not None and hold.recall is not None
         return LeaseView(lease.id, lease.rid, lease.connection, dict(lease.holder), round(now - lease.since, 1),
                          lease.kept, recalling, lease.priority, lease.backfilled)
 
     def _replica_view(self, now: float, r: Replica, leases: dict[int, LeaseView]) -> ReplicaView:
-        held = leases.get(r.lease) if r.lease is not None else None
+        held = tuple(leases[lease] for lease in sorted(r.holds) if lease in leases)
         ending = r.state in (ReplicaState.STOPPING, ReplicaState.STOPPED, ReplicaState.FAILED)
         idle = r.state in (ReplicaState.READY, ReplicaState.HIBERNATED) or (
             r.state is ReplicaState.LEASED and r.kept and not r.recalling and r.in_flight_since is None)
@@ -360,8 +361,9 @@ class PoolState:
             r.rid, r.key, provider.slug, r.index, r.state, r.version, r.version == provider.version, r.pid, r.device,
             r.budget_gb, r.served, round(r.idle_s(now), 1), idle, self.lifecycle.serving(r), ending,
             r.retire[1] if r.retire else None, r.abort[1] if r.abort else None, r.last_error,
-            self.lifecycle.kept_warm(r), r.backfilled, r.kept, held,
-            round(now - r.in_flight_since, 1) if busy and r.in_flight_since is not None else None)
+            self.lifecycle.kept_warm(r), r.backfilled, r.kept, held[0] if held else None,
+            round(now - r.in_flight_since, 1) if busy and r.in_flight_since is not None else None,
+            held, provider.spec.max_callers, r.queue_wait_s)
 
 
 # -- errors the core answers with ------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def pinged(now: float, replica: Replica, answered: bool, rc: int | None, failure
 
     ``serving``: a new request may get the replica (its version is current and it is not retiring)."""
     drain = replica.drain
-    if replica.state is not R.DRAINING or replica.lease is not None or drain is None:
+    if replica.state is not R.DRAINING or replica.holds or drain is None:
         return Drained()  # decided meanwhile
     if served is not None:  # a kept lease's recall: what its gone client had not told
         replica.served += max(0, served - drain.noticed_before)

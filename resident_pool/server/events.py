@@ -106,11 +106,13 @@ class LeaseReleased:
 
 @dataclass(frozen=True)
 class LeaseUsed:
-    """The client of a kept lease served ``served`` more requests (told now and then, not every call)."""
+    """The client of a kept lease served ``served`` more requests (told now and then, not every call), the last
+    of which waited ``queue_wait_s`` in its batching worker's queue."""
 
     lease: int
     connection: int
     served: int
+    queue_wait_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ class Leasing:
         actions: list[Action] = []
         self.in_order(now, provider)
         while provider.queue:
-            free = self._first(provider, R.READY)
+            free = self._with_room(provider)
             if free is None or (claimed is not None and claimed(now, free, provider.queue[0])):
                 break
             actions.append(self._lease(now, provider.queue.pop(0), free))
@@ -90,11 +90,29 @@ class Leasing:
                 actions.append(self.lifecycle.restore(now, provider, hibernated, ticket.id))
             elif self.lifecycle.serving_count(provider) < provider.spec.max_replicas:
                 actions.append(self.lifecycle.start(now, provider, ticket.id))
-            elif (kept := self._first_kept(now, provider)) is not None:
-                actions += self.lifecycle.recall(now, kept, "another client waits for it")  # idle between calls
+            elif (kept := self._first_kept(now, provider)) is not None:  # idle between calls: its slot is taken back
+                replica, lease = kept
+                actions += self.lifecycle.recall(now, replica, "another client waits for it", lease=lease)
             else:
                 break
-        return actions
+        return actions + self._scale_out(now, provider)
+
+    def _with_room(self, provider: Provider) -> Replica | None:
+        """The replica a new caller gets: one with room for it (a ready one, or one shared below max_callers), the
+        fewest callers first, then the lowest number."""
+        found = [r for r in provider.replicas.values() if self.lifecycle.room(r) > 0]
+        return min(found, key=lambda r: (len(r.holds), r.index)) if found else None
+
+    def _scale_out(self, now: float, provider: Provider) -> list[Action]:
+        """Another replica for a provider whose every worker reports a queue wait past ``max_queue_wait_s`` (its
+        callers share full batches), where max_replicas allows and none is starting already."""
+        bound = provider.spec.max_queue_wait_s
+        serving = [r for r in provider.replicas.values() if self.lifecycle.serving(r)]
+        if bound is None or not serving or len(serving) >= provider.spec.max_replicas \
+                or any(r.state is R.STARTING for r in serving) \
+                or not all(r.queue_wait_s is not None and r.queue_wait_s > bound for r in serving):
+            return []
+        return [self.lifecycle.start(now, provider, None)]
 
     def _first(self, provider: Provider, state: ReplicaState) -> Replica | None:
         """The lowest-numbered replica in ``state`` that serves new requests."""
@@ -110,10 +128,19 @@ class Leasing:
                    and self.lifecycle.serving(r))
 
     def in_first_use(self, now: float, replica: Replica) -> bool:
-        """A kept lease just granted, that its holder has not used yet (nor held a moment without): it is not
-        taken back, for a waiting client or for admission, before it served its one request."""
-        lease = self.leases.get(replica.lease) if replica.kept and replica.lease is not None else None
+        """One of its kept leases was just granted and its holder has not used it yet (nor held it a moment
+        without): it is not taken back, for a waiting client or for admission, before it served its one request."""
+        return any(self._first_use(now, self.leases.get(hold.lease)) for hold in replica.holds.values() if hold.kept)
+
+    @staticmethod
+    def _first_use(now: float, lease: Lease | None) -> bool:
         return lease is not None and lease.noticed == 0 and now - lease.since < FIRST_USE_S
+
+    def held_rank(self, replica: Replica) -> int:
+        """The highest class (lowest rank) among the leases holding ``replica``."""
+        ranks = [order.rank(lease.priority) for hold in replica.holds.values()
+                 if (lease := self.leases.get(hold.lease)) is not None]
+        return min(ranks, default=len(order.CLASSES))
 
     def ticket(self, ticket_id: int | None) -> Ticket | None:
         """A waiting request, by its id (None: none, or no longer waiting)."""
@@ -123,20 +150,24 @@ class Leasing:
         """A kept lease whose holder is still calling: a request ran on it at the runtime's last look, or its
         client was heard of (granted, or told of a call) within ``kept_active_s`` and does not wait for another
         replica now (a client's connection is one thread: waiting there, it calls nothing else)."""
-        lease = self.leases.get(replica.lease) if replica.kept and replica.lease is not None else None
-        if lease is None:
+        if not replica.kept:
             return False
         if replica.in_flight_since is not None:
             return True
-        if now - max(lease.since, lease.heard) >= self.timings.kept_active_s:
-            return False
-        return not any(ticket.connection == lease.connection for ticket in self.tickets.values())
+        waiting = {ticket.connection for ticket in self.tickets.values()}
+        return any(now - max(lease.since, lease.heard) < self.timings.kept_active_s and lease.connection not in waiting
+                   for hold in replica.holds.values() if (lease := self.leases.get(hold.lease)) is not None)
 
-    def _first_kept(self, now: float, provider: Provider) -> Replica | None:
-        """The kept lease used least recently, not already being recalled nor in its first use."""
-        kept = [r for r in provider.replicas.values() if r.kept and not r.recalling
-                and self.lifecycle.serving(r) and not self.in_first_use(now, r)]
-        return min(kept, key=lambda r: (r.last_used, r.index)) if kept else None
+    def _first_kept(self, now: float, provider: Provider) -> tuple[Replica, int] | None:
+        """The kept lease used least recently (and its replica), not already being recalled nor in its first use."""
+        kept = [(max(lease.since, lease.heard), r.index, lease.id, r) for r in provider.replicas.values()
+                if self.lifecycle.serving(r) for hold in r.holds.values()
+                if hold.kept and hold.recall is None and (lease := self.leases.get(hold.lease)) is not None
+                and not self._first_use(now, lease)]
+        if not kept:
+            return None
+        _, _, lease_id, replica = min(kept, key=lambda found: found[:3])
+        return replica, lease_id
 
     def _lease(self, now: float, ticket: Ticket, replica: Replica) -> Grant:
         self.tickets.pop(ticket.id, None)
@@ -179,11 +210,12 @@ class Leasing:
                                     "own leases", reason="bad_request")
         del self.leases[lease_id]
         replica = self.lifecycle.replicas.get(lease.rid)
-        if replica is None or replica.lease != lease_id:
+        hold = replica.holds.get(lease_id) if replica is not None else None
+        if replica is None or hold is None:
             return []  # it ended meanwhile (a stop --now, a death seen between requests)
-        if outcome == "ok" and replica.recalling:  # given back on a recall (by its client, before the worker's
-            return self.lifecycle.recalled(now, replica, 0.0, served)  # answer to one): made room for if asked
-        self.lifecycle.unlease(now, replica, served)
+        if outcome == "ok" and hold.recall is not None:  # given back on a recall (by its client, before the worker's
+            return self.lifecycle.recalled(now, replica, lease_id, 0.0, served)  # answer): made room for if asked
+        self.lifecycle.unhold(now, replica, lease_id, served)
         if outcome == "ok":
             return self.lifecycle.free(now, replica)
         if outcome in ("timeout", "exiting", "died"):
@@ -193,16 +225,19 @@ class Leasing:
             outcome, "its client's connection to it broke")
         return self.lifecycle.abandon(now, replica, why)
 
-    def used(self, now: float, lease_id: int, connection: int, served: int) -> None:
-        """The client of a kept lease says it served ``served`` more requests (now and then, not every call)."""
+    def used(self, now: float, lease_id: int, connection: int, served: int, queue_wait_s: float | None = None) -> None:
+        """The client of a kept lease says it served ``served`` more requests (now and then, not every call), and
+        how long its last request waited in its worker's queue (a batching worker says so)."""
         lease = self.leases.get(lease_id)
         if lease is None or lease.connection != connection or not lease.kept:
             return  # recalled meanwhile, or not its own: nothing to learn
         lease.noticed += served
         lease.heard = now
         replica = self.lifecycle.replicas.get(lease.rid)
-        if replica is not None and replica.lease == lease_id:
+        if replica is not None and lease_id in replica.holds:
             self.lifecycle.touch(now, replica, served)
+            if queue_wait_s is not None:
+                replica.queue_wait_s = queue_wait_s
 
     def recalled(self, now: float, lease_id: int, idle_s: float, served: int | None,
                  failure: str | None = None) -> tuple[str | None, list[Action]]:
@@ -210,13 +245,14 @@ class Leasing:
         lease ends, and its replica is free. ``failure``: the pool could not send the recall; the lease stays."""
         lease = self.leases.get(lease_id)
         replica = self.lifecycle.replicas.get(lease.rid) if lease is not None else None
-        if lease is None or replica is None or replica.lease != lease_id or not replica.recalling:
+        hold = replica.holds.get(lease_id) if replica is not None else None
+        if lease is None or replica is None or hold is None or hold.recall is None:
             return None, []
         if failure is not None:
-            return replica.key, self.lifecycle.recall_failed(now, replica, failure)
+            return replica.key, self.lifecycle.recall_failed(now, replica, lease_id, failure)
         del self.leases[lease_id]
         unheard = max(0, served - lease.noticed) if served is not None else 0
-        return replica.key, self.lifecycle.recalled(now, replica, idle_s, unheard)
+        return replica.key, self.lifecycle.recalled(now, replica, lease_id, idle_s, unheard)
 
     def drop_kept(self, rid: int) -> None:
         """The replica ended: a kept lease on it ends too (its client finds out on its next call and acquires
@@ -229,9 +265,9 @@ class Leasing:
         ``Lifecycle.recall``'s one rule says whether it may be and how; a backfilled one is announced."""
         lease = self.leases.get(lease_id)
         replica = self.lifecycle.replicas.get(lease.rid) if lease is not None else None
-        if lease is None or replica is None or replica.lease != lease_id:
+        if lease is None or replica is None or lease_id not in replica.holds:
             return []
-        actions = self.lifecycle.recall(now, replica, why, evict_for, backfilled=lease.backfilled)
+        actions = self.lifecycle.recall(now, replica, why, evict_for, backfilled=lease.backfilled, lease=lease_id)
         if actions and lease.backfilled:
             actions.append(Announce("admission.recalled", self.providers[replica.key].slug,
                                     (("replica", replica.index), ("lease", lease.id), ("why", why))))
@@ -246,8 +282,8 @@ class Leasing:
         for lease in [lease for lease in self.leases.values() if lease.connection == connection]:
             del self.leases[lease.id]
             replica = self.lifecycle.replicas.get(lease.rid)
-            if replica is not None and replica.lease == lease.id:
-                self.lifecycle.unlease(now, replica, 0)
+            if replica is not None and lease.id in replica.holds:
+                self.lifecycle.unhold(now, replica, lease.id, 0)
                 kept = (lease.id, lease.noticed) if lease.kept else None
                 actions += self.lifecycle.abandon(now, replica, "its client went away", kept)
                 touched.add(replica.key)

@@ -87,65 +87,91 @@ class Lifecycle:
         return Start(replica.rid, ticket, restore=restore, wait=wait)
 
     def lease(self, replica: Replica, lease_id: int, keep: bool = False) -> tuple[bool, bool]:
-        """A ready replica is leased: whether this is its first lease since a start (a cold one), and whether
-        the client may keep it between calls (its worker can be asked to give it back, and it serves more
-        than one lease)."""
-        replica.transition(R.LEASED, "leased")
+        """A replica with room for a caller is leased: whether this is its first lease since a start (a cold one),
+        and whether the client may keep it between calls (its worker can be asked to give it back, and it serves
+        more than one lease)."""
+        if replica.state is not R.LEASED:
+            replica.transition(R.LEASED, "leased")
         kept = keep and replica.can_recall and self.providers[replica.key].spec.mode != "subprocess"
-        replica.hold, replica.deadline = Hold(lease_id, kept), None
+        replica.holds[lease_id], replica.deadline = Hold(lease_id, kept), None
         cold, replica.fresh = replica.fresh, False
         return cold, kept
+
+    def room(self, replica: Replica) -> int:
+        """How many more callers it takes now: a serving replica, ready or leased below max_callers, that nothing
+        is taking back for its memory."""
+        if not self.serving(replica) or replica.eviction is not None \
+                or replica.state not in (R.READY, R.LEASED):
+            return 0
+        return max(0, self.providers[replica.key].spec.max_callers - len(replica.holds))
 
     def touch(self, now: float, replica: Replica, served: int) -> None:
         """Its kept lease served ``served`` more requests (the client says so now and then): idle from now."""
         replica.last_used, replica.served = now, replica.served + served
 
     def recall(self, now: float, replica: Replica, why: str = "", evict_for: float | None = None,
-               backfilled: bool = False, idle_check: bool = False) -> list[Action]:
-        """The one rule for taking a lease back, after at most the request in flight, whoever asks (a waiting client,
-        admission, a drain, idleness, the host service): only a kept or a ``backfilled`` one ever is, asked of its
-        worker (an idle session's memory comes back at once), a backfilled session's client told too (the only way
-        where its worker cannot answer ``recall``). ``evict_for``: GB admission needs; ``idle_check``: taken back for
-        idleness, it retires if its worker says it was idle that long too."""
-        hold = replica.hold
-        if hold is None or hold.recall is not None or not (hold.kept or backfilled):
+               backfilled: bool = False, idle_check: bool = False, lease: int | None = None) -> list[Action]:
+        """The one rule for taking a lease back, after at most its request in flight, whoever asks (a waiting
+        client, admission, a drain, idleness, the host service): only a kept or a ``backfilled`` one ever is, asked
+        of its worker (an idle session's memory comes back at once), a backfilled session's client told too (the
+        only way where its worker cannot answer ``recall``). ``lease``: that one (another client waits for its
+        slot); else every one it may take (its memory, its retirement or its idleness is the replica's).
+        ``evict_for``: GB admission needs; ``idle_check``: taken back for idleness, the replica retires if its
+        worker says it was idle that long too."""
+        holds = [replica.holds[lease]] if lease is not None and lease in replica.holds else \
+            [] if lease is not None else list(replica.holds.values())
+        taken = [hold for hold in holds if hold.recall is None and (hold.kept or backfilled)]
+        if not taken:
             return []
-        hold.recall = Taking(idle_check)
+        for hold in taken:
+            hold.recall = Taking(idle_check)
         if evict_for is not None:
             replica.eviction = Eviction(evict_for)
         if replica.can_recall:  # its worker answers within a request's time: past that, it is overdue
             spec = self.providers[replica.key].spec
             replica.deadline = now + spec.request_timeout_s + self.timings.report_margin_s
-        return [Recall(replica.rid, hold.lease, why, client=not hold.kept, worker=replica.can_recall)]
+        return [Recall(replica.rid, hold.lease, why, client=not hold.kept, worker=replica.can_recall)
+                for hold in taken]
 
-    def recalled(self, now: float, replica: Replica, idle_s: float, served: int) -> list[Action]:
-        """A recalled lease came back (``served``: requests the pool had not heard of): the replica is free, or
-        ends, or makes room for admission. The worker's own word on how long it has been idle counts here,
-        not the client's notices: a request that ran long was no idle time, and does not retire it."""
-        hold, eviction = replica.hold, replica.eviction
-        idle_check = hold is not None and hold.recall is not None and hold.recall.idle_check
-        self.unlease(now, replica, served)
+    def recalled(self, now: float, replica: Replica, lease: int, idle_s: float, served: int) -> list[Action]:
+        """A recalled lease came back (``served``: requests the pool had not heard of). Once the replica holds none,
+        it is free, or ends, or makes room for admission. The worker's own word on how long it has been idle counts
+        here, not the client's notices: a request that ran long was no idle time, and does not retire it."""
+        hold = replica.holds.get(lease)
+        if hold is not None and hold.recall is not None and hold.recall.idle_check:
+            replica.idle_seen_s = min(idle_s, replica.idle_seen_s if replica.idle_seen_s is not None else idle_s)
+        eviction = replica.eviction
+        self.unhold(now, replica, lease, served)
+        if replica.holds:
+            if not replica.recalling:
+                replica.deadline = None
+            return []  # the others' items run on: a recall of one lease never disturbs another's
+        idle_seen, replica.idle_seen_s = replica.idle_seen_s, None
         replica.last_used, replica.deadline = now - max(0.0, idle_s), None
         spec = self.providers[replica.key].spec
-        if idle_check and 0 < spec.idle_timeout_s <= idle_s and not self.kept_warm(replica):
-            return self.end(now, replica, StopCause.IDLE, f"idle for {idle_s:.1f} s (idle_timeout_s = "
+        if idle_seen is not None and 0 < spec.idle_timeout_s <= idle_seen and not self.kept_warm(replica):
+            return self.end(now, replica, StopCause.IDLE, f"idle for {idle_seen:.1f} s (idle_timeout_s = "
                                                           f"{spec.idle_timeout_s:g})")
         actions = self.free(now, replica)  # it was busy, not idle that long: it stays
         if eviction is not None and replica.state is R.READY:
             actions += self.evict(now, replica.rid, eviction.need_gb)
         return actions
 
-    def recall_failed(self, now: float, replica: Replica, failure: str) -> list[Action]:
+    def recall_failed(self, now: float, replica: Replica, lease: int, failure: str) -> list[Action]:
         """The pool could not send a recall (its own failure, EMFILE): the lease stays, the next look tries again."""
-        if replica.hold is not None:
-            replica.hold.recall = None
-        replica.deadline, replica.eviction = None, None
+        hold = replica.holds.get(lease)
+        if hold is not None:
+            hold.recall = None
+        if not replica.recalling:
+            replica.deadline, replica.eviction, replica.idle_seen_s = None, None, None
         return [Note(replica.rid, f"the pool could not recall its lease ({failure}); not its fault")]
 
-    def unlease(self, now: float, replica: Replica, served: int) -> None:
-        """Its lease ended, after ``served`` requests: idle time counts from now."""
-        replica.hold, replica.served, replica.last_used = None, replica.served + served, now
-        replica.check = replica.eviction = None
+    def unhold(self, now: float, replica: Replica, lease: int, served: int) -> None:
+        """Lease ``lease`` ended, after ``served`` requests; once none holds it, idle time counts from now."""
+        replica.holds.pop(lease, None)
+        replica.served += served
+        if not replica.holds:
+            replica.last_used, replica.check, replica.eviction = now, None, None
 
     def started(self, now: float, rid: int, pid: int | None, can_recall: bool = False) -> list[Action]:
         """The replica answered its first ping (or its restore's): it serves, or ends if it was called off.
@@ -192,10 +218,12 @@ class Lifecycle:
 
     # -- ends of leases -------------------------------------------------------------------------------
     def free(self, now: float, replica: Replica) -> list[Action]:
-        """A lease ended cleanly: ready again, or on its way out if it drains."""
+        """A lease ended cleanly: with none left, ready again, or on its way out if it drains."""
         provider = self.providers[replica.key]
         if provider.spec.mode == "subprocess" and replica.retire is None:
             replica.retire = (StopCause.ONE_LEASE, 'mode = "subprocess": a worker serves one lease')
+        if replica.holds:
+            return []  # its other callers hold it still
         if self.serving(replica) and replica.state is R.LEASED:
             replica.transition(R.READY, "released")
             return []
@@ -204,6 +232,10 @@ class Lifecycle:
     def ended_mid_lease(self, now: float, replica: Replica, outcome: str, rc: int | None) -> list[Action]:
         """The lease's request ended the worker: it timed out, said it is exiting, or died."""
         provider = self.providers[replica.key]
+        spec = provider.spec
+        if outcome == "timeout" and spec.max_callers > 1 and (
+                replica.in_flight_since is None or now - replica.in_flight_since < spec.request_timeout_s):
+            return self.free(now, replica)  # it waited in a shared queue that long; no model call outran its limit
         if outcome == "timeout":
             return self.end(now, replica, StopCause.TIMEOUT,
                             f"a request outran request_timeout_s = {provider.spec.request_timeout_s:g} s", kill=True)
@@ -237,8 +269,12 @@ class Lifecycle:
 
     def abandon(self, now: float, replica: Replica, why: str, kept: tuple[int, int] | None = None) -> list[Action]:
         """Its client is gone mid-lease: freed once its request (if any) is over, never handed out before
-        (``drains``); ``kept``: a kept lease's (lease, requests its client told of)."""
-        grace = self.providers[replica.key].spec.abandon_grace_s
+        (``drains``); ``kept``: a kept lease's (lease, requests its client told of). A replica shared by several
+        callers only loses that caller: its item runs on in the worker's batch, and its answer goes nowhere."""
+        spec = self.providers[replica.key].spec
+        if spec.max_callers > 1:
+            return self.free(now, replica)
+        grace = spec.abandon_grace_s
         return drains.abandon(now, replica, why, grace, self.timings.abandon_probe_s, kept)
 
     def _checked(self, now: float, replica: Replica, answered: bool, rc: int | None, failure: str | None
@@ -342,10 +378,11 @@ class Lifecycle:
             return self.end(now, replica, cause, why, kill=True)
         if state is R.READY or (at_once and state in (R.LEASED, R.DRAINING, R.CHECKING)):
             return self.end(now, replica, cause, why, kill=at_once)
-        if state is R.LEASED and replica.kept:
-            return self.recall(now, replica, why)  # idle between calls: taken back after at most one request
         if state is R.LEASED:
-            replica.transition(R.DRAINING, f"{why}; its lease finishes first")
+            actions = self.recall(now, replica, why)  # kept leases: taken back after at most one request each
+            if not replica.kept:  # a session's lease finishes first
+                replica.transition(R.DRAINING, f"{why}; its lease finishes first")
+            return actions
         elif state is R.STARTING and at_once:
             return self.end(now, replica, cause, why, kill=True)
         # STARTING: ends once started; DRAINING, CHECKING, HIBERNATING: once that is over.
@@ -378,7 +415,7 @@ class Lifecycle:
             late = f"{replica.retire[1]}: still busy after drain_grace_s = {self.timings.drain_grace_s:g} s"
             replica.drain_by = None
             return self.end(now, replica, replica.retire[0], late, kill=True)  # the grace is over: no more asking
-        if state is R.DRAINING and replica.deadline is not None and replica.lease is None \
+        if state is R.DRAINING and replica.deadline is not None and not replica.holds \
                 and now >= replica.deadline + self.timings.report_margin_s:
             return self._overdue(now, replica)
         if replica.kept_idle():
@@ -407,7 +444,8 @@ class Lifecycle:
 
     def _overdue(self, now: float, replica: Replica) -> list[Action]:
         """A transitional state outlived its deadline: the action behind it is escalated, never left half done."""
-        what = _RECALLING_BACKFILLED if replica.recalling and not replica.kept else _PENDING.get(replica.state, "it")
+        backfilled = any(hold.recall is not None and not hold.kept for hold in replica.holds.values())
+        what = _RECALLING_BACKFILLED if backfilled else _PENDING.get(replica.state, "it")
         why = f"{replica.name}: {what} did not report back in time"
         replica.last_error = self.providers[replica.key].last_error = why
         if replica.state is R.STOPPING:

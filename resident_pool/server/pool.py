@@ -299,7 +299,7 @@ class PoolServer:
 
     def _op_used(self, message: dict[str, Any], connection: Connection) -> None:
         used = Used.parse(message)
-        self.runtime.report(ev.LeaseUsed(used.lease, connection.id, used.served))
+        self.runtime.report(ev.LeaseUsed(used.lease, connection.id, used.served, used.queue_wait_s))
         # no answer: the client does not wait for one
 
     def _op_stop(self, message: dict[str, Any], connection: Connection) -> dict[str, Any]:

@@ -31,12 +31,14 @@ class Loaded:
 
 def spec_of(manifest: Manifest) -> Spec:
     """What the decision core needs of a manifest."""
-    life, gpu = manifest.lifecycle, manifest.gpu
+    life, gpu, batching = manifest.lifecycle, manifest.gpu, manifest.batching
     return Spec(mode=manifest.mode, max_replicas=life.max_replicas, min_replicas=life.min_replicas,
                 idle_timeout_s=life.idle_timeout_s, ping_interval_s=life.ping_interval_s,
                 abandon_grace_s=life.abandon_grace_s, admission_timeout_s=life.admission_timeout_s,
                 start_timeout_s=life.start_timeout_s, request_timeout_s=life.request_timeout_s, evict=life.evict,
-                budget_gb=gpu.vram_budget_gb if gpu.policy != "none" else None)
+                budget_gb=gpu.vram_budget_gb if gpu.policy != "none" else None,
+                max_callers=batching.callers if batching is not None else 1,
+                max_queue_wait_s=batching.max_queue_wait_s if batching is not None else None)
 
 
 def _stamp(path: Path) -> tuple[int, ...]:

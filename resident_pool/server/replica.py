@@ -30,6 +30,8 @@ class Spec:
     request_timeout_s: float = 3600.0
     evict: str = "stop"  # or "hibernate"
     budget_gb: float | None = None  # None: no GPU budget ([gpu] policy = "none")
+    max_callers: int = 1  # leases one replica carries at once ([batching]; 1: one request at a time, as before)
+    max_queue_wait_s: float | None = None  # a replica whose worker reports a longer queue wait wants another one
 
 
 @dataclass(eq=False)
@@ -66,14 +68,14 @@ class Lease:
 
 @dataclass(eq=False)
 class Recall:
-    """A lease being taken back, after at most the request in flight (asked of its worker, or its client)."""
+    """A lease being taken back, after at most its request in flight (asked of its worker, or its client)."""
 
     idle_check: bool = False  # for idleness: the replica retires if its worker says it was idle that long too
 
 
 @dataclass(eq=False)
 class Hold:
-    """The lease a replica is held by."""
+    """One lease a replica is held by (a batching replica carries up to ``max_callers`` of them)."""
 
     lease: int
     kept: bool = False  # Pool.predict's: idle between calls, recalled when another needs it
@@ -115,7 +117,7 @@ class Replica:
     budget_gb: float | None
     since: float
     state: ReplicaState = ReplicaState.STARTING
-    hold: Hold | None = None
+    holds: dict[int, Hold] = field(default_factory=dict)  # by lease
     retire: tuple[StopCause, str] | None = None  # why it ends once free; None keeps it
     abort: tuple[StopCause, str] | None = None  # why a start in progress is called off
     deadline: float | None = None  # when the transitional state it is in is overdue
@@ -128,6 +130,8 @@ class Replica:
     eviction: Eviction | None = None
     check: Check | None = None
     drain: Drain | None = None
+    queue_wait_s: float | None = None  # the wait in its worker's queue, as its last reply a client told of said
+    idle_seen_s: float | None = None  # of the leases recalled for idleness, the shortest idle its worker reported
     can_recall: bool = False  # its worker answers ``recall`` (every worker on our worker_base does)
     in_flight_since: float | None = None  # when the request running at the runtime's last look began (its board)
     stop_attempts: int = 0
@@ -154,19 +158,17 @@ class Replica:
         return self.state in (ReplicaState.STOPPING, ReplicaState.STOPPED, ReplicaState.FAILED)
 
     @property
-    def lease(self) -> int | None:
-        return self.hold.lease if self.hold is not None else None
-
-    @property
     def kept(self) -> bool:
-        return self.hold is not None and self.hold.kept
+        """Held, and only by kept leases (Pool.predict's): idle between their calls."""
+        return bool(self.holds) and all(hold.kept for hold in self.holds.values())
 
     @property
     def recalling(self) -> bool:
-        return self.hold is not None and self.hold.recall is not None
+        """One of its leases is being taken back."""
+        return any(hold.recall is not None for hold in self.holds.values())
 
     def kept_idle(self) -> bool:
-        """Held by a kept lease between calls, and not being taken back or checked."""
+        """Held by kept leases between their calls, none being taken back, and not being checked."""
         return self.state is ReplicaState.LEASED and self.kept and not self.recalling and self.check is None
 
     def idle_s(self, now: float) -> float:

@@ -58,9 +58,12 @@ class ReplicaView:
     last_error: str | None
     kept_warm: bool
     backfilled: bool
-    kept: bool  # held by a kept lease
-    lease: LeaseView | None
+    kept: bool  # held, and only by kept leases
+    lease: LeaseView | None  # its first lease (a batching replica may carry more: ``leases``)
     in_flight_s: float | None  # how long its request has run, at the runtime's last look (leased or draining)
+    leases: tuple[LeaseView, ...]  # every lease it carries, its callers
+    max_callers: int
+    queue_wait_s: float | None  # the wait in its worker's queue, as its last reply a client told of said
 
     @property
     def name(self) -> str:
