@@ -160,6 +160,9 @@ def _worker_row(worker: dict[str, Any], folder: str | None) -> list[str]:
     lease = worker.get("lease")
     row["lease"] = "" if lease is None else (
         f"{lease['age_s']:g} s" + (f" ({', '.join(lease['holder'].values())})" if lease["holder"] else ""))
+    if (worker.get("max_callers") or 1) > 1:  # a batching worker: its callers, and the wait in its queue
+        row["lease"] = f"{worker.get('callers', 0)}/{worker['max_callers']} callers" + (
+            f", queue {worker['queue_wait_s']:g} s" if worker.get("queue_wait_s") is not None else "")
     row["version"] = (worker.get("version") or "")[:8]  # as the fingerprint: --json has them whole
     if not worker.get("current", True):
         row["version"] += " (old)"
