@@ -24,10 +24,10 @@ from filelock import FileLock
 from . import arrays
 from . import priority as order
 from .errors import RequestTimeout, ResidentPoolError, WorkerRequestError, error_from_dict
-from .host import paths
+from .host.paths import Paths
 from .messages import Acquire, Release, StopWorkers, Used, Variant, Warm, bad_request
 from .protocol import COPY, Inbox, PeerError, ProtocolError, connect, recv_line, send_line
-from .settings import settings
+from .settings import Settings, settings
 from .version import __version__
 
 __all__ = ["Pool", "Session", "default_manifests", "shutdown_pool"]
@@ -68,23 +68,23 @@ def _check_priority(priority: str) -> None:
         raise bad_request(f"priority {priority!r} is not a class: one of {', '.join(order.CLASSES)}")
 
 
-def default_manifests(manifests: str | os.PathLike[str] | None = None) -> Path:
-    """``manifests``, else $RESIDENT_POOL_MANIFESTS, else ./manifests where it exists, else the running pool's
-    folder; absolute (./manifests when none of them is there, so a message can name it)."""
-    chosen = manifests or settings().manifests
+def default_manifests(manifests: str | os.PathLike[str] | None, config: Settings, where: Paths) -> Path:
+    """``manifests``, else $RESIDENT_POOL_MANIFESTS (``config``), else ./manifests where it exists, else the running
+    pool's folder (at ``where``); absolute (./manifests when none of them is there, so a message can name it)."""
+    chosen = manifests or config.manifests
     if chosen:
         return Path(chosen).expanduser().resolve()
     here = Path("manifests").resolve()
     if here.is_dir():
         return here
-    return running_pool_manifests() or here
+    return running_pool_manifests(where, config.client_timeout_s) or here
 
 
-def running_pool_manifests() -> Path | None:
+def running_pool_manifests(where: Paths, timeout_s: float) -> Path | None:
     """The manifests folder of this host's running pool, as its hello says; None when no pool answers."""
     try:
-        with connect(paths.pool_socket(paths.state_dir())) as sock:
-            sock.settimeout(settings().client_timeout_s)
+        with connect(where.pool_socket()) as sock:
+            sock.settimeout(timeout_s)
             send_line(sock, {"op": "hello", "version": __version__})
             hello = recv_line(sock, bytearray())
     except (OSError, ProtocolError, ResidentPoolError):  # none runs, it is not ours, or it went away
@@ -163,12 +163,13 @@ class Pool:
         """``on_wait`` is called (every few seconds) while a request waits for GPU admission;
         ``holder`` says who this client's leases are for (shown in ``status``)."""
         self.config = settings()  # read once: a Pool's settings are those of when it was made, like its folders
-        self.manifests = default_manifests(manifests)
+        self.paths = Paths.of(self.config)
+        self.manifests = default_manifests(manifests, self.config, self.paths)
         self.start = start
         self.on_wait = on_wait
         self.holder = holder
-        self.state_dir = paths.state_dir()
-        self.socket_path = paths.pool_socket(self.state_dir)
+        self.state_dir = self.paths.state_dir()
+        self.socket_path = self.paths.pool_socket()
         self._local = threading.local()
         self._links: list[_Link] = []
         self._links_lock = threading.Lock()
@@ -258,7 +259,7 @@ class Pool:
         return connect(self.socket_path)
 
     def _start_pool(self) -> None:
-        log = paths.log_dir() / "pool.log"
+        log = self.paths.log_dir() / "pool.log"
         with open(log, "a") as out:
             # --background forks and returns at once: the pool belongs to no client, so it outlives
             # the flow run that started it. -P and the state directory as working directory: nothing
@@ -300,7 +301,7 @@ class Pool:
         return ResidentPoolError(
             f"the pool at {self.socket_path} did not answer {op} within {self.config.client_timeout_s:g} s "
             "(RESIDENT_POOL_CLIENT_TIMEOUT_S); it may be stopped (SIGSTOP), swapping or wedged: look at "
-            f"{paths.log_dir() / 'pool.log'}, or restart it", reason="pool_unresponsive")
+            f"{self.paths.log_dir() / 'pool.log'}, or restart it", reason="pool_unresponsive")
 
     def _call(self, message: dict[str, Any], expect_reply: bool = True) -> dict[str, Any]:
         link = self._link()

@@ -11,6 +11,7 @@ from helpers import (
     LONG_LIVED,
     TAG_VARIABLE,
     TEST_WORKER,
+    configured,
     describe_pids,
     remove_released_folders,
     run_folder,
@@ -113,7 +114,8 @@ def workers(way):
     from resident_pool.providers.zygote import Zygote
 
     made = []
-    zygote = Zygote("testworker", "tests", sys.executable, {}, str(TEST_WORKER), ["json", "ctypes"]) \
+    paths = configured()[1]
+    zygote = Zygote("testworker", "tests", sys.executable, {}, str(TEST_WORKER), ["json", "ctypes"], paths=paths) \
         if way == "zygote" else None
 
     def make(slug="testworker", build_command=None, **kwargs):

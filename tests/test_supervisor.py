@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TEST_WORKER, both_ways, wait_until, worker_command
+from helpers import TEST_WORKER, both_ways, configured, wait_until, worker_command
 from providers import write_provider
 
 from resident_pool import AdmissionRefused, RequestTimeout, WorkerRequestError, WorkerStartError, child_env, exit_hint
@@ -210,10 +210,11 @@ SUPERVISOR_SCRIPT = textwrap.dedent(
     """
     import json, sys, threading
     sys.path.insert(0, {tests!r})
-    from helpers import worker_command
+    from helpers import configured, worker_command
     from resident_pool import ResidentWorker
     from resident_pool.providers.zygote import Zygote
-    zygote = Zygote("orphan", "k", sys.executable, {{}}, {worker!r}, ["json"]) if {forked!r} else None
+    paths = configured()[1]
+    zygote = Zygote("orphan", "k", sys.executable, {{}}, {worker!r}, ["json"], paths=paths) if {forked!r} else None
     worker = ResidentWorker("orphan", worker_command(), spawner=zygote)
     worker.ensure_started()
     print(json.dumps({{"pid": worker.pid}}), flush=True)
@@ -305,7 +306,7 @@ def test_a_standalone_gpu_provider_where_no_gpu_is_known_runs_on_the_cpu_only_if
     monkeypatch.setenv("RESIDENT_POOL_FAKE_NVML", str(readings))
     manifest = load_manifest(write_provider(tmp_path / "manifests", "gpuish",
                                             f'[gpu]\npolicy = "{policy}"\nvram_budget_gb = 2\n'))
-    worker = worker_for(manifest)
+    worker = worker_for(manifest, config=configured()[0])
     try:
         if policy == "recommended":
             assert worker.predict({"action": "env"})["env"]["CUDA_VISIBLE_DEVICES"] == ""

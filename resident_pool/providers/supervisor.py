@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,10 +26,10 @@ from .. import exits
 from ..admission import Admission, Ledger, read_devices
 from ..errors import RequestTimeout, WorkerRequestError, WorkerStartError
 from ..exits import EXIT_HINTS
-from ..host import paths
+from ..host.paths import Paths
 from ..host.procs import Spawner, child_env
 from ..protocol import CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, ProtocolError, connect, recv_line, send_line
-from ..settings import settings
+from ..settings import Settings, settings
 from .transcripts import read_tail, render_tail
 from .worker_process import HEARTBEAT_INTERVAL_S, PROTOCOL_PATH, WORKER_BASE_PATH, Launch, WorkerProcess
 from .worker_states import WORKER_EDGES, WorkerState
@@ -78,22 +79,22 @@ class CpuOnly:
         pass
 
 
-_host_admissions: dict[tuple[Path, float, Path | None], Admission] = {}
+_host_admissions: dict[tuple[Any, ...], Admission] = {}
 _host_admissions_lock = threading.Lock()
 
 
-def host_admission() -> Admission:
+def host_admission(config: Settings, paths: Paths) -> Admission:
     """The host's admission over the pool's own ledger: what a worker with a budget and no admitter goes through.
 
     One per ledger file (and settings) in this process, so its standalone workers queue in
     order; the ledger is the file the host pool keeps, so each sees what the other holds.
     """
-    config = settings()
-    key = (paths.ledger_path(), config.gpu_headroom_gb, config.ledger_audit)
+    key = (paths.ledger_path(), config.gpu_headroom_gb, config.ledger_audit, config.fake_nvml, config.gpu_capacity_gb)
     with _host_admissions_lock:
         admission = _host_admissions.get(key)
         if admission is None:
-            admission = Admission(Ledger(key[0], audit=config.ledger_audit), headroom_gb=config.gpu_headroom_gb)
+            admission = Admission(Ledger(key[0], audit=config.ledger_audit), devices=lambda: read_devices(config),
+                                  headroom_gb=config.gpu_headroom_gb)
             _host_admissions[key] = admission
         return admission
 
@@ -118,10 +119,16 @@ class ResidentWorker:
         state_dir: str | os.PathLike[str] | None = None,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         spawner: Spawner | None = None,
+        config: Settings | None = None,
+        paths: Paths | None = None,
     ) -> None:
         """``admit`` with a ``vram_budget_gb`` and no ``admitter``: the host's admission (``host_admission``), or
         the CPU for a manifest whose GPU is only recommended, on a host with none (as under the pool).
-        ``spawner``: a zygote to fork each start from (``zygote.Zygote``); None spawns every start."""
+        ``spawner``: a zygote to fork each start from (``zygote.Zygote``); None spawns every start.
+
+        A standalone worker is an edge, as a ``Pool`` is: ``config`` (its folders, its ledger) is the
+        settings as the environment gives them now unless given; ``paths``, the folders ``config`` names;
+        ``state_dir`` overrides the state folder alone."""
         self.slug = slug
         self.build_command = build_command
         self.start_timeout_s = start_timeout_s
@@ -135,7 +142,10 @@ class ResidentWorker:
         self.admitter = admitter
         self.connect_timeout_s = connect_timeout_s
         self.spawner = spawner
-        self._state_dir = Path(state_dir) if state_dir else None
+        self.config = config if config is not None else settings()
+        self.paths = paths if paths is not None else Paths.of(self.config)
+        if state_dir:
+            self.paths = replace(self.paths, state=Path(state_dir))
 
         self.state = WorkerState.STOPPED
         self.last_error: Exception | None = None
@@ -162,7 +172,7 @@ class ResidentWorker:
         return self._handle
 
     def _new_process(self) -> WorkerProcess:
-        return WorkerProcess(self.slug, self.replica, state_dir=self._state_dir, log_path=self.log_path,
+        return WorkerProcess(self.slug, self.replica, paths=self.paths, log_path=self.log_path,
                              start_timeout_s=self.start_timeout_s, connect_timeout_s=self.connect_timeout_s)
 
     def transition(self, new: WorkerState, why: str = "", only_from: tuple[WorkerState, ...] | None = None) -> bool:
@@ -272,9 +282,9 @@ class ResidentWorker:
     def _host_admitter(self) -> Admitter:
         """The host's admission; the CPU for a manifest whose GPU is only recommended, on a host with none."""
         gpu = getattr(self.manifest, "gpu", None)
-        if getattr(gpu, "policy", None) == "recommended" and not read_devices()[0]:
+        if getattr(gpu, "policy", None) == "recommended" and not read_devices(self.config)[0]:
             return CpuOnly()
-        return host_admission()
+        return host_admission(self.config, self.paths)
 
     # -- requests ----------------------------------------------------------
     def request(self, message: Any, timeout: float | None = None) -> dict[str, Any]:

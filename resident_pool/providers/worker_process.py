@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import ResidentPoolError, SocketPathTooLong, WorkerRequestError, WorkerStartError
 from ..exits import describe_exit, exit_hint
-from ..host import paths
+from ..host.paths import Paths
 from ..host.procs import ForkRefused, ProcessHandle, Spawner, child_env, terminate_group, wait_exit
 from ..protocol import (
     CONNECT_TIMEOUT_S,
@@ -112,17 +112,19 @@ class WorkerProcess:
         slug: str,
         replica: int,
         *,
-        state_dir: Path | None = None,
+        paths: Paths,
         log_path: Path | None = None,
         start_timeout_s: float = 900.0,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
     ) -> None:
+        """``paths``: where its run folder and transcript go."""
         self.slug = slug
         self.replica = replica
         self.start_timeout_s = start_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.log_path = log_path
-        self.run_dir = paths.workers_dir(state_dir) / f"{slug}-{replica}-{secrets.token_hex(3)}"
+        self.paths = paths
+        self.run_dir = paths.workers_dir() / f"{slug}-{replica}-{secrets.token_hex(3)}"
         try:
             self.socket_path = check_socket_path(self.run_dir / "worker.sock")
         except SocketPathError as exc:
@@ -195,10 +197,10 @@ class WorkerProcess:
         self.beat()
         try:
             self.transcript = (Transcript.append_to(self.log_path) if self.log_path is not None
-                               else Transcript.create(paths.log_dir(), self.slug, self.replica))
+                               else Transcript.create(self.paths.log_dir(), self.slug, self.replica))
         except OSError as exc:
             self._cleanup()
-            where = self.log_path or paths.log_dir()
+            where = self.log_path or self.paths.logs
             raise WorkerStartError(
                 f"{self.slug}: cannot open the transcript under {where}: {exc.strerror}; set RESIDENT_POOL_LOG_DIR "
                 "to a writable directory with free space", slug=self.slug) from exc

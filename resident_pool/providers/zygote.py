@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..exits import LOST_EXIT, describe_exit
-from ..host import paths
+from ..host.paths import Paths
 from ..host.procs import ForkRefused, child_env, pid_alive, terminate_group
 from .exec_env import interpreter
 from .launch import weights_root
@@ -112,8 +112,9 @@ class Zygote:
 
     def __init__(self, slug: str, key: str, python: str, env: Mapping[str, str | None], script: str,
                  preload: list[str], load: str | None = None, weights: Callable[[], str | None] | None = None,
-                 start_timeout_s: float = 900.0) -> None:
-        """``weights``: gives the weights root for the load stage, asked once, when the zygote starts."""
+                 start_timeout_s: float = 900.0, *, paths: Paths) -> None:
+        """``weights``: gives the weights root for the load stage, asked once, when the zygote starts; ``paths``:
+        where its transcript goes."""
         self.slug = slug
         self.key = key
         self.python = python
@@ -123,6 +124,7 @@ class Zygote:
         self.load = load
         self.weights = weights
         self.start_timeout_s = start_timeout_s
+        self.paths = paths
         self.proc: subprocess.Popen | None = None
         self.transcript: Transcript | None = None
         self.info: dict[str, Any] = {}  # its ready event: modules and their seconds, load stage, threads
@@ -197,7 +199,7 @@ class Zygote:
                     raise ForkRefused(self.failure) from exc
 
     def _start(self) -> None:
-        self.transcript = Transcript.create(paths.log_dir(), f"zygote-{self.slug}", 0)
+        self.transcript = Transcript.create(self.paths.log_dir(), f"zygote-{self.slug}", 0)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = subprocess.Popen(
@@ -404,7 +406,8 @@ def _key(launch: Launch, manifest: Manifest) -> str:
 class Zygotes:
     """The pool's zygotes: one per provider environment, retired with the last use of its workers."""
 
-    def __init__(self) -> None:
+    def __init__(self, paths: Paths) -> None:
+        self.paths = paths
         self._lock = threading.Lock()
         self._current: dict[str, Zygote] = {}  # per provider: the zygote new workers fork from
         self._retiring: list[Zygote] = []  # replaced or stopped; gone once their workers are
@@ -442,7 +445,8 @@ class Zygotes:
                 env = {name: value for name, value in launch.env.items() if name not in PER_START}
                 current = self._current[slug] = Zygote(
                     slug, key, launch.argv[0], env, launch.argv[1], manifest.lifecycle.preload or [],
-                    manifest.lifecycle.load, lambda: _weights(manifest), manifest.lifecycle.start_timeout_s)
+                    manifest.lifecycle.load, lambda: _weights(manifest), manifest.lifecycle.start_timeout_s,
+                    paths=self.paths)
             self._spawn_why.pop(slug, None)
             return current
 

@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..admission import Admission, Ledger
+from ..admission import Admission, Ledger, read_devices
 from ..admission.orphans import Orphans
 from ..admission.remote import connect_service
 from ..errors import ResidentPoolError
-from ..host import paths
+from ..host.paths import Paths
 from ..messages import Acquire, LeaseGrant, Release, StopWorkers, Used, Warm
 from ..providers.hibernate import CudaCheckpoint, Hibernator
 from ..providers.jit_cache import JitSizes
@@ -68,16 +68,17 @@ class PoolServer:
     def __init__(self, manifests: Path, quiet_exit_s: float | None = None, config: Settings | None = None) -> None:
         config = config or settings()
         self.config = config
+        self.paths = Paths.of(config)
         self.manifests = manifests.resolve()
-        self.state_dir = paths.state_dir()
-        self.socket_path = paths.pool_socket(self.state_dir)
+        self.state_dir = self.paths.state_dir()
+        self.socket_path = self.paths.pool_socket()
         self.timings = timings_from(config, quiet_exit_s)
         self.tick_s = config.tick_s
         self.started = time.time()
         self.finished = threading.Event()
         self._signal: int | None = None
         self._last_beat = 0.0
-        self.ledger = Ledger(paths.ledger_path(self.state_dir), audit=config.ledger_audit)
+        self.ledger = Ledger(self.paths.ledger_path(), audit=config.ledger_audit)
         self.registry = Registry(self.manifests)
         # The runtime the host admission service wakes is made below: a lambda reaches it once it is there.
         self.service = connect_service(config, on_wake=lambda: self.runtime.event("memory_freed"),
@@ -85,16 +86,17 @@ class PoolServer:
                                            slug, index, why))
         self.core = PoolState(self.timings, time.monotonic(),
                               policy_from(config, self.service.info if self.service is not None else None))
-        self.admission = Admission(self.ledger, headroom_gb=config.gpu_headroom_gb, holder_of=self._holder_of,
-                                   service=self.service, orphans=Orphans(paths.workers_dir(self.state_dir)))
-        self.zygotes = Zygotes()  # fork servers, one per provider environment that declares a preload
+        self.admission = Admission(self.ledger, devices=lambda: read_devices(config),
+                                   headroom_gb=config.gpu_headroom_gb, holder_of=self._holder_of, service=self.service,
+                                   orphans=Orphans(self.paths.workers_dir()))
+        self.zygotes = Zygotes(self.paths)  # fork servers, one per provider environment that declares a preload
         self.hibernator = Hibernator(CudaCheckpoint(config.libcuda))  # for [lifecycle] evict = "hibernate"
         self.jit_sizes = JitSizes()
-        self.observer = Observer(config, self.manifests, self.socket_path, self._snapshot,
+        self.observer = Observer(config, self.paths, self.manifests, self.socket_path, self._snapshot,
                                  lambda rid, cause, why: self.runtime.retire(rid, cause, why),  # noqa: PLW0108
                                  self._gpu_line, self.finished)
         self.runtime = Runtime(self.core, self.registry, self.admission, self.zygotes, self.hibernator,
-                               self.state_dir, self.observer, config.kill_grace_s)
+                               self.paths, self.observer, config)
         self.runtime.on_exit = self.begin_stop
         self.wire = Wire(self.socket_path, {
             "hello": self._op_hello, "acquire": self._op_acquire, "release": self._op_release,
@@ -103,7 +105,7 @@ class PoolServer:
             "stop": self._op_stop, "shutdown": self._op_shutdown, "warm": self._op_warm, "used": self._op_used,
             "metrics": lambda m, conn: {"ok": True, "text": self.observer.metrics.render()},
         }, frozenset({"acquire", "stop", "warm"}), self._closed, config.max_connections, config.keepalive_s,
-            self.tick_s, str(paths.log_dir() / "pool.log"))
+            self.tick_s, str(self.paths.log_dir() / "pool.log"))
         self._kept_warm_loaded = False
         self._watched = 0.0
         self._unreadable: dict[str, str] = {}  # providers whose edited manifest does not read: what was said

@@ -14,7 +14,6 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..admission import read_devices
 from ..errors import AdmissionTimeout, ResidentPoolError, WorkerStartError
 from ..providers.hibernate import CheckpointError
 from ..providers.kit_rules import stray_variables
@@ -51,7 +50,7 @@ class Starter:
         try:
             if worker is None:
                 loaded = runtime.registry.get(key)
-                process = WorkerProcess(loaded.slug, index, state_dir=runtime.state_dir,
+                process = WorkerProcess(loaded.slug, index, paths=runtime.paths,
                                         start_timeout_s=loaded.manifest.lifecycle.start_timeout_s)
                 worker = Worker(action.rid, key, index, budget, loaded, process)
                 runtime.adopt(worker)
@@ -70,7 +69,7 @@ class Starter:
         if manifest.gpu.policy == "none" or not worker.budget_gb:
             worker.env = {}
             return None
-        if manifest.gpu.policy == "recommended" and not read_devices()[0]:
+        if manifest.gpu.policy == "recommended" and not self.runtime.admission.devices()[0]:
             worker.admitter, worker.env = CpuOnly(), {"CUDA_VISIBLE_DEVICES": ""}
             return None
         self.runtime.admission.check(worker.loaded.slug, float(worker.budget_gb))
@@ -202,7 +201,7 @@ class Starter:
     def _spawn(self, worker: Worker, env: dict[str, str]) -> dict[str, Any]:
         runtime, loaded, process = self.runtime, worker.loaded, worker.process
         process.device = env.get("CUDA_VISIBLE_DEVICES")
-        launch = Launch.of(command_builder(loaded.manifest)(process))
+        launch = Launch.of(command_builder(loaded.manifest, runtime.config, runtime.paths)(process))
         if loaded.strip_kit:  # stock without the kit: none of its variables, even under passthrough "*"
             launch = replace(launch, env={**launch.env, **stray_variables(loaded.strip_kit, os.environ, set())})
 
@@ -239,7 +238,7 @@ class Starter:
             worker.process.note(why)
             runtime.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}]: {why}")
             worker.process.kill(grace_s=runtime.kill_grace_s)
-            worker.process = WorkerProcess(worker.loaded.slug, worker.index, state_dir=runtime.state_dir,
+            worker.process = WorkerProcess(worker.loaded.slug, worker.index, paths=runtime.paths,
                                            start_timeout_s=worker.loaded.manifest.lifecycle.start_timeout_s)
             runtime.event("restarted", worker.rid, f"{worker.slug}[{worker.index}]: {why}")
             return None

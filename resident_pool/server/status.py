@@ -65,7 +65,7 @@ def build_status(server: PoolServer) -> dict[str, Any]:
             "measured_peak_gb": peak, "budget_advice": budget_advice(facts["budget_gb"], peak),
         }
         if manifest.kit is not None:  # walked at most once a minute per root
-            providers[key]["jit_cache"] = server.jit_sizes.report(jit_root(manifest, os.environ))
+            providers[key]["jit_cache"] = server.jit_sizes.report(jit_root(manifest, os.environ, server.paths.cache))
     for path in sorted(server.manifests.glob("*/manifest.toml")):
         slug = path.parent.name
         if slug in providers:
