@@ -3,8 +3,9 @@
 ``settings()`` is called at the edges only: the CLI, the daemon's start (``PoolServer``), ``Pool()``, a
 standalone ``ResidentWorker``, the admission service's start and the flows (``resident_pool.prefect``). They hand
 the ``Settings`` (and the folders, as one ``host.paths.Paths``) down; no other module calls it or reads
-``os.environ`` for these names. ``worker_base.py`` keeps its own reads of the worker-side names (it is standard
-library only); they are listed here too, so this file is the one place that names them all.
+``os.environ`` for these names (``tests/test_settings.py`` reads the code to check both). ``worker_base.py`` keeps
+its own reads of the worker-side names (it is standard library only); they are listed here too, so this file is
+the one place that names them all.
 """
 
 from __future__ import annotations
