@@ -72,8 +72,9 @@ class Settings(BaseSettings):
                                  "TimeoutStopSec")
     liveness_timeout_s: float = Field(10.0, gt=0, description="an idle worker that does not answer the pool's "
                                       "liveness ping within this is stopped")
-    kill_grace_s: float = Field(5.0, ge=0, description="between SIGTERM and SIGKILL when the pool stops a worker's "
-                                "process group")
+    kill_grace_s: float = Field(5.0, ge=0, description="between SIGTERM and SIGKILL whenever a worker's process "
+                                "group is stopped: by the pool, a standalone worker, a pool ending a dead pool's "
+                                "workers, or a zygote")
     keepalive_s: float = Field(10.0, gt=0, description="how often the pool tells a client waiting on a long op "
                                "(a cold start, an admission wait) that it lives")
     tick_s: float = Field(0.25, gt=0, le=5, description="the pool's clock: how often it looks at idle, liveness, "

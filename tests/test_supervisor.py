@@ -90,6 +90,34 @@ def test_start_timeout_terminates_the_child_and_names_the_transcript(workers):
     assert not pid_alive(worker.pid)
 
 
+def test_each_way_a_standalone_worker_is_stopped_waits_the_kill_grace_set_shorter_than_its_default(workers,
+                                                                                                 monkeypatch):
+    """Issue 32: the kill grace (RESIDENT_POOL_KILL_GRACE_S) reached the pool's own stops only; a timed-out request,
+    a start that never answered and a stop each waited a grace written out where it happened (5 s, or 10 s)."""
+    from resident_pool.providers import worker_process
+
+    monkeypatch.setenv("RESIDENT_POOL_KILL_GRACE_S", "0.7")  # read where the worker is made, as a Pool reads it
+    graces = []
+    terminate = worker_process.terminate_group
+
+    def recorded(proc, grace_s, *rest):
+        graces.append(grace_s)
+        return terminate(proc, grace_s, *rest)
+
+    monkeypatch.setattr(worker_process, "terminate_group", recorded)
+    timed_out = workers(build_command=worker_command("--ignore-term"), request_timeout_s=0.5)
+    with pytest.raises(RequestTimeout):
+        timed_out.predict({"action": "sleep", "seconds": 30})
+    hung = workers(slug="hung", build_command=worker_command("--hang-at-start", "--ignore-term"), start_timeout_s=0.5)
+    with pytest.raises(WorkerStartError, match="did not answer"):
+        hung.ensure_started()
+    stopped = workers(slug="stopped", build_command=worker_command())
+    stopped.ensure_started()
+    stopped.stop()
+    assert graces == [0.7, 0.7, 0.7]
+    assert not pid_alive(timed_out.pid) and not pid_alive(hung.pid) and not pid_alive(stopped.pid)
+
+
 @both_ways
 def test_an_exception_fails_the_request_and_the_same_process_answers_next(workers):
     worker = workers(build_command=worker_command())
@@ -213,8 +241,9 @@ SUPERVISOR_SCRIPT = textwrap.dedent(
     from helpers import configured, worker_command
     from resident_pool import ResidentWorker
     from resident_pool.providers.zygote import Zygote
-    paths = configured()[1]
-    zygote = Zygote("orphan", "k", sys.executable, {{}}, {worker!r}, ["json"], paths=paths) if {forked!r} else None
+    config, paths = configured()
+    zygote = Zygote("orphan", "k", sys.executable, {{}}, {worker!r}, ["json"], paths=paths,
+                    kill_grace_s=config.kill_grace_s) if {forked!r} else None
     worker = ResidentWorker("orphan", worker_command(), spawner=zygote)
     worker.ensure_started()
     print(json.dumps({{"pid": worker.pid}}), flush=True)

@@ -126,7 +126,7 @@ class ResidentWorker:
         the CPU for a manifest whose GPU is only recommended, on a host with none (as under the pool).
         ``spawner``: a zygote to fork each start from (``zygote.Zygote``); None spawns every start.
 
-        A standalone worker is an edge, as a ``Pool`` is: ``config`` (its folders, its ledger) is the
+        A standalone worker is an edge, as a ``Pool`` is: ``config`` (its folders, ledger, kill grace) is the
         settings as the environment gives them now unless given; ``paths``, the folders ``config`` names;
         ``state_dir`` overrides the state folder alone."""
         self.slug = slug
@@ -172,8 +172,9 @@ class ResidentWorker:
         return self._handle
 
     def _new_process(self) -> WorkerProcess:
-        return WorkerProcess(self.slug, self.replica, paths=self.paths, log_path=self.log_path,
-                             start_timeout_s=self.start_timeout_s, connect_timeout_s=self.connect_timeout_s)
+        return WorkerProcess(self.slug, self.replica, paths=self.paths, kill_grace_s=self.config.kill_grace_s,
+                             log_path=self.log_path, start_timeout_s=self.start_timeout_s,
+                             connect_timeout_s=self.connect_timeout_s)
 
     def transition(self, new: WorkerState, why: str = "", only_from: tuple[WorkerState, ...] | None = None) -> bool:
         """Move to ``new`` if the state table allows it from here; raise otherwise. True when it moved.
@@ -240,7 +241,7 @@ class ResidentWorker:
                 if os.path.exists(self.socket_path):
                     return
                 self._process.note(f"worker pid {self.pid} is alive without its socket; restarting it")
-                self._end(self._process.kill(grace_s=5.0))
+                self._end(self._process.kill())
             elif self._process.returncode is not None or self._process.proc is not None:
                 self._end(self._process.poll())
             self._start()
@@ -270,7 +271,7 @@ class ResidentWorker:
             self.transition(WorkerState.FAILED, str(exc), only_from=(WorkerState.STARTING,))
             self.last_error = exc if isinstance(exc, Exception) else None
             if self._process.proc is not None and self._process.returncode is None:
-                self._process.kill(grace_s=5.0)
+                self._process.kill()
             self._release_admission()
             raise
         loaded = getattr(self._admitted_by, "loaded", None)
@@ -365,7 +366,7 @@ class ResidentWorker:
         """The request outran its timeout: the worker, which answers serially, is replaced."""
         self._drop_connection()
         self._process.note(f"a request outran request_timeout_s = {timeout:g} s; terminating the worker")
-        self._end(self._process.kill(grace_s=5.0))
+        self._end(self._process.kill())
         tail = read_tail(self._process.transcript_path)
         headline = (f"{self.slug}: a request outran request_timeout_s = {timeout:g} s; the worker was stopped "
                     f"and the next request starts a fresh one; transcript {self._process.transcript_path}")
@@ -381,7 +382,7 @@ class ResidentWorker:
             self._end(rc)
             raise self._process.died_error(rc, stopping) from exc
         self._process.note(f"request failed on a live worker ({exc}); terminating it")
-        self._end(self._process.kill(grace_s=5.0))
+        self._end(self._process.kill())
 
     def _reply_error(self, reply: dict[str, Any]) -> WorkerRequestError:
         """The error for a reply with ``ok: false``; a worker_exiting one is reaped first."""

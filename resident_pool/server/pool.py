@@ -88,8 +88,8 @@ class PoolServer:
                               policy_from(config, self.service.info if self.service is not None else None))
         self.admission = Admission(self.ledger, devices=lambda: read_devices(config),
                                    headroom_gb=config.gpu_headroom_gb, holder_of=self._holder_of, service=self.service,
-                                   orphans=Orphans(self.paths.workers_dir()))
-        self.zygotes = Zygotes(self.paths)  # fork servers, one per provider environment that declares a preload
+                                   orphans=Orphans(self.paths.workers_dir(), config.kill_grace_s))
+        self.zygotes = Zygotes(self.paths, config.kill_grace_s)  # fork servers: one per environment with a preload
         self.hibernator = Hibernator(CudaCheckpoint(config.libcuda))  # for [lifecycle] evict = "hibernate"
         self.jit_sizes = JitSizes()
         self.observer = Observer(config, self.paths, self.manifests, self.socket_path, self._snapshot,

@@ -50,7 +50,7 @@ class Starter:
         try:
             if worker is None:
                 loaded = runtime.registry.get(key)
-                process = WorkerProcess(loaded.slug, index, paths=runtime.paths,
+                process = WorkerProcess(loaded.slug, index, paths=runtime.paths, kill_grace_s=runtime.kill_grace_s,
                                         start_timeout_s=loaded.manifest.lifecycle.start_timeout_s)
                 worker = Worker(action.rid, key, index, budget, loaded, process)
                 runtime.adopt(worker)
@@ -239,6 +239,7 @@ class Starter:
             runtime.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}]: {why}")
             worker.process.kill(grace_s=runtime.kill_grace_s)
             worker.process = WorkerProcess(worker.loaded.slug, worker.index, paths=runtime.paths,
+                                           kill_grace_s=runtime.kill_grace_s,
                                            start_timeout_s=worker.loaded.manifest.lifecycle.start_timeout_s)
             runtime.event("restarted", worker.rid, f"{worker.slug}[{worker.index}]: {why}")
             return None
