@@ -69,7 +69,6 @@ __all__ = [
 
 log = logging.getLogger("resident_pool.prefect")
 HOST = socket.gethostname()
-_waits = threading.local()  # the last admission wait this thread's request reported
 BREAKER_OPEN = "breaker_open"  # the reason of a request refused at once because the provider's starts keep failing
 # While a task waits for its worker (a cold start, every replica busy), its log says so this often: a 27 s
 # start that logs nothing until the end looks hung.
@@ -109,7 +108,7 @@ def _client(manifests: str | os.PathLike[str] | None) -> Pool:
 
 
 def _log_wait(wait: dict[str, Any]) -> None:
-    _waits.last = wait
+    """A report of a wait for GPU admission, in the run's log (a call's own ``on_wait``: the client is shared)."""
     free = ", ".join(f"GPU {device}: {gb:g} GB" for device, gb in wait["free"].items()) or "no device"
     holders = "; ".join(wait["holders"]) or "nobody in the pool (memory held outside it)"
     if wait.get("ahead"):
@@ -377,19 +376,17 @@ def pool_session(slug: str, manifests: str | os.PathLike[str] | None = None, *,
     admission (``waiting for GPU admission``), a cold start as it goes and, once the worker answers, its phases.
     """
     client = _client(manifests)
-    client.on_wait = _log_wait
-    _waits.last = None
     logger = _run_logger()
     notes = _WaitNotes(slug, client.manifests, logger)
     began = time.monotonic()
     try:
         with notes, client.session(slug, holder=_holder(), max_attachment_bytes=max_attachment_bytes,
-                                   priority=priority) as session:
+                                   priority=priority, on_wait=_log_wait) as session:
             notes.close()
             waited = time.monotonic() - began
             if session.cold and logger is not None:
-                logger.info("%s", _cold_start_line(client.manifests, session, waited, _waits.last))
-            _emit_leased(slug, session, _waits.last)
+                logger.info("%s", _cold_start_line(client.manifests, session, waited, session.wait))
+            _emit_leased(slug, session, session.wait)
             yield session
     except ResidentPoolError as error:
         _emit_failure(error)
@@ -517,9 +514,8 @@ def warm_provider(slug: str, replicas: int = 1, manifests: str | os.PathLike[str
     chunk tasks (``wait_for=[...]``) so they find the workers warm.
     """
     client = _client(manifests)
-    client.on_wait = _log_wait
     try:
-        result = client.warm(slug, replicas)
+        result = client.warm(slug, replicas, on_wait=_log_wait)
     except ResidentPoolError as error:
         _emit_failure(error)
         raise _report(error, client.config.artifact_tail_lines, client.paths) from error
