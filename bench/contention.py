@@ -232,7 +232,7 @@ ADMITTER = textwrap.dedent("""
     # NVML whose free memory drops only when a worker has "loaded" (LOAD_S after admission).
     import fcntl, json, os, sys, threading, time
     from pathlib import Path
-    from resident_pool.admission import Admission, Ledger
+    from resident_pool.admission import Admission, Ledger, read_devices
     from resident_pool.admission.remote import connect_service
     from resident_pool.settings import settings
 
@@ -243,9 +243,10 @@ ADMITTER = textwrap.dedent("""
     def wake():
         with woken:
             woken.notify_all()
-    service = connect_service(settings(), wake, lambda *a: None)
-    gate = Admission(Ledger(Path(state, "ledger.json"), audit=Path(state, "audit.jsonl")), headroom_gb=0.0,
-                     service=service)
+    config = settings()
+    service = connect_service(config, wake, lambda *a: None)
+    gate = Admission(Ledger(Path(state, "ledger.json"), audit=Path(state, "audit.jsonl")),
+                     devices=lambda: read_devices(config), headroom_gb=0.0, service=service)
 
     def loaded(delta):
         with open(nvml + ".lock", "w") as lock:

@@ -167,8 +167,9 @@ def _nvml_used(index: int = 0) -> int:
 
 def check_nvml_matches_smi() -> Check:
     from resident_pool.admission import read_devices
+    from resident_pool.settings import settings
 
-    devices, source = read_devices()
+    devices, source = read_devices(settings())
     smi = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total,memory.free", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, check=True).stdout
     rows = [[float(x) for x in line.split(",")] for line in smi.strip().splitlines()]
@@ -303,6 +304,7 @@ def check_minilm_on_gpu(h: Harness) -> Check:
     from resident_pool import Pool
     from resident_pool.providers.launch import worker_for
     from resident_pool.providers.manifest import load_manifest
+    from resident_pool.settings import settings
 
     path = h.manifests / "minilm" / "manifest.toml"
     path.write_text(path.read_text().replace('policy = "none"', 'policy = "recommended"\nvram_budget_gb = 1'))
@@ -317,7 +319,7 @@ def check_minilm_on_gpu(h: Harness) -> Check:
             held.append(time.perf_counter() - started)
     fresh = []
     for _ in range(2):
-        worker = worker_for(load_manifest(path), replica=7)
+        worker = worker_for(load_manifest(path), replica=7, config=settings())
         started = time.perf_counter()
         try:
             worker.predict(payload)
@@ -340,7 +342,7 @@ def check_hibernate(h: Harness, hold_gib: float = 2.0) -> Check:
     why = CudaCheckpoint(settings().libcuda).unavailable()
     if why:
         return Check("hibernate: restore vs cold start", False, {}, f"not checked: {why}", skipped=True)
-    devices, _ = read_devices()
+    devices, _ = read_devices(settings())
     budget = round(devices[0].total_gb * 0.6, 1)  # two cannot fit: the rival makes the provider hibernate
     h.provider("gpu-hib", budget, 'evict = "hibernate"\n')
     h.provider("gpu-rival", budget)

@@ -376,6 +376,7 @@ def case_real_model(table: Table, env: Env, quick: bool) -> None:
     from resident_pool import Pool
     from resident_pool.providers.launch import worker_for
     from resident_pool.providers.manifest import load_manifest
+    from resident_pool.settings import settings
 
     manifest = load_manifest(env.manifests / "minilm" / "manifest.toml")
     payload = {"inputs": sequences(8, residues=200)}
@@ -404,7 +405,7 @@ def case_real_model(table: Table, env: Env, quick: bool) -> None:
     warm = timed(lambda: pool.predict("minilm", payload), 10 if quick else 40, warmup=3)
 
     def fresh():
-        worker = worker_for(manifest, replica=50)
+        worker = worker_for(manifest, replica=50, config=settings())
         try:
             worker.predict(payload)
         finally:

@@ -29,7 +29,15 @@ from prefect.states import Failed
 from resident_pool.campaigns.answers import per_input
 from resident_pool.client import default_manifests
 from resident_pool.errors import ManifestError
-from resident_pool.prefect import Priority, artifact_key, code_span, escape_markdown, pool_session, retry_pool_failures
+from resident_pool.prefect import (
+    Priority,
+    artifact_key,
+    code_span,
+    escape_markdown,
+    host_settings,
+    pool_session,
+    retry_pool_failures,
+)
 from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
 
 DEFAULT_PROVIDER = "minilm"  # the demo model: a bare run from the UI embeds its example sequences
@@ -66,7 +74,7 @@ def takes_sequences(manifest: Manifest) -> bool:
 def _requests(provider: str, sequences: list[str] | None, payload: dict[str, Any] | None) -> tuple[list[Any], str]:
     """The requests to send and what they are (for the log and the artifact)."""
     # A whole name, never a path: it names the manifest folder and the artifact.
-    manifest = load_manifest(manifest_path(default_manifests(), provider))
+    manifest = load_manifest(manifest_path(default_manifests(None, *host_settings()), provider))
     example = json.dumps(manifest.smoke.payload) if manifest.smoke.payload else "{...}"
     if sequences and payload:
         raise ManifestError(f"{provider}: give sequences or a payload, not both")
@@ -218,7 +226,7 @@ def predict(provider: str = DEFAULT_PROVIDER, sequences: list[str] | None = None
     logger.info("%s: sending %s in %d request(s)", provider,
                 f"{sum(len(r['inputs']) for r in requests)} sequence(s)" if what == "sequences" else what,
                 len(requests))
-    answer = predict_inputs(provider, requests, str(default_manifests()), priority)
+    answer = predict_inputs(provider, requests, str(default_manifests(None, *host_settings())), priority)
     answer.update({"provider": provider, "flow_run_pid": os.getpid(), "host": socket.gethostname(),
                    "flow_run_id": str(runtime.flow_run.id)})
     if what == "sequences":

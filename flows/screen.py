@@ -67,13 +67,14 @@ from resident_pool.prefect import (
     Priority,
     artifact_key,
     escape_markdown,
+    host_settings,
     pool_session,
     queue_summary,
     retry_pool_failures,
 )
 from resident_pool.prefect.roots import check_path
 from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
-from resident_pool.settings import settings as pool_settings
+from resident_pool.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_INPUT = str(ROOT / "data" / "uniprot-500.fasta")
@@ -439,14 +440,14 @@ def _is_input_name(path: Path) -> bool:
     return bool(suffixes) and suffixes[-1] in FORMATS
 
 
-def _check_roots(input: str, output: str | None) -> str:
+def _check_roots(input: str, output: str | None, config: Settings) -> str:
     """The paths this run was given, within the folders the worker host allows (resident_pool.prefect.roots);
     returns the input with its folders' links resolved, as checked, so that a link swapped in on the way after
     the check is not followed. An input file that is itself a link stays one, and is refused when opened."""
     path = Path(input).expanduser()
     pinned = path.resolve() if path.is_dir() else path.parent.resolve() / path.name
-    check_path(pinned, "input")
-    check_path(output or (pinned / "screened" if pinned.is_dir() else pinned.parent), "output")
+    check_path(pinned, "input", config)
+    check_path(output or (pinned / "screened" if pinned.is_dir() else pinned.parent), "output", config)
     return str(pinned)
 
 
@@ -495,10 +496,11 @@ def screen(
     output, column, id_column = output or None, column or None, id_column or None  # a form's empty field: unset
     if output is not None:  # relative to where the run runs (`make run` gives out/...): named whole from here on
         output = os.path.abspath(os.path.expanduser(output))
-    manifests_dir = str(default_manifests())  # the worker host's configuration, never a parameter
+    config, where = host_settings()
+    manifests_dir = str(default_manifests(None, config, where))  # the worker host's configuration, never a parameter
     try:  # everything that can be wrong before any work: one sentence on the run, no traceback
-        input = _check_roots(input, output)
-        settings = CampaignSettings.from_env()
+        input = _check_roots(input, output, config)
+        settings = CampaignSettings.of(config, where)
         if chunk_size < 1 or (max_workers is not None and max_workers < 1):
             raise InputError(f"chunk_size ({chunk_size}) and max_workers ({max_workers}) must be at least 1")
         manifest = _load_provider(manifests_dir, provider)
@@ -674,14 +676,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--encoding", choices=["float32-base64", "array", "json"], default="float32-base64",
                         help="how minilm sends each vector back")
     parser.add_argument("--no-report", action="store_true", help="write no HTML report beside the output")
-    parser.add_argument("--manifests", default=str(pool_settings().manifests or ROOT / "manifests"),
+    parser.add_argument("--manifests", default=str(host_settings()[0].manifests or ROOT / "manifests"),
                         help="the providers' folder (this process's RESIDENT_POOL_MANIFESTS, for the flow it runs)")
     args = parser.parse_args(argv)
     # The flow reads the providers' folder from its host's configuration; here, the operator's own command is it.
     os.environ["RESIDENT_POOL_MANIFESTS"] = str(Path(args.manifests).expanduser().resolve())
     if not Path(args.input).is_dir():  # a file that is not an input file: one sentence, no traceback, no flow run
         try:
-            settings = CampaignSettings.from_env()
+            settings = CampaignSettings.of(*host_settings())
             InputFile(args.input, column=args.column, id_column=args.id_column,
                       max_record_bytes=settings.max_record_bytes).check()
         except InputError as error:

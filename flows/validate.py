@@ -21,7 +21,7 @@ from prefect.states import Failed
 
 from resident_pool.client import default_manifests
 from resident_pool.errors import ResidentPoolError
-from resident_pool.prefect import Priority, escape_markdown
+from resident_pool.prefect import Priority, escape_markdown, host_settings
 from resident_pool.providers.manifest import SLUG
 from resident_pool.validation.check import STEPS, check_provider
 from resident_pool.validation.provenance import columns
@@ -51,9 +51,10 @@ def _first_line(text: str) -> str:
 def check_one(slug: str, manifest_path: str, smoke: bool, against_stock: bool = False, priority: str = "normal"
               ) -> list[dict]:
     """One provider's steps; fails, naming each failed step, when any failed."""
+    config, where = host_settings()
     rows = [{**result.__dict__, "detail": user_facing(result.detail)}
-            for result in check_provider(Path(manifest_path), smoke=smoke, against_stock=against_stock,
-                                         priority=priority)]
+            for result in check_provider(Path(manifest_path), smoke=smoke, config=config, paths=where,
+                                         against_stock=against_stock, priority=priority)]
     failed = [row for row in rows if not row["ok"] and not row["skipped"]]
     if failed:
         raise ValidationFailed(f"{slug}: " + "; ".join(f"{row['step']}: {_first_line(row['detail'])}"
@@ -92,7 +93,7 @@ def validate(smoke: bool = False, providers: list[str] | None = None, against_st
             ahead of campaigns).
     """
     logger = get_run_logger()
-    directory = default_manifests()  # the worker host's configuration, never a parameter
+    directory = default_manifests(None, *host_settings())  # the worker host's configuration, never a parameter
     try:
         paths = _paths(directory, providers)
     except ValidationFailed as error:

@@ -80,7 +80,8 @@ class ArrayError(ValueError):
 def limits(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
     """(attach_min_bytes, max_attachment_bytes) from the environment, or their defaults.
 
-    For the worker, which has no settings module; a client takes them from ``settings()``.
+    For the worker, which has no settings module (the pool sets both variables for it); a client takes them from
+    its ``Settings``.
     """
     environ = os.environ if environ is None else environ
     values = []

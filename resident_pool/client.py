@@ -24,10 +24,10 @@ from filelock import FileLock
 from . import arrays
 from . import priority as order
 from .errors import RequestTimeout, ResidentPoolError, WorkerRequestError, error_from_dict
-from .host import paths
+from .host.paths import Paths
 from .messages import Acquire, Release, StopWorkers, Used, Variant, Warm, bad_request
 from .protocol import COPY, Inbox, PeerError, ProtocolError, connect, recv_line, send_line
-from .settings import settings
+from .settings import Settings, settings
 from .version import __version__
 
 __all__ = ["Pool", "Session", "default_manifests", "shutdown_pool"]
@@ -68,23 +68,23 @@ def _check_priority(priority: str) -> None:
         raise bad_request(f"priority {priority!r} is not a class: one of {', '.join(order.CLASSES)}")
 
 
-def default_manifests(manifests: str | os.PathLike[str] | None = None) -> Path:
-    """``manifests``, else $RESIDENT_POOL_MANIFESTS, else ./manifests where it exists, else the running pool's
-    folder; absolute (./manifests when none of them is there, so a message can name it)."""
-    chosen = manifests or settings().manifests
+def default_manifests(manifests: str | os.PathLike[str] | None, config: Settings, where: Paths) -> Path:
+    """``manifests``, else $RESIDENT_POOL_MANIFESTS (``config``), else ./manifests where it exists, else the running
+    pool's folder (at ``where``); absolute (./manifests when none of them is there, so a message can name it)."""
+    chosen = manifests or config.manifests
     if chosen:
         return Path(chosen).expanduser().resolve()
     here = Path("manifests").resolve()
     if here.is_dir():
         return here
-    return running_pool_manifests() or here
+    return running_pool_manifests(where, config.client_timeout_s) or here
 
 
-def running_pool_manifests() -> Path | None:
+def running_pool_manifests(where: Paths, timeout_s: float) -> Path | None:
     """The manifests folder of this host's running pool, as its hello says; None when no pool answers."""
     try:
-        with connect(paths.pool_socket(paths.state_dir())) as sock:
-            sock.settimeout(settings().client_timeout_s)
+        with connect(where.pool_socket()) as sock:
+            sock.settimeout(timeout_s)
             send_line(sock, {"op": "hello", "version": __version__})
             hello = recv_line(sock, bytearray())
     except (OSError, ProtocolError, ResidentPoolError):  # none runs, it is not ours, or it went away
@@ -160,15 +160,17 @@ class Pool:
         on_wait: Callable[[dict[str, Any]], None] | None = None,
         holder: dict[str, str] | None = None,
     ) -> None:
-        """``on_wait`` is called (every few seconds) while a request waits for GPU admission;
-        ``holder`` says who this client's leases are for (shown in ``status``)."""
+        """``on_wait`` is called (every few seconds, on the thread that asked) while any request of this client waits
+        for GPU admission (a call's own ``on_wait``, given to ``session`` or ``warm``, hears that call's waits
+        alone); ``holder`` says who this client's leases are for (shown in ``status``)."""
         self.config = settings()  # read once: a Pool's settings are those of when it was made, like its folders
-        self.manifests = default_manifests(manifests)
+        self.paths = Paths.of(self.config)
+        self.manifests = default_manifests(manifests, self.config, self.paths)
         self.start = start
         self.on_wait = on_wait
         self.holder = holder
-        self.state_dir = paths.state_dir()
-        self.socket_path = paths.pool_socket(self.state_dir)
+        self.state_dir = self.paths.state_dir()
+        self.socket_path = self.paths.pool_socket()
         self._local = threading.local()
         self._links: list[_Link] = []
         self._links_lock = threading.Lock()
@@ -258,7 +260,7 @@ class Pool:
         return connect(self.socket_path)
 
     def _start_pool(self) -> None:
-        log = paths.log_dir() / "pool.log"
+        log = self.paths.log_dir() / "pool.log"
         with open(log, "a") as out:
             # --background forks and returns at once: the pool belongs to no client, so it outlives
             # the flow run that started it. -P and the state directory as working directory: nothing
@@ -300,9 +302,12 @@ class Pool:
         return ResidentPoolError(
             f"the pool at {self.socket_path} did not answer {op} within {self.config.client_timeout_s:g} s "
             "(RESIDENT_POOL_CLIENT_TIMEOUT_S); it may be stopped (SIGSTOP), swapping or wedged: look at "
-            f"{paths.log_dir() / 'pool.log'}, or restart it", reason="pool_unresponsive")
+            f"{self.paths.log_dir() / 'pool.log'}, or restart it", reason="pool_unresponsive")
 
-    def _call(self, message: dict[str, Any], expect_reply: bool = True) -> dict[str, Any]:
+    def _call(self, message: dict[str, Any], expect_reply: bool = True,
+              on_wait: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Send ``message`` and read its reply; each report of a wait for GPU admission heard meanwhile goes to
+        this client's ``on_wait`` and to this call's own ``on_wait``."""
         link = self._link()
         try:
             # Long ops (a cold start, a drain) send a keepalive every few seconds: silence past the
@@ -314,8 +319,10 @@ class Pool:
             reply = recv_line(link.pool, link.buf)
             while reply is not None and link.heard(reply):
                 wait = reply["progress"].get("waiting_for_admission") if "progress" in reply else None
-                if wait is not None and self.on_wait is not None:
-                    self.on_wait(wait)
+                if wait is not None:
+                    for hear in (self.on_wait, on_wait):
+                        if hear is not None:
+                            hear(wait)
                 reply = recv_line(link.pool, link.buf)
         except TimeoutError:
             self._drop_link()
@@ -377,7 +384,7 @@ class Pool:
         for _ in range(_RECALLED_RETRIES):
             session = link.kept.get(slug)
             if session is None or session._ended:
-                session = Session(self, self._acquire(slug, None, self.holder, priority, keep=True))
+                session = Session(self, *self._acquire(slug, None, self.holder, priority, keep=True))
                 if not session.lease.get("kept"):  # a worker per lease (mode = "subprocess"), or one that
                     try:                           # cannot be asked for its lease back
                         return session.predict(payload)
@@ -402,7 +409,8 @@ class Pool:
     @contextmanager
     def session(self, slug: str, variant: dict[str, Any] | None = None,
                 holder: dict[str, str] | None = None, *,
-                max_attachment_bytes: int | None = None, priority: str = order.DEFAULT) -> Iterator[Session]:
+                max_attachment_bytes: int | None = None, priority: str = order.DEFAULT,
+                on_wait: Callable[[dict[str, Any]], None] | None = None) -> Iterator[Session]:
         """Hold one worker of ``slug`` for a batch; others wait for a replica meanwhile.
 
         ``variant`` (``{"name": "stock", "kit_mode": "off"}`` or ``{"name": "stock", "without_kit":
@@ -413,16 +421,17 @@ class Pool:
         batch) says where it waits in line. A backfilled lease (it started ahead of a request that did not
         fit yet) may be recalled: its worker is taken back once the request in flight is over (at once when the
         session is idle), and the session's next request waits again in its class, maybe for another worker,
-        unseen by the caller (``session.recalls`` counts it).
+        unseen by the caller (``session.recalls`` counts it). ``on_wait`` hears every few seconds what this
+        session's lease waits for while it waits for GPU admission; ``session.wait`` keeps the last report.
         """
         _check_priority(priority)
         self._give_back_kept(slug)  # this thread is here, not in a Pool.predict: its kept lease is idle
         holder = holder or self.holder
 
-        def acquire() -> dict[str, Any]:
-            return self._acquire(slug, variant, holder, priority)
+        def acquire() -> tuple[dict[str, Any], dict[str, Any] | None]:
+            return self._acquire(slug, variant, holder, priority, on_wait=on_wait)
 
-        session = Session(self, acquire(), max_attachment_bytes, acquire)
+        session = Session(self, *acquire(), max_attachment_bytes=max_attachment_bytes, reacquire=acquire)
         try:
             yield session
         finally:
@@ -437,14 +446,23 @@ class Pool:
             session.release()
 
     def _acquire(self, slug: str, variant: dict[str, Any] | None = None,
-                 holder: dict[str, str] | None = None, priority: str = order.DEFAULT,
-                 keep: bool = False) -> dict[str, Any]:
+                 holder: dict[str, str] | None = None, priority: str = order.DEFAULT, keep: bool = False,
+                 on_wait: Callable[[dict[str, Any]], None] | None = None,
+                 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The lease, and the last report of its wait for GPU admission (None: it did not wait for memory)."""
         message = Acquire(slug, str(self.manifests), holder or None,
                           Variant(**variant) if variant else None, priority, keep).to_message()
+        heard: list[dict[str, Any]] = []  # this call's own: another thread's acquire keeps its own
+
+        def hear(wait: dict[str, Any]) -> None:
+            heard.append(wait)
+            if on_wait is not None:
+                on_wait(wait)
+
         attempts = 3
         for attempt in range(attempts):
             try:
-                return self._call(message)
+                return self._call(message, on_wait=hear), (heard[-1] if heard else None)
             except ResidentPoolError as error:  # first: AdmissionTimeout is an OSError too, and final
                 if error.reason != "pool_stopping" or attempt == attempts - 1:
                     raise
@@ -468,9 +486,11 @@ class Pool:
         """Stop ``slug``'s workers (every provider's when None); leased ones finish first unless ``now``."""
         return self._call(StopWorkers(slug, now).to_message())["stopped"]
 
-    def warm(self, slug: str, replicas: int = 1) -> dict[str, Any]:
-        """Start ``slug``'s workers until ``replicas`` of them run (and answer); returns what was started."""
-        reply = self._call(Warm(slug, replicas, str(self.manifests)).to_message())
+    def warm(self, slug: str, replicas: int = 1, *,
+             on_wait: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Start ``slug``'s workers until ``replicas`` of them run (and answer); returns what was started.
+        ``on_wait`` hears every few seconds what a start waits for while it waits for GPU admission."""
+        reply = self._call(Warm(slug, replicas, str(self.manifests)).to_message(), on_wait=on_wait)
         reply.pop("ok", None)
         return reply
 
@@ -498,10 +518,15 @@ def shutdown_pool(wait_s: float = 60.0) -> int | None:
 
 
 class Session:
-    """A leased worker: requests go straight to its socket."""
+    """A leased worker: requests go straight to its socket.
 
-    def __init__(self, pool: Pool, lease: dict[str, Any], max_attachment_bytes: int | None = None,
-                 reacquire: Callable[[], dict[str, Any]] | None = None) -> None:
+    ``wait``: the last report of the wait for GPU admission its lease went through (what it needed, what was free,
+    who held it, how long it waited), or None when it did not wait for memory.
+    """
+
+    def __init__(self, pool: Pool, lease: dict[str, Any], wait: dict[str, Any] | None = None,
+                 max_attachment_bytes: int | None = None,
+                 reacquire: Callable[[], tuple[dict[str, Any], dict[str, Any] | None]] | None = None) -> None:
         self.pool = pool
         cap = pool.config.max_attachment_bytes
         self.max_attachment_bytes = cap if max_attachment_bytes is None else min(cap, max_attachment_bytes)
@@ -510,11 +535,12 @@ class Session:
         self.recalls = 0  # leases given back on the pool's recall, each followed by a new one
         self._forks = _Process.forks  # the process it was opened in (a child of a fork has other forks)
         self._inbox: Inbox | None = None  # of the connection its last request went on
-        self._hold(lease)
+        self._hold(lease, wait)
         self._ended = False
 
-    def _hold(self, lease: dict[str, Any]) -> None:
+    def _hold(self, lease: dict[str, Any], wait: dict[str, Any] | None) -> None:
         self.lease = lease
+        self.wait = wait
         self.slug: str = lease["slug"]
         self.pid: int = lease["pid"]
         self.replica: int = lease["replica"]
@@ -554,7 +580,7 @@ class Session:
         except OSError:
             pass  # the pool is gone: the lease went with its connection, and the acquire below says what is wrong
         self._ended = False
-        self._hold(self._reacquire())
+        self._hold(*self._reacquire())
         self.recalls += 1
 
     def _worker(self) -> tuple[socket.socket, Inbox]:

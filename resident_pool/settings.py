@@ -1,9 +1,11 @@
 """Every ``RESIDENT_POOL_*`` variable, with its type and default, and the XDG folders they fall back to.
 
-Other modules take their values from ``settings()`` and never read ``os.environ``
-for these names. ``worker_base.py`` keeps its own reads of the worker-side names
-(it is standard library only); they are listed here too, so this file is the one
-place that names them all.
+``settings()`` is called at the edges only: the CLI, the daemon's start (``PoolServer``), ``Pool()``, a
+standalone ``ResidentWorker``, the admission service's start and the flows (``resident_pool.prefect``). They hand
+the ``Settings`` (and the folders, as one ``host.paths.Paths``) down; no other module calls it or reads
+``os.environ`` for these names (``tests/test_settings.py`` reads the code to check both). ``worker_base.py`` keeps
+its own reads of the worker-side names (it is standard library only); they are listed here too, so this file is
+the one place that names them all.
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ class Settings(BaseSettings):
                                  "TimeoutStopSec")
     liveness_timeout_s: float = Field(10.0, gt=0, description="an idle worker that does not answer the pool's "
                                       "liveness ping within this is stopped")
-    kill_grace_s: float = Field(5.0, ge=0, description="between SIGTERM and SIGKILL when the pool stops a worker's "
-                                "process group")
+    kill_grace_s: float = Field(5.0, ge=0, description="between SIGTERM and SIGKILL whenever a worker's process "
+                                "group is stopped: by the pool, a standalone worker, a pool ending a dead pool's "
+                                "workers, or a zygote")
     keepalive_s: float = Field(10.0, gt=0, description="how often the pool tells a client waiting on a long op "
                                "(a cold start, an admission wait) that it lives")
     tick_s: float = Field(0.25, gt=0, le=5, description="the pool's clock: how often it looks at idle, liveness, "

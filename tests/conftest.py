@@ -11,6 +11,7 @@ from helpers import (
     LONG_LIVED,
     TAG_VARIABLE,
     TEST_WORKER,
+    configured,
     describe_pids,
     remove_released_folders,
     run_folder,
@@ -113,8 +114,9 @@ def workers(way):
     from resident_pool.providers.zygote import Zygote
 
     made = []
-    zygote = Zygote("testworker", "tests", sys.executable, {}, str(TEST_WORKER), ["json", "ctypes"]) \
-        if way == "zygote" else None
+    config, paths = configured()
+    zygote = Zygote("testworker", "tests", sys.executable, {}, str(TEST_WORKER), ["json", "ctypes"], paths=paths,
+                    kill_grace_s=config.kill_grace_s) if way == "zygote" else None
 
     def make(slug="testworker", build_command=None, **kwargs):
         worker = ResidentWorker(slug, build_command, spawner=zygote, **kwargs)

@@ -43,6 +43,27 @@ def wait_until(condition, timeout=10.0, interval=0.02, message="condition"):
         time.sleep(interval)
 
 
+def configured():
+    """The settings as this test's environment gives them now, and the folders they name: what an edge (the CLI,
+    ``Pool()``, the daemon) reads and hands down."""
+    from resident_pool.host.paths import Paths
+    from resident_pool.settings import settings
+
+    config = settings()
+    return config, Paths.of(config)
+
+
+def as_the_pool() -> dict:
+    """``config=`` and ``paths=`` for a start planned as the pool plans it, from this test's settings."""
+    config, paths = configured()
+    return {"config": config, "paths": paths}
+
+
+def state_dir() -> Path:
+    """This test's state folder (made private), as its settings name it."""
+    return configured()[1].state_dir()
+
+
 def run_folder(config) -> Path:
     """The folder every process of this pytest run shares: the base temp folder, or its parent under xdist (each
     worker has its own base inside it)."""
@@ -227,6 +248,7 @@ class RefusingClient:
 
     def __init__(self, error, manifests):
         self.error, self.manifests, self.on_wait = error, manifests, None
+        self.config, self.paths = configured()  # what a failure's artifact is written with
 
     def session(self, slug, holder=None, **options):  # options: what pool_session passes (max_attachment_bytes)
         raise self.error

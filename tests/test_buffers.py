@@ -18,14 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import WORKERS, wait_until
+from helpers import WORKERS, state_dir, wait_until
 from hypothesis import given
 from hypothesis import strategies as st
 from providers import write_provider
 
 from resident_pool import Pool, WorkerRequestError, arrays, protocol
 from resident_pool.arrays import DTYPES, Array
-from resident_pool.host import paths
 from resident_pool.protocol import Inbox, ProtocolError, recv_message, send_line, send_raw
 from resident_pool.providers.supervisor import PROTOCOL_PATH, WORKER_BASE_PATH
 
@@ -210,7 +209,7 @@ def _case(kind):
         os.close(write)
         return read, 100
     if kind == "regular file":
-        path = paths.state_dir() / "plain-file"
+        path = state_dir() / "plain-file"
         path.write_bytes(b"x" * 100)
         return os.open(path, os.O_RDONLY), 100
     raise AssertionError(kind)
@@ -378,7 +377,7 @@ def test_unsupported_dtypes_are_named():
 def array_worker(request):
     """The array test worker started by hand (``python -S``: no numpy in its environment, when asked)."""
     flags = getattr(request, "param", [])
-    socket_path = str(paths.state_dir() / "arrays.sock")
+    socket_path = str(state_dir() / "arrays.sock")
     env = {**os.environ, "RESIDENT_POOL_PROTOCOL": PROTOCOL_PATH, "RESIDENT_POOL_WORKER_BASE": WORKER_BASE_PATH}
     with subprocess.Popen([sys.executable, *flags, str(ARRAY_WORKER), socket_path], env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
@@ -535,7 +534,7 @@ def test_a_worker_that_cannot_find_arrays_py_speaks_plain_json(tmp_path):
 
     for name in (PROTOCOL_PATH, WORKER_BASE_PATH):
         shutil.copy(name, tmp_path)
-    socket_path = str(paths.state_dir() / "plain.sock")
+    socket_path = str(state_dir() / "plain.sock")
     env = {**os.environ, "RESIDENT_POOL_PROTOCOL": str(tmp_path / "protocol.py"),
            "RESIDENT_POOL_WORKER_BASE": str(tmp_path / "worker_base.py")}
     value = random_array("int16", (300, 300))
@@ -580,7 +579,7 @@ class OldWorker(threading.Thread):
 
 
 def test_an_old_worker_gets_plain_json_and_keeps_working():
-    path = str(paths.state_dir() / "old.sock")
+    path = str(state_dir() / "old.sock")
     old = OldWorker(path)
     old.start()
     value = random_array("int32", (200, 200))

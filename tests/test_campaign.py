@@ -697,9 +697,7 @@ def test_a_pool_started_by_another_path_to_the_same_interpreter_serves_the_campa
         subprocess.run([str(other), "-P", "-m", "resident_pool", "daemon", "--background", "--manifests",
                         str(pool_dir)], cwd=state_dir, check=True, timeout=60, stdin=subprocess.DEVNULL, stdout=log,
                        stderr=subprocess.STDOUT)
-    from resident_pool.host import paths
-
-    wait_until(lambda: os.path.exists(paths.pool_socket(state_dir)), timeout=30, message="the pool")
+    wait_until(lambda: os.path.exists(state_dir / "pool.sock"), timeout=30, message="the pool")
     inputs = _fasta(tmp_path / "in.fasta", _texts(10))
     state = _state(pool_dir, input=str(inputs), output=str(tmp_path / "out.jsonl"))
     records = _records(tmp_path / "out.jsonl")

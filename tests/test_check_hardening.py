@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
+from helpers import as_the_pool, configured, wait_until
 from providers import make_kit_venv, write_provider
 
 from resident_pool.providers.manifest import load_manifest
@@ -269,7 +269,7 @@ def test_environment_provenance_is_read_under_the_workers_environment(tmp_path, 
     manifest = load_manifest(path)
     monkeypatch.setenv("PYTHONPATH", str(fake))  # e.g. a CI job or a module system exports one
     reported = environment(manifest, str(python))
-    worker = worker_for(manifest)
+    worker = worker_for(manifest, config=configured()[0])
     try:
         seen = worker.predict({})["torch"]
     finally:
@@ -469,7 +469,7 @@ def test_a_shared_jit_root_from_the_environment_is_used_as_is(tmp_path, monkeypa
     path = write_provider(tmp_path / "m", "toy", f'[env]\npython = "{python}"\n[kit]\nname = "toykit"\nmode = "fast"\n',
                           worker="toyworker.py")
     try:
-        plan = LaunchPlan.resolve(load_manifest(path), str(tmp_path / "w.sock"))
+        plan = LaunchPlan.resolve(load_manifest(path), str(tmp_path / "w.sock"), **as_the_pool())
     except Exception as exc:
         pytest.fail(f"{type(exc).__name__}: {exc}")
     assert plan.jit_root == shared

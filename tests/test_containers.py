@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from engines import standin
-from helpers import wait_until
+from helpers import as_the_pool, configured, wait_until
 from providers import make_kit_venv, write_provider
 
 from resident_pool import KitUnavailable, ResidentPoolError, ResidentWorker, WorkerStartError
@@ -73,7 +73,7 @@ ISOLATION = pytest.mark.parametrize("engines", [True, False], indirect=True, ids
 @pytest.mark.parametrize("engine", ENGINES)
 def test_the_echo_provider_starts_answers_and_stops_through_each_engine(tmp_path, engines, engine):
     manifest = load_manifest(echo_provider(tmp_path, engine))
-    worker = worker_for(manifest)
+    worker = worker_for(manifest, config=configured()[0])
     try:
         reply = worker.predict({"ping": "hello"})
         assert reply["echo"] == {"ping": "hello"}
@@ -97,7 +97,7 @@ def test_only_named_variables_and_mounted_folders_reach_the_container(tmp_path, 
     private.mkdir()
     manifest = load_manifest(inside_provider(
         tmp_path, engine, f'work_root = "{work}"\n[weights]\nroot_env = "INSIDE_WEIGHTS"\nroot = "{weights}"\n'))
-    worker = worker_for(manifest)
+    worker = worker_for(manifest, config=configured()[0])
     try:
         env = worker.predict({"action": "env"})["env"]
         seen = worker.predict({"action": "exists", "paths": [str(private), str(weights), str(work),
@@ -126,7 +126,7 @@ def test_only_named_variables_and_mounted_folders_reach_the_container(tmp_path, 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_the_admitted_device_reaches_the_container(tmp_path, engines, engine):
     manifest = load_manifest(inside_provider(tmp_path, engine, '[gpu]\npolicy = "required"\nvram_budget_gb = 10\n'))
-    worker = worker_for(manifest, admitter=OneDevice())
+    worker = worker_for(manifest, admitter=OneDevice(), config=configured()[0])
     try:
         env = worker.predict({"action": "env"})["env"]
     finally:
@@ -140,7 +140,7 @@ def test_the_admitted_device_reaches_the_container(tmp_path, engines, engine):
 
 def _named_worker(manifest, name, **kwargs):
     def build(worker):
-        return plan_launch(manifest, worker.socket_path, name=name, device=worker.device).command()
+        return plan_launch(manifest, worker.socket_path, name=name, device=worker.device, **as_the_pool()).command()
 
     return ResidentWorker(manifest.slug, build, start_timeout_s=30, manifest=manifest, **kwargs)
 
@@ -148,7 +148,7 @@ def _named_worker(manifest, name, **kwargs):
 @pytest.mark.parametrize("engine", ["docker", "podman"])
 def test_names_are_unique_per_start_and_a_name_in_use_is_refused(tmp_path, engines, engine):
     manifest = load_manifest(echo_provider(tmp_path, engine))
-    worker = worker_for(manifest)
+    worker = worker_for(manifest, config=configured()[0])
     try:
         first = worker.predict({})["pid"]
         worker.stop()
@@ -207,7 +207,7 @@ def test_a_sigkill_escalation_reaches_the_container_through_the_engine(tmp_path,
 def test_stopping_a_container_worker_that_ignores_sigterm_ends_the_container_not_just_its_client(
         tmp_path, engines, engine):
     manifest = load_manifest(inside_provider(tmp_path, engine))
-    worker = worker_for(manifest.model_copy(update={"worker_args": ["{socket}", "--ignore-term"]}))
+    worker = worker_for(manifest.model_copy(update={"worker_args": ["{socket}", "--ignore-term"]}), config=configured()[0])
     busy = threading.Thread(target=lambda: _ignore_errors(worker.request, {"action": "sleep", "seconds": 120}))
     try:
         inner = worker.predict({})["pid"]
@@ -234,7 +234,7 @@ def test_apptainer_needs_no_engine_controls_the_process_group_reaches_it(tmp_pat
     manifest = load_manifest(inside_provider(tmp_path, "apptainer"))
     assert engine_controls(manifest, "any") is None
     manifest = manifest.model_copy(update={"worker_args": ["{socket}", "--ignore-term"]})
-    worker = worker_for(manifest)
+    worker = worker_for(manifest, config=configured()[0])
     try:
         inner = worker.predict({})["pid"]
         assert inner == worker.pid  # apptainer exec is the container process
@@ -275,7 +275,7 @@ def test_the_probe_runs_before_the_run_folder_exists_and_the_worker_gets_its_hea
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     manifest, python = kit_in_image(tmp_path, engine)
     run_dir = tmp_path / "w" / "toyc-0-1a2b3c"
-    plan = plan_launch(manifest, str(run_dir / "worker.sock"), heartbeat=str(run_dir / "heartbeat"))
+    plan = plan_launch(manifest, str(run_dir / "worker.sock"), heartbeat=str(run_dir / "heartbeat"), **as_the_pool())
     assert not run_dir.exists()
     assert plan.row.model_opt == str(python.parents[1] / "toykit_opt-checkout")
     argv, env = plan.command()
@@ -294,7 +294,7 @@ def test_a_kit_worker_in_a_container_is_probed_and_started_from_one_plan(tmp_pat
     monkeypatch.delenv("MODEL_OPT_JIT_ROOT", raising=False)
     monkeypatch.setenv("TOYKIT_OPT_LEFTOVER", "a stray in the pool's environment")
     manifest, python = kit_in_image(tmp_path, engine)
-    worker = worker_for(manifest)
+    worker = worker_for(manifest, config=configured()[0])
     try:
         assert worker.predict({"x": 4}) == {"value": 8}
         pong = worker.ping()
@@ -322,5 +322,5 @@ def test_a_probe_the_engine_cannot_run_says_so_rather_than_asking_for_the_kit(tm
     manifest = manifest.model_copy(update={"env": manifest.env.model_copy(update={"python": "/opt/absent/python"})})
     with pytest.raises(KitUnavailable, match=r"docker could not run the probe of kit toykit_opt in its container "
                                              r"\(exit 126\); check \[env\] image, python and binds") as info:
-        plan_launch(manifest, str(tmp_path / "worker.sock")).command()
+        plan_launch(manifest, str(tmp_path / "worker.sock"), **as_the_pool()).command()
     assert "is it installed" not in str(info.value)

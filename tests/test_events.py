@@ -185,7 +185,8 @@ def test_a_failing_start_in_a_flow_emits_request_failed_and_breaker_open_related
 
     (line,) = [r for r in _stream(isolated_dirs) if r["event"] == "resident-pool.breaker.open"]
     marker = EventLog(Path(isolated_dirs["logs"]) / EVENTS_FILE).emit("test.marker")  # relayed after the opening
-    relay = threading.Thread(target=relay_events, kwargs={"from_start": True, "follow": False, "say": lambda _: None})
+    relay = threading.Thread(target=relay_events, args=(Path(isolated_dirs["logs"]),),
+                             kwargs={"from_start": True, "follow": False, "say": lambda _: None})
     relay.start()
     relay.join(timeout=60)
     wait_until(lambda: [e for e in _events("resident-pool.test.marker") if str(e.id) == marker["id"]], timeout=60,

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import as_the_pool, configured
 from providers import write_provider
 
 import resident_pool
@@ -109,7 +110,7 @@ def test_binds_are_the_run_folder_work_weights_manifest_and_three_files(tmp_path
     run_dir.mkdir(parents=True)
     heartbeat = tmp_path / "beats" / "heartbeat"
     argv, env = plan_launch(manifest, str(run_dir / "worker.sock"), name="rp-bound",
-                            heartbeat=str(heartbeat)).command()
+                            heartbeat=str(heartbeat), **as_the_pool()).command()
     volumes = [argv[i + 1] for i, item in enumerate(argv) if item == "--volume"]
     package = Path(resident_pool.__file__).parent
     assert volumes == [f"{run_dir}:{run_dir}", f"{work}:{work}", f"{manifest.directory}:{manifest.directory}:ro",
@@ -147,7 +148,7 @@ def test_a_work_root_with_a_colon_is_refused_before_the_engine_reads_it(tmp_path
     body = f'work_root = "{tmp_path}/a:b"\n[env]\nkind = "container"\nengine = "podman"\nimage = "img"\n'
     manifest = load_manifest(write_provider(tmp_path / "manifests", "colon", body))
     with pytest.raises(ManifestError, match=r"work_root: the path .*a:b holds") as info:
-        plan_launch(manifest, str(tmp_path / "worker.sock")).command()
+        plan_launch(manifest, str(tmp_path / "worker.sock"), **as_the_pool()).command()
     assert info.value.details["field"] == "work_root"
 
 
@@ -169,7 +170,7 @@ def test_a_passthrough_list_keeps_orchestrator_secrets_out_of_the_real_worker(tm
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hunter2")
     monkeypatch.setenv("ALLOWED_KNOB", "on")
     manifest = load_manifest(write_provider(tmp_path, "private", '[env]\npassthrough = ["ALLOWED_KNOB"]\n'))
-    worker = worker_for(manifest)
+    worker = worker_for(manifest, config=configured()[0])
     try:
         env = worker.predict({"action": "env"})["env"]
     finally:

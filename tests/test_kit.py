@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import as_the_pool, configured
 from providers import make_kit_venv, write_provider
 
 from resident_pool import KitUnavailable
@@ -52,11 +53,11 @@ def provider(tmp_path, kit_venv, monkeypatch):
 
 
 def probe(manifest, socket="/tmp/unused.sock"):
-    return LaunchPlan.resolve(manifest, socket).probe()
+    return LaunchPlan.resolve(manifest, socket, **as_the_pool()).probe()
 
 
 def serve_once(manifest, payload):
-    worker = worker_for(manifest)
+    worker = worker_for(manifest, config=configured()[0])
     try:
         result = worker.predict(payload)
         pong = worker.ping()
@@ -171,7 +172,7 @@ def test_a_kit_in_site_packages_has_no_kit_tree_and_needs_model_opt(provider, tm
     row = probe(manifest)
     assert row.model_opt is None and "site-packages" in row.model_opt_error
     with pytest.raises(KitUnavailable, match=r"export MODEL_OPT or set \[kit\] model_opt") as info:
-        plan_launch(manifest, "/tmp/unused.sock").command()
+        plan_launch(manifest, "/tmp/unused.sock", **as_the_pool()).command()
     assert "site-packages" in str(info.value)
     exported = tmp_path / "toykit-tree"
     exported.mkdir()
@@ -213,23 +214,23 @@ def test_a_worker_launch_kit_without_launch_opts_cannot_start(provider):
     row = probe(manifest)
     assert row.activation == "worker_launch" and row.launch_opts is None
     with pytest.raises(KitUnavailable, match="launch_opts"):
-        plan_launch(manifest, "/tmp/unused.sock").command()
+        plan_launch(manifest, "/tmp/unused.sock", **as_the_pool()).command()
 
 
 def test_an_empty_row_is_an_error_unless_declared(provider):
     manifest = provider("empty", "emptykit_opt", 'name = "emptykit"\nmode = "any"\n')
     with pytest.raises(KitUnavailable, match='env_row = "none"'):
-        plan_launch(manifest, "/tmp/unused.sock").command()
+        plan_launch(manifest, "/tmp/unused.sock", **as_the_pool()).command()
     declared = provider("emptyok", "emptykit_opt",
                         'name = "emptykit"\nmode = "any"\nenv_row = "none"\nenv_row_reason = "CPU only"\n')
-    argv, env = plan_launch(declared, "/tmp/unused.sock").command()
+    argv, env = plan_launch(declared, "/tmp/unused.sock", **as_the_pool()).command()
     assert argv[1:] == [str(declared.worker_path), "/tmp/unused.sock"] and env["EMPTYKIT_OPT_MODE"] == "any"
 
 
 def test_a_kit_without_a_mode_variable_belongs_in_subprocess_mode(provider):
     manifest = provider("nomode", "nomodekit_opt", 'name = "nomodekit"\nmode = "only"\n')
     with pytest.raises(KitUnavailable, match='mode = "subprocess"'):
-        plan_launch(manifest, "/tmp/unused.sock").command()
+        plan_launch(manifest, "/tmp/unused.sock", **as_the_pool()).command()
 
 
 def test_a_kit_that_is_not_installed_is_named_with_the_probe_output(provider, kit_venv):
@@ -245,7 +246,7 @@ def test_a_kit_that_is_not_installed_is_named_with_the_probe_output(provider, ki
 def test_a_policing_refusal_in_the_probe_is_quoted_not_taken_for_a_missing_kit(provider):
     manifest = provider("policed", "toykit_opt", AUTOLOAD.replace('TRACE = "1"', 'TRACE = "1"\nTOYKIT_OPT_BOGUS = "1"'))
     with pytest.raises(KitUnavailable) as info:
-        plan_launch(manifest, "/tmp/unused.sock").command()
+        plan_launch(manifest, "/tmp/unused.sock", **as_the_pool()).command()
     message = str(info.value)
     assert "refused" in message and "REFUSED: undeclared variables TOYKIT_OPT_BOGUS" in message
     assert "is it installed" not in message
@@ -259,7 +260,7 @@ def test_stray_variables():
 
 def test_each_stack_key_gets_its_own_jit_folder_under_the_default_root_and_the_old_one_stays(provider, tmp_path):
     manifest = provider("upgraded", "toykit_opt", AUTOLOAD)
-    plan = LaunchPlan.resolve(manifest, "/tmp/unused.sock")
+    plan = LaunchPlan.resolve(manifest, "/tmp/unused.sock", **as_the_pool())
     row = plan.probe()
     before = plan.with_kit(row).env["MODEL_OPT_JIT_ROOT"]
     upgraded = KitRow({**row.data, "jit_cache_key": "toykit-2.0-cpu-py311"})

@@ -19,10 +19,9 @@ import types
 from pathlib import Path
 
 import pytest
-from helpers import wait_listening, wait_until
+from helpers import as_the_pool, state_dir, wait_listening, wait_until
 from providers import make_kit_venv, write_provider
 
-from resident_pool.host import paths
 from resident_pool.host.procs import pid_alive
 from resident_pool.protocol import connect, recv_line, send_line
 from resident_pool.providers.worker_process import PROTOCOL_PATH, WORKER_BASE_PATH
@@ -127,7 +126,7 @@ def answers(socket_path: str) -> bool:
 
 @pytest.fixture
 def socket_path():
-    return str(paths.state_dir() / "original.sock")
+    return str(state_dir() / "original.sock")
 
 
 def test_worker_base_has_the_originals_public_names(venvs, socket_path):
@@ -407,7 +406,7 @@ def test_exit_hint_is_a_dash_clause_or_nothing():
 
 def ledger() -> list[dict]:
     """The pool's ledger file: what every worker of this user holds on the host."""
-    return json.loads((paths.state_dir() / "ledger.json").read_text())
+    return json.loads((state_dir() / "ledger.json").read_text())
 
 
 def fake_device(tmp_path: Path, monkeypatch, total_gb: float) -> None:
@@ -584,7 +583,7 @@ def test_the_kit_probe_is_given_KIT_PROBE_TIMEOUT_S_of_180_s_here_shortened_to_h
     manifest = load_manifest(provider(tmp_path / "manifests", "hanging", python, '[kit]\npackage = "hanging_opt"\n'))
     monkeypatch.setattr(kit_rules, "KIT_PROBE_TIMEOUT_S", 0.5)
     with pytest.raises(KitUnavailable, match=r"timed out after 0\.5 seconds"):
-        LaunchPlan.resolve(manifest, "/tmp/unused.sock").probe()
+        LaunchPlan.resolve(manifest, "/tmp/unused.sock", **as_the_pool()).probe()
 
 
 def test_the_jit_cache_default_is_under_the_pools_cache_folder(pool_dir, venvs, kit_home, monkeypatch):
@@ -606,7 +605,7 @@ def test_kit_unavailable_is_a_runtime_error(tmp_path, venvs, kit_home):
     manifest = load_manifest(provider(tmp_path / "manifests", "absent", venvs(),
                                       '[kit]\npackage = "absent_opt"\nmode = "fast"\n'))
     with pytest.raises(RuntimeError) as info:
-        LaunchPlan.resolve(manifest, "/tmp/unused.sock").probe()
+        LaunchPlan.resolve(manifest, "/tmp/unused.sock", **as_the_pool()).probe()
     assert isinstance(info.value, KitUnavailable) and "absent_opt gave no KITROW line" in str(info.value)
 
 

@@ -14,6 +14,7 @@ from helpers import wait_until
 
 from resident_pool.admission import Admission, Ledger, declared
 from resident_pool.admission.orphans import Orphans
+from resident_pool.settings import settings
 from resident_pool.worker_base import IN_FLIGHT_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +60,7 @@ class StandIn:
 def test_an_idle_orphan_is_asked_to_exit_and_a_busy_one_only_once_its_request_ended(short_tmp):
     idle, busy = StandIn(short_tmp / "g8-0-aaa", busy=False), StandIn(short_tmp / "g8-1-bbb", busy=True)
     try:
-        orphans = Orphans(short_tmp)
+        orphans = Orphans(short_tmp, settings().kill_grace_s)
         orphans.start()
         assert idle.proc.wait(timeout=10) == 0  # it answered the shutdown and left
         wait_until(lambda: "busy" in orphans.says(busy.proc.pid), timeout=10, message="the busy one to be seen busy")
@@ -84,7 +85,7 @@ def test_a_wait_for_memory_a_dead_pools_worker_holds_says_what_it_waits_for(tmp_
             "slug": "g8", "replica": 0, "device": 0, "budget_gb": 8, "pid": worker.pid, "owner": dead.pid,
             "since": time.time(), "loaded": True}]))
         gate = Admission(ledger, devices=lambda: (declared("10"), "test"), headroom_gb=0.0,
-                         orphans=Orphans(short_tmp))
+                         orphans=Orphans(short_tmp, settings().kill_grace_s))
         (held,) = gate.describe("g8", 8, 1.0)["holders"]
         assert f"g8[0] 8 GB on GPU 0 (pid {worker.pid}), a worker of pool {dead.pid}, which is gone: it exits once " \
                "idle for its orphan_grace_s" in held
@@ -94,7 +95,7 @@ def test_a_wait_for_memory_a_dead_pools_worker_holds_says_what_it_waits_for(tmp_
 
 
 def test_a_pool_finds_no_orphan_in_a_folder_of_its_own_making(short_tmp):
-    orphans = Orphans(short_tmp)
+    orphans = Orphans(short_tmp, settings().kill_grace_s)
     orphans.start()
     assert orphans.finished.is_set() and orphans.folders == []
     assert not [t for t in threading.enumerate() if t.name == "orphans"]
@@ -124,7 +125,7 @@ def test_an_orphan_that_answers_but_does_not_exit_is_ended_with_its_group_as_a_s
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert held.stdout.readline().strip() == "up"
-        orphans = Orphans(short_tmp)
+        orphans = Orphans(short_tmp, settings().kill_grace_s)
         orphans.start()
         assert held.wait(timeout=30) == -15  # SIGTERM to its group, after the shutdown's 3 s
         assert orphans.finished.wait(10)

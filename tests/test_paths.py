@@ -4,34 +4,33 @@ import os
 import stat
 
 import pytest
-from helpers import worker_command
+from helpers import state_dir, worker_command
 
 from resident_pool import StateDirError
 from resident_pool.errors import SocketPathTooLong
-from resident_pool.host import paths
 
 
 def test_state_dir_is_created_0700(isolated_dirs):
-    path = paths.state_dir()
+    path = state_dir()
     assert str(path) == isolated_dirs["state"]
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o705])
 def test_a_state_dir_open_to_others_is_refused_with_the_fix(isolated_dirs, mode):
-    path = paths.state_dir()
+    path = state_dir()
     os.chmod(path, mode)
     with pytest.raises(StateDirError) as info:
-        paths.state_dir()
+        state_dir()
     assert str(path) in str(info.value) and f"{mode:04o}" in str(info.value)
     assert "chmod 700" in str(info.value)
 
 
 def test_a_state_dir_owned_by_another_user_is_refused(isolated_dirs):
-    path = paths.state_dir()
+    path = state_dir()
     os.chown(path, 65534, -1)
     with pytest.raises(StateDirError, match="owned by uid 65534"):
-        paths.state_dir()
+        state_dir()
 
 
 def test_a_symlinked_state_dir_is_refused(tmp_path, monkeypatch):
@@ -40,7 +39,7 @@ def test_a_symlinked_state_dir_is_refused(tmp_path, monkeypatch):
     (tmp_path / "link").symlink_to(real)
     monkeypatch.setenv("RESIDENT_POOL_STATE_DIR", str(tmp_path / "link"))
     with pytest.raises(StateDirError, match="not a plain directory"):
-        paths.state_dir()
+        state_dir()
 
 
 def test_worker_socket_is_0600_and_an_over_long_path_is_a_clear_error(workers, tmp_path, monkeypatch):

@@ -294,9 +294,9 @@ def test_a_warm_pool_predict_is_one_round_trip_to_the_worker_and_asks_the_pool_n
         asked = []
         original = Pool._call
 
-        def counting(self, message, expect_reply=True):
+        def counting(self, message, *args, **kwargs):
             asked.append(message["op"])
-            return original(self, message, expect_reply)
+            return original(self, message, *args, **kwargs)
 
         monkeypatch.setattr(Pool, "_call", counting)
         second = pool.predict("kept", {"action": "echo"})
@@ -316,8 +316,8 @@ def test_a_client_that_waits_takes_the_kept_lease_back_and_its_holder_acquires_a
         assert answer["result"]["pid"] == pid and answer["result"]["echo"] == "other"
         asked = []
         original = Pool._call
-        monkeypatch.setattr(Pool, "_call", lambda self, m, expect_reply=True: asked.append(m["op"]) or original(
-            self, m, expect_reply))
+        monkeypatch.setattr(Pool, "_call", lambda self, m, *args, **kwargs: asked.append(m["op"]) or original(
+            self, m, *args, **kwargs))
         again = holder.predict("one", {"action": "echo", "value": "holder again"})  # its lease was taken back
     assert again["pid"] == pid and again["echo"] == "holder again"
     assert asked.count("acquire") == 1  # refused as recalled by the worker, then acquired again

@@ -126,24 +126,37 @@ def after_busy(slug, busy_slug):
 def contended():
     first = hold.submit("a6", 1.5)
     second = after_busy.submit("b6", "a6")
-    return first.result(), second.result(), second.task_run_id
+    return first.result(), second.result(), first.task_run_id, second.task_run_id
+
+
+def _task_lines(task_run_id, text):
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])))
+    return [log.message for log in logs if text in log.message]
 
 
 def test_two_tasks_that_cannot_both_fit_both_complete_and_the_waiter_says_why(pool_dir, monkeypatch):
+    import resident_pool.prefect as helpers
+
     monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")
     for slug in ("a6", "b6"):
         write_provider(pool_dir, slug, '[gpu]\npolicy = "required"\nvram_budget_gb = 6\n')
-    held, admitted, waiter_id = contended()
+    held, admitted, holder_id, waiter_id = contended()
     assert held["slept"] == 1.5 and admitted["echo"] == "admitted"
 
-    def waiting_lines():
-        with get_client(sync_client=True) as client:
-            logs = client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[waiter_id])))
-        return [log.message for log in logs if "waiting for GPU admission" in log.message]
-
-    (line, *_) = wait_until(waiting_lines, timeout=30, message="the waiting task's log line")
+    (line, *_) = wait_until(lambda: _task_lines(waiter_id, "waiting for GPU admission"), timeout=30,
+                            message="the waiting task's log line")
     assert "b6 needs 6 GB" in line and "a6[0] 6 GB on GPU 0" in line and "free now GPU 0: 4 GB" in line
     assert "for flow run '" in line and "(task hold-" in line  # who holds the GPU, not just a pid
+    # Both tasks ran on threads of this process, through one cached client: each cold start says its own wait.
+    (waiter_start,) = wait_until(lambda: _task_lines(waiter_id, "cold start done"), timeout=30,
+                                 message="the waiting task's cold start line")
+    (holder_start,) = wait_until(lambda: _task_lines(holder_id, "cold start done"), timeout=30,
+                                 message="the holding task's cold start line")
+    assert waiter_start.startswith("b6:") and "GPU admission" in waiter_start
+    assert holder_start.startswith("a6:") and "GPU admission" not in holder_start
+    # Issue 32: the helpers reassigned on_wait on that shared client; each call now passes its own.
+    assert helpers._clients and all(client.on_wait is None for client in helpers._clients.values())
 
 
 def test_the_validation_flow_fails_on_an_altered_pin_and_passes_restored(pool_dir, tmp_path):

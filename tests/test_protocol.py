@@ -103,9 +103,9 @@ def test_bound_socket_is_0600_and_replaces_a_stale_one(isolated_dirs):
     import os
     import stat
 
-    from resident_pool.host import paths
+    from helpers import state_dir
 
-    path = str(paths.state_dir() / "t.sock")
+    path = str(state_dir() / "t.sock")
     first = protocol.bind_unix(path)
     first.close()  # leaves a stale socket file behind
     assert os.path.exists(path)

@@ -70,20 +70,18 @@ def test_a_container_provider_is_probed_inside_its_image(tmp_path, monkeypatch):
     assert values["env.cuda_runtime"] == "CUDA 12.4 (torch build)" and values["env.torch"] == "2.5.1+cu124"
 
 
-def test_the_gpu_and_driver_come_from_nvml_readings(tmp_path, monkeypatch):
+def test_the_gpu_and_driver_come_from_nvml_readings(tmp_path):
     readings = tmp_path / "nvml.json"
     readings.write_text(json.dumps({"driver": "550.54.15", "devices": [
         {"name": "NVIDIA H100 80GB HBM3", "total_gb": 80, "free_gb": 80}] * 2}))
-    monkeypatch.setenv("RESIDENT_POOL_FAKE_NVML", str(readings))
-    assert gpu() == {"gpu": "NVIDIA H100 80GB HBM3 x2", "gpu.driver": "550.54.15"}
+    assert gpu(readings) == {"gpu": "NVIDIA H100 80GB HBM3 x2", "gpu.driver": "550.54.15"}
     readings.write_text("{broken")
-    assert gpu()["gpu"].startswith("unknown: fake NVML readings")
+    assert gpu(readings)["gpu"].startswith("unknown: fake NVML readings")
 
 
 def test_without_nvml_the_gpu_is_cpu(monkeypatch):
-    monkeypatch.delenv("RESIDENT_POOL_FAKE_NVML", raising=False)
     monkeypatch.setattr(provenance, "_nvml", lambda: ([], ""))
-    assert gpu() == {"gpu": "cpu", "gpu.driver": "none: NVML is not readable here"}
+    assert gpu(None) == {"gpu": "cpu", "gpu.driver": "none: NVML is not readable here"}
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from helpers import configured
 
 from resident_pool.campaigns.campaign import Campaign, CampaignSettings
 from resident_pool.campaigns.inputs import Record
@@ -27,15 +28,15 @@ def test_a_key_is_the_text_version_and_options_never_the_position_or_id():
 def test_the_store_lives_in_the_users_data_folder_unless_set(tmp_path, monkeypatch):
     monkeypatch.delenv("RESIDENT_POOL_RESULTS_DIR", raising=False)
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
-    assert CampaignSettings.from_env().results_dir == tmp_path / "data" / "resident-pool" / "results"
+    assert CampaignSettings.of(*configured()).results_dir == tmp_path / "data" / "resident-pool" / "results"
     assert default_results_dir().name == "results"
     monkeypatch.setenv("RESIDENT_POOL_RESULTS_DIR", str(tmp_path / "elsewhere"))
     monkeypatch.setenv("RESIDENT_POOL_MAX_RECORD_BYTES", "4096")
-    settings = CampaignSettings.from_env()
+    settings = CampaignSettings.of(*configured())
     assert settings.results_dir == tmp_path / "elsewhere" and settings.max_record_bytes == 4096
     monkeypatch.setenv("RESIDENT_POOL_MAX_RECORD_BYTES", "1MB")
     with pytest.raises(ResidentPoolError, match="RESIDENT_POOL_MAX_RECORD_BYTES='1MB'"):
-        CampaignSettings.from_env()
+        configured()
 
 
 def test_put_keeps_the_first_result_and_present_finds_what_is_stored(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 
 from resident_pool.errors import InputError
 from resident_pool.prefect.roots import check_path, in_deployment
+from resident_pool.settings import settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,17 +24,17 @@ def deployed(monkeypatch):
 
 def test_a_run_started_by_hand_is_bounded_only_when_roots_are_set(tmp_path, monkeypatch):
     assert not in_deployment()
-    assert check_path("/etc/passwd", "input") == Path("/etc/passwd")
+    assert check_path("/etc/passwd", "input", settings()) == Path("/etc/passwd")
     monkeypatch.setenv("RESIDENT_POOL_INPUT_ROOT", str(tmp_path))
     with pytest.raises(InputError, match="RESIDENT_POOL_INPUT_ROOT"):
-        check_path("/etc/passwd", "input")
+        check_path("/etc/passwd", "input", settings())
 
 
 @pytest.mark.usefixtures("deployed")
 def test_a_deployments_run_needs_the_roots_set_on_the_worker_host(tmp_path):
     for kind, variable in (("input", "RESIDENT_POOL_INPUT_ROOT"), ("output", "RESIDENT_POOL_OUTPUT_ROOT")):
         with pytest.raises(InputError) as refused:
-            check_path(tmp_path / "x.fasta", kind)
+            check_path(tmp_path / "x.fasta", kind, settings())
         assert f"{variable} is not set in this worker's environment" in str(refused.value)
         assert "never in Prefect" in str(refused.value)
 
@@ -44,27 +45,27 @@ def test_paths_under_the_root_pass_and_every_way_out_is_refused_naming_the_setti
     (inbox / "week1").mkdir(parents=True)
     (inbox / "out").symlink_to(tmp_path)  # a link inside the root that leads out of it
     monkeypatch.setenv("RESIDENT_POOL_INPUT_ROOT", str(inbox))
-    assert check_path(inbox / "week1" / "a.fasta", "input") == inbox / "week1" / "a.fasta"
-    assert check_path(inbox, "input") == inbox
+    assert check_path(inbox / "week1" / "a.fasta", "input", settings()) == inbox / "week1" / "a.fasta"
+    assert check_path(inbox, "input", settings()) == inbox
     for path in ("/etc/passwd", inbox / ".." / "secret.csv", inbox / "out" / "secret.csv", f"{inbox}-evil/a.csv"):
         with pytest.raises(InputError) as refused:
-            check_path(path, "input")
+            check_path(path, "input", settings())
         assert "is outside" in str(refused.value) and "set RESIDENT_POOL_INPUT_ROOT on the worker host to allow " \
             "more" in str(refused.value)
     # Outputs go beside the inputs unless the operator names a folder of their own.
-    assert check_path(inbox / "screened", "output") == inbox / "screened"
+    assert check_path(inbox / "screened", "output", settings()) == inbox / "screened"
     monkeypatch.setenv("RESIDENT_POOL_OUTPUT_ROOT", str(tmp_path / "outbox"))
     with pytest.raises(InputError, match="RESIDENT_POOL_OUTPUT_ROOT"):
-        check_path(inbox / "screened", "output")
-    assert check_path(tmp_path / "outbox" / "a.jsonl", "output") == tmp_path / "outbox" / "a.jsonl"
+        check_path(inbox / "screened", "output", settings())
+    assert check_path(tmp_path / "outbox" / "a.jsonl", "output", settings()) == tmp_path / "outbox" / "a.jsonl"
 
 
 @pytest.mark.usefixtures("deployed")
 def test_a_deployments_run_takes_providers_only_from_the_worker_hosts_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("RESIDENT_POOL_MANIFESTS", str(tmp_path / "manifests"))
-    assert check_path(tmp_path / "manifests", "manifests") == tmp_path / "manifests"
+    assert check_path(tmp_path / "manifests", "manifests", settings()) == tmp_path / "manifests"
     with pytest.raises(InputError, match=r"is not .*RESIDENT_POOL_MANIFESTS"):
-        check_path(tmp_path / "manifests" / "..", "manifests")
+        check_path(tmp_path / "manifests" / "..", "manifests", settings())
 
 
 @pytest.mark.usefixtures("prefect_harness", "deployed")

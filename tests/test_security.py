@@ -22,11 +22,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
+from helpers import as_the_pool, configured, state_dir, wait_until
 from providers import write_provider
 
 from resident_pool import ManifestError, Pool, ResidentPoolError
-from resident_pool.host import paths
 from resident_pool.host.procs import pid_alive
 from resident_pool.protocol import recv_line, send_line
 
@@ -138,6 +137,7 @@ def test_a_worker_script_another_user_can_write_is_refused_naming_the_fix(pool_d
 def test_pinned_weights_another_user_can_write_are_refused_but_a_root_owned_store_is_used(tmp_path, other_user):
     from resident_pool.providers.launch import check_weights
     from resident_pool.providers.manifest import load_manifest
+    from resident_pool.providers.weights import HashCache
 
     store = tmp_path / "store"
     store.mkdir()
@@ -147,15 +147,16 @@ def test_pinned_weights_another_user_can_write_are_refused_but_a_root_owned_stor
     digest = hashlib.sha256(b"weights").hexdigest()
     manifest = load_manifest(write_provider(tmp_path / "m", "pinned", f'[weights]\nroot = "{store}"\n'
                                             f'[[weights.files]]\npath = "w.bin"\nsha256 = "{digest}"\nsize = 7\n'))
-    assert check_weights(manifest).ok  # root-owned (this test runs as root), read-only to others: usable
+    cache = HashCache.of(configured()[1])
+    assert check_weights(manifest, cache=cache).ok  # root-owned (this test runs as root), read-only to others: usable
     info = pwd.getpwnam(other_user)
     os.chown(store / "w.bin", info.pw_uid, info.pw_gid)
     with pytest.raises(ManifestError, match=r"w\.bin.*chown"):
-        check_weights(manifest)
+        check_weights(manifest, cache=cache)
     os.chown(store / "w.bin", 0, 0)
     os.chmod(store, 0o777)
     with pytest.raises(ManifestError, match="chmod go-w"):
-        check_weights(manifest)
+        check_weights(manifest, cache=cache)
 
 
 # -- 2. a process inside a container ----------------------------------------------------------------
@@ -249,12 +250,12 @@ def test_a_weight_swapped_at_the_same_size_with_its_mtime_put_back_is_caught(tmp
     digest = hashlib.sha256(b"honest weights!").hexdigest()
     manifest = load_manifest(write_provider(tmp_path / "m", "pinned", f'[weights]\nroot = "{store}"\n'
                                             f'[[weights.files]]\npath = "ccd.pkl"\nsha256 = "{digest}"\nsize = 15\n'))
-    assert check_weights(manifest, cache=HashCache()).ok  # hashed once, remembered
+    assert check_weights(manifest, cache=HashCache.of(configured()[1])).ok  # hashed once, remembered
     before = pickle_file.stat()
     pickle_file.write_bytes(b"evil __reduce__")  # same size
     os.utime(pickle_file, ns=(before.st_atime_ns, before.st_mtime_ns))  # mtime put back
     assert pickle_file.stat().st_size == before.st_size and pickle_file.stat().st_mtime_ns == before.st_mtime_ns
-    report = check_weights(manifest, cache=HashCache())
+    report = check_weights(manifest, cache=HashCache.of(configured()[1]))
     assert not report.ok and "ccd.pkl sha256" in report.problems[0]
     security_row("a pinned pickle swapped at the same size, its mtime put back",
                  "the hash cache keys on device, inode, size, mtime and ctime: re-hashed, refused")
@@ -378,7 +379,7 @@ def test_markdown_in_an_error_or_a_transcript_cannot_escape_its_artifact(tmp_pat
     tail = ["normal line", "```", "# Click here", "[login](https://evil.example/steal)", "````` and more"]
     error = WorkerRequestError("demo: request failed: <img src=x onerror=alert(1)> **bold** | pipe",
                                slug="demo", transcript=str(tmp_path / "t.log"), transcript_tail=tail)
-    text = _markdown(error, 20)
+    text = _markdown(error, 20, configured()[1])
     fence = next(line for line in text.splitlines() if line.startswith("`") and set(line) == {"`"})
     assert len(fence) > 5  # longer than any run of backticks inside the tail
     body = text.split(fence)[1]
@@ -397,7 +398,7 @@ def test_a_line_break_in_a_worker_chosen_value_stays_inside_its_table_row(tmp_pa
     reason = "request_failed\n\nSession expired\n===\n\nSign in again at https://evil.example/login\n"
     error = WorkerRequestError("boxed: request failed: x\n# Heading", slug="boxed", reason=reason,
                                transcript=str(tmp_path / "t.log"))
-    text = _markdown(error, 20)
+    text = _markdown(error, 20, configured()[1])
     loose = [line for line in text.splitlines() if line and not line.startswith("|")]
     assert not [line for line in loose if "===" in line or "evil.example" in line or "Heading" in line], text
     row = next(line for line in text.splitlines() if line.startswith("| reason |"))
@@ -420,7 +421,7 @@ def test_the_failure_artifacts_description_is_escaped_like_its_body(monkeypatch)
 
     @task
     def fails():
-        return helpers._report(error)
+        return helpers._report(error, 20, helpers.host_settings()[1])
 
     @flow
     def reports():
@@ -526,7 +527,7 @@ def test_a_socket_served_by_another_user_is_never_spoken_to(isolated_dirs, tmp_p
     try:
         assert fake.stdout.readline().strip() == "ready"
         # The state directory passed its check, then the socket inside it was swapped (a TOCTOU).
-        os.rename(drop / "pool.sock", paths.state_dir() / "pool.sock")
+        os.rename(drop / "pool.sock", state_dir() / "pool.sock")
         with Pool(start=False) as pool, pytest.raises(ResidentPoolError, match=f"uid {info.pw_uid}") as info_error:
             pool.status()
         assert info_error.value.reason == "peer_not_you"
@@ -546,7 +547,7 @@ def test_a_transcript_path_outside_the_log_directory_is_never_read(tmp_path, sec
     secret = tmp_path / "id_rsa"
     secret.write_text("-----BEGIN PRIVATE KEY-----\nsecret")
     error = WorkerStartError("demo: the worker exited", slug="demo", transcript=str(secret))
-    text = _markdown(error, 20)
+    text = _markdown(error, 20, configured()[1])
     assert "PRIVATE KEY" not in text and "outside the log directory" in text
     security_row("a reply naming ~/.ssh/id_rsa as its transcript", "not read: transcripts only from the log directory")
 
@@ -635,8 +636,6 @@ def test_a_client_that_never_reads_does_not_stall_the_worker_for_others(pool_dir
 # -- 12. smaller ones -----------------------------------------------------------------------------------------------
 
 def test_a_squatted_default_state_folder_does_not_stop_the_pool(tmp_path, monkeypatch, other_user, security_row):
-    from resident_pool.host import paths
-
     monkeypatch.delenv("RESIDENT_POOL_STATE_DIR", raising=False)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     shared_tmp = _shared_folder(tmp_path, "tmp", 0o1777)  # a /tmp of our own, as open as the real one
@@ -646,7 +645,7 @@ def test_a_squatted_default_state_folder_does_not_stop_the_pool(tmp_path, monkey
     squat = shared_tmp / f"resident-pool-{os.getuid()}"
     _as(other_user, "mkdir", "-m", "700", str(squat))  # the other user got there first
     assert squat.is_dir() and squat.stat().st_uid == pwd.getpwnam(other_user).pw_uid
-    chosen = paths.state_dir()
+    chosen = state_dir()
     assert chosen != squat and chosen.stat().st_uid == os.getuid() and str(tmp_path / "home") in str(chosen)
     security_row("another user squats /tmp/resident-pool-<uid> first",
                  "refused, and the pool uses a private folder under $HOME instead")
@@ -659,7 +658,7 @@ def test_work_jit_and_cache_folders_are_private_and_outputs_keep_the_umask(tmp_p
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     manifest = load_manifest(copy_echo(tmp_path / "m") / "manifest.toml")
-    plan = LaunchPlan.resolve(manifest, str(tmp_path / "w.sock"))
+    plan = LaunchPlan.resolve(manifest, str(tmp_path / "w.sock"), **as_the_pool())
     assert oct(plan.work_root.stat().st_mode & 0o777) == oct(0o700)
 
 
@@ -1068,7 +1067,7 @@ def test_validate_and_check_take_only_a_whole_provider_name(pool_dir, tmp_path, 
                            "--manifests", str(pool_dir), name], capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode == 2 and "is not a provider name" in done.stderr, done.stdout + done.stderr
-    assert not Path(paths.state_dir(), "pool.sock").exists()  # nothing was started, for either folder
+    assert not Path(state_dir(), "pool.sock").exists()  # nothing was started, for either folder
     assert evil.exists()
     security_row("validate --smoke ../elsewhere/echo; resident-pool check ../elsewhere/echo",
                  "refused as not a provider name; nothing started")

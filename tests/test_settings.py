@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 from pathlib import Path
@@ -64,3 +65,77 @@ def test_every_test_runs_with_admission_settings_of_its_own_never_the_hosts(isol
     assert Path(isolated_dirs["state"]).parent in config.admission_config.parents
     named = {name: value for name, value in os.environ.items() if name.startswith("RESIDENT_POOL_")}
     assert not {name for name, value in named.items() if any(folder in value for folder in HOST_FOLDERS)}, named
+
+
+# The edges: where the settings are read from the environment, each once per command, pool, client or flow run.
+# Everything below them takes the values (and the folders, as one ``Paths``) as arguments.
+EDGES = {
+    "cli/base.py": {"configured"},  # every command but one, through it
+    "cli/admission.py": {"admission_service"},  # the host admission service's start
+    "server/pool.py": {"PoolServer.__init__"},  # the daemon's start (the CLI hands it its own; a test's reads them)
+    "client.py": {"Pool.__init__"},  # Pool(): a client's settings are those of when it was made
+    "providers/supervisor.py": {"ResidentWorker.__init__"},  # a standalone worker: the original design's entry
+    "prefect/__init__.py": {"host_settings"},  # the flows and the helpers their tasks call
+}
+
+
+def _readers(source: str) -> set[str]:
+    """The functions (qualified names; ``<module>`` for top-level code) of ``source`` that read the settings from
+    the environment: ``settings()`` under any name it is imported as, or ``Settings()`` built directly."""
+    tree = ast.parse(source)
+    readers_of = {"settings", "Settings"}  # what resident_pool.settings exports that reads the environment
+    aliases: dict[str, str] = {}  # local name -> what it is: one of readers_of, or "module" (resident_pool.settings)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if module.split(".")[-1] == "settings" and (node.level or module.startswith("resident_pool")):
+                aliases.update({a.asname or a.name: a.name for a in node.names if a.name in readers_of})
+            elif node.level or module == "resident_pool":  # `from .. import settings`: the module
+                aliases.update({a.asname or a.name: "module" for a in node.names if a.name == "settings"})
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname or a.name: "module" for a in node.names if a.name == "resident_pool.settings"})
+    found = set()
+
+    def visit(node: ast.AST, where: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, [*where, child.name])
+                continue
+            if isinstance(child, ast.Call):
+                called = child.func
+                direct = isinstance(called, ast.Name) and aliases.get(called.id) in readers_of
+                through = (isinstance(called, ast.Attribute) and called.attr in readers_of
+                           and isinstance(called.value, ast.Name) and aliases.get(called.value.id) == "module")
+                if direct or through:
+                    found.add(".".join(where) or "<module>")
+            visit(child, where)
+
+    visit(tree, [])
+    return found
+
+
+def test_the_reader_finds_settings_called_under_any_name_and_a_settings_object_built_directly():
+    source = ("from ..settings import settings as read\nfrom .. import settings as module\n"
+              "from resident_pool.settings import Settings\n"
+              "def plain():\n    return read().tick_s\n"
+              "class Deep:\n    def method(self):\n        return module.settings()\n"
+              "def built():\n    return Settings()\n"
+              "def typed(config: Settings) -> float:\n    return config.tick_s\n")
+    assert _readers(source) == {"plain", "Deep.method", "built"}
+
+
+def test_only_the_edges_read_the_settings_everything_below_takes_them_as_values():
+    """Issue 32: ``settings()`` was called 22 times in 16 modules (host/paths.py three times), so a module deep in
+    the pool read the environment whenever it ran and a test could configure it only through variables."""
+    package = ROOT / "resident_pool"
+    readers = {}
+    for path in sorted(package.rglob("*.py")):
+        name = path.relative_to(package).as_posix()
+        if name == "settings.py":
+            continue
+        found = _readers(path.read_text())
+        if found:
+            readers[name] = found
+    outside = {name: functions - EDGES.get(name, set()) for name, functions in readers.items()}
+    assert {name: functions for name, functions in outside.items() if functions} == {}
+    assert readers == EDGES  # every edge named here still reads them: the list says where they are read

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from helpers import wait_until
+from helpers import configured, wait_until
 from providers import write_provider
 
 from resident_pool import Pool, WorkerStartError
@@ -137,7 +137,7 @@ def test_a_worker_that_puts_a_fifo_or_a_link_where_its_start_time_goes_cannot_ha
     from resident_pool.providers.worker_process import WorkerProcess
     from resident_pool.worker_base import IN_FLIGHT_FILE
 
-    process = WorkerProcess("hostile", 0)
+    process = WorkerProcess("hostile", 0, paths=configured()[1], kill_grace_s=configured()[0].kill_grace_s)
     process.run_dir.mkdir(mode=0o700)
     board = process.run_dir / IN_FLIGHT_FILE
     try:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TEST_WORKER, both_ways, wait_until, worker_command
+from helpers import TEST_WORKER, both_ways, configured, wait_until, worker_command
 from providers import write_provider
 
 from resident_pool import AdmissionRefused, RequestTimeout, WorkerRequestError, WorkerStartError, child_env, exit_hint
@@ -88,6 +88,34 @@ def test_start_timeout_terminates_the_child_and_names_the_transcript(workers):
     assert info.value.reason == "start_timeout"
     assert str(worker.transcript) in str(info.value)
     assert not pid_alive(worker.pid)
+
+
+def test_each_way_a_standalone_worker_is_stopped_waits_the_kill_grace_set_shorter_than_its_default(workers,
+                                                                                                 monkeypatch):
+    """Issue 32: the kill grace (RESIDENT_POOL_KILL_GRACE_S) reached the pool's own stops only; a timed-out request,
+    a start that never answered and a stop each waited a grace written out where it happened (5 s, or 10 s)."""
+    from resident_pool.providers import worker_process
+
+    monkeypatch.setenv("RESIDENT_POOL_KILL_GRACE_S", "0.7")  # read where the worker is made, as a Pool reads it
+    graces = []
+    terminate = worker_process.terminate_group
+
+    def recorded(proc, grace_s, *rest):
+        graces.append(grace_s)
+        return terminate(proc, grace_s, *rest)
+
+    monkeypatch.setattr(worker_process, "terminate_group", recorded)
+    timed_out = workers(build_command=worker_command("--ignore-term"), request_timeout_s=0.5)
+    with pytest.raises(RequestTimeout):
+        timed_out.predict({"action": "sleep", "seconds": 30})
+    hung = workers(slug="hung", build_command=worker_command("--hang-at-start", "--ignore-term"), start_timeout_s=0.5)
+    with pytest.raises(WorkerStartError, match="did not answer"):
+        hung.ensure_started()
+    stopped = workers(slug="stopped", build_command=worker_command())
+    stopped.ensure_started()
+    stopped.stop()
+    assert graces == [0.7, 0.7, 0.7]
+    assert not pid_alive(timed_out.pid) and not pid_alive(hung.pid) and not pid_alive(stopped.pid)
 
 
 @both_ways
@@ -210,10 +238,12 @@ SUPERVISOR_SCRIPT = textwrap.dedent(
     """
     import json, sys, threading
     sys.path.insert(0, {tests!r})
-    from helpers import worker_command
+    from helpers import configured, worker_command
     from resident_pool import ResidentWorker
     from resident_pool.providers.zygote import Zygote
-    zygote = Zygote("orphan", "k", sys.executable, {{}}, {worker!r}, ["json"]) if {forked!r} else None
+    config, paths = configured()
+    zygote = Zygote("orphan", "k", sys.executable, {{}}, {worker!r}, ["json"], paths=paths,
+                    kill_grace_s=config.kill_grace_s) if {forked!r} else None
     worker = ResidentWorker("orphan", worker_command(), spawner=zygote)
     worker.ensure_started()
     print(json.dumps({{"pid": worker.pid}}), flush=True)
@@ -305,7 +335,7 @@ def test_a_standalone_gpu_provider_where_no_gpu_is_known_runs_on_the_cpu_only_if
     monkeypatch.setenv("RESIDENT_POOL_FAKE_NVML", str(readings))
     manifest = load_manifest(write_provider(tmp_path / "manifests", "gpuish",
                                             f'[gpu]\npolicy = "{policy}"\nvram_budget_gb = 2\n'))
-    worker = worker_for(manifest)
+    worker = worker_for(manifest, config=configured()[0])
     try:
         if policy == "recommended":
             assert worker.predict({"action": "env"})["env"]["CUDA_VISIBLE_DEVICES"] == ""

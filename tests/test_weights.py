@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import as_the_pool
 from providers import write_provider
 
 from resident_pool.errors import WeightsMismatch
@@ -69,7 +70,7 @@ def test_the_launch_is_stopped_by_an_altered_file(tmp_path, cache):
     manifest, weights = _pinned_provider(tmp_path, {"w.bin": b"w" * 64})
     (weights / "w.bin").write_bytes(b"v" * 64)
     with pytest.raises(WeightsMismatch, match=r"w\.bin sha256"):
-        plan_launch(manifest, "/tmp/x.sock", cache=cache).command()
+        plan_launch(manifest, "/tmp/x.sock", cache=cache, **as_the_pool()).command()
 
 
 def test_root_env_overrides_the_default_root(tmp_path, monkeypatch, cache):
@@ -78,7 +79,7 @@ def test_root_env_overrides_the_default_root(tmp_path, monkeypatch, cache):
     shutil.copytree(weights, elsewhere)
     monkeypatch.setenv("TOYWEIGHTS", str(elsewhere))
     assert weights_root(manifest) == elsewhere
-    _, env = plan_launch(manifest, "/tmp/x.sock", cache=cache).command()
+    _, env = plan_launch(manifest, "/tmp/x.sock", cache=cache, **as_the_pool()).command()
     assert env["TOYWEIGHTS"] == str(elsewhere)
 
 
@@ -104,7 +105,7 @@ def test_a_missing_weights_root_names_the_variable_to_set(tmp_path, monkeypatch,
     manifest = load_manifest(ROOT / "manifests" / "minilm" / "manifest.toml")
     monkeypatch.setenv("MINILM_WEIGHTS", str(tmp_path / "nowhere"))
     with pytest.raises(WeightsMismatch) as info:
-        plan_launch(manifest, "/tmp/x.sock", cache=cache).command()
+        plan_launch(manifest, "/tmp/x.sock", cache=cache, **as_the_pool()).command()
     assert f"the weights directory {tmp_path / 'nowhere'} does not exist" in str(info.value)
     assert "set MINILM_WEIGHTS to the weights directory" in str(info.value)
     assert "None" not in str(info.value)

@@ -10,10 +10,9 @@ import threading
 import time
 
 import pytest
-from helpers import TEST_WORKER, wait_until
+from helpers import TEST_WORKER, state_dir, wait_until
 
 from resident_pool import protocol, worker_base
-from resident_pool.host import paths
 from resident_pool.protocol import recv_line, send_line
 from resident_pool.providers.supervisor import PROTOCOL_PATH, WORKER_BASE_PATH
 
@@ -43,7 +42,7 @@ def _answers(socket_path):
 @pytest.fixture
 def raw_worker():
     """The test worker started by hand, so the test owns every connection to it."""
-    socket_path = str(paths.state_dir() / "raw.sock")
+    socket_path = str(state_dir() / "raw.sock")
     with _start_raw(socket_path) as proc:
         yield socket_path, proc
         proc.kill()
@@ -171,7 +170,7 @@ def test_the_request_in_flight_is_visible_while_the_worker_answers_nothing(tmp_p
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
     (run / "heartbeat").touch()
-    socket_path = str(paths.state_dir() / "busy.sock")
+    socket_path = str(state_dir() / "busy.sock")
     board = run / worker_base.IN_FLIGHT_FILE
 
     def started_at():
@@ -194,7 +193,7 @@ def test_a_worker_told_to_shut_down_answers_every_request_already_sent_before_it
     clients' (new connections first); at d3993d0 it then closed every connection with the requests still unread
     in them, and each client got ECONNRESET: a request that never ran looked like one that died with its worker.
     Here the shutdown and two requests arrive while the worker is busy, so they are read in one batch."""
-    socket_path = str(paths.state_dir() / "raw.sock")
+    socket_path = str(state_dir() / "raw.sock")
     log = tmp_path / "worker.log"
     with open(log, "w") as out, _start_raw(socket_path, stdout=out) as proc:
         try:

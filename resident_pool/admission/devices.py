@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..settings import settings
+from ..settings import Settings
 
 __all__ = ["GIB", "Device", "declared", "devices_from", "read_devices", "rooms"]
 
@@ -76,9 +76,9 @@ def _fake_nvml(path: str) -> list[Device]:
             for i, d in enumerate(data["devices"])]
 
 
-def read_devices() -> tuple[list[Device], str]:
-    """The devices and where their numbers came from: NVML, else the declared capacity."""
-    config = settings()
+def read_devices(config: Settings) -> tuple[list[Device], str]:
+    """The devices and where their numbers came from: fake readings, NVML, else the declared capacity (as
+    ``config`` says)."""
     return devices_from(str(config.fake_nvml) if config.fake_nvml else None, config.gpu_capacity_gb)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from .. import priority as order
 from ..errors import AdmissionRefused, AdmissionTimeout, ResidentPoolError
 from ..host.procs import pid_alive
-from .devices import Device, read_devices, rooms
+from .devices import Device, rooms
 from .ledger import Ledger
 from .orphans import WAITS as ORPHAN_WAITS
 from .orphans import Orphans
@@ -57,20 +57,19 @@ class Admission:
     def __init__(
         self,
         ledger: Ledger,
-        devices: Callable[[], tuple[list[Device], str]] = read_devices,
-        headroom_gb: float | None = None,
+        devices: Callable[[], tuple[list[Device], str]],
+        headroom_gb: float,
         holder_of: Callable[[str, int], str | None] | None = None,
         service: Any = None,
         orphans: Orphans | None = None,
     ) -> None:
-        """``holder_of(slug, replica)`` names who holds a worker (a flow run), for a wait's report; ``service``:
-        a ``remote.ServiceClient``, when the host admission service is in force; ``orphans``: a previous pool's
+        """``devices()``: the devices and where their numbers came from (``read_devices``); ``holder_of(slug,
+        replica)`` names who holds a worker (a flow run), for a wait's report; ``service``: a
+        ``remote.ServiceClient``, when the host admission service is in force; ``orphans``: a previous pool's
         workers this pool asks to exit, whose state a wait's report says."""
-        from ..settings import settings
-
         self.ledger = ledger
         self.devices = devices
-        self.headroom_gb = settings().gpu_headroom_gb if headroom_gb is None else headroom_gb
+        self.headroom_gb = headroom_gb
         self.holder_of = holder_of
         self.service = service
         self.orphans = orphans

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from ..host.lines import peer_credentials
-from ..host.procs import pid_alive, process_start, signal_group
+from ..host.procs import KILL_WAIT_S, pid_alive, process_start, signal_group
 from ..protocol import ProtocolError, connect, recv_line, send_line
 from ..worker_base import IN_FLIGHT_FILE
 
@@ -33,7 +33,6 @@ __all__ = ["Orphans"]
 log = logging.getLogger("resident_pool.admission")
 ASK_TIMEOUT_S = 5.0  # a worker answers a shutdown between requests; a stuck one is its watchdog's
 SHUTDOWN_EXIT_S = 3.0  # after it answered, as a stop: a thread its model left running must not hold the exit long
-KILL_GRACE_S = 5.0
 AGAIN_S = 2.0  # how often a busy orphan is looked at again
 WAITS = "it exits once idle for its orphan_grace_s (120 s by default) with its pool gone"
 
@@ -41,8 +40,10 @@ WAITS = "it exits once idle for its orphan_grace_s (120 s by default) with its p
 class Orphans:
     """The run folders a previous pool of this user left, listed when this pool starts, and what became of each."""
 
-    def __init__(self, workers_dir: Path) -> None:
-        """Lists ``workers_dir`` now: every folder there is a dead pool's (this pool has started none yet)."""
+    def __init__(self, workers_dir: Path, kill_grace_s: float) -> None:
+        """Lists ``workers_dir`` now: every folder there is a dead pool's (this pool has started none yet).
+        ``kill_grace_s``: between SIGTERM and SIGKILL when one must be ended, as for the pool's own workers."""
+        self.kill_grace_s = kill_grace_s
         self.folders = sorted(p for p in workers_dir.iterdir() if p.is_dir() and not p.is_symlink())
         self._said: dict[int, str] = {}  # pid: what became of it, in words
         self._lock = threading.Lock()
@@ -110,7 +111,7 @@ class Orphans:
             log.info("pid %d, a worker of a pool that is gone, still runs after its shutdown: %s to its group",
                      pid, signal.Signals(signum).name)
             signal_group(pid, signum)
-            if _gone_within(pid, KILL_GRACE_S):
+            if _gone_within(pid, self.kill_grace_s if signum is signal.SIGTERM else KILL_WAIT_S):
                 return
         self._say(pid, "did not end after SIGKILL (uninterruptible sleep in a driver?); its memory may stay held")
 

@@ -31,11 +31,12 @@ from typing import Any, Literal
 
 from .. import arrays
 from ..errors import InputError, ResidentPoolError
-from ..settings import settings
+from ..host.paths import Paths
+from ..settings import Settings
 from .inputs import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_RECORDS, DEFAULT_MAX_RECORD_BYTES, Record, Region
 from .outdir import OutputDir
 from .report import VectorSample
-from .results import ResultStore, default_results_dir, options_text, result_key
+from .results import ResultStore, options_text, result_key
 
 __all__ = [
     "BLOCK",
@@ -82,7 +83,7 @@ RECORD_FIELDS = frozenset({"index", "id", "ok", "reason", "error"})
 
 @dataclass(frozen=True)
 class CampaignSettings:
-    """The campaign's settings from ``RESIDENT_POOL_*`` variables (read here, nowhere else)."""
+    """The campaign's settings, taken from the pool's ``Settings`` and ``Paths`` (``CampaignSettings.of``)."""
 
     results_dir: Path
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
@@ -92,9 +93,8 @@ class CampaignSettings:
     max_attachment_bytes: int = DEFAULT_MAX_ATTACHMENT_BYTES
 
     @classmethod
-    def from_env(cls) -> CampaignSettings:
-        config = settings()
-        return cls(results_dir=config.results_dir or default_results_dir(), max_record_bytes=config.max_record_bytes,
+    def of(cls, config: Settings, paths: Paths) -> CampaignSettings:
+        return cls(results_dir=paths.results, max_record_bytes=config.max_record_bytes,
                    max_input_bytes=config.max_input_bytes, max_input_records=config.max_input_records,
                    max_result_bytes=config.max_result_bytes,
                    max_attachment_bytes=config.campaign_max_attachment_bytes)

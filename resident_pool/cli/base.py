@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -16,8 +16,12 @@ from ..providers.manifest import SLUG
 from ..providers.transcripts import without_controls
 from ..version import __version__
 
-__all__ = ["AsJson", "ManifestsOption", "app", "check_slug", "console", "display_name", "errors", "fail",
-           "known_providers", "manifests_dir", "print_json", "require_provider", "safe"]
+if TYPE_CHECKING:
+    from ..host.paths import Paths
+    from ..settings import Settings
+
+__all__ = ["AsJson", "ManifestsOption", "app", "check_slug", "configured", "console", "display_name", "errors",
+           "fail", "known_providers", "manifests_dir", "print_json", "require_provider", "safe"]
 
 
 def _version(value: bool) -> None:
@@ -69,11 +73,21 @@ def fail(message: str, as_json: bool = False, reason: str = "error", code: int =
     raise typer.Exit(code)
 
 
+def configured() -> tuple[Settings, Paths]:
+    """The settings as this command's environment gives them, and the folders they name: read here, at the edge,
+    and handed to what the command calls."""
+    from ..host.paths import Paths
+    from ..settings import settings
+
+    config = settings()
+    return config, Paths.of(config)
+
+
 def manifests_dir(option: Path | None) -> Path:
     """--manifests, else $RESIDENT_POOL_MANIFESTS, else ./manifests where it exists, else the running pool's."""
     from ..client import default_manifests
 
-    return default_manifests(option)
+    return default_manifests(option, *configured())
 
 
 def display_name(key: str) -> str:

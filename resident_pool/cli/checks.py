@@ -12,7 +12,7 @@ from ..providers.manifest import json_schema
 from ..providers.transcripts import without_controls
 from ..validation.check import check_providers, junit_xml
 from ..validation.provenance import columns
-from .base import AsJson, ManifestsOption, app, console, manifests_dir, require_provider, safe
+from .base import AsJson, ManifestsOption, app, configured, console, manifests_dir, require_provider, safe
 from .tables import Column, fit_table
 
 __all__ = ["cache_app"]
@@ -56,8 +56,9 @@ def check(
     folder = manifests_dir(manifests)
     for slug in slugs or []:
         require_provider(slug, folder, as_json=as_json)
-    results = check_providers(folder, slugs or [], smoke=smoke, against_stock=against_stock, bless=bless,
-                              force=force)
+    config, paths = configured()
+    results = check_providers(folder, slugs or [], smoke=smoke, config=config, paths=paths,
+                              against_stock=against_stock, bless=bless, force=force)
     if junit:
         junit.write_text(junit_xml(results))
     failed = [r for r in results if not r.ok and not r.skipped]
@@ -115,7 +116,7 @@ def cache_prune(
 
     if older_than < 0:
         raise typer.BadParameter("--older-than takes a number of days, 0 or more")
-    base = jit_cache.default_base()
+    base = jit_cache.default_base(configured()[1].cache)
     removed, kept = jit_cache.prune(base, older_than * 86400, dry_run=dry_run)
     if as_json:
         typer.echo(json.dumps({"base": str(base), "dry_run": dry_run, "removed": removed, "kept": kept}, indent=2))

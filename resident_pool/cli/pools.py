@@ -19,6 +19,7 @@ from .base import (
     ManifestsOption,
     app,
     check_slug,
+    configured,
     console,
     errors,
     fail,
@@ -50,10 +51,10 @@ def daemon(
     """Run this host's pool: it owns the workers, the ledger writes and the admission queue."""
     from ..admission.remote import probe_service
     from ..server.pool import PoolServer
-    from ..settings import settings as read_settings
 
+    config, paths = configured()
     try:  # before detaching: a host admission service in force that does not answer is said here, not in a log
-        probe_service(read_settings())
+        probe_service(config)
     except ResidentPoolError as exc:
         errors.print(f"[red]cannot start the pool[/]: {safe(exc)}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
@@ -64,16 +65,14 @@ def daemon(
         os.setsid()
         # Detached, it writes pool.log in the log folder (its stdout and stderr too), rotated by size;
         # under systemd it logs to stderr and the journal rotates.
-        from ..host.paths import log_dir
         from ..ops.retention import PoolLogHandler
-        from ..settings import settings
 
-        handler = PoolLogHandler(log_dir() / "pool.log", int(settings().pool_log_max_mb * 2**20))
+        handler = PoolLogHandler(paths.log_dir() / "pool.log", int(config.pool_log_max_mb * 2**20))
         handler.setFormatter(logging.Formatter(log_format))
         logging.basicConfig(level=logging.INFO, handlers=[handler])
     else:
         logging.basicConfig(level=logging.INFO, format=log_format)
-    server = PoolServer(manifests_dir(manifests), quiet_exit_s=quiet_exit_s)
+    server = PoolServer(manifests_dir(manifests), quiet_exit_s=quiet_exit_s, config=config)
     # Never the folder it was started from (a shared project or scratch folder): what runs later
     # (`python -c` probes, a tool's relative path) must find nothing planted there.
     os.chdir(server.state_dir)
@@ -249,7 +248,6 @@ def events(
                                           "either way.")] = False,
 ) -> None:
     """The pool's lifecycle events (workers started, stopped and why, over budget), one JSON object a line."""
-    from ..host.paths import log_dir
     from ..ops.events import EVENTS_FILE, Follower
 
     if to_prefect:
@@ -259,12 +257,13 @@ def events(
             raise typer.BadParameter(f"--to-prefect needs Prefect installed (pip install 'resident-pool[prefect]'): "
                                      f"{exc}") from None
         try:
-            relay_events(from_start=from_start, say=lambda line: typer.echo(line, err=True))
+            relay_events(configured()[1].log_dir(), from_start=from_start,
+                         say=lambda line: typer.echo(line, err=True))
         except ResidentPoolError as exc:
             typer.echo(without_controls(str(exc)), err=True)
             raise typer.Exit(1) from None
         return
-    follower = Follower(log_dir() / EVENTS_FILE, from_start=from_start or not follow)
+    follower = Follower(configured()[1].log_dir() / EVENTS_FILE, from_start=from_start or not follow)
     try:
         while True:
             for record in follower.poll():
@@ -284,11 +283,9 @@ _TRANSCRIPT = r"-\d+-(\d{8}-\d{6})-[0-9a-f]+\.log"
 
 def _transcripts(slug: str) -> list[Path]:
     """SLUG's transcripts in the log folder, the latest start last: plain files the pool named, never a link."""
-    from ..host.paths import log_dir
-
     name = re.compile(re.escape(slug) + _TRANSCRIPT)
     found = []
-    for path in log_dir().glob(f"{slug}-*.log"):
+    for path in configured()[1].log_dir().glob(f"{slug}-*.log"):
         match = name.fullmatch(path.name)
         if match and path.is_file() and not path.is_symlink():
             found.append(((match.group(1), path.stat().st_mtime), path))
@@ -306,14 +303,12 @@ def logs(
     manifests: ManifestsOption = None,
 ) -> None:
     """The newest transcript of SLUG's workers: its path, then its last lines."""
-    from ..host.paths import log_dir
-
     check_slug(slug)
     transcripts = _transcripts(slug)
     if not transcripts:
         require_provider(slug, manifests_dir(manifests), as_json=as_json)
-        fail(f"no transcript for {slug} in {log_dir()}: none of its workers has started since the log folder "
-             "was last cleared", as_json, reason="no_transcript")
+        fail(f"no transcript for {slug} in {configured()[1].log_dir()}: none of its workers has started since the "
+             "log folder was last cleared", as_json, reason="no_transcript")
     newest = transcripts[-1]
     say = _say(as_json)
     say(newest, None)

@@ -143,7 +143,7 @@ def _group_alive(pgid: int) -> bool:
         return signal_group(pgid, 0)
 
 
-def terminate_group(proc: ProcessHandle, grace_s: float = 5.0, kill_wait_s: float = KILL_WAIT_S) -> int | None:
+def terminate_group(proc: ProcessHandle, grace_s: float, kill_wait_s: float = KILL_WAIT_S) -> int | None:
     """SIGTERM the worker's process group, wait, then SIGKILL what is left; its return code.
 
     The worker runs in a session of its own (``start_new_session``), so its

@@ -44,11 +44,11 @@ from ..errors import (
     error_from_dict,
 )
 from ..exits import REFUSAL_CODES, describe_exit
-from ..host import paths
+from ..host.paths import Paths
 from ..ops.events import EVENTS_FILE, Follower
 from ..protocol import ProtocolError
 from ..providers.transcripts import read_tail, without_controls
-from ..settings import settings
+from ..settings import Settings, settings
 
 __all__ = [
     "BREAKER_OPEN",
@@ -57,6 +57,7 @@ __all__ = [
     "breaker_words",
     "escape_markdown",
     "failure_artifact_key",
+    "host_settings",
     "pool_session",
     "predict",
     "predict_batch",
@@ -68,7 +69,6 @@ __all__ = [
 
 log = logging.getLogger("resident_pool.prefect")
 HOST = socket.gethostname()
-_waits = threading.local()  # the last admission wait this thread's request reported
 BREAKER_OPEN = "breaker_open"  # the reason of a request refused at once because the provider's starts keep failing
 # While a task waits for its worker (a cold start, every replica busy), its log says so this often: a 27 s
 # start that logs nothing until the end looks hung.
@@ -84,10 +84,22 @@ _clients: dict[tuple[Path, Path], Pool] = {}
 _clients_lock = threading.Lock()
 
 
+def host_settings() -> tuple[Settings, Paths]:
+    """The worker host's settings, as this process's environment gives them now, and the folders they name: what a
+    flow reads once at its start and hands to what it calls (never a flow-run parameter)."""
+    config = settings()
+    return config, Paths.of(config)
+
+
 def _client(manifests: str | os.PathLike[str] | None) -> Pool:
-    """One client per process and manifests folder (it is thread-safe); process pools get their own."""
-    directory = default_manifests(manifests)
-    key = (directory, paths.state_dir())
+    """One client per process and manifests folder (it is thread-safe); process pools get their own.
+
+    The helpers' edge: the settings are read here, as the environment gives them now; a task's failure report
+    takes them from the client that served it.
+    """
+    config, where = host_settings()
+    directory = default_manifests(manifests, config, where)
+    key = (directory, where.state_dir())
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
@@ -96,7 +108,7 @@ def _client(manifests: str | os.PathLike[str] | None) -> Pool:
 
 
 def _log_wait(wait: dict[str, Any]) -> None:
-    _waits.last = wait
+    """A report of a wait for GPU admission, in the run's log (a call's own ``on_wait``: the client is shared)."""
     free = ", ".join(f"GPU {device}: {gb:g} GB" for device, gb in wait["free"].items()) or "no device"
     holders = "; ".join(wait["holders"]) or "nobody in the pool (memory held outside it)"
     if wait.get("ahead"):
@@ -221,16 +233,16 @@ def _fence(lines: list[str]) -> str:
     return "`" * max(3, longest + 1)
 
 
-def _readable_transcript(path: str) -> Path | None:
+def _readable_transcript(path: str, where: Paths) -> Path | None:
     """The transcript if it lies inside the log directory; a reply naming any other file is not read."""
     try:
         resolved = Path(path).resolve()
-        return resolved if resolved.is_relative_to(paths.log_dir().resolve()) else None
+        return resolved if resolved.is_relative_to(where.log_dir().resolve()) else None
     except (OSError, ResidentPoolError):
         return None
 
 
-def _markdown(error: ResidentPoolError, tail_lines: int) -> str:
+def _markdown(error: ResidentPoolError, tail_lines: int, where: Paths) -> str:
     original = _original(error)
     if original is not None:  # refused by an open breaker: what opened it, when it closes, how to reset it
         breaker = error.details.get("breaker") or {}
@@ -243,7 +255,7 @@ def _markdown(error: ResidentPoolError, tail_lines: int) -> str:
                 f"| closes in | {escape_markdown(_seconds(closes) if isinstance(closes, int | float) else '?')} |\n"
                 f"| reset | `resident-pool stop {escape_markdown(error.slug or 'SLUG')}`, or edit its manifest |\n\n"
                 "### The start failure that opened it\n\n")
-        return lead + _markdown(original, tail_lines).split("\n\n", 1)[1]
+        return lead + _markdown(original, tail_lines, where).split("\n\n", 1)[1]
     rows = [
         ("provider", error.slug or "?"),
         ("reason", error.reason),
@@ -257,7 +269,7 @@ def _markdown(error: ResidentPoolError, tail_lines: int) -> str:
     tail = error.transcript_tail[-tail_lines:]
     note = ""
     if not tail and error.transcript:
-        readable = _readable_transcript(error.transcript)
+        readable = _readable_transcript(error.transcript, where)
         if readable is None:
             note = "\n(the transcript named is outside the log directory, so it was not read)\n"
         else:
@@ -271,12 +283,12 @@ def _markdown(error: ResidentPoolError, tail_lines: int) -> str:
     return text
 
 
-def _report(error: ResidentPoolError) -> ResidentPoolError:
-    """Attach the failure artifact to the running task and return the error with a one-line message."""
-    config = settings()
+def _report(error: ResidentPoolError, tail_lines: int, where: Paths) -> ResidentPoolError:
+    """Attach the failure artifact (``tail_lines`` of the transcript, read only from ``where``'s log folder) to the
+    running task and return the error with a one-line message."""
     if TaskRunContext.get() is not None:
         create_markdown_artifact(
-            markdown=_markdown(error, config.artifact_tail_lines),
+            markdown=_markdown(error, tail_lines, where),
             key=failure_artifact_key(error.slug or "unknown"),
             # The description is what the task run's Artifacts tab shows without a click.
             description=escape_markdown(_one_line(error)),  # the UI renders it as markdown too
@@ -364,23 +376,21 @@ def pool_session(slug: str, manifests: str | os.PathLike[str] | None = None, *,
     admission (``waiting for GPU admission``), a cold start as it goes and, once the worker answers, its phases.
     """
     client = _client(manifests)
-    client.on_wait = _log_wait
-    _waits.last = None
     logger = _run_logger()
     notes = _WaitNotes(slug, client.manifests, logger)
     began = time.monotonic()
     try:
         with notes, client.session(slug, holder=_holder(), max_attachment_bytes=max_attachment_bytes,
-                                   priority=priority) as session:
+                                   priority=priority, on_wait=_log_wait) as session:
             notes.close()
             waited = time.monotonic() - began
             if session.cold and logger is not None:
-                logger.info("%s", _cold_start_line(client.manifests, session, waited, _waits.last))
-            _emit_leased(slug, session, _waits.last)
+                logger.info("%s", _cold_start_line(client.manifests, session, waited, session.wait))
+            _emit_leased(slug, session, session.wait)
             yield session
     except ResidentPoolError as error:
         _emit_failure(error)
-        raise _report(error) from error
+        raise _report(error, client.config.artifact_tail_lines, client.paths) from error
 
 
 def _run_logger() -> logging.Logger | logging.LoggerAdapter | None:
@@ -504,21 +514,21 @@ def warm_provider(slug: str, replicas: int = 1, manifests: str | os.PathLike[str
     chunk tasks (``wait_for=[...]``) so they find the workers warm.
     """
     client = _client(manifests)
-    client.on_wait = _log_wait
     try:
-        result = client.warm(slug, replicas)
+        result = client.warm(slug, replicas, on_wait=_log_wait)
     except ResidentPoolError as error:
         _emit_failure(error)
-        raise _report(error) from error
+        raise _report(error, client.config.artifact_tail_lines, client.paths) from error
     get_run_logger().info("%s: %d of %d worker(s) warm (%d started now)", slug,
                           result["already_warm"] + result["started"], replicas, result["started"])
     return result
 
 
 # -- the relay: the pool's own lifecycle events, forwarded to Prefect --------------------------------
-def relay_events(*, from_start: bool = False, follow: bool = True, poll_s: float = 0.5,
+def relay_events(log_dir: Path, *, from_start: bool = False, follow: bool = True, poll_s: float = 0.5,
                  stop: threading.Event | None = None, say: Callable[[str], None] = print) -> int:
-    """Forward the pool's event stream to the Prefect API until stopped (SIGTERM, SIGINT); returns how many.
+    """Forward the pool's event stream (in ``log_dir``) to the Prefect API until stopped (SIGTERM, SIGINT); returns
+    how many.
 
     Its place is kept in a cursor beside the stream, so a restarted relay resumes without
     repeating or skipping (Prefect also drops an event id it already has).
@@ -531,13 +541,13 @@ def relay_events(*, from_start: bool = False, follow: bool = True, poll_s: float
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
-    return asyncio.run(_relay(from_start, follow, poll_s, stop, say))
+    return asyncio.run(_relay(log_dir, from_start, follow, poll_s, stop, say))
 
 
-async def _relay(from_start: bool, follow: bool, poll_s: float, stop: threading.Event,
+async def _relay(log_dir: Path, from_start: bool, follow: bool, poll_s: float, stop: threading.Event,
                  say: Callable[[str], None]) -> int:
-    stream = paths.log_dir() / EVENTS_FILE
-    follower = Follower(stream, cursor=paths.log_dir() / "events.relay-cursor", from_start=from_start)
+    stream = log_dir / EVENTS_FILE
+    follower = Follower(stream, cursor=log_dir / "events.relay-cursor", from_start=from_start)
     say(f"relaying {stream} (from byte {follower.offset}) to Prefect at {PREFECT_API_URL.value()}")
     sent = 0
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import InputError
-from ..settings import Settings, settings
+from ..settings import Settings
 
 __all__ = ["check_path", "in_deployment"]
 
@@ -41,14 +41,14 @@ def _root(config: Settings, kind: Kind) -> tuple[Path | None, str, str]:
     return config.manifests, "RESIDENT_POOL_MANIFESTS", "RESIDENT_POOL_MANIFESTS"
 
 
-def check_path(path: str | os.PathLike[str], kind: Kind) -> Path:
+def check_path(path: str | os.PathLike[str], kind: Kind, config: Settings) -> Path:
     """``path`` made absolute with its links resolved, when this flow run may use it as ``kind``.
 
-    Under the kind's root (``manifests``: the folder itself); else InputError naming the setting that
-    allows more. A link inside a root that leads out of it is outside.
+    Under the kind's root in ``config`` (the worker host's settings; ``manifests``: the folder itself); else
+    InputError naming the setting that allows more. A link inside a root that leads out of it is outside.
     """
     resolved = Path(path).expanduser().resolve()
-    root, named_by, variable = _root(settings(), kind)
+    root, named_by, variable = _root(config, kind)
     where = {"path": str(path), "kind": kind}
     if root is None:
         if not in_deployment():

@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..host.paths import cache_dir
-
 __all__ = ["SIZE_TTL_S", "JitSizes", "default_base", "default_root", "key_folders", "prune", "stack_folder", "usage"]
 
 _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
@@ -29,13 +27,14 @@ _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 SIZE_TTL_S = 60.0
 
 
-def default_base() -> Path:
-    """``jit`` in the pool's cache folder (``RESIDENT_POOL_CACHE_DIR``, else XDG's): every default root's folder."""
-    return cache_dir() / "jit"
+def default_base(cache_dir: Path) -> Path:
+    """``jit`` in the pool's cache folder (``Paths.cache``: ``RESIDENT_POOL_CACHE_DIR``, else XDG's): every default
+    root's folder."""
+    return cache_dir / "jit"
 
 
-def default_root(slug: str) -> Path:
-    return default_base() / slug
+def default_root(cache_dir: Path, slug: str) -> Path:
+    return default_base(cache_dir) / slug
 
 
 def stack_folder(root: Path, key: str) -> Path:

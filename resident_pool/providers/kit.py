@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import KitUnavailable, ManifestError
+from ..host.paths import Paths
+from ..settings import Settings
 from .kit_rules import (
     KIT_PROBE_TIMEOUT_S,
     PROBE_PATH,
@@ -39,7 +41,8 @@ def kit_package(manifest: Manifest) -> str:
 
 
 def ask_kit(
-    python_or_env: str | os.PathLike[str] | Manifest, package: str, mode: str, levers_off: Sequence[str] = ()
+    python_or_env: str | os.PathLike[str] | Manifest, package: str, mode: str, levers_off: Sequence[str] = (), *,
+    config: Settings | None = None,
 ) -> dict[str, Any]:
     """The kit's launch options and environment row, as its probe reads them in the kit's own interpreter.
 
@@ -48,14 +51,19 @@ def ask_kit(
     ``MODEL_OPT_LEVERS_OFF`` in the probe's environment, and undeclared ``<PACKAGE>_*`` names are
     removed from it: the kit sees what the worker will. The answer is the ``KITROW`` with the
     original design's keys beside this project's (``env``, ``opts``, ``stack_key``,
-    ``row_source``/``row_error``); no ``KITROW`` line raises ``KitUnavailable`` quoting the probe.
+    ``row_source``/``row_error``); no ``KITROW`` line raises ``KitUnavailable`` quoting the probe. A manifest's
+    probe is planned as its worker's start is, under ``config`` (the pool's settings: ``settings()``).
     """
     if isinstance(python_or_env, Manifest):
+        if config is None:
+            raise TypeError("ask_kit(manifest, ...) plans the probe as the pool would start the worker: pass "
+                            "config=resident_pool.settings.settings()")
         kit = (python_or_env.kit or Kit(package=package)).model_copy(
             update={"package": package, "mode": mode, "levers_off": list(levers_off)})
         manifest = python_or_env.model_copy(update={"kit": kit})
         with tempfile.TemporaryDirectory(prefix="rp-ask-") as run_dir:
-            row = LaunchPlan.resolve(manifest, os.path.join(run_dir, "worker.sock")).probe()
+            row = LaunchPlan.resolve(manifest, os.path.join(run_dir, "worker.sock"), config=config,
+                                     paths=Paths.of(config)).probe()
     else:
         python = os.fspath(python_or_env)
         env: dict[str, str | None] = dict(stray_variables(package, os.environ, set()))
@@ -78,12 +86,13 @@ def _with_original_keys(row: KitRow) -> dict[str, Any]:
 def build_command(worker: Any) -> Launch:
     """``(argv, extra_env)`` for ``worker``, from ``worker.manifest``: a ``build_command`` for ``ResidentWorker``.
 
-    Weights are verified and the kit probed at every start, as under the pool. The answer
-    is a ``Launch``; it unpacks as the original's pair (``argv, env = build_command(w)``).
+    Weights are verified and the kit probed at every start, as under the pool, with the worker's own settings and
+    folders (``worker.config``, ``worker.paths``). The answer is a ``Launch``; it unpacks as the original's pair
+    (``argv, env = build_command(w)``).
     """
     manifest = getattr(worker, "manifest", None)
     if not isinstance(manifest, Manifest):
         slug = getattr(worker, "slug", "?")
         raise ManifestError(f"{slug}: build_command builds a worker's command from its manifest, and this worker "
                             "has none; pass manifest=load_manifest(path) to ResidentWorker", slug=slug)
-    return command_builder(manifest)(worker)
+    return command_builder(manifest, worker.config, worker.paths)(worker)

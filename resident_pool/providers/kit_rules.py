@@ -55,18 +55,18 @@ def stray_variables(package: str, environ: Mapping[str, str], declared: set[str]
     return {name: None for name in environ if name.startswith(prefix) and name not in declared}
 
 
-def jit_root(manifest: Manifest, environ: Mapping[str, str]) -> Path:
+def jit_root(manifest: Manifest, environ: Mapping[str, str], cache_dir: Path) -> Path:
     """The JIT cache: ``[kit] jit_root``, else ``$MODEL_OPT_JIT_ROOT`` as is, else one per provider.
 
     A warm cache took one provider's first prediction from 42 s to 12 s, so it
-    outlives the worker; the default sits in the pool's cache folder (``RESIDENT_POOL_CACHE_DIR``).
+    outlives the worker; the default sits in the pool's cache folder ``cache_dir`` (``Paths.cache``).
     """
     assert manifest.kit is not None
     if manifest.kit.jit_root:
         return Path(manifest.kit.jit_root).expanduser()
     if environ.get("MODEL_OPT_JIT_ROOT"):
         return Path(environ["MODEL_OPT_JIT_ROOT"])
-    return jit_cache.default_root(manifest.slug)
+    return jit_cache.default_root(cache_dir, manifest.slug)
 
 
 def jit_root_is_default(manifest: Manifest, environ: Mapping[str, str]) -> bool:

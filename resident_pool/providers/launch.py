@@ -17,16 +17,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import ManifestError
-from ..host import paths
-from ..host.paths import default_results_dir
+from ..host.paths import Paths
 from ..host.trust import check_trusted
-from ..settings import settings
+from ..settings import Settings
 from . import jit_cache, kit_rules
 from .exec_env import Bind, container_name, engine_controls, interpreter, parse_bind, passthrough_env, wrap
 from .kit_rules import KitRow, apply_row, jit_root, jit_root_is_default, kit_env, run_probe
 from .manifest import Manifest, VenvEnv
 from .supervisor import Admitter, ResidentWorker
-from .weights import HashCache, WeightsReport, cache_dir, verify_weights
+from .weights import HashCache, WeightsReport, verify_weights
 from .worker_process import ARRAYS_PATH, PROTOCOL_PATH, WORKER_BASE_PATH, Launch, shared_files_env
 
 __all__ = [
@@ -91,8 +90,7 @@ def _package_dir(package: str, python: str | None) -> str | None:
 
 
 def check_weights(
-    manifest: Manifest, python: str | None = None, cache: HashCache | None = None,
-    environ: Mapping[str, str] | None = None,
+    manifest: Manifest, python: str | None = None, *, cache: HashCache, environ: Mapping[str, str] | None = None,
 ) -> WeightsReport:
     python = python or (interpreter(manifest) if isinstance(manifest.env, VenvEnv) else None)
     return verify_weights(manifest.slug, weights_root(manifest, python, environ), manifest.weights.files, cache,
@@ -123,7 +121,7 @@ def _own_folder(path: Path, what: str, manifest: Manifest) -> Path:
     return path
 
 
-def _refuse_pool_folders(manifest: Manifest, binds: list[Bind]) -> None:
+def _refuse_pool_folders(manifest: Manifest, binds: list[Bind], paths: Paths) -> None:
     """Refuse a container mount (the plan's or the manifest's ``binds``) that shows the pool's own folders inside.
 
     The state directory holds the pool socket (a client of it starts any manifest on the host) and the
@@ -133,10 +131,9 @@ def _refuse_pool_folders(manifest: Manifest, binds: list[Bind]) -> None:
     """
     if isinstance(manifest.env, VenvEnv):
         return
-    config = settings()
     folders = [("state directory", paths.state_dir(), True, False), ("log directory", paths.log_dir(), True, False),
-               ("results directory", config.results_dir or default_results_dir(), True, False),
-               ("cache directory", cache_dir(), False, False),
+               ("results directory", paths.results, True, False),
+               ("cache directory", paths.cache, False, False),
                ("manifests folder", manifest.directory.parent, True, True)]
     folders = [(what, Path(os.path.realpath(folder)), inside_too, writes_only)
                for what, folder, inside_too, writes_only in folders]
@@ -157,7 +154,7 @@ def _refuse_pool_folders(manifest: Manifest, binds: list[Bind]) -> None:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """Everything one start of one worker needs, resolved once from its manifest."""
+    """Everything one start of one worker needs, resolved once from its manifest and the pool's settings."""
 
     manifest: Manifest
     python: str
@@ -179,18 +176,25 @@ class LaunchPlan:
         manifest: Manifest,
         socket_path: str,
         *,
+        config: Settings,
+        paths: Paths,
         name: str | None = None,
         device: str | None = None,
         heartbeat: str | None = None,
         cache: HashCache | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> LaunchPlan:
-        """Check the interpreter and the weights, and gather the environment and binds (no kit probe yet)."""
+        """Check the interpreter and the weights, and gather the environment and binds (no kit probe yet).
+
+        ``config``: what the worker is told of its pool (orphan grace, heartbeat, attachment sizes); ``paths``: the
+        pool's folders (a container must not see them; the default JIT cache and hash cache live in them).
+        """
         environ = os.environ if environ is None else environ
         python = interpreter(manifest)
         venv = isinstance(manifest.env, VenvEnv)
         root = weights_root(manifest, python if venv else None, environ)
-        report = verify_weights(manifest.slug, root, manifest.weights.files, cache, root_hint=_root_hint(manifest))
+        report = verify_weights(manifest.slug, root, manifest.weights.files, cache or HashCache.of(paths),
+                                root_hint=_root_hint(manifest))
         if not report.ok:
             raise report.error()
         work = work_root(manifest, environ)
@@ -204,7 +208,6 @@ class LaunchPlan:
             env.update({n: environ[n] for n in named if n in environ})
         env.update(shared_files_env())
         # The worker's own side, passed on by name (a container gets nothing unnamed).
-        config = settings()
         env["RESIDENT_POOL_ORPHAN_GRACE_S"] = f"{config.orphan_grace_s or manifest.lifecycle.orphan_grace_s:g}"
         env["RESIDENT_POOL_HEARTBEAT_STALE_S"] = f"{config.heartbeat_stale_s:g}"
         if config.no_cublas_release:
@@ -222,7 +225,7 @@ class LaunchPlan:
             env[root_env] = str(root)
         jit = None
         if manifest.kit is not None:
-            jit = _own_folder(jit_root(manifest, environ), "the JIT cache", manifest)  # compiled kernels are code
+            jit = _own_folder(jit_root(manifest, environ, paths.cache), "the JIT cache", manifest)  # kernels are code
             env.update(kit_env(manifest, environ, jit))
 
         run_dir = str(Path(socket_path).parent)
@@ -240,7 +243,7 @@ class LaunchPlan:
             binds.append(Bind(str(jit), str(jit), False, "kit.jit_root (or $MODEL_OPT_JIT_ROOT)"))
         if heartbeat and str(Path(heartbeat).parent) != run_dir:
             binds.append(Bind(str(Path(heartbeat).parent), str(Path(heartbeat).parent), False, _HEARTBEAT))
-        _refuse_pool_folders(manifest, binds)
+        _refuse_pool_folders(manifest, binds, paths)
 
         plan = cls(manifest=manifest, python=python, socket_path=socket_path, weights_root=root, work_root=work,
                    jit_root=jit, env=env, binds=tuple(binds), name=name or container_name(manifest.slug, 0),
@@ -314,6 +317,8 @@ def plan_launch(
     manifest: Manifest,
     socket_path: str,
     *,
+    config: Settings,
+    paths: Paths,
     name: str | None = None,
     device: str | None = None,
     heartbeat: str | None = None,
@@ -321,8 +326,8 @@ def plan_launch(
     environ: Mapping[str, str] | None = None,
 ) -> LaunchPlan:
     """The complete plan for one start: resolved, and for a kit provider probed and checked."""
-    plan = LaunchPlan.resolve(manifest, socket_path, name=name, device=device, heartbeat=heartbeat, cache=cache,
-                              environ=environ)
+    plan = LaunchPlan.resolve(manifest, socket_path, config=config, paths=paths, name=name, device=device,
+                              heartbeat=heartbeat, cache=cache, environ=environ)
     return plan.with_kit(plan.probe()) if manifest.kit is not None else plan
 
 
@@ -334,13 +339,15 @@ class Slot(Protocol):
     device: str | None
 
 
-def command_builder(manifest: Manifest, cache: HashCache | None = None) -> Callable[[Slot], Launch]:
-    """A ``build_command`` for ResidentWorker (and the pool's workers); weights and kit are checked at every start."""
+def command_builder(manifest: Manifest, config: Settings, paths: Paths,
+                    cache: HashCache | None = None) -> Callable[[Slot], Launch]:
+    """A ``build_command`` for ResidentWorker (and the pool's starts); weights and kit are checked at every start."""
 
     def build(worker: Slot) -> Launch:
         heartbeat = getattr(worker, "heartbeat_path", None)  # a process handle that keeps one says where
-        plan = plan_launch(manifest, worker.socket_path, name=container_name(manifest.slug, worker.replica),
-                           device=worker.device, cache=cache, heartbeat=str(heartbeat) if heartbeat else None)
+        plan = plan_launch(manifest, worker.socket_path, config=config, paths=paths,
+                           name=container_name(manifest.slug, worker.replica), device=worker.device, cache=cache,
+                           heartbeat=str(heartbeat) if heartbeat else None)
         argv, env = plan.command()
         stop, kill = plan.controls() or (None, None)
         return Launch(argv, env, stop=stop, kill=kill, kit=plan.kit_facts(), cwd=str(plan.work_root))
@@ -349,13 +356,15 @@ def command_builder(manifest: Manifest, cache: HashCache | None = None) -> Calla
 
 
 def worker_for(
-    manifest: Manifest, replica: int = 0, admitter: Admitter | None = None, cache: HashCache | None = None
+    manifest: Manifest, replica: int = 0, admitter: Admitter | None = None, cache: HashCache | None = None, *,
+    config: Settings,
 ) -> ResidentWorker:
-    """A supervised worker for one replica of ``manifest``."""
+    """A supervised worker for one replica of ``manifest``, under ``config`` (its folders, its kill grace)."""
     lifecycle = manifest.lifecycle
+    paths = Paths.of(config)
     return ResidentWorker(
         manifest.slug,
-        command_builder(manifest, cache),
+        command_builder(manifest, config, paths, cache),
         start_timeout_s=lifecycle.start_timeout_s,
         request_timeout_s=lifecycle.request_timeout_s,
         idle_timeout_s=lifecycle.idle_timeout_s,
@@ -363,5 +372,6 @@ def worker_for(
         manifest=manifest,
         replica=replica,
         admitter=admitter,
-        state_dir=paths.state_dir(),
+        config=config,
+        paths=paths,
     )

@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,10 +26,10 @@ from .. import exits
 from ..admission import Admission, Ledger, read_devices
 from ..errors import RequestTimeout, WorkerRequestError, WorkerStartError
 from ..exits import EXIT_HINTS
-from ..host import paths
+from ..host.paths import Paths
 from ..host.procs import Spawner, child_env
 from ..protocol import CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, ProtocolError, connect, recv_line, send_line
-from ..settings import settings
+from ..settings import Settings, settings
 from .transcripts import read_tail, render_tail
 from .worker_process import HEARTBEAT_INTERVAL_S, PROTOCOL_PATH, WORKER_BASE_PATH, Launch, WorkerProcess
 from .worker_states import WORKER_EDGES, WorkerState
@@ -78,22 +79,22 @@ class CpuOnly:
         pass
 
 
-_host_admissions: dict[tuple[Path, float, Path | None], Admission] = {}
+_host_admissions: dict[tuple[Any, ...], Admission] = {}
 _host_admissions_lock = threading.Lock()
 
 
-def host_admission() -> Admission:
+def host_admission(config: Settings, paths: Paths) -> Admission:
     """The host's admission over the pool's own ledger: what a worker with a budget and no admitter goes through.
 
     One per ledger file (and settings) in this process, so its standalone workers queue in
     order; the ledger is the file the host pool keeps, so each sees what the other holds.
     """
-    config = settings()
-    key = (paths.ledger_path(), config.gpu_headroom_gb, config.ledger_audit)
+    key = (paths.ledger_path(), config.gpu_headroom_gb, config.ledger_audit, config.fake_nvml, config.gpu_capacity_gb)
     with _host_admissions_lock:
         admission = _host_admissions.get(key)
         if admission is None:
-            admission = Admission(Ledger(key[0], audit=config.ledger_audit), headroom_gb=config.gpu_headroom_gb)
+            admission = Admission(Ledger(key[0], audit=config.ledger_audit), devices=lambda: read_devices(config),
+                                  headroom_gb=config.gpu_headroom_gb)
             _host_admissions[key] = admission
         return admission
 
@@ -118,10 +119,16 @@ class ResidentWorker:
         state_dir: str | os.PathLike[str] | None = None,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         spawner: Spawner | None = None,
+        config: Settings | None = None,
+        paths: Paths | None = None,
     ) -> None:
         """``admit`` with a ``vram_budget_gb`` and no ``admitter``: the host's admission (``host_admission``), or
         the CPU for a manifest whose GPU is only recommended, on a host with none (as under the pool).
-        ``spawner``: a zygote to fork each start from (``zygote.Zygote``); None spawns every start."""
+        ``spawner``: a zygote to fork each start from (``zygote.Zygote``); None spawns every start.
+
+        A standalone worker is an edge, as a ``Pool`` is: ``config`` (its folders, ledger, kill grace) is the
+        settings as the environment gives them now unless given; ``paths``, the folders ``config`` names;
+        ``state_dir`` overrides the state folder alone."""
         self.slug = slug
         self.build_command = build_command
         self.start_timeout_s = start_timeout_s
@@ -135,7 +142,10 @@ class ResidentWorker:
         self.admitter = admitter
         self.connect_timeout_s = connect_timeout_s
         self.spawner = spawner
-        self._state_dir = Path(state_dir) if state_dir else None
+        self.config = config if config is not None else settings()
+        self.paths = paths if paths is not None else Paths.of(self.config)
+        if state_dir:
+            self.paths = replace(self.paths, state=Path(state_dir))
 
         self.state = WorkerState.STOPPED
         self.last_error: Exception | None = None
@@ -162,8 +172,9 @@ class ResidentWorker:
         return self._handle
 
     def _new_process(self) -> WorkerProcess:
-        return WorkerProcess(self.slug, self.replica, state_dir=self._state_dir, log_path=self.log_path,
-                             start_timeout_s=self.start_timeout_s, connect_timeout_s=self.connect_timeout_s)
+        return WorkerProcess(self.slug, self.replica, paths=self.paths, kill_grace_s=self.config.kill_grace_s,
+                             log_path=self.log_path, start_timeout_s=self.start_timeout_s,
+                             connect_timeout_s=self.connect_timeout_s)
 
     def transition(self, new: WorkerState, why: str = "", only_from: tuple[WorkerState, ...] | None = None) -> bool:
         """Move to ``new`` if the state table allows it from here; raise otherwise. True when it moved.
@@ -230,7 +241,7 @@ class ResidentWorker:
                 if os.path.exists(self.socket_path):
                     return
                 self._process.note(f"worker pid {self.pid} is alive without its socket; restarting it")
-                self._end(self._process.kill(grace_s=5.0))
+                self._end(self._process.kill())
             elif self._process.returncode is not None or self._process.proc is not None:
                 self._end(self._process.poll())
             self._start()
@@ -260,7 +271,7 @@ class ResidentWorker:
             self.transition(WorkerState.FAILED, str(exc), only_from=(WorkerState.STARTING,))
             self.last_error = exc if isinstance(exc, Exception) else None
             if self._process.proc is not None and self._process.returncode is None:
-                self._process.kill(grace_s=5.0)
+                self._process.kill()
             self._release_admission()
             raise
         loaded = getattr(self._admitted_by, "loaded", None)
@@ -272,9 +283,9 @@ class ResidentWorker:
     def _host_admitter(self) -> Admitter:
         """The host's admission; the CPU for a manifest whose GPU is only recommended, on a host with none."""
         gpu = getattr(self.manifest, "gpu", None)
-        if getattr(gpu, "policy", None) == "recommended" and not read_devices()[0]:
+        if getattr(gpu, "policy", None) == "recommended" and not read_devices(self.config)[0]:
             return CpuOnly()
-        return host_admission()
+        return host_admission(self.config, self.paths)
 
     # -- requests ----------------------------------------------------------
     def request(self, message: Any, timeout: float | None = None) -> dict[str, Any]:
@@ -355,7 +366,7 @@ class ResidentWorker:
         """The request outran its timeout: the worker, which answers serially, is replaced."""
         self._drop_connection()
         self._process.note(f"a request outran request_timeout_s = {timeout:g} s; terminating the worker")
-        self._end(self._process.kill(grace_s=5.0))
+        self._end(self._process.kill())
         tail = read_tail(self._process.transcript_path)
         headline = (f"{self.slug}: a request outran request_timeout_s = {timeout:g} s; the worker was stopped "
                     f"and the next request starts a fresh one; transcript {self._process.transcript_path}")
@@ -371,7 +382,7 @@ class ResidentWorker:
             self._end(rc)
             raise self._process.died_error(rc, stopping) from exc
         self._process.note(f"request failed on a live worker ({exc}); terminating it")
-        self._end(self._process.kill(grace_s=5.0))
+        self._end(self._process.kill())
 
     def _reply_error(self, reply: dict[str, Any]) -> WorkerRequestError:
         """The error for a reply with ``ok: false``; a worker_exiting one is reaped first."""

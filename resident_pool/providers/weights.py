@@ -12,12 +12,13 @@ from pathlib import Path
 from filelock import FileLock
 
 from ..errors import StateDirError, WeightsMismatch
-from ..host.paths import cache_dir
+from ..host.paths import Paths
 from ..host.trust import check_trusted
 
-__all__ = ["HashCache", "WeightsMismatch", "WeightsReport", "cache_dir", "verify_weights"]
+__all__ = ["HASH_CACHE_FILE", "HashCache", "WeightsMismatch", "WeightsReport", "verify_weights"]
 
 _BLOCK = 4 * 1024 * 1024
+HASH_CACHE_FILE = "sha256-cache.json"  # in the pool's cache folder
 
 
 class HashCache:
@@ -28,10 +29,15 @@ class HashCache:
     put back still has a new ctime (and usually a new inode), so it is hashed again.
     """
 
-    def __init__(self, path: Path | None = None) -> None:
-        self.path = path or cache_dir() / "sha256-cache.json"
+    def __init__(self, path: Path) -> None:
+        self.path = path
         self.reads = 0  # files actually hashed, for tests and the check report
         self._entries: dict[str, dict] | None = None
+
+    @classmethod
+    def of(cls, paths: Paths) -> HashCache:
+        """The user's one cache, in the pool's cache folder: every process of the user shares it."""
+        return cls(paths.cache / HASH_CACHE_FILE)
 
     def _load(self) -> dict[str, dict]:
         if self._entries is None:
@@ -96,7 +102,7 @@ class WeightsReport:
 
 
 def verify_weights(
-    slug: str, root: Path | None, files, cache: HashCache | None = None, root_hint: str | None = None
+    slug: str, root: Path | None, files, cache: HashCache, root_hint: str | None = None
 ) -> WeightsReport:
     """Check each pinned file: present, then its size, then its sha256.
 
@@ -110,7 +116,6 @@ def verify_weights(
         what = "no weights directory is given" if root is None else f"the weights directory {root} does not exist"
         report.problems.append(f"{what}; {root_hint}" if root_hint else what)
         return report
-    cache = cache or HashCache()
     check_trusted(root, "the weights directory", slug, "weights")
     for pin in files:
         path = root / pin.path

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import ResidentPoolError, SocketPathTooLong, WorkerRequestError, WorkerStartError
 from ..exits import describe_exit, exit_hint
-from ..host import paths
+from ..host.paths import Paths
 from ..host.procs import ForkRefused, ProcessHandle, Spawner, child_env, terminate_group, wait_exit
 from ..protocol import (
     CONNECT_TIMEOUT_S,
@@ -112,17 +112,22 @@ class WorkerProcess:
         slug: str,
         replica: int,
         *,
-        state_dir: Path | None = None,
+        paths: Paths,
+        kill_grace_s: float,
         log_path: Path | None = None,
         start_timeout_s: float = 900.0,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
     ) -> None:
+        """``paths``: where its run folder and transcript go; ``kill_grace_s``: between SIGTERM and SIGKILL whenever
+        it is stopped (RESIDENT_POOL_KILL_GRACE_S, handed down)."""
         self.slug = slug
         self.replica = replica
         self.start_timeout_s = start_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.kill_grace_s = kill_grace_s
         self.log_path = log_path
-        self.run_dir = paths.workers_dir(state_dir) / f"{slug}-{replica}-{secrets.token_hex(3)}"
+        self.paths = paths
+        self.run_dir = paths.workers_dir() / f"{slug}-{replica}-{secrets.token_hex(3)}"
         try:
             self.socket_path = check_socket_path(self.run_dir / "worker.sock")
         except SocketPathError as exc:
@@ -195,10 +200,10 @@ class WorkerProcess:
         self.beat()
         try:
             self.transcript = (Transcript.append_to(self.log_path) if self.log_path is not None
-                               else Transcript.create(paths.log_dir(), self.slug, self.replica))
+                               else Transcript.create(self.paths.log_dir(), self.slug, self.replica))
         except OSError as exc:
             self._cleanup()
-            where = self.log_path or paths.log_dir()
+            where = self.log_path or self.paths.logs
             raise WorkerStartError(
                 f"{self.slug}: cannot open the transcript under {where}: {exc.strerror}; set RESIDENT_POOL_LOG_DIR "
                 "to a writable directory with free space", slug=self.slug) from exc
@@ -254,7 +259,7 @@ class WorkerProcess:
             why = cancelled() if cancelled is not None else None
             if why:
                 self.note(f"start cancelled ({why}); stopping it")
-                rc = self.kill(grace_s=5.0)
+                rc = self.kill()
                 raise self.error(WorkerStartError, f"was stopped while it started: {why}", rc, "start_cancelled",
                                  describe=False)
             if os.path.exists(self.socket_path):
@@ -263,7 +268,7 @@ class WorkerProcess:
                     return answer
             if time.monotonic() >= deadline:
                 self.note(f"no answer within start_timeout_s = {self.start_timeout_s:g} s; terminating")
-                rc = self.kill(grace_s=5.0)
+                rc = self.kill()
                 raise self.error(
                     WorkerStartError,
                     f"did not answer on {self.socket_path} within start_timeout_s = {self.start_timeout_s:g} s "
@@ -396,7 +401,7 @@ class WorkerProcess:
         rc = self.wait_dead(EXITING_GRACE_S)
         if rc is None and self.proc is not None:
             self.note(f"said it was exiting but still ran {EXITING_GRACE_S:g} s later; stopping it")
-            rc = self.kill(grace_s=5.0)
+            rc = self.kill()
         code = reply.get("exit_code")
         if not isinstance(code, int) or isinstance(code, bool):  # None: a KeyboardInterrupt; its signal is the truth
             code = rc
@@ -411,7 +416,10 @@ class WorkerProcess:
 
     # -- stop --------------------------------------------------------------------------
     def stop(self, grace_s: float = 30.0) -> int | None:
-        """Ask it to shut down, wait, then SIGTERM and SIGKILL its group; frees the device."""
+        """Ask it to shut down, wait, then SIGTERM and SIGKILL its group; frees the device.
+
+        ``grace_s`` bounds the whole ask; the SIGTERM's grace is the kill grace, or less when ``grace_s`` is.
+        """
         if self.proc is None:
             return self.returncode
         if self.alive():
@@ -424,12 +432,14 @@ class WorkerProcess:
                 acknowledged = False  # busy, hung or unreachable: the escalation below ends it
             if acknowledged:  # serve() has returned; a leftover non-daemon thread must not hold the exit long
                 self.wait_dead(min(grace_s, SHUTDOWN_EXIT_S))
-        return self.kill(grace_s=min(grace_s, 10.0))
+        return self.kill(grace_s=min(grace_s, self.kill_grace_s))
 
-    def kill(self, grace_s: float = 5.0) -> int | None:
-        """SIGTERM the group (through the container engine where there is one), then SIGKILL."""
+    def kill(self, grace_s: float | None = None) -> int | None:
+        """SIGTERM the group (through the container engine where there is one), then SIGKILL after ``grace_s``
+        (the kill grace by default)."""
         if self.proc is None:
             return self.returncode
+        grace_s = self.kill_grace_s if grace_s is None else grace_s
         if self.launch is not None and self.launch.stop and self.proc.poll() is None:
             self._engine(self.launch.stop, grace_s + 5.0)
         # Even when the leader has exited, its children (DataLoader workers) may not have: the group goes.

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..exits import LOST_EXIT, describe_exit
-from ..host import paths
+from ..host.paths import Paths
 from ..host.procs import ForkRefused, child_env, pid_alive, terminate_group
 from .exec_env import interpreter
 from .launch import weights_root
@@ -45,7 +45,7 @@ ZYGOTE_ONLY_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 # What differs from one start to the next; set in each forked child, never in the zygote.
 PER_START = frozenset({"RESIDENT_POOL_HEARTBEAT", "CUDA_VISIBLE_DEVICES"})
 FORK_REPLY_TIMEOUT_S = 30.0
-_STOP_GRACE_S = 5.0
+_EXIT_WAIT_S = 5.0  # how long a zygote whose channel closed may take to exit by itself
 
 
 class ForkedProcess:
@@ -112,8 +112,9 @@ class Zygote:
 
     def __init__(self, slug: str, key: str, python: str, env: Mapping[str, str | None], script: str,
                  preload: list[str], load: str | None = None, weights: Callable[[], str | None] | None = None,
-                 start_timeout_s: float = 900.0) -> None:
-        """``weights``: gives the weights root for the load stage, asked once, when the zygote starts."""
+                 start_timeout_s: float = 900.0, *, paths: Paths, kill_grace_s: float) -> None:
+        """``weights``: gives the weights root for the load stage, asked once, when the zygote starts; ``paths``:
+        where its transcript goes; ``kill_grace_s``: between SIGTERM and SIGKILL when its group must be ended."""
         self.slug = slug
         self.key = key
         self.python = python
@@ -123,6 +124,8 @@ class Zygote:
         self.load = load
         self.weights = weights
         self.start_timeout_s = start_timeout_s
+        self.paths = paths
+        self.kill_grace_s = kill_grace_s
         self.proc: subprocess.Popen | None = None
         self.transcript: Transcript | None = None
         self.info: dict[str, Any] = {}  # its ready event: modules and their seconds, load stage, threads
@@ -199,12 +202,12 @@ class Zygote:
                 except (OSError, ValueError) as exc:  # no transcript, or a garbled first line
                     self.failure = f"the zygote could not start: {type(exc).__name__}: {exc}"
                     if self.proc is not None:
-                        terminate_group(self.proc, _STOP_GRACE_S)
+                        terminate_group(self.proc, self.kill_grace_s)
                     self._down.set()
                     raise ForkRefused(self.failure) from exc
 
     def _start(self) -> None:
-        self.transcript = Transcript.create(paths.log_dir(), f"zygote-{self.slug}", 0)
+        self.transcript = Transcript.create(self.paths.log_dir(), f"zygote-{self.slug}", 0)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = subprocess.Popen(
@@ -241,7 +244,7 @@ class Zygote:
 
     def _end(self, why: str) -> None:
         """It failed at start: record why (with its exit and transcript) and make sure it is gone."""
-        rc = terminate_group(self.proc, _STOP_GRACE_S) if self.proc is not None else None
+        rc = terminate_group(self.proc, self.kill_grace_s) if self.proc is not None else None
         tail = read_tail(self.transcript.path, 1) if self.transcript else []  # its last word; the rest is there
         self.failure = (f"{why} ({describe_exit(rc)}; transcript {self.transcript.path if self.transcript else '-'}"
                         + (f": {tail[0]}" if tail else "") + ")")
@@ -310,9 +313,9 @@ class Zygote:
         rc = None
         if self.proc is not None:
             try:
-                rc = self.proc.wait(timeout=_STOP_GRACE_S)
+                rc = self.proc.wait(timeout=_EXIT_WAIT_S)
             except subprocess.TimeoutExpired:
-                rc = terminate_group(self.proc, _STOP_GRACE_S)
+                rc = terminate_group(self.proc, self.kill_grace_s)
         with self._state_lock:
             children, self._children = list(self._children.values()), {}
             pending, self._pending = list(self._pending.values()), {}
@@ -365,7 +368,7 @@ class Zygote:
         except OSError:
             pass  # already gone
         if self._reader is not None:
-            self._reader.join(timeout=_STOP_GRACE_S * 3)
+            self._reader.join(timeout=_EXIT_WAIT_S * 3)
         self._sock.close()
 
 
@@ -411,7 +414,9 @@ def _key(launch: Launch, manifest: Manifest) -> str:
 class Zygotes:
     """The pool's zygotes: one per provider environment, retired with the last use of its workers."""
 
-    def __init__(self) -> None:
+    def __init__(self, paths: Paths, kill_grace_s: float) -> None:
+        self.paths = paths
+        self.kill_grace_s = kill_grace_s
         self._lock = threading.Lock()
         self._current: dict[str, Zygote] = {}  # per provider: the zygote new workers fork from
         self._retiring: list[Zygote] = []  # replaced or stopped; gone once their workers are
@@ -449,7 +454,8 @@ class Zygotes:
                 env = {name: value for name, value in launch.env.items() if name not in PER_START}
                 current = self._current[slug] = Zygote(
                     slug, key, launch.argv[0], env, launch.argv[1], manifest.lifecycle.preload or [],
-                    manifest.lifecycle.load, lambda: _weights(manifest), manifest.lifecycle.start_timeout_s)
+                    manifest.lifecycle.load, lambda: _weights(manifest), manifest.lifecycle.start_timeout_s,
+                    paths=self.paths, kill_grace_s=self.kill_grace_s)
             self._spawn_why.pop(slug, None)
             return current
 

@@ -36,7 +36,6 @@ class Timings:
 
     liveness_timeout_s: float = 10.0  # an idle worker that does not answer a ping this long is stopped
     abandon_probe_s: float = 1.0  # a worker between requests answers at once; one that does not is computing
-    kill_grace_s: float = 5.0  # SIGTERM to SIGKILL
     stop_overdue_s: float = 60.0  # a stop not reported in this long is tried again with SIGKILL
     hibernate_overdue_s: float = 120.0
     report_margin_s: float = 15.0  # added to a start's or a check's own limit before the core calls it overdue

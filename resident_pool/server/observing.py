@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import ResidentPoolError
 from ..exits import describe_exit
-from ..host import paths
+from ..host.paths import Paths
 from ..messages import SLUG
 from ..ops.events import EVENTS_FILE, EventLog
 from ..ops.gpu_memory import GIB, Peaks, budget_advice, group_usage, process_usage
@@ -67,8 +67,9 @@ class Measured:
 class Observer:
     """Metrics, events, GPU readings, transcript pruning and the systemd watchdog of one pool."""
 
-    def __init__(self, config: Settings, manifests: Path, socket_path: str, snapshot: Snapshot,
+    def __init__(self, config: Settings, paths: Paths, manifests: Path, socket_path: str, snapshot: Snapshot,
                  retire: Callable[[int, StopCause, str], None], finished: threading.Event) -> None:
+        self.paths = paths
         self.manifests = manifests
         self.socket_path = socket_path
         self.snapshot = snapshot
@@ -76,7 +77,7 @@ class Observer:
         self.finished = finished
         self.metrics = PoolMetrics(self.metrics_snapshot)
         self.events = EventLog(paths.log_dir() / EVENTS_FILE)
-        self.peaks = Peaks(paths.cache_dir() / "gpu-peaks.json")
+        self.peaks = Peaks(paths.cache / "gpu-peaks.json")
         self.fake_nvml = config.fake_nvml
         self.metrics_port = config.metrics_port
         self.transcripts_keep = config.transcripts_keep
@@ -100,7 +101,7 @@ class Observer:
             except ResidentPoolError as exc:  # a port someone else holds: said in the log and in status
                 self.metrics_error = str(exc)
                 log.error("%s", exc)
-        self._prune_due |= transcript_slugs(paths.log_dir())
+        self._prune_due |= transcript_slugs(self.paths.log_dir())
         self.events.emit("pool.started", version=__version__, manifests=str(self.manifests))
         threading.Thread(target=self._loop, name="observe", daemon=True).start()
         notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {self.socket_path}")
@@ -215,7 +216,7 @@ class Observer:
             due, self._prune_due = self._prune_due, set()
         live = {Path(w.process.transcript_path) for w in workers.values() if w.process.transcript_path}
         for slug in sorted(due):
-            prune_transcripts(paths.log_dir(), slug, self.transcripts_keep, self.transcripts_max_bytes, live)
+            prune_transcripts(self.paths.log_dir(), slug, self.transcripts_keep, self.transcripts_max_bytes, live)
 
     # -- hooks the runtime calls ---------------------------------------------------------------------
     def on_admission(self, slug: str, priority: str, waited_s: float) -> None:

@@ -18,11 +18,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..admission import Admission, Ledger
+from ..admission import Admission, Ledger, read_devices
 from ..admission.orphans import Orphans
 from ..admission.remote import connect_service
 from ..errors import ResidentPoolError
-from ..host import paths
+from ..host.paths import Paths
 from ..messages import Acquire, LeaseGrant, Release, StopWorkers, Used, Warm
 from ..providers.hibernate import CudaCheckpoint, Hibernator
 from ..providers.jit_cache import JitSizes
@@ -61,7 +61,7 @@ def policy_from(config: Settings, service: dict[str, Any] | None = None) -> Poli
 
 
 def timings_from(config: Settings, quiet_exit_s: float | None = None) -> Timings:
-    return Timings(liveness_timeout_s=config.liveness_timeout_s, kill_grace_s=config.kill_grace_s,
+    return Timings(liveness_timeout_s=config.liveness_timeout_s,
                    drain_grace_s=config.drain_grace_s, breaker_cooldown_s=config.breaker_cooldown_s,
                    quiet_exit_s=config.quiet_exit_s if quiet_exit_s is None else quiet_exit_s)
 
@@ -72,16 +72,17 @@ class PoolServer:
     def __init__(self, manifests: Path, quiet_exit_s: float | None = None, config: Settings | None = None) -> None:
         config = config or settings()
         self.config = config
+        self.paths = Paths.of(config)
         self.manifests = manifests.resolve()
-        self.state_dir = paths.state_dir()
-        self.socket_path = paths.pool_socket(self.state_dir)
+        self.state_dir = self.paths.state_dir()
+        self.socket_path = self.paths.pool_socket()
         self.timings = timings_from(config, quiet_exit_s)
         self.tick_s = config.tick_s
         self.started = time.time()
         self.finished = threading.Event()
         self._signal: int | None = None
         self._last_beat = 0.0
-        self.ledger = Ledger(paths.ledger_path(self.state_dir), audit=config.ledger_audit)
+        self.ledger = Ledger(self.paths.ledger_path(), audit=config.ledger_audit)
         self.registry = Registry(self.manifests)
         # The runtime the host admission service wakes is made below: a lambda reaches it once it is there.
         self.service = connect_service(config, on_wake=self._memory_freed,
@@ -90,17 +91,18 @@ class PoolServer:
         started = time.monotonic()
         policy = policy_from(config, self.service.info if self.service is not None else None)
         self.core = PoolState(self.timings, started, policy)
-        self.admission = Admission(self.ledger, headroom_gb=config.gpu_headroom_gb, holder_of=self._holder_of,
-                                   service=self.service, orphans=Orphans(paths.workers_dir(self.state_dir)))
-        self.zygotes = Zygotes()  # fork servers, one per provider environment that declares a preload
+        self.admission = Admission(self.ledger, devices=lambda: read_devices(config),
+                                   headroom_gb=config.gpu_headroom_gb, holder_of=self._holder_of, service=self.service,
+                                   orphans=Orphans(self.paths.workers_dir(), config.kill_grace_s))
+        self.zygotes = Zygotes(self.paths, config.kill_grace_s)  # fork servers: one per environment with a preload
         self.hibernator = Hibernator(CudaCheckpoint(config.libcuda))  # for [lifecycle] evict = "hibernate"
         self.jit_sizes = JitSizes()
-        self.observer = Observer(config, self.manifests, self.socket_path,
+        self.observer = Observer(config, self.paths, self.manifests, self.socket_path,
                                  lambda: self.runtime.snapshot(),  # noqa: PLW0108 - the runtime is made below
                                  lambda rid, cause, why: self.runtime.retire(rid, cause, why),  # noqa: PLW0108
                                  self.finished)
         self.runtime = Runtime(self.core, self.registry, self.admission, self.zygotes, self.hibernator,
-                               self.state_dir, self.observer, config.kill_grace_s)
+                               self.paths, self.observer, config)
         self.runtime.on_exit = self.begin_stop
         if config.core_log is not None:
             self.runtime.core_log = CoreLog(config.core_log, self.timings, policy, started)
@@ -111,7 +113,7 @@ class PoolServer:
             "stop": self._op_stop, "shutdown": self._op_shutdown, "warm": self._op_warm, "used": self._op_used,
             "metrics": lambda m, conn: {"ok": True, "text": self.observer.metrics.render()},
         }, frozenset({"acquire", "stop", "warm"}), self._closed, config.max_connections, config.keepalive_s,
-            self.tick_s, str(paths.log_dir() / "pool.log"))
+            self.tick_s, str(self.paths.log_dir() / "pool.log"))
         self._kept_warm_loaded = False
         self._watched = 0.0
         self._unreadable: dict[str, str] = {}  # providers whose edited manifest does not read: what was said
@@ -355,5 +357,5 @@ class PoolServer:
         view, workers = self.runtime.snapshot()
         return build_status(view, StatusFacts(
             workers, self.registry, self.observer, self.zygotes, self.hibernator, self.jit_sizes, self.admission,
-            self.service, self.manifests, self.socket_path, self.started, str(self.ledger.path)))
+            self.service, self.manifests, self.socket_path, self.started, str(self.ledger.path), self.paths.cache))
 

@@ -13,15 +13,16 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from ..admission import Admission
 from ..errors import ResidentPoolError
+from ..host.paths import Paths
 from ..messages import LeaseGrant, Release
 from ..providers.hibernate import CheckpointError, Hibernator
 from ..providers.worker_process import DEATH_WAIT_S
 from ..providers.zygote import Zygotes
+from ..settings import Settings
 from . import actions as c
 from . import events as ev
 from .core import PoolState
@@ -44,17 +45,19 @@ class Runtime:
     """Carries out the core's actions and reports their outcomes; holds the one lock."""
 
     def __init__(self, core: PoolState, registry: Registry, admission: Admission, zygotes: Zygotes,
-                 hibernator: Hibernator, state_dir: Path, observer: Any, kill_grace_s: float,
+                 hibernator: Hibernator, paths: Paths, observer: Any, config: Settings,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """``paths`` and ``config``: the pool's folders and settings, handed to each worker start and stop."""
         self.core = core
         self.timings = core.timings  # what its own waits add to a worker's limits (report_margin_s)
         self.registry = registry
         self.admission = admission
         self.zygotes = zygotes
         self.hibernator = hibernator
-        self.state_dir = state_dir
+        self.paths = paths
+        self.config = config
         self.observer = observer
-        self.kill_grace_s = kill_grace_s
+        self.kill_grace_s = config.kill_grace_s
         self.clock = clock
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)  # notified after every event: warm and stop wait on it
@@ -66,7 +69,7 @@ class Runtime:
         self.nonce = secrets.token_hex(8)  # lease tokens of this pool never name another pool's lease
         self.on_exit: Callable[[str], None] = lambda why: None
         self.core_log: CoreLog | None = None  # RESIDENT_POOL_CORE_LOG: each event and its decision, for replay
-        self.starter = Starter(self, registry, admission, zygotes, hibernator, observer, state_dir, kill_grace_s,
+        self.starter = Starter(self, registry, admission, zygotes, hibernator, observer, paths, config,
                                self.timings)
 
     # -- events in, actions out -----------------------------------------------------------------

@@ -14,17 +14,18 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Protocol
 
-from ..admission import Admission, read_devices
+from ..admission import Admission
 from ..errors import AdmissionTimeout, ResidentPoolError, WorkerStartError
+from ..host.paths import Paths
 from ..providers.hibernate import CheckpointError, Hibernator
 from ..providers.kit_rules import stray_variables
 from ..providers.launch import command_builder
 from ..providers.supervisor import CpuOnly
 from ..providers.worker_process import Launch, WorkerProcess
 from ..providers.zygote import Zygotes
+from ..settings import Settings
 from . import actions as c
 from . import events as ev
 from .actions import Timings
@@ -62,7 +63,7 @@ class Starter:
     """Carries out Start, Place, Withdraw and Spawn actions for the runtime."""
 
     def __init__(self, runtime: Runtime, registry: Registry, admission: Admission, zygotes: Zygotes,
-                 hibernator: Hibernator, observer: Observer, state_dir: Path, kill_grace_s: float,
+                 hibernator: Hibernator, observer: Observer, paths: Paths, config: Settings,
                  timings: Timings) -> None:
         self.runtime = runtime
         self.registry = registry
@@ -70,8 +71,9 @@ class Starter:
         self.zygotes = zygotes
         self.hibernator = hibernator
         self.observer = observer
-        self.state_dir = state_dir
-        self.kill_grace_s = kill_grace_s
+        self.paths = paths
+        self.config = config
+        self.kill_grace_s = config.kill_grace_s
         self.timings = timings
 
     def start(self, action: c.Start) -> None:
@@ -88,7 +90,7 @@ class Starter:
                 loaded = self.registry.get(key)
                 if loaded is None:  # registered before any start of it, and kept while any replica of it lives
                     raise ResidentPoolError(f"{key}: its manifest is not loaded in this pool", slug=key)
-                process = WorkerProcess(loaded.slug, index, state_dir=self.state_dir,
+                process = WorkerProcess(loaded.slug, index, paths=self.paths, kill_grace_s=self.kill_grace_s,
                                         start_timeout_s=loaded.manifest.lifecycle.start_timeout_s)
                 worker = Worker(action.rid, key, index, budget, loaded, process)
                 runtime.adopt(worker)
@@ -107,7 +109,7 @@ class Starter:
         if manifest.gpu.policy == "none" or not worker.budget_gb:
             worker.env = {}
             return None
-        if manifest.gpu.policy == "recommended" and not read_devices()[0]:
+        if manifest.gpu.policy == "recommended" and not self.admission.devices()[0]:
             worker.admitter, worker.env = CpuOnly(), {"CUDA_VISIBLE_DEVICES": ""}
             return None
         self.admission.check(worker.loaded.slug, float(worker.budget_gb))
@@ -237,7 +239,7 @@ class Starter:
     def _spawn(self, worker: Worker, env: dict[str, str]) -> dict[str, Any]:
         runtime, loaded, process = self.runtime, worker.loaded, worker.process
         process.device = env.get("CUDA_VISIBLE_DEVICES")
-        launch = Launch.of(command_builder(loaded.manifest)(process))
+        launch = Launch.of(command_builder(loaded.manifest, self.config, self.paths)(process))
         if loaded.strip_kit:  # stock without the kit: none of its variables, even under passthrough "*"
             launch = replace(launch, env={**launch.env, **stray_variables(loaded.strip_kit, os.environ, set())})
 
@@ -271,7 +273,8 @@ class Starter:
             worker.process.note(why)
             self.hibernator.noted(worker.loaded.slug, f"{worker.slug}[{worker.index}]: {why}")
             worker.process.kill(grace_s=self.kill_grace_s)
-            worker.process = WorkerProcess(worker.loaded.slug, worker.index, state_dir=self.state_dir,
+            worker.process = WorkerProcess(worker.loaded.slug, worker.index, paths=self.paths,
+                                           kill_grace_s=self.kill_grace_s,
                                            start_timeout_s=worker.loaded.manifest.lifecycle.start_timeout_s)
             runtime.report(ev.RestoreFailed(worker.rid, f"{worker.slug}[{worker.index}]: {why}"))
             return None

@@ -41,6 +41,7 @@ class StatusFacts:
     socket_path: str
     started: float
     ledger_path: str
+    cache_dir: Path  # the kits' default JIT caches are under it
 
 
 def build_status(view: CoreView, facts: StatusFacts) -> dict[str, Any]:
@@ -91,7 +92,7 @@ def build_status(view: CoreView, facts: StatusFacts) -> dict[str, Any]:
             "measured_peak_gb": peak, "budget_advice": budget_advice(found["budget_gb"], peak),
         }
         if manifest.kit is not None:  # walked at most once a minute per root
-            providers[key]["jit_cache"] = facts.jit_sizes.report(jit_root(manifest, os.environ))
+            providers[key]["jit_cache"] = facts.jit_sizes.report(jit_root(manifest, os.environ, facts.cache_dir))
     for path in sorted(facts.manifests.glob("*/manifest.toml")):
         slug = path.parent.name
         if slug in providers:

@@ -23,12 +23,13 @@ from typing import Any, NamedTuple
 from ..admission import read_devices
 from ..client import Pool
 from ..errors import AdmissionRefused, GoldenMismatch, KitUnavailable, ResidentPoolError, error_from_dict
+from ..host.paths import Paths
 from ..providers.exec_env import interpreter
 from ..providers.kit_rules import KitRow
 from ..providers.launch import check_weights, plan_launch
 from ..providers.manifest import Manifest, VenvEnv, load_manifest, manifest_path
 from ..providers.weights import HashCache
-from ..settings import settings
+from ..settings import Settings
 from . import expected
 from .golden import compare, summary
 from .provenance import environment, gpu, gpu_name, host, own_version
@@ -166,13 +167,13 @@ def _answered_by(lease: dict[str, Any]) -> str:
             f"device {lease.get('device') if lease.get('device') not in (None, '') else 'cpu'})")
 
 
-def _what_answered(lease: dict[str, Any]) -> dict[str, str]:
+def _what_answered(lease: dict[str, Any], fake_nvml: Path | None) -> dict[str, str]:
     """Provenance from the worker that answered, over what the check's own probe saw: they differ when
     the pool's environment differs from this command's."""
     device = lease.get("device")
     out = {"gpu.device": "cpu" if device in (None, "") else f"GPU {device}"}
     if device not in (None, ""):
-        name = gpu_name(int(str(device).split(",")[0]))
+        name = gpu_name(int(str(device).split(",")[0]), fake_nvml)
         if name:
             out["gpu"] = name  # the card that answered, not every card on the host
     for key, value in (lease.get("kit") or {}).items():
@@ -197,7 +198,7 @@ def _refuse_varying(manifest: Manifest, first: SmokeRun, second: SmokeRun) -> No
 
 
 def _describe_provider(manifest: Manifest, python: str | None, row: KitRow | None,
-                       results: list[StepResult]) -> dict[str, str]:
+                       results: list[StepResult], fake_nvml: Path | None) -> dict[str, str]:
     """What produces this provider's answers: manifest, weights, kit, environment, GPU."""
     out = {"manifest.fingerprint": manifest.fingerprint()}
     weights = next((r for r in results if r.step == "weights"), None)
@@ -221,7 +222,7 @@ def _describe_provider(manifest: Manifest, python: str | None, row: KitRow | Non
             out["kit.jit_cache_key"] = row.jit_cache_key or (
                 f"none: {row.jit_cache_key_error}" if row.jit_cache_key_error else "none")
     out.update(environment(manifest, python) if python else {"env.python": "unknown: the interpreter step failed"})
-    out.update(gpu())
+    out.update(gpu(fake_nvml))
     return out
 
 
@@ -264,14 +265,17 @@ def _against_stock(manifest: Manifest, declared: SmokeRun, row: KitRow, extras: 
 # -- the checks ----------------------------------------------------------------
 
 
-def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = None, *, against_stock: bool = False,
-                   bless: bool = False, force: bool = False, priority: str = "normal") -> list[StepResult]:
+def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = None, *, config: Settings,
+                   paths: Paths, against_stock: bool = False, bless: bool = False, force: bool = False,
+                   priority: str = "normal") -> list[StepResult]:
     """Every step for the provider whose manifest is at ``path``; later steps skip after a failure.
 
     ``smoke`` runs the smoke payload and compares the answer with the expected one;
     ``against_stock`` also runs it stock and compares; ``bless`` records the answer as
     the expected one (over an existing file only with ``force``); ``priority``: the class its smoke runs wait in.
+    ``config`` and ``paths``: the settings and folders a start would have (the probe is planned as a start is).
     """
+    cache = cache or HashCache.of(paths)
     slug = path.parent.name
     holder: dict[str, Any] = {}
     provenance = {"host": host(), "resident_pool.version": own_version(), "manifest.path": str(path)}
@@ -296,7 +300,7 @@ def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = No
 
     def weights_step():
         python = python_holder.get("python") if isinstance(manifest.env, VenvEnv) else None
-        report = check_weights(manifest, python, cache)
+        report = check_weights(manifest, python, cache=cache)
         if not report.ok:
             raise report.error()
         if not manifest.weights.files:
@@ -309,7 +313,8 @@ def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = No
         # The plan a start builds: the probe runs under the worker's environment (and in its
         # container), and every start rule is applied, so a kit that check passes can start.
         with tempfile.TemporaryDirectory(prefix="rp-check-") as run_dir:
-            row = holder["row"] = plan_launch(manifest, os.path.join(run_dir, "worker.sock"), cache=cache).row
+            row = holder["row"] = plan_launch(manifest, os.path.join(run_dir, "worker.sock"), config=config,
+                                              paths=paths, cache=cache).row
         detail = (f"{row.package} {row.activation}, MODEL_OPT {row.model_opt} ({row.model_opt_source}), "
                   f"mode variable {row.mode_env}, {len(row.env)} variables")
         if row.jit_cache_key_error:
@@ -317,7 +322,7 @@ def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = No
         return detail
 
     def gpu_step():
-        return _gpu_feasible(manifest)
+        return _gpu_feasible(manifest, config)
 
     steps = [("interpreter", interpreter_step), ("weights", weights_step), ("gpu", gpu_step), ("kit", kit_step)]
     failed = False
@@ -328,24 +333,26 @@ def check_provider(path: Path, smoke: bool = False, cache: HashCache | None = No
         result = _run(slug, step, action)
         failed = failed or not result.ok
         results.append(result)
-    provenance.update(_describe_provider(manifest, python_holder.get("python"), holder.get("row"), results))
+    provenance.update(_describe_provider(manifest, python_holder.get("python"), holder.get("row"), results,
+                                         config.fake_nvml))
     extras = _answer_steps(manifest, python_holder.get("python"), holder.get("row"), results, provenance,
-                           smoke=smoke, against_stock=against_stock, bless=bless, force=force, priority=priority)
+                           smoke=smoke, against_stock=against_stock, bless=bless, force=force, priority=priority,
+                           fake_nvml=config.fake_nvml)
     return _stamp(results, provenance, extras)
 
 
-def _gpu_feasible(manifest: Manifest) -> str:
+def _gpu_feasible(manifest: Manifest, config: Settings) -> str:
     """Whether this host can ever admit the provider: a budget no device holds fails every start."""
     gpu_spec = manifest.gpu
     if gpu_spec.policy == "none":
         return "no GPU asked for"
-    devices, source = read_devices()
+    devices, source = read_devices(config)
     if not devices:
         if gpu_spec.policy == "recommended":
             return f"no GPU capacity known ({source}): it runs on the CPU here"
         raise AdmissionRefused(f"{manifest.slug}: needs {gpu_spec.vram_budget_gb:g} GB of GPU memory but no GPU "
                                f"capacity is known ({source})", slug=manifest.slug)
-    headroom = settings().gpu_headroom_gb
+    headroom = config.gpu_headroom_gb
     largest = max(d.total_gb for d in devices) - headroom
     if gpu_spec.vram_budget_gb > largest:
         raise AdmissionRefused(
@@ -356,7 +363,7 @@ def _gpu_feasible(manifest: Manifest) -> str:
 
 def _answer_steps(manifest: Manifest, python: str | None, row: KitRow | None, results: list[StepResult],
                   provenance: dict[str, str], *, smoke: bool, against_stock: bool, bless: bool,
-                  force: bool, priority: str = "normal") -> dict[str, dict[str, str]]:
+                  force: bool, fake_nvml: Path | None, priority: str = "normal") -> dict[str, dict[str, str]]:
     """The steps that run the smoke payload (smoke or bless, then against-stock); returns their own provenance."""
     slug, extras = manifest.slug, {}
     first = "bless" if bless else "smoke" if smoke or against_stock else None
@@ -369,7 +376,7 @@ def _answer_steps(manifest: Manifest, python: str | None, row: KitRow | None, re
     def answer():
         run = runs["declared"] = run_smoke(manifest, manifest.smoke.payload, priority=priority)
         extras[first] = {"smoke.transcript": str(run.transcript), "smoke.worker": _answered_by(run.lease)}
-        provenance.update(_what_answered(run.lease))
+        provenance.update(_what_answered(run.lease, fake_nvml))
         if manifest.kit is not None:
             provenance["kit.active"] = kit_says(run.transcript, manifest.kit.package_name)[1] or "no ACTIVE line"
         if bless:  # a second start answers too: what differs between them varies, and cannot be expected
@@ -402,16 +409,17 @@ def _stamp(results: list[StepResult], provenance: dict[str, str],
     return results
 
 
-def check_providers(directory: Path, slugs: Iterable[str] = (), smoke: bool = False, *, against_stock: bool = False,
-                    bless: bool = False, force: bool = False) -> list[StepResult]:
+def check_providers(directory: Path, slugs: Iterable[str] = (), smoke: bool = False, *, config: Settings,
+                    paths: Paths, against_stock: bool = False, bless: bool = False,
+                    force: bool = False) -> list[StepResult]:
     """Check the named providers (all under ``directory`` when none is named)."""
     wanted = list(slugs)
     manifests = [manifest_path(directory, slug) for slug in wanted] or sorted(directory.glob("*/manifest.toml"))
-    cache = HashCache()
+    cache = HashCache.of(paths)
     results: list[StepResult] = []
     for path in manifests:
-        results += check_provider(path, smoke=smoke, cache=cache, against_stock=against_stock, bless=bless,
-                                  force=force)
+        results += check_provider(path, smoke=smoke, cache=cache, config=config, paths=paths,
+                                  against_stock=against_stock, bless=bless, force=force)
     return results
 
 

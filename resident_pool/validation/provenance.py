@@ -13,7 +13,6 @@ from ..host.procs import child_env
 from ..providers.exec_env import Bind, container_name, engine_controls, passthrough_env, wrap
 from ..providers.kit_rules import stray_variables
 from ..providers.manifest import Manifest, VenvEnv
-from ..settings import settings
 
 __all__ = ["ENV_PROBE_PATH", "KEY_PACKAGES", "columns", "environment", "gpu", "host", "own_version"]
 
@@ -86,9 +85,9 @@ def environment(manifest: Manifest, python: str) -> dict[str, str]:
     }
 
 
-def _names() -> tuple[list[str], str]:
-    """Each GPU's name by index, and the driver: from NVML, or the fake readings tests and drills use."""
-    fake = settings().fake_nvml
+def _names(fake: Path | None) -> tuple[list[str], str]:
+    """Each GPU's name by index, and the driver: from NVML, or the fake readings tests and drills use (``fake``:
+    RESIDENT_POOL_FAKE_NVML)."""
     if not fake:
         return _nvml()
     try:
@@ -99,19 +98,19 @@ def _names() -> tuple[list[str], str]:
         raise ValueError(f"fake NVML readings {fake} unreadable ({exc})") from None
 
 
-def gpu_name(index: int) -> str | None:
+def gpu_name(index: int, fake_nvml: Path | None) -> str | None:
     """The name of GPU ``index`` (as admission numbers them), or None where it cannot be read."""
     try:
-        names, _ = _names()
+        names, _ = _names(fake_nvml)
     except ValueError:
         return None
     return names[index] if 0 <= index < len(names) else None
 
 
-def gpu() -> dict[str, str]:
-    """The host's GPUs and driver, from NVML (or fake readings); ``cpu`` where there is none."""
+def gpu(fake_nvml: Path | None) -> dict[str, str]:
+    """The host's GPUs and driver, from NVML (or the fake readings ``fake_nvml``); ``cpu`` where there is none."""
     try:
-        names, driver = _names()
+        names, driver = _names(fake_nvml)
     except ValueError as exc:
         return {"gpu": f"unknown: {exc}", "gpu.driver": "unknown"}
     if not names:
