@@ -592,7 +592,7 @@ PACKAGE = Path(resident_pool.__file__).parent
 ALLOWED_IMPORTS = {"__future__", "itertools", "dataclasses", "typing", "enum", "collections"}
 # The decision core: its face, its two owners (replicas; the waiting line and leases), its records and actions.
 CORE = ("core.py", "lifecycle.py", "drains.py", "leases.py", "admitting.py", "replica.py", "states.py", "breaker.py",
-        "actions.py", "events.py", "view.py", "starting.py")
+        "actions.py", "events.py", "view.py", "starting.py", "holding.py")
 # The one order every waiting line keeps, shared with the host admission service: pure as well.
 SHARED = ("priority",)
 

@@ -76,6 +76,7 @@ EDGES = {
     "client.py": {"Pool.__init__"},  # Pool(): a client's settings are those of when it was made
     "providers/supervisor.py": {"ResidentWorker.__init__"},  # a standalone worker: the original design's entry
     "prefect/__init__.py": {"host_settings"},  # the flows and the helpers their tasks call
+    "prefect/worker.py": {"ResidentProcessWorker.__init__"},  # the resident-process worker's start (Prefect makes it)
 }
 
 

@@ -87,6 +87,7 @@ class ResidentProcessWorker(ProcessWorker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.config = settings()  # a worker's own start (Prefect makes it): its settings are those of then
         self.refusal = prefect_refusal(prefect.__version__)
         self.zygote: FlowRunZygote | None = None
         self._wake = asyncio.Event()
@@ -153,7 +154,7 @@ class ResidentProcessWorker(ProcessWorker):
             on_unavailable=lambda error: self._logger.warning(
                 "neither Prefect's events stream nor polling answers (%s): new flow runs wait for the next "
                 "PREFECT_WORKER_QUERY_SECONDS poll", error),
-            polling_interval=settings().flow_run_poll_s)
+            polling_interval=self.config.flow_run_poll_s)
         await self._delivery.start()
         self._exit_stack.push_async_callback(self._delivery.stop)
         self._wake_scope = anyio.CancelScope()

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from .. import priority as order
 from ..errors import ResidentPoolError
-from . import starting
+from . import holding, starting
 from .actions import Action, Announce, Grant, Policy, Refuse, Timings
 from .lifecycle import Lifecycle
 from .replica import Lease, Provider, Replica, Ticket
@@ -215,7 +215,7 @@ class Leasing:
             return []  # it ended meanwhile (a stop --now, a death seen between requests)
         if outcome == "ok" and hold.recall is not None:  # given back on a recall (by its client, before the worker's
             return self.lifecycle.recalled(now, replica, lease_id, 0.0, served)  # answer): made room for if asked
-        self.lifecycle.unhold(now, replica, lease_id, served)
+        holding.letting_go(now, replica, lease_id, served)
         if outcome == "ok":
             return self.lifecycle.free(now, replica)
         if outcome in ("timeout", "exiting", "died"):
@@ -235,7 +235,7 @@ class Leasing:
         lease.heard = now
         replica = self.lifecycle.replicas.get(lease.rid)
         if replica is not None and lease_id in replica.holds:
-            self.lifecycle.touch(now, replica, served)
+            holding.touch(now, replica, served)
             if queue_wait_s is not None:
                 replica.queue_wait_s = queue_wait_s
 
@@ -249,7 +249,7 @@ class Leasing:
         if lease is None or replica is None or hold is None or hold.recall is None:
             return None, []
         if failure is not None:
-            return replica.key, self.lifecycle.recall_failed(now, replica, lease_id, failure)
+            return replica.key, holding.recall_failed(replica, lease_id, failure)
         del self.leases[lease_id]
         unheard = max(0, served - lease.noticed) if served is not None else 0
         return replica.key, self.lifecycle.recalled(now, replica, lease_id, idle_s, unheard)
@@ -283,7 +283,7 @@ class Leasing:
             del self.leases[lease.id]
             replica = self.lifecycle.replicas.get(lease.rid)
             if replica is not None and lease.id in replica.holds:
-                self.lifecycle.unhold(now, replica, lease.id, 0)
+                holding.letting_go(now, replica, lease.id, 0)
                 kept = (lease.id, lease.noticed) if lease.kept else None
                 actions += self.lifecycle.abandon(now, replica, "its client went away", kept)
                 touched.add(replica.key)

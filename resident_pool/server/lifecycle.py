@@ -1,25 +1,23 @@
 """The decision core's replica rules: every move of a replica, from its start to its end, and nothing else.
 
 It owns the replica records (their state, retirement, deadlines, measurements of use, and the
-small records of what is under way on one: its hold by a lease and a recall of it, an eviction
-waiting for that recall, a liveness check, a drain); the waiting requests and leases belong to
-``leases.Leasing``, the GPU line to ``admitting.Admitting``, and each asks the others by name.
-A start's bookkeeping (``starting``) and an abandoned request's drain (``drains``) are
-functions of these records that end nothing: the ends they call for are decided here. Like the
-rest of the core: no threads, sockets or clock; each method takes ``now`` and returns the
-actions to carry out.
+small records of what is under way on one: the leases holding it and recalls of them, an
+eviction waiting for those, a liveness check, a drain); the waiting requests and leases belong
+to ``leases.Leasing``, the GPU line to ``admitting.Admitting``, and each asks the others by
+name. A start's bookkeeping (``starting``), a replica's holds (``holding``) and an abandoned
+request's drain (``drains``) are functions of these records that end nothing: the ends they
+call for are decided here. Like the rest of the core: no threads, sockets or clock; each
+method takes ``now`` and returns the actions to carry out.
 """
-
 from __future__ import annotations
 
 import itertools
 
 from ..errors import ResidentPoolError
 from ..exits import REFUSAL_CODES, describe_exit
-from . import drains
+from . import drains, holding
 from .actions import Action, Gone, Hibernate, Note, Ping, Recall, ReleaseBudget, Start, Stop, Timings
-from .replica import Check, Eviction, Hold, Provider, Replica
-from .replica import Recall as Taking
+from .replica import Check, Provider, Replica
 from .states import ReplicaState, StopCause
 
 __all__ = ["NOT_THE_PROVIDERS_FAULT", "STOP_ATTEMPTS", "Lifecycle"]
@@ -90,24 +88,12 @@ class Lifecycle:
         """A replica with room for a caller is leased: whether this is its first lease since a start (a cold one),
         and whether the client may keep it between calls (its worker can be asked to give it back, and it serves
         more than one lease)."""
-        if replica.state is not R.LEASED:
-            replica.transition(R.LEASED, "leased")
         kept = keep and replica.can_recall and self.providers[replica.key].spec.mode != "subprocess"
-        replica.holds[lease_id], replica.deadline = Hold(lease_id, kept), None
-        cold, replica.fresh = replica.fresh, False
-        return cold, kept
+        return holding.take(replica, lease_id, kept), kept
 
     def room(self, replica: Replica) -> int:
-        """How many more callers it takes now: a serving replica, ready or leased below max_callers, that nothing
-        is taking back for its memory."""
-        if not self.serving(replica) or replica.eviction is not None \
-                or replica.state not in (R.READY, R.LEASED):
-            return 0
-        return max(0, self.providers[replica.key].spec.max_callers - len(replica.holds))
-
-    def touch(self, now: float, replica: Replica, served: int) -> None:
-        """Its kept lease served ``served`` more requests (the client says so now and then): idle from now."""
-        replica.last_used, replica.served = now, replica.served + served
+        """How many more callers it takes now (``holding.room``)."""
+        return holding.room(replica, self.providers[replica.key].spec.max_callers, self.serving(replica))
 
     def recall(self, now: float, replica: Replica, why: str = "", evict_for: float | None = None,
                backfilled: bool = False, idle_check: bool = False, lease: int | None = None) -> list[Action]:
@@ -118,15 +104,9 @@ class Lifecycle:
         slot); else every one it may take (its memory, its retirement or its idleness is the replica's).
         ``evict_for``: GB admission needs; ``idle_check``: taken back for idleness, the replica retires if its
         worker says it was idle that long too."""
-        holds = [replica.holds[lease]] if lease is not None and lease in replica.holds else \
-            [] if lease is not None else list(replica.holds.values())
-        taken = [hold for hold in holds if hold.recall is None and (hold.kept or backfilled)]
+        taken = holding.taking_back(replica, lease, backfilled, idle_check, evict_for)
         if not taken:
             return []
-        for hold in taken:
-            hold.recall = Taking(idle_check)
-        if evict_for is not None:
-            replica.eviction = Eviction(evict_for)
         if replica.can_recall:  # its worker answers within a request's time: past that, it is overdue
             spec = self.providers[replica.key].spec
             replica.deadline = now + spec.request_timeout_s + self.timings.report_margin_s
@@ -141,7 +121,7 @@ class Lifecycle:
         if hold is not None and hold.recall is not None and hold.recall.idle_check:
             replica.idle_seen_s = min(idle_s, replica.idle_seen_s if replica.idle_seen_s is not None else idle_s)
         eviction = replica.eviction
-        self.unhold(now, replica, lease, served)
+        holding.letting_go(now, replica, lease, served)
         if replica.holds:
             if not replica.recalling:
                 replica.deadline = None
@@ -156,22 +136,6 @@ class Lifecycle:
         if eviction is not None and replica.state is R.READY:
             actions += self.evict(now, replica.rid, eviction.need_gb)
         return actions
-
-    def recall_failed(self, now: float, replica: Replica, lease: int, failure: str) -> list[Action]:
-        """The pool could not send a recall (its own failure, EMFILE): the lease stays, the next look tries again."""
-        hold = replica.holds.get(lease)
-        if hold is not None:
-            hold.recall = None
-        if not replica.recalling:
-            replica.deadline, replica.eviction, replica.idle_seen_s = None, None, None
-        return [Note(replica.rid, f"the pool could not recall its lease ({failure}); not its fault")]
-
-    def unhold(self, now: float, replica: Replica, lease: int, served: int) -> None:
-        """Lease ``lease`` ended, after ``served`` requests; once none holds it, idle time counts from now."""
-        replica.holds.pop(lease, None)
-        replica.served += served
-        if not replica.holds:
-            replica.last_used, replica.check, replica.eviction = now, None, None
 
     def started(self, now: float, rid: int, pid: int | None, can_recall: bool = False) -> list[Action]:
         """The replica answered its first ping (or its restore's): it serves, or ends if it was called off.
