@@ -468,39 +468,222 @@ class _Outbox:
             unsent[2]()
 
 
-class _Server:
-    def __init__(self, slug, socket_path, on_predict, ready, on_reset, log, orphan_grace_s, release_cublas):
-        self.protocol = load_protocol()
+def _exiting_reply(exc: BaseException, request_id: Any, log: Callable[[str], None]) -> dict[str, Any]:
+    """The last reply to a request whose model call raised something that is not an Exception (call it inside the
+    ``except``: it carries the traceback)."""
+    code = _exit_code(exc)
+    why = _readable(exc)
+    log(f"exiting ({type(exc).__name__}, code {code}): {why}")
+    return {"ok": False, "id": request_id, "reason": "worker_exiting", "error": why, "type": type(exc).__name__,
+            "exit_code": code, "traceback": traceback.format_exc(limit=8)[-4000:]}
+
+
+def _recalled_reply(request_id: Any) -> dict[str, Any]:
+    return {"ok": False, "id": request_id, "reason": "lease_recalled",
+            "error": "the pool took this lease back (another request waits, or the worker retires); acquire a new one"}
+
+
+class _Leases:
+    """The pool's leases as this worker knows them: those it took back, and how many requests each had answered.
+
+    A request naming a lease taken back is refused (``lease_recalled``); the recall's answer says how many
+    requests the lease had answered, so the pool counts them. Bounded: a lease is recalled once, and a client
+    that still names one this old has long been told.
+    """
+
+    def __init__(self) -> None:
+        self._recalled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._served: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def recall(self, lease: Any) -> None:
+        if isinstance(lease, str) and lease:
+            self._recalled[lease] = None
+            while len(self._recalled) > _RECALLED_KEPT:
+                self._recalled.popitem(last=False)
+
+    def recalled(self, lease: Any) -> bool:
+        return isinstance(lease, str) and lease in self._recalled
+
+    def answered(self, lease: Any) -> None:
+        if isinstance(lease, str) and lease:
+            self._served[lease] = self._served.get(lease, 0) + 1
+            self._served.move_to_end(lease)
+            while len(self._served) > _RECALLED_KEPT:
+                self._served.popitem(last=False)
+
+    def served(self, lease: Any) -> int:
+        return self._served.get(lease, 0) if isinstance(lease, str) else 0
+
+
+class _Model:
+    """A worker's model side: takes each ``predict`` the wire reads to the model, one model call at a time, and does
+    what every model call needs around the model: ``on_reset`` first, the in-flight board, the cuBLAS release after.
+
+    When a request runs is the subclass's to decide: ``_Serial`` runs it as soon as it is read.
+    """
+
+    def __init__(self, slug: str, on_reset: Callable[[], None] | None, release_cublas: bool,
+                 log: Callable[[str], None]) -> None:
+        self.slug, self.on_reset, self.release_cublas, self.log = slug, on_reset, release_cublas, log
         self.arrays = load_arrays()
         self.array_errors = (self.arrays.ArrayError,) if self.arrays else ()
-        self.attach_min_bytes, self.max_attachment_bytes = self.arrays.limits() if self.arrays else (0, 0)
-        self.slug = slug
-        self.socket_path = os.fspath(socket_path)
+        self.stats = _Stats()
+        self.leases = _Leases()
+        self.in_flight = _InFlight()
+        self.served = 0
+        self.last_request = _PROCESS_STARTED
+        self.current = None  # the connection whose request is in the model (worker_base.empty builds its reply there)
+        # Replies to send before the process exits, after the model raised SystemExit: (conn, inbox, message, reply).
+        self._last_words: list[tuple[socket.socket, Any, Any, dict[str, Any]]] = []
+
+    def take(self, conn: socket.socket, inbox, message) -> dict[str, Any] | None:
+        """A ``predict`` read from ``conn``: its reply, or None where it is answered later."""
+        request = message.obj
+        if self.leases.recalled(request.get("lease")):
+            return _recalled_reply(request.get("id"))
+        try:
+            payload = self._payload(request, message)
+        except self.array_errors as exc:
+            return {"ok": False, "id": request.get("id"), "reason": "bad_request", "error": f"bad request: {exc}"}
+        return self._arrived(conn, inbox, message, payload)
+
+    def _arrived(self, conn: socket.socket, inbox, message, payload: Any) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def recall(self, lease: Any) -> int:
+        """The pool takes ``lease`` back: its requests read from now on are refused. Returns how many of its requests
+        are still to be answered here (its recall is answered after them)."""
+        self.leases.recall(lease)
+        return 0
+
+    def due_in(self, now: float) -> float | None:
+        """Seconds until a model call is due for requests read and waiting (0: now); None when none waits."""
+        return None
+
+    def forget(self, conn: socket.socket) -> None:
+        """``conn`` closed: nothing read from it is answered any more."""
+
+    def abandon(self) -> list:
+        """The worker stops: the requests read and never run, taken off the model side to be answered unrun."""
+        return []
+
+    def describe(self, now: float) -> dict[str, Any]:
+        """What a ping adds about the model side."""
+        return {}
+
+    def idle_s(self, now: float) -> float:
+        return now - self.last_request
+
+    def farewells(self) -> list[tuple[socket.socket, Any, Any, dict[str, Any]]]:
+        """The last replies owed once the model raised SystemExit (or the like), taken once."""
+        words, self._last_words = self._last_words, []
+        return words
+
+    def _answered(self, lease: Any) -> None:
+        self.served += 1
+        self.leases.answered(lease)
+
+    def _payload(self, request: dict[str, Any], message) -> Any:
+        """The request's payload with its array references read (numpy arrays where numpy imports).
+
+        A request without a ``payload`` (the original design's ``{"op": "predict", ...fields}``)
+        is its own payload, as the original handed it whole to ``on_predict``.
+        """
+        payload = request.get("payload", request)
+        if not message.references or self.arrays is None:
+            return payload
+        payload = self.arrays.decode(payload, message.attachments)
+        if "payload" in request:
+            # Held by the request until its reply is sent: unmapping a large payload (freeing its pages) is then
+            # no longer on the caller's clock.
+            request["payload"] = payload
+        return payload
+
+    def _release(self) -> int:
+        if not self.release_cublas:
+            return 0
+        # A global looked up at call time, so a worker script (or a test) that
+        # replaces it on this module sees every call.
+        try:
+            return int(release_cublas_workspaces() or 0)
+        except Exception as exc:  # noqa: BLE001 - a broken CUDA runtime must not fail the request
+            self.log(f"release_cublas_workspaces failed: {type(exc).__name__}: {exc}")
+            return 0
+
+
+class _Serial(_Model):
+    """One request at a time, run as soon as it is read: a worker given ``on_predict``."""
+
+    def __init__(self, on_predict: Callable[[Any], Any], **common: Any) -> None:
+        super().__init__(**common)
         self.on_predict = on_predict
+
+    def _arrived(self, conn: socket.socket, inbox, message, payload: Any) -> dict[str, Any]:
+        request_id = message.obj.get("id")
+        lease = message.obj.get("lease")
+        started = time.monotonic()
+        self.last_request = started
+        self.in_flight.mark(time.time())
+        self.current = inbox
+        try:
+            if self.on_reset is not None:
+                self.on_reset()
+            result = self.on_predict(payload)
+        except Exception as exc:  # noqa: BLE001 - any Exception is the request's failure, not the worker's
+            self.stats.record(time.monotonic() - started, "request_failed")
+            self.log(f"request failed: {type(exc).__name__}: {exc}")
+            return {"ok": False, "id": request_id, "reason": "request_failed",
+                    "error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__,
+                    "traceback": traceback.format_exc(limit=8)[-4000:]}
+        except BaseException as exc:
+            # Answered, then re-raised: kits arm timers that kill a process which swallowed
+            # their refusal, and the exit code is what the operator branches on.
+            self._last_words = [(conn, inbox, message, _exiting_reply(exc, request_id, self.log))]
+            raise
+        finally:
+            self.current = None
+            self.in_flight.mark(0.0)
+            freed = self._release()
+            self._answered(lease)
+            self.last_request = time.monotonic()
+        elapsed = self.last_request - started
+        self.stats.record(elapsed)
+        reply = {"ok": True, "id": request_id, "result": result, "elapsed_s": round(elapsed, 6)}
+        if freed:
+            freed_mib = round(freed / 2**20, 3)
+            if isinstance(result, dict):
+                result["cublas_workspaces_freed_mib"] = freed_mib
+            else:
+                reply["cublas_workspaces_freed_mib"] = freed_mib
+        return reply
+
+
+class _Server:
+    """A worker's wire side: its socket, the connections and their lines, and every op but ``predict``, which goes to
+    the model side (``_Model``); replies leave through the ``_Outbox``."""
+
+    def __init__(self, socket_path: str | os.PathLike[str], model: _Model, ready, log: Callable[[str], None],
+                 orphan_grace_s: float) -> None:
+        self.protocol = load_protocol()
+        self.arrays = model.arrays
+        self.attach_min_bytes, self.max_attachment_bytes = self.arrays.limits() if self.arrays else (0, 0)
+        self.slug = model.slug
+        self.socket_path = os.fspath(socket_path)
+        self.model = model
         self.ready = ready
-        self.on_reset = on_reset
-        self.log = log or (lambda message: print(f"[{slug}] {message}", file=sys.stderr, flush=True))
-        if orphan_grace_s is None:
-            grace = _variable("RESIDENT_POOL_ORPHAN_GRACE_S", ORPHAN_GRACE_ENV)
-            orphan_grace_s = float(grace) if grace else DEFAULT_ORPHAN_GRACE_S
+        self.log = log
         self.orphan_grace_s = orphan_grace_s
-        self.release_cublas = release_cublas and _variable("RESIDENT_POOL_NO_CUBLAS_RELEASE",
-                                                           NO_CUBLAS_RELEASE_ENV) != "1"
         self.watchdog = _Watchdog()
         self.started = time.monotonic()
-        self.last_request = _PROCESS_STARTED
-        self.served = 0
         self.stopping = False
-        self._held_payload = None
-        self.current = None  # the connection whose request is in flight (worker_base.empty builds its reply there)
         self.buffers = _ReplyBuffers(self.arrays, self.protocol, self.log) if self.arrays else None
-        self.outbox: _Outbox | None = None  # made with the selector, in run()
-        self.stats = _Stats()
-        self.in_flight = _InFlight()
-        # Leases the pool took back: a request naming one is refused. Bounded: a lease is recalled once,
-        # and a client that still names one this old has long been told.
-        self.recalled: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.lease_served: collections.OrderedDict[str, int] = collections.OrderedDict()  # per lease, for the pool
+        # Many clients may connect, but the model runs in this thread, one call at a time: one CUDA context never
+        # interleaves two calls, and a client that connects and says nothing cannot wedge the others.
+        self.selector = selectors.DefaultSelector()
+        self.outbox = _Outbox(self.slug, self.protocol, self.arrays, self.buffers, self.selector)
+        self.later: set[socket.socket] = set()  # whose request is answered later: their next lines wait for it
+        # Recalls answered once their lease's requests read before them are: lease -> (conn, inbox, message).
+        self.recalls: dict[str, list[tuple[socket.socket, Any, Any]]] = {}
 
     # -- the loop ----------------------------------------------------------
     def run(self) -> None:
@@ -510,16 +693,12 @@ class _Server:
         if self.arrays is None:
             self.log("arrays.py is not beside protocol.py here: arrays go as JSON lists, not attachments "
                      "(bind it into the container beside protocol.py)")
-        # Many clients may connect, but requests run one at a time in this
-        # thread: one CUDA context never interleaves two requests, and a client
-        # that connects and says nothing cannot wedge the others.
-        self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, None)
-        self.outbox = _Outbox(self.slug, self.protocol, self.arrays, self.buffers, self.selector)
         try:
             while not self.stopping:
-                events = self.selector.select(_TICK_S)
-                if not events and self._orphaned_and_idle():
+                due = self.model.due_in(time.monotonic())
+                events = self.selector.select(_TICK_S if due is None else min(due, _TICK_S))
+                if not events and due is None and self._orphaned_and_idle():
                     self.log(
                         f"the pool is gone ({self.watchdog.describe()}) and no request came for "
                         f"{self.orphan_grace_s:g} s; exiting so the device is given back"
@@ -541,6 +720,9 @@ class _Server:
                         self._read(key.fileobj, key.data)
                     if self.stopping:
                         break
+                due = self.model.due_in(time.monotonic())
+                if due is not None and due <= 0 and not self.stopping:
+                    self._run_batch()
         finally:
             self._answer_before_closing(listener)
             for conn in list(self.outbox.unsent):
@@ -565,6 +747,14 @@ class _Server:
         return conn, inbox
 
     def _close(self, conn: socket.socket) -> None:
+        self.later.discard(conn)
+        self.model.forget(conn)
+        for lease, waiting in list(self.recalls.items()):
+            for entry in [entry for entry in waiting if entry[0] is conn]:
+                waiting.remove(entry)
+                entry[2].close()
+            if not waiting:
+                del self.recalls[lease]
         self.outbox.drop(conn)
         self.selector.unregister(conn).data.close()  # its descriptors, mappings and buffers
         conn.close()
@@ -590,6 +780,9 @@ class _Server:
             self._close(conn)
         elif not self.outbox.waiting(conn):
             self._serve_lines(conn, inbox, 0)
+
+    def _run_batch(self) -> None:
+        """Hook for a model side that calls the model for requests queued from several connections."""
 
     def _answer_before_closing(self, listener: socket.socket) -> None:
         """Stopping (a shutdown, or an exit): every request a client has already sent is answered, not run, before
@@ -627,23 +820,17 @@ class _Server:
 
     def _not_run(self, request: dict[str, Any], conn: socket.socket, inbox=None, message=None) -> dict[str, Any]:
         """The answer to a request that came after the worker was told to stop: it did not run."""
-        lease = request.get("lease")
-        if request.get("op") == "predict" and isinstance(lease, str) and lease in self.recalled:
-            return self._recalled_reply(request.get("id"))
+        if request.get("op") == "predict" and self.model.leases.recalled(request.get("lease")):
+            return _recalled_reply(request.get("id"))
         return {"ok": False, "id": request.get("id"), "reason": "worker_stopping",
                 "error": f"{self.slug}: the worker is shutting down; this request did not run: send it again"}
 
-    @staticmethod
-    def _recalled_reply(request_id: Any) -> dict[str, Any]:
-        return {"ok": False, "id": request_id, "reason": "lease_recalled",
-                "error": "the pool took this lease back (another request waits, or the worker retires); "
-                         "acquire a new one"}
-
     def _serve_lines(self, conn: socket.socket, inbox, scan_from: int, handle=None) -> None:
-        """Answer each whole line buffered for ``conn``, until one's reply must wait for the client to read
-        (``handle``: what answers a request; the model's ops by default)."""
+        """Answer each whole line buffered for ``conn``, until one's reply must wait: for the client to read, or for
+        the model side (``handle``: what answers a request; the ops by default)."""
         handle = handle or self._handle
-        while (not self.stopping or handle is not self._handle) and not self.outbox.waiting(conn):
+        while ((not self.stopping or handle is not self._handle) and not self.outbox.waiting(conn)
+               and conn not in self.later):
             try:
                 message = self.protocol.pop_message(inbox, scan_from=scan_from)
             except self.protocol.ProtocolError as exc:
@@ -658,133 +845,99 @@ class _Server:
             scan_from = 0
             if inbox.slabs is not None:
                 inbox.slabs.settle()  # the client has read the last reply (it asks again): its buffers are free
-
-            def release(message=message) -> None:
-                message.close()
-                self._held_payload = None  # its mappings are unmapped now, after the reply
-
             try:
                 reply = handle(message.obj, conn, inbox, message)
-                encoded = self.outbox.encode(reply, inbox, message.attachments, release)
             except BaseException:
-                release()
+                self._say_last_words()
+                message.close()
                 raise
+            if reply is None:  # answered once the model side has run it
+                self.later.add(conn)
+                return
+            encoded = self._encode(reply, inbox, message)
             del reply  # the result's arrays: whatever still holds a client's buffer after this, kept it
-            if not self.outbox.send_encoded(conn, *encoded, self._still_held(message)):
+            if not self._send(conn, message, encoded):
                 self._close(conn)
                 return
 
+    def _encode(self, reply: dict[str, Any], inbox, message):
+        """``reply`` encoded for ``conn``'s client; the request's descriptors are closed once it has gone."""
+        try:
+            return self.outbox.encode(reply, inbox, message.attachments, message.close)
+        except BaseException:
+            message.close()
+            raise
+
+    def _send(self, conn: socket.socket, message, encoded) -> bool:
+        """Send an encoded reply to ``message``; False when the connection is broken."""
+        return self.outbox.send_encoded(conn, *encoded, self._still_held(message))
+
+    def _say_last_words(self) -> None:
+        """The process is exiting (the model raised SystemExit): the last replies owed go out before it does."""
+        for conn, _inbox, message, reply in self.model.farewells():
+            self.outbox.reply(conn, reply)
+            self.outbox.finish(conn)
+            message.close()
+
     def _orphaned_and_idle(self) -> bool:
-        if time.monotonic() - self.last_request < self.orphan_grace_s:
+        if time.monotonic() - self.model.last_request < self.orphan_grace_s:
             return False
         return self.watchdog.gone()
 
     def _still_held(self, message) -> list[int]:
         """The client's reused buffers (by attachment index) something here still reads, now the reply is
-        made: the client must not fill those again. Checked once the payload and the result are let go."""
+        made: the client must not fill those again. Checked once the request (its payload) is let go."""
         reused = [index for index, attachment in enumerate(message.attachments) if attachment.reused]
         if not reused:
             return []
-        self._held_payload = None
-        message.obj = {}  # the request, its references read in place
+        message.obj = {}  # the request, its payload's references read in place
         return [index for index in reused if message.attachments[index].held()]
 
     # -- ops ---------------------------------------------------------------
-    def _handle(self, request: dict[str, Any], conn: socket.socket, inbox=None, message=None) -> dict[str, Any]:
+    def _handle(self, request: dict[str, Any], conn: socket.socket, inbox, message) -> dict[str, Any] | None:
         op = request.get("op")
         request_id = request.get("id")
-        if op == "ping":
-            reply = {"ok": True, "id": request_id, "model": self.slug, "ready": True,
-                     "uptime_s": round(time.monotonic() - self.started, 3), "pid": os.getpid(),
-                     "served": self.served, "recall": True}
-            if self.ready is not None:
-                try:
-                    extra = self.ready() or {}
-                    reply.update(extra if isinstance(extra, dict) else {"ready_info": repr(extra)})
-                except Exception as exc:  # noqa: BLE001 - a broken ready() is reported, never fatal to a loaded model
-                    reply["ready_error"] = f"{type(exc).__name__}: {exc}"
-                reply.update({"ok": True, "id": request_id})
-            offer = self._negotiate(request, inbox)
-            if offer:
-                reply["attachments"] = offer
-            return reply
         if op == "predict":
-            self.current = inbox
-            try:
-                return self._predict(request, conn, message)
-            finally:
-                self.current = None
+            return self.model.take(conn, inbox, message)
+        if op == "ping":
+            return self._ping(request, inbox)
         if op == "stats":
-            return {"ok": True, "id": request_id, "pid": os.getpid(), "served": self.served, **self.stats.answer()}
+            return {"ok": True, "id": request_id, "pid": os.getpid(), "served": self.model.served,
+                    **self.model.stats.answer()}
         if op == "shutdown":
             self.stopping = True
             return {"ok": True, "id": request_id, "stopping": True}
         if op == "recall":
             lease = request.get("lease")
-            served = 0
-            if isinstance(lease, str) and lease:
-                self.recalled[lease] = None
-                while len(self.recalled) > _RECALLED_KEPT:
-                    self.recalled.popitem(last=False)
-                served = self.lease_served.get(lease, 0)
-            return {"ok": True, "id": request_id, "idle_s": round(time.monotonic() - self.last_request, 3),
-                    "served": served}
+            if self.model.recall(lease):  # answered once its requests read before this are
+                self.recalls.setdefault(lease, []).append((conn, inbox, message))
+                return None
+            return self._recall_answer(request_id, lease)
         return {"ok": False, "id": request_id, "reason": "unknown_op",
                 "error": f"unknown op {op!r}; expected one of {', '.join(self.protocol.OPS)}"}
 
-    def _predict(self, request: dict[str, Any], conn: socket.socket, message=None) -> dict[str, Any]:
+    def _ping(self, request: dict[str, Any], inbox) -> dict[str, Any]:
         request_id = request.get("id")
-        lease = request.get("lease")
-        if isinstance(lease, str) and lease in self.recalled:
-            return self._recalled_reply(request_id)
-        try:
-            payload = self._payload(request, message)
-        except self.array_errors as exc:
-            return {"ok": False, "id": request_id, "reason": "bad_request", "error": f"bad request: {exc}"}
-        started = time.monotonic()
-        self.last_request = started
-        self.in_flight.mark(time.time())
-        try:
-            if self.on_reset is not None:
-                self.on_reset()
-            result = self.on_predict(payload)
-        except Exception as exc:  # noqa: BLE001 - any Exception is the request's failure, not the worker's
-            self.stats.record(time.monotonic() - started, "request_failed")
-            self.log(f"request failed: {type(exc).__name__}: {exc}")
-            return {"ok": False, "id": request_id, "reason": "request_failed",
-                    "error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__,
-                    "traceback": traceback.format_exc(limit=8)[-4000:]}
-        except BaseException as exc:
-            code = _exit_code(exc)
-            why = _readable(exc)
-            self.log(f"exiting ({type(exc).__name__}, code {code}): {why}")
-            self.outbox.reply(conn, {"ok": False, "id": request_id, "reason": "worker_exiting",
-                               "error": why, "type": type(exc).__name__, "exit_code": code,
-                               "traceback": traceback.format_exc(limit=8)[-4000:]})
-            self.outbox.finish(conn)
-            # Re-raise: kits arm timers that kill a process which swallowed
-            # their refusal, and the exit code is what the operator branches on.
-            raise
-        finally:
-            self.in_flight.mark(0.0)
-            freed = self._release()
-            self.served += 1
-            if isinstance(lease, str) and lease:
-                self.lease_served[lease] = self.lease_served.get(lease, 0) + 1
-                self.lease_served.move_to_end(lease)
-                while len(self.lease_served) > _RECALLED_KEPT:
-                    self.lease_served.popitem(last=False)
-            self.last_request = time.monotonic()
-        elapsed = self.last_request - started
-        self.stats.record(elapsed)
-        reply = {"ok": True, "id": request_id, "result": result, "elapsed_s": round(elapsed, 6)}
-        if freed:
-            freed_mib = round(freed / 2**20, 3)
-            if isinstance(result, dict):
-                result["cublas_workspaces_freed_mib"] = freed_mib
-            else:
-                reply["cublas_workspaces_freed_mib"] = freed_mib
+        now = time.monotonic()
+        reply = {"ok": True, "id": request_id, "model": self.slug, "ready": True,
+                 "uptime_s": round(now - self.started, 3), "pid": os.getpid(), "served": self.model.served,
+                 "recall": True}
+        if self.ready is not None:
+            try:
+                extra = self.ready() or {}
+                reply.update(extra if isinstance(extra, dict) else {"ready_info": repr(extra)})
+            except Exception as exc:  # noqa: BLE001 - a broken ready() is reported, never fatal to a loaded model
+                reply["ready_error"] = f"{type(exc).__name__}: {exc}"
+            reply.update({"ok": True, "id": request_id})
+        reply.update(self.model.describe(now))
+        offer = self._negotiate(request, inbox)
+        if offer:
+            reply["attachments"] = offer
         return reply
+
+    def _recall_answer(self, request_id: Any, lease: Any) -> dict[str, Any]:
+        return {"ok": True, "id": request_id, "idle_s": round(self.model.idle_s(time.monotonic()), 3),
+                "served": self.model.leases.served(lease)}
 
     # -- arrays beside the line ------------------------------------------------
     def _negotiate(self, request: dict[str, Any], inbox) -> dict[str, Any] | None:
@@ -792,32 +945,7 @@ class _Server:
 
     def outgoing(self, nbytes: int):
         """A writable view of ``nbytes`` the current request's reply will carry, or None (see _ReplyBuffers)."""
-        return self.buffers.outgoing(self.current, nbytes) if self.buffers else None
-
-    def _payload(self, request: dict[str, Any], message) -> Any:
-        """The request's payload with its array references read (numpy arrays where numpy imports).
-
-        A request without a ``payload`` (the original design's ``{"op": "predict", ...fields}``)
-        is its own payload, as the original handed it whole to ``on_predict``.
-        """
-        payload = request.get("payload", request)
-        if message is None or not message.references or self.arrays is None:
-            return payload
-        # Held until the reply is sent: unmapping a large payload (freeing its
-        # pages) is then no longer on the caller's clock.
-        self._held_payload = self.arrays.decode(payload, message.attachments)
-        return self._held_payload
-
-    def _release(self) -> int:
-        if not self.release_cublas:
-            return 0
-        # A global looked up at call time, so a worker script (or a test) that
-        # replaces it on this module sees every call.
-        try:
-            return int(release_cublas_workspaces() or 0)
-        except Exception as exc:  # noqa: BLE001 - a broken CUDA runtime must not fail the request
-            self.log(f"release_cublas_workspaces failed: {type(exc).__name__}: {exc}")
-            return 0
+        return self.buffers.outgoing(self.model.current, nbytes) if self.buffers else None
 
     def _unlink_socket(self) -> None:
         # A newer worker may have bound this path since (a restarted pool): only the one this process bound goes.
@@ -882,7 +1010,13 @@ def serve(
     Exception from it fails that request only; SystemExit or KeyboardInterrupt is
     answered with ``reason: worker_exiting`` and re-raised.
     """
-    server = _Server(slug, socket_path, on_predict, ready, on_reset, log, orphan_grace_s, release_cublas)
+    log = log or (lambda message: print(f"[{slug}] {message}", file=sys.stderr, flush=True))
+    if orphan_grace_s is None:
+        grace = _variable("RESIDENT_POOL_ORPHAN_GRACE_S", ORPHAN_GRACE_ENV)
+        orphan_grace_s = float(grace) if grace else DEFAULT_ORPHAN_GRACE_S
+    release_cublas = release_cublas and _variable("RESIDENT_POOL_NO_CUBLAS_RELEASE", NO_CUBLAS_RELEASE_ENV) != "1"
+    model = _Serial(on_predict, slug=slug, on_reset=on_reset, release_cublas=release_cublas, log=log)
+    server = _Server(socket_path, model, ready, log, orphan_grace_s)
     _SERVING.append(server)
     try:
         server.run()
