@@ -49,6 +49,7 @@ DEFAULT_HEARTBEAT_STALE_S = 30.0
 # How often the idle loop wakes to check whether its pool is gone.
 _TICK_S = 0.25
 _RECALLED_KEPT = 4096
+_ACCEPTS_PER_PASS = 64  # the listener's backlog
 # Idle time counts from process start, not from serve(): a pool that died while the model
 # loaded is noticed as soon as serve() runs.
 _PROCESS_STARTED = time.monotonic()
@@ -693,6 +694,7 @@ class _Server:
         if self.arrays is None:
             self.log("arrays.py is not beside protocol.py here: arrays go as JSON lists, not attachments "
                      "(bind it into the container beside protocol.py)")
+        listener.setblocking(False)
         self.selector.register(listener, selectors.EVENT_READ, None)
         try:
             while not self.stopping:
@@ -711,9 +713,14 @@ class _Server:
                 events.sort(key=lambda event: event[0].fileobj is not listener)
                 for key, mask in events:
                     if key.fileobj is listener:
-                        accepted = self._accept(listener)
-                        if accepted is not None and select.select([accepted[0]], [], [], 0)[0]:
-                            self._read(*accepted)
+                        # Every client waiting to be accepted, at once: their first lines join this pass (and a
+                        # batching worker's next model call) rather than one pass each.
+                        for _ in range(_ACCEPTS_PER_PASS):
+                            accepted = self._accept(listener)
+                            if accepted is None:
+                                break
+                            if select.select([accepted[0]], [], [], 0)[0]:
+                                self._read(*accepted)
                     elif mask & selectors.EVENT_WRITE:
                         self._flushed(key.fileobj, key.data)
                     else:
