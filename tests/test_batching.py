@@ -542,3 +542,18 @@ def test_a_serial_worker_given_the_batching_variables_says_so_and_answers_one_re
         assert "batching" not in ping and "queued" not in ping
         reply = worker.caller().ask(1, {"action": "echo", "value": 5}, priority="interactive")
         assert reply["result"]["echo"] == 5 and "batch_size" not in reply
+
+
+def test_the_standalone_resident_worker_stays_serial_with_a_batching_worker_each_call_one_request(workers):
+    """ResidentWorker sends one request at a time (its lock): a batching worker under it answers each in a call of
+    its own, at once (nothing else is ever queued)."""
+    worker = workers(build_command=lambda w: ([sys.executable, str(BATCH_WORKER), w.socket_path], {}),
+                     request_timeout_s=60)
+    replies = []
+    threads = [threading.Thread(target=lambda n=n: replies.append(worker.request({"tag": n}))) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(reply["result"]["tag"] for reply in replies) == [0, 1, 2, 3]
+    assert {reply["batch_size"] for reply in replies} == {1}
