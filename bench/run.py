@@ -1022,6 +1022,7 @@ def case_admission_start_zygote(table: Table, env: Env, quick: bool) -> None:
 
 
 from adhoc import case_adhoc_predict  # noqa: E402 - bench/ is on the path now
+from batching import case_worker_batching  # noqa: E402 - bench/ is on the path now
 from contention import case_head_of_line, case_host_race, case_mixed  # noqa: E402 - bench/ is on the path now
 
 CASES = {
@@ -1038,6 +1039,7 @@ CASES = {
     "mixed_workload": case_mixed,
     "host_race": case_host_race,
     "adhoc_predict": case_adhoc_predict,
+    "worker_batching": case_worker_batching,
 }
 FULL_ONLY = {"campaign_scale"}  # `make bench-full`; `make bench` stays near 10 minutes without them
 

@@ -638,7 +638,7 @@ class Session:
                 inbox.slabs = arrays.Slabs()  # this session's reused buffers, on its connection to the worker
         # Encoded before a byte of it goes: a payload that cannot be sent (a dtype the protocol does not
         # carry, NaN, over a cap) raises here as the caller's mistake, and the session goes on as it was.
-        message = {"op": "predict", "id": request_id, "payload": payload}
+        message = {"op": "predict", "id": request_id, "payload": payload, "priority": self.priority}
         if self.token is not None:
             message["lease"] = self.token  # a lease the pool took back is refused by the worker
         encoded = arrays.encode(message, inbox.peer, inbox.attach_min_bytes, slabs=inbox.slabs)

@@ -26,6 +26,11 @@ WORKER_SIDE = {
     "RESIDENT_POOL_PROTOCOL": "absolute path of protocol.py, set for every worker",
     "RESIDENT_POOL_WORKER_BASE": "absolute path of worker_base.py, set for every worker",
     "RESIDENT_POOL_HEARTBEAT": "the file whose mtime the pool refreshes while it lives, set for every worker",
+    "RESIDENT_POOL_MAX_BATCH_SIZE": "a batching worker's most requests per model call ([batching] max_batch_size)",
+    "RESIDENT_POOL_MAX_WAIT_MS": "how long a batching worker holds a model call open for more requests "
+                                 "([batching] max_wait_ms)",
+    "RESIDENT_POOL_MAX_BATCH_WORK": "a batching worker's most work per model call, as its size_of measures it "
+                                    "([batching] max_batch_work)",
 }
 
 
