@@ -552,6 +552,7 @@ class Session:
         self.backfilled: bool = bool(lease.get("backfilled"))
         self.served = 0
         self._unnoticed = 0  # served since the pool last heard (a kept lease tells it now and then)
+        self.queue_wait_s: float | None = None  # its last request's wait in a batching worker's queue
         self._noticed_at = -_NOTICE_S  # the first call tells at once: a waiting client may then take it back
 
     def _renews(self) -> bool:
@@ -666,6 +667,8 @@ class Session:
                 f"(transcript {self.transcript})", slug=self.slug, reason="worker_stopping",
                 transcript=self.transcript)
         self.served += 1
+        wait = reply.get("queue_wait_s")  # a batching worker says how long the request waited in its queue
+        self.queue_wait_s = float(wait) if isinstance(wait, int | float) and not isinstance(wait, bool) else None
         self._unnoticed += 1
         if reply.get("ok"):
             return reply.get("result")
@@ -756,7 +759,7 @@ class Session:
             return
         self._noticed_at, served, self._unnoticed = now, self._unnoticed, 0
         try:
-            self.pool._call(Used(self.lease["lease"], served).to_message(), expect_reply=False)
+            self.pool._call(Used(self.lease["lease"], served, self.queue_wait_s).to_message(), expect_reply=False)
         except OSError:
             pass  # the pool is gone: the next call finds out and acquires again
 

@@ -34,6 +34,7 @@ __all__ = [
     "command_builder",
     "plan_launch",
     "weights_root",
+    "worker_side_env",
     "work_root",
     "worker_for",
 ]
@@ -45,6 +46,28 @@ _LOCATE = (
     "import importlib.util, sys; s = importlib.util.find_spec(sys.argv[1]); "
     "print(next(iter(s.submodule_search_locations)))"
 )
+
+
+def worker_side_env(manifest: Manifest, config: Settings) -> dict[str, str]:
+    """What the worker reads of its own environment (settings.WORKER_SIDE), passed on by name: a container gets
+    nothing unnamed."""
+    env = {"RESIDENT_POOL_ORPHAN_GRACE_S": f"{config.orphan_grace_s or manifest.lifecycle.orphan_grace_s:g}",
+           "RESIDENT_POOL_HEARTBEAT_STALE_S": f"{config.heartbeat_stale_s:g}",
+           # A worker's prints reach its transcript as they happen (a kit's ACTIVE line, a traceback), not when a
+           # block buffer happens to fill.
+           "PYTHONUNBUFFERED": "1",
+           "RESIDENT_POOL_ATTACH_MIN_BYTES": str(config.attach_min_bytes),
+           "RESIDENT_POOL_MAX_ATTACHMENT_BYTES": str(config.max_attachment_bytes)}
+    if config.no_cublas_release:
+        env["RESIDENT_POOL_NO_CUBLAS_RELEASE"] = "1"
+    batching = manifest.batching
+    if batching is not None:  # the limits a batching worker forms its model calls by, and the pool's ageing
+        env["RESIDENT_POOL_MAX_BATCH_SIZE"] = str(batching.max_batch_size)
+        env["RESIDENT_POOL_MAX_WAIT_MS"] = f"{batching.max_wait_ms:g}"
+        if batching.max_batch_work is not None:
+            env["RESIDENT_POOL_MAX_BATCH_WORK"] = str(batching.max_batch_work)
+        env["RESIDENT_POOL_AGING_S"] = f"{config.aging_s:g}"
+    return env
 
 
 def weights_root(
@@ -207,16 +230,7 @@ class LaunchPlan:
             named = environ if manifest.env.passthrough == "*" else manifest.env.passthrough or ()
             env.update({n: environ[n] for n in named if n in environ})
         env.update(shared_files_env())
-        # The worker's own side, passed on by name (a container gets nothing unnamed).
-        env["RESIDENT_POOL_ORPHAN_GRACE_S"] = f"{config.orphan_grace_s or manifest.lifecycle.orphan_grace_s:g}"
-        env["RESIDENT_POOL_HEARTBEAT_STALE_S"] = f"{config.heartbeat_stale_s:g}"
-        if config.no_cublas_release:
-            env["RESIDENT_POOL_NO_CUBLAS_RELEASE"] = "1"
-        # A worker's prints reach its transcript as they happen (a kit's ACTIVE line, a traceback), not
-        # when a block buffer happens to fill.
-        env["PYTHONUNBUFFERED"] = "1"
-        env["RESIDENT_POOL_ATTACH_MIN_BYTES"] = str(config.attach_min_bytes)
-        env["RESIDENT_POOL_MAX_ATTACHMENT_BYTES"] = str(config.max_attachment_bytes)
+        env.update(worker_side_env(manifest, config))
         if heartbeat:
             env["RESIDENT_POOL_HEARTBEAT"] = heartbeat
         if device is not None:
