@@ -52,6 +52,35 @@ def test_a_stats_answer_that_is_not_ours_is_ignored(hostile):
     assert WorkerCounts.parse(hostile) is None
 
 
+def _batching_answer(requests, sizes, waits):
+    from resident_pool.worker_base import BATCH_SIZE_BUCKETS
+
+    answer = _answer(requests)
+    answer["batches"] = {"calls": 3, "items": requests, "sum_s": 0.1,
+                         "size": {"bounds": list(BATCH_SIZE_BUCKETS), "counts": sizes}}
+    answer["queue_wait"] = {"bounds_s": list(LATENCY_BUCKETS_S), "counts": waits, "sum_s": 0.02}
+    return answer
+
+
+def test_a_batching_workers_call_sizes_and_queue_waits_become_histograms_per_provider_and_replica():
+    """Issue 35: batch size and queue wait histograms per provider, from the worker's own stats."""
+    from resident_pool.ops.metrics import _worker_families
+
+    book = StatsBook()
+    sizes = [0, 0, 0, 1, 0, 2, 0, 0, 0, 0, 0, 0]  # one call of 5 to 8 requests, two of 17 to 32
+    waits = [3, 5] + [0] * (len(LATENCY_BUCKETS_S) - 1)
+    assert book.record("embed", 0, 100, _batching_answer(70, sizes, waits))
+    assert book.record("echo", 0, 101, _answer(4))  # not a batching worker: no histogram of its own
+    families = {family.name: family for family in _worker_families(*book.totals())}
+    buckets = {(sample.labels["provider"], sample.labels["le"]): sample.value
+               for sample in families["resident_pool_batch_size"].samples if sample.name.endswith("_bucket")}
+    assert buckets[("embed", "8")] == 1 and buckets[("embed", "32")] == 3 and ("echo", "8") not in buckets
+    sums = [sample.value for sample in families["resident_pool_queue_wait_seconds"].samples
+            if sample.name.endswith("_sum")]
+    assert sums == [0.02]
+    assert WorkerCounts.parse(_batching_answer(70, ["x"] * 12, waits)) is None  # not ours: ignored whole
+
+
 @pytest.mark.parametrize(("field", "value"), [
     ("requests", 10**400), ("requests", 2**53), ("count", 10**400), ("failure", 2**60),
     ("sum_s", float("nan")), ("sum_s", float("inf")), ("sum_s", -0.5), ("sum_s", 10**400),

@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from ..errors import ResidentPoolError
 from ..host.listeners import listeners, socket_pids, user_name
-from ..worker_base import LATENCY_BUCKETS_S
+from ..worker_base import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS_S
 
 __all__ = ["METRIC_NAMES", "PoolMetrics", "StatsBook", "WorkerCounts", "no_pool_text", "port_holder", "serve_http"]
 
@@ -67,6 +67,8 @@ METRIC_NAMES = {
     "resident_pool_gpu_peak_bytes": "gauge",
     "resident_pool_gpu_over_budget": "gauge",
     "resident_pool_provider_gpu_peak_bytes": "gauge",
+    "resident_pool_batch_size": "histogram",
+    "resident_pool_queue_wait_seconds": "histogram",
 }
 
 
@@ -78,13 +80,28 @@ class WorkerCounts:
     failures: dict[str, int] = field(default_factory=dict)
     buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
     sum_s: float = 0.0
+    # A batching worker's: the sizes of its model calls (and the items they took), and its requests' queue waits.
+    batch_sizes: list[int] = field(default_factory=lambda: [0] * (len(BATCH_SIZE_BUCKETS) + 1))
+    batch_items: int = 0
+    waits: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    waits_s: float = 0.0
+
+    @property
+    def batching(self) -> bool:
+        return any(self.batch_sizes)
 
     def plus(self, other: WorkerCounts) -> WorkerCounts:
         failures = dict(self.failures)
         for reason, n in other.failures.items():
             failures[reason] = failures.get(reason, 0) + n
-        return WorkerCounts(self.requests + other.requests, failures,
-                            [a + b for a, b in zip(self.buckets, other.buckets, strict=True)], self.sum_s + other.sum_s)
+
+        def add(mine: list[int], theirs: list[int]) -> list[int]:
+            return [a + b for a, b in zip(mine, theirs, strict=True)]
+
+        return WorkerCounts(self.requests + other.requests, failures, add(self.buckets, other.buckets),
+                            self.sum_s + other.sum_s, add(self.batch_sizes, other.batch_sizes),
+                            self.batch_items + other.batch_items, add(self.waits, other.waits),
+                            self.waits_s + other.waits_s)
 
     @classmethod
     def parse(cls, answer: dict[str, Any]) -> WorkerCounts | None:
@@ -105,7 +122,25 @@ class WorkerCounts:
                 kept[reason if isinstance(reason, str) and _REASON.fullmatch(reason) else "other"] = n
         except (KeyError, TypeError):
             return None
-        return cls(requests, kept, list(counts), float(total))
+        found = cls(requests, kept, list(counts), float(total))
+        return found if "batches" not in answer or found._batching(answer) else None
+
+    def _batching(self, answer: dict[str, Any]) -> bool:
+        """A batching worker's histograms, checked as the rest; False for ones that are not ours."""
+        try:
+            batches, waits = answer["batches"], answer["queue_wait"]
+            sizes, wait_counts = batches["size"]["counts"], waits["counts"]
+            if (list(batches["size"]["bounds"]) != list(BATCH_SIZE_BUCKETS)
+                    or len(sizes) != len(BATCH_SIZE_BUCKETS) + 1 or not all(_count(c) for c in sizes)
+                    or not _count(batches["items"]) or list(waits["bounds_s"]) != list(LATENCY_BUCKETS_S)
+                    or len(wait_counts) != len(LATENCY_BUCKETS_S) + 1 or not all(_count(c) for c in wait_counts)
+                    or not _seconds(waits["sum_s"])):
+                return False
+        except (KeyError, TypeError):
+            return False
+        self.batch_sizes, self.batch_items = list(sizes), batches["items"]
+        self.waits, self.waits_s = list(wait_counts), float(waits["sum_s"])
+        return True
 
 
 def _count(value: Any) -> bool:
@@ -257,21 +292,33 @@ def _worker_families(totals: dict[tuple[str, int], WorkerCounts],
                                                                                                      "reason"])
     latency = HistogramMetricFamily("resident_pool_request_duration_seconds", "Request time inside the worker",
                                     labels=labels)
+    sizes = HistogramMetricFamily("resident_pool_batch_size", "Requests per model call of a batching worker",
+                                  labels=labels)
+    waits = HistogramMetricFamily("resident_pool_queue_wait_seconds", "How long a batching worker's requests "
+                                  "waited in its queue for their model call", labels=labels)
     bounds = [*(f"{b:g}" for b in LATENCY_BUCKETS_S), "+Inf"]
+    size_bounds = [*(f"{b:g}" for b in BATCH_SIZE_BUCKETS), "+Inf"]
     merged: dict[tuple[str, int, str], int] = dict(pool_failures)
     for (slug, replica), counts in sorted(totals.items()):
         key = [slug, str(replica)]
         requests.add_metric(key, counts.requests)
-        running, cumulative = 0, []
-        for bound, n in zip(bounds, counts.buckets, strict=True):
-            running += n
-            cumulative.append((bound, running))
-        latency.add_metric(key, cumulative, counts.sum_s)
+        latency.add_metric(key, _cumulative(bounds, counts.buckets), counts.sum_s)
+        if counts.batching:
+            sizes.add_metric(key, _cumulative(size_bounds, counts.batch_sizes), counts.batch_items)
+            waits.add_metric(key, _cumulative(bounds, counts.waits), counts.waits_s)
         for reason, n in counts.failures.items():
             merged[(slug, replica, reason)] = merged.get((slug, replica, reason), 0) + n
     for (slug, replica, reason), n in sorted(merged.items()):
         failures.add_metric([slug, str(replica), reason], n)
-    yield from (requests, failures, latency)
+    yield from (requests, failures, latency, sizes, waits)
+
+
+def _cumulative(bounds: list[str], counts: list[int]) -> list[tuple[str, int]]:
+    running, cumulative = 0, []
+    for bound, n in zip(bounds, counts, strict=True):
+        running += n
+        cumulative.append((bound, running))
+    return cumulative
 
 
 def no_pool_text() -> str:

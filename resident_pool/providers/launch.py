@@ -34,9 +34,9 @@ __all__ = [
     "command_builder",
     "plan_launch",
     "weights_root",
-    "worker_side_env",
     "work_root",
     "worker_for",
+    "worker_side_env",
 ]
 
 _RUN_FOLDER = "the worker's run folder (RESIDENT_POOL_STATE_DIR)"
