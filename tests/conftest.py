@@ -38,6 +38,12 @@ TAG = uuid.uuid4().hex
 os.environ[TAG_VARIABLE] = TAG
 # The test harness's server must not try to phone home from an offline machine.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# The host's own admission service and its configuration are never the suite's: a test that wants one starts its
+# own. Set here, before any fixture, so a module- or session-scoped one (and every process it starts) has them too;
+# each test then points the configuration at a file of its own folder (isolated_dirs).
+os.environ["RESIDENT_POOL_ADMISSION_SERVICE"] = "off"
+os.environ["RESIDENT_POOL_ADMISSION_CONFIG"] = os.path.join(os.sep, "nonexistent", "resident-pool-suite",
+                                                            "admission.toml")
 
 
 @pytest.fixture(autouse=True)
