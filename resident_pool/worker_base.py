@@ -339,6 +339,9 @@ def release_cublas_workspaces() -> int:
 
 # How long an exiting worker waits for its last reply to be read.
 _LAST_REPLY_TIMEOUT_S = 5.0
+# How long a worker told to shut down spends, in all, on replies its clients have not read: below the 3 s the pool
+# gives an acknowledged shutdown before it sends SIGTERM (worker_process.SHUTDOWN_EXIT_S).
+_CLOSING_S = 2.0
 
 
 def _nothing() -> None:
@@ -495,14 +498,15 @@ class _Outbox:
         self.selector.modify(conn, selectors.EVENT_READ, self.selector.get_key(conn).data)
         return self._send(conn, data, fds, done)
 
-    def finish(self, conn: socket.socket) -> None:
-        """A last reply goes out before the process does (or the connection closes), for a few seconds at most."""
+    def finish(self, conn: socket.socket, deadline: float | None = None) -> None:
+        """A last reply goes out before the process does (or the connection closes), for a few seconds at most
+        (until ``deadline``, a monotonic time, where one is given)."""
         unsent = self.unsent.pop(conn, None)
         if unsent is None:
             return
         data, fds, done = unsent
         try:
-            conn.settimeout(_LAST_REPLY_TIMEOUT_S)
+            conn.settimeout(_LAST_REPLY_TIMEOUT_S if deadline is None else max(0.01, deadline - time.monotonic()))
             if fds:
                 data = data[conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]):]
             conn.sendall(data)
@@ -1293,19 +1297,28 @@ class _Server:
             if not self._send(item.conn, item.message, encoded):
                 self._close(item.conn)
         self._answer_recalls()
+        readable = []
         for key in list(self.selector.get_map().values()):
             conn, inbox = key.fileobj, key.data
             if inbox is None:
                 continue  # the listener
             try:
                 conn.shutdown(socket.SHUT_RD)
-                self.outbox.finish(conn)  # a reply still on its way goes first
                 while self.protocol.fill(conn, inbox):  # queued before the shutdown: readable, then end of stream
                     pass
             except (OSError, self.protocol.ProtocolError):
                 continue  # gone, or a stream that cannot be read: nothing of it can be answered
+            readable.append((conn, inbox))
+        # Every connection that takes its answers now gets them first; one whose client does not read its last reply
+        # is served after, within what is left of a budget below the pool's patience with a stop (a stalled client
+        # must not cost another its answer).
+        for conn, inbox in readable:
             self._serve_lines(conn, inbox, 0, handle=self._not_run)
-            self.outbox.finish(conn)
+        deadline = time.monotonic() + _CLOSING_S
+        for conn, inbox in readable:
+            while self.outbox.waiting(conn) and time.monotonic() < deadline:
+                self.outbox.finish(conn, deadline)
+                self._serve_lines(conn, inbox, 0, handle=self._not_run)
 
     def _not_run(self, request: dict[str, Any], conn: socket.socket, inbox=None, message=None) -> dict[str, Any]:
         """The answer to a request that came after the worker was told to stop: it did not run."""
