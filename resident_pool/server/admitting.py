@@ -240,14 +240,22 @@ class Admitting:
     def _spared(self, now: float, replica: Replica, head: Waiting) -> bool:
         """A replica held by kept leases not evicted for ``head``: one just granted (it serves its one request
         first), or one whose holders are still calling (evicting it costs them a restart), unless ``head`` ranks
-        above their highest class, asked so or aged into it. A backfilled one went ahead of the head: it is never
-        spared."""
+        above their highest class (asked so, or aged into it) or has waited out its patience. A backfilled one went
+        ahead of the head: it is never spared."""
         if self.leasing.in_first_use(now, replica):
             return True
         if replica.backfilled or not self.leasing.calling(now, replica):
             return False
+        if now - head.arrived >= self._patience(head):
+            return False  # no stream holds a card for ever, an interactive one (nothing ranks above) included
         return order.effective(head.priority, now - head.arrived, self.policy.aging_s) >= \
             self.leasing.held_rank(replica)
+
+    def _patience(self, head: Waiting) -> float:
+        """How long ``head`` waits behind a stream of its class or above: one ageing step, or half its own
+        admission_timeout_s where that is shorter (it must not time out behind a stream)."""
+        ageing = self.policy.aging_s if self.policy.aging_s > 0 else float("inf")
+        return min(ageing, (head.deadline - head.since) / 2)
 
     def _busy_backfilled(self, device: int) -> list[Replica]:
         """Backfilled workers busy under a session's lease (a kept lease is idle between calls: ``_idle``), not
