@@ -29,6 +29,8 @@ from ..messages import SLUG
 from .config import Limits, ServiceConfig
 from .devices import Device, rooms
 
+RECLAIM_READS_S = 0.5  # a status read looks at the entries' processes at most this often
+
 __all__ = ["Entry", "HostLedger", "Peer", "Procs", "Refused"]
 
 log = logging.getLogger("resident_pool.admission")
@@ -175,6 +177,7 @@ class HostLedger:
         self.procs = procs or Procs()
         self.clock = clock  # for the orphan grace; a test's own
         self.entries: dict[tuple[int, int, str], Entry] = {}
+        self._reclaimed_at = float("-inf")
         self.asks: dict[tuple[int, int, str], Ask] = {}
         self.state_path = Path(config.state_dir) / "admission-ledger.json"
 
@@ -448,11 +451,17 @@ class HostLedger:
             del self.asks[owner]
         return self.reclaim() + self._wake(peer)
 
-    def reclaim(self) -> list[Push]:
+    def reclaim(self, unless_within_s: float = 0.0) -> list[Push]:
         """Entries whose process is gone (a dead pool, a worker that exited) are given back, and so are those whose
         pool has been gone for ``orphan_grace_s`` while their worker runs on: a worker retires by then (its orphan
-        watchdog), and one that does not (a request in flight for hours) is seen only through NVML's free memory."""
+        watchdog), and one that does not (a request in flight for hours) is seen only through NVML's free memory.
+
+        ``unless_within_s``: not again so soon after the last (a read that only shows the ledger: checking every
+        entry's processes on each of a member's status asks would let it buy the service's time)."""
         now = self.clock()
+        if now - self._reclaimed_at < unless_within_s:
+            return []
+        self._reclaimed_at = now
         dead = []
         for owner, entry in self.entries.items():
             if not self.procs.alive(entry.pid, entry.pid_start):
@@ -490,7 +499,7 @@ class HostLedger:
                 "backfill": self.config.backfill}
 
     def status(self, now: float, peer: Peer) -> dict[str, Any]:
-        self.reclaim()
+        self.reclaim(unless_within_s=RECLAIM_READS_S)
         free, _ = self._room()
         line = self.line(now)
         waiting = []

@@ -37,6 +37,9 @@ log = logging.getLogger("resident_pool.lines")
 SEND_TIMEOUT_S = 2.0  # a peer that takes none of its replies for this long is dropped
 QUEUED_BYTES = 1024 * 1024  # what may wait for one peer beyond what its socket holds
 LINES_PER_TURN = 64  # lines of one connection handled before the others get a turn
+# What one user's lines may take of a turn before the next user's are handled (at least one line each): the
+# service's one thread is shared per user, not per connection, whatever a user's lines cost.
+USER_TURN_S = 0.005
 _ACCEPTS_PER_TURN = 64
 _ACCEPT_BACKOFF_S = 0.1  # after an accept failed for a reason other than the descriptor limit
 _SELECT_S = 0.25
@@ -123,6 +126,7 @@ class LineServer:
         self._accepting = True
         self._accept_again = 0.0
         self._pending: set[Line] = set()  # whole lines left in an inbox for a later turn
+        self._turns: dict[int, int] = {}  # per user: how many turns it had (its connections take them in turn)
         self._last_tick = float("-inf")
         self._thread: int | None = None
         self._reserve: int | None = _reserve()
@@ -160,8 +164,7 @@ class LineServer:
                     self._flush(line)
                 if events & selectors.EVENT_READ and line.closed is None:
                     self._read(line)
-        for line in list(self._pending):
-            self._handle(line)
+        self._handle_pending()
         now = time.monotonic()
         with self._lock:
             overdue = [line for line in self.lines.values()
@@ -234,6 +237,10 @@ class LineServer:
 
     # -- reading ---------------------------------------------------------------------------------------------------
     def _read(self, line: Line) -> None:
+        if b"\n" in line.inbox:  # its waiting lines are answered before more is read
+            self._watch_reads(line, False)
+            self._pending.add(line)
+            return
         try:
             chunk = line.sock.recv(min(RECV_CHUNK, self.max_line_bytes + 1))
         except BlockingIOError:
@@ -245,14 +252,37 @@ class LineServer:
             self.drop(line, "it closed its end" + (f" mid-line ({len(line.inbox)} bytes)" if line.inbox else ""))
             return
         line.inbox += chunk
-        self._handle(line)
+        if b"\n" in line.inbox or len(line.inbox) > self.max_line_bytes:  # a line to answer, or one over the cap
+            # Its whole lines are answered first, in the users' turns: until then it is not read again, and what it
+            # sends meanwhile waits in its own socket, not in this process's memory.
+            self._watch_reads(line, False)
+            self._pending.add(line)
 
-    def _handle(self, line: Line) -> None:
-        """Answer up to ``LINES_PER_TURN`` whole lines; none while replies wait for the peer to read them."""
+    def _handle_pending(self) -> None:
+        """Answer the connections' waiting lines, user by user: each user's lines, from its connections in turn,
+        until ``USER_TURN_S`` is spent (one line at least), then the next user's."""
+        by_user: dict[int, list[Line]] = {}
+        for line in sorted(self._pending, key=lambda line: line.number):
+            by_user.setdefault(line.peer.uid, []).append(line)
+        for uid, theirs in by_user.items():
+            turn = self._turns.get(uid, 0)
+            left = theirs[turn % len(theirs):] + theirs[:turn % len(theirs)]  # where its last turn stopped
+            self._turns[uid] = turn + 1
+            until = time.monotonic() + USER_TURN_S
+            while left and time.monotonic() < until:
+                for line in list(left):
+                    if not self._handle(line, 1):
+                        left.remove(line)
+                    if time.monotonic() >= until:
+                        break
+
+    def _handle(self, line: Line, budget: int = LINES_PER_TURN) -> bool:
+        """Answer up to ``budget`` whole lines; none while replies wait for the peer to read them. True when whole
+        lines are left for a later turn."""
         self._pending.discard(line)
-        for _ in range(LINES_PER_TURN):
+        for _ in range(budget):
             if line.closed is not None or line.closing or line.outbox:
-                return
+                return False  # its replies wait: once they have gone (_flush), its lines come back to the line
             try:
                 message = pop_line(line.inbox, self.max_line_bytes)
             except ProtocolError as exc:
@@ -262,7 +292,7 @@ class LineServer:
                 continue
             if message is None:
                 self._watch_reads(line, True)
-                return
+                return False
             try:
                 reply = self.handler.received(line, message)
             except Exception:  # the owner's bug: this peer hears of it, the rest are served
@@ -273,6 +303,10 @@ class LineServer:
                 self.send(line, reply)
         if line.closed is None and b"\n" in line.inbox:
             self._pending.add(line)  # more whole lines: after the others have had a turn
+            return True
+        if line.closed is None and not line.outbox:
+            self._watch_reads(line, True)
+        return False
 
     def _bad_line(self, line: Line, error: ProtocolError) -> dict[str, Any]:
         try:
@@ -282,14 +316,21 @@ class LineServer:
             return {"ok": False, "reason": "bad_request", "error": "bad request line"}
 
     def _watch_reads(self, line: Line, on: bool) -> None:
-        """Read a connection only while none of its replies wait: a peer that does not read is not read."""
+        """Read a connection only while none of its replies wait and none of its lines does: a peer that does not
+        read is not read, nor one that sends faster than its lines are answered."""
         with self._lock:
             if line.closed is not None:
                 return
             events = (selectors.EVENT_READ if on else 0) | (selectors.EVENT_WRITE if line.outbox else 0)
-            if events and events != line.events:
-                line.events = events
+            if events == line.events:
+                return
+            if not events:
+                self._selector.unregister(line.sock)
+            elif not line.events:
+                self._selector.register(line.sock, events, line)
+            else:
                 self._selector.modify(line.sock, events, line)
+            line.events = events
 
     # -- sending ---------------------------------------------------------------------------------------------------
     def send(self, line: Line, message: dict[str, Any]) -> bool:
@@ -337,7 +378,7 @@ class LineServer:
             if line.closing:
                 self.drop(line, "its line could not be framed")
                 return
-            self._watch_reads(line, True)
+            self._watch_reads(line, b"\n" not in line.inbox)  # its waiting lines first
         if b"\n" in line.inbox:
             self._pending.add(line)  # pipelined lines read before its replies waited
 
