@@ -736,8 +736,8 @@ class Session:
                     reason="worker_unreachable", transcript=self.transcript) from exc
             raise WorkerRequestError(
                 f"{self.slug}: the connection to its worker (pid {self.pid}) broke after the request was sent "
-                f"({type(exc).__name__}: {exc}); the request may have run; the worker lives on. Send it again if it "
-                f"is safe to repeat (transcript {self.transcript})", slug=self.slug, reason="connection_broken",
+                f"({type(exc).__name__}: {exc}); the request may have run. Send it again if it is safe to repeat "
+                f"(transcript {self.transcript}: what the worker did)", slug=self.slug, reason="connection_broken",
                 transcript=self.transcript) from exc
         except BaseException:
             # Interrupted with the request in flight (Ctrl-C, a cancelled task): its reply may still
