@@ -42,6 +42,7 @@ __all__ = [
     "InputFile",
     "Record",
     "Region",
+    "field_kind",
     "input_format",
     "open_input",
     "snippet",
@@ -148,6 +149,9 @@ class InputFile:
         self.max_record_bytes = max_record_bytes
         self.max_input_bytes = max_input_bytes
         self.max_input_records = max_input_records
+        # What its inputs are, as the reader found them: FASTA and a sequence column or field hold proteins, a text
+        # or input one text; None for a column named otherwise (the provider's default kind then). Set by check().
+        self.kind: str | None = "protein" if self.format == "fasta" else None
         self._raw: IO[bytes] | None = None
         # Of the current records() pass, for fraction_read(): its parser, what came out of the (decompressed)
         # stream, the file's size, and the fraction said so far (1 once it read to the end).
@@ -370,6 +374,7 @@ class InputFile:
                 id_at = self._pick_column(header, self.id_column, ID_FIELDS, "--id-column",
                                           required=bool(self.id_column))
                 normalize = _sequence_text if header[text_at].lower() in SEQUENCE_FIELDS else str.strip
+                self.kind = field_kind(header[text_at])
                 continue
             if problem is not None:
                 yield self.bad(index, f"line-{number}", number, problem)
@@ -439,6 +444,8 @@ class InputFile:
                 yield self.bad(index, identifier, number, f"no non-empty string field {names}")
             else:
                 value = _sequence_text(text) if text_name.lower() in SEQUENCE_FIELDS else text.strip()
+                if self.kind is None:  # the file's first input says what its inputs are
+                    self.kind = field_kind(text_name)
                 yield Record(index, identifier, value, number)
             index += 1
 
@@ -762,6 +769,12 @@ def _text_so_far(data: bytes) -> bool:
         return bool(codecs.getincrementaldecoder("utf-8")().decode(data, final=False).strip())
     except UnicodeDecodeError:
         return False
+
+
+def field_kind(name: str) -> str | None:
+    """What a column or field of this name holds: "protein", "text", or None (a name of the caller's own)."""
+    lowered = name.lower()
+    return "protein" if lowered in SEQUENCE_FIELDS else "text" if lowered in TEXT_FIELDS else None
 
 
 def _field(row: dict, names: tuple[str, ...]) -> tuple[str | None, object]:
