@@ -39,6 +39,7 @@ from prefect.schedules import Cron
 from resident_pool.errors import ManifestError
 from resident_pool.prefect import escape_markdown
 from resident_pool.providers.manifest import SLUG, Manifest, load_manifest
+from resident_pool.validation.expected import smoke_set
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOWS = {
@@ -117,6 +118,17 @@ def _manifests(manifests: Path, choices: list[str]) -> dict[str, Manifest]:
     return loaded
 
 
+def example_payload(manifest: Manifest, inputs: int = 2) -> dict[str, Any] | None:
+    """What a form shows as the provider's request: its smoke payload, at most ``inputs`` of its inputs; None when
+    its smoke inputs cannot be read (`resident-pool check` says why)."""
+    try:
+        payload = smoke_set(manifest).payload
+    except ManifestError:
+        return None
+    listed = payload.get("inputs")
+    return {**payload, "inputs": listed[:inputs]} if isinstance(listed, list) else payload
+
+
 def schema_of(value: Any) -> dict[str, Any]:
     """A JSON Schema that ``value`` (a provider's [smoke] payload) is an instance of, field by field."""
     if isinstance(value, dict):
@@ -161,15 +173,16 @@ def describe_form(deployment, choices: list[str], manifests: dict[str, Manifest]
         properties["provider"] = {**properties["provider"], "type": "string", "enum": choices, "default": default,
                                   "description": f"{properties['provider'].get('description', '')}\n\n{listed}"}
         schema.required = sorted({*(schema.required or []), "provider"})  # it always has one: not "(Optional)"
+    examples = {slug: example_payload(manifest) for slug, manifest in manifests.items()}
     if "sequences" in properties:
-        example = manifests.get(DEFAULT_PROVIDER) or next(iter(manifests.values()), None)
-        inputs = (example.smoke.payload or {}).get("inputs") if example is not None else None
+        example = examples.get(DEFAULT_PROVIDER) or next(iter(examples.values()), None)
+        inputs = (example or {}).get("inputs")
         properties["sequences"] = {**properties["sequences"], "type": "array", "items": {"type": "string"},
                                    "default": [], **({"examples": [inputs]} if inputs else {})}
     if "payload" in properties:
-        forms = [{"title": slug, **schema_of(manifest.smoke.payload), "examples": [manifest.smoke.payload],
+        forms = [{"title": slug, **schema_of(example), "examples": [example],
                   "description": f"{slug}'s request, as in its manifest's [smoke] payload"}
-                 for slug, manifest in manifests.items() if isinstance(manifest.smoke.payload, dict)]
+                 for slug, example in examples.items() if isinstance(example, dict)]
         properties["payload"] = {key: value for key, value in properties["payload"].items()
                                  if key not in ("type", "additionalProperties")}
         properties["payload"].update({"anyOf": [{"type": "null", "title": "none"}, *forms], "default": None})

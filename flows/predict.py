@@ -31,6 +31,7 @@ from resident_pool.client import default_manifests
 from resident_pool.errors import ManifestError
 from resident_pool.prefect import Priority, artifact_key, code_span, escape_markdown, pool_session, retry_pool_failures
 from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
+from resident_pool.validation.expected import smoke_set
 
 DEFAULT_PROVIDER = "minilm"  # the demo model: a bare run from the UI embeds its example sequences
 BATCH = 64  # sequences per request, as the campaign's chunks
@@ -55,9 +56,10 @@ def predict_inputs(provider: str, payloads: list[Any], manifests: str, priority:
 
 
 def takes_sequences(manifest: Manifest) -> bool:
-    """Whether the provider's requests are ``{"inputs": [str, ...]}``: its [smoke] payload says (none: assume so)."""
+    """Whether the provider's requests are ``{"inputs": [str, ...]}``: its [smoke] inputs or payload say (none: assume
+    so)."""
     example = manifest.smoke.payload
-    if not example:
+    if not example or manifest.smoke.inputs is not None:
         return True
     inputs = example.get("inputs") if isinstance(example, dict) else None
     return isinstance(inputs, list) and all(isinstance(text, str) for text in inputs)
@@ -80,10 +82,10 @@ def _requests(provider: str, sequences: list[str] | None, payload: dict[str, Any
         return [{"inputs": texts[at:at + BATCH]} for at in range(0, len(texts), BATCH)], "sequences"
     if payload:
         return [payload], "payload"
-    if not manifest.smoke.payload:
+    if not manifest.smoke.payload and manifest.smoke.inputs is None:
         raise ManifestError(f"{provider}: no sequences or payload were given and its manifest has no [smoke] payload "
                             "to send; give sequences or a payload", slug=provider)
-    return [manifest.smoke.payload], "its [smoke] example"
+    return [smoke_set(manifest).payload], "its [smoke] example"
 
 
 # -- the answer, readable ----------------------------------------------------------------

@@ -20,6 +20,7 @@ from helpers import prefect_server, stop_group, wait_until
 from providers import EMBEDDER_ENV, write_provider
 from scheduling import claim_worker
 
+from resident_pool.campaigns.inputs import InputFile
 from resident_pool.host.procs import pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,8 +206,10 @@ def test_the_forms_describe_every_parameter_offer_described_providers_and_a_payl
     assert "provider" in predict["required"]  # it always has one: not shown "(Optional)"
     sequences = predict["properties"]["sequences"]
     assert sequences["type"] == "array" and sequences["items"] == {"type": "string"}
-    assert sequences["examples"] == [["MKTAYIAKQRQISFVKSHFSRQ", "resident workers keep models warm"]]
+    smoke = [record.text for record in InputFile(ROOT / "manifests" / "minilm" / "smoke" / "proteins.fasta").records()]
+    assert sequences["examples"] == [smoke[:2]]  # the first of its smoke set
     forms = {form["title"]: form for form in predict["properties"]["payload"]["anyOf"]}
+    assert forms["minilm"]["examples"] == [{"inputs": smoke[:2], "kind": "protein"}]
     assert sorted(forms) == ["echo", "esm_2", "minilm", "none"] and forms["none"]["type"] == "null"
     assert forms["esm_2"]["properties"] == {"inputs": {"type": "array", "items": {"type": "string"}},
                                             "layer": {"type": "integer"}}
