@@ -27,6 +27,9 @@ def test_the_gpu_example_is_valid_and_not_picked_up_as_a_provider():
     assert example.gpu.policy == "required" and example.gpu.vram_budget_gb > 0
     assert example.kit is not None and example.kit.levers_off and example.kit.env
     assert "boltz2" not in load_manifests(ROOT / "manifests")
+    protein = load_manifest(ROOT / "manifests" / "_examples" / "esm2" / "manifest.toml")
+    assert protein.inputs.kinds == ["protein"] and protein.answers.embedding == "embedding"
+    assert protein.answers.relations and "esm2" not in load_manifests(ROOT / "manifests")
 
 
 @pytest.mark.parametrize(
