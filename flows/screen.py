@@ -56,7 +56,7 @@ from resident_pool.campaigns.campaign import (
     output_name,
     summarize,
 )
-from resident_pool.campaigns.inputs import FORMATS, InputFile, Region
+from resident_pool.campaigns.inputs import FORMATS, InputFile, Record, Region
 from resident_pool.campaigns.progress import FileProgress, Progress
 from resident_pool.campaigns.report import VectorSample, report_path, write_report
 from resident_pool.campaigns.results import ResultStore, provider_version
@@ -71,6 +71,7 @@ from resident_pool.prefect import (
     retry_pool_failures,
 )
 from resident_pool.prefect.roots import check_path
+from resident_pool.providers.input_rules import Inputs, kind_option
 from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
 from resident_pool.settings import settings as pool_settings
 
@@ -315,15 +316,28 @@ class _FileRun:
         self.progress.update(self.entry, **self.counts(), fraction_read=self.source.fraction_read())
 
 
+def input_rule(source: InputFile, inputs: Inputs, kind: str) -> Callable[[Record], tuple[str, str | None]]:
+    """The provider's input rule for one file's records: each text as sent, or why it is refused, naming the
+    file, line and id."""
+    check = inputs.check
+
+    def rule(record: Record) -> tuple[str, str | None]:
+        text, problem = check(record.text, kind)
+        return text, None if problem is None else f"{source.path}:{record.line}: {record.id}: {problem}"
+
+    return rule
+
+
 def _screen_file(source: InputFile, output: Path, entry: FileProgress, *, store: ResultStore, version: str,
-                 chunk_size: int, fmt: str, report: bool, title: str, **run: Any) -> dict[str, Any]:
+                 chunk_size: int, fmt: str, report: bool, title: str,
+                 rule: Callable[[Record], tuple[str, str | None]] | None = None, **run: Any) -> dict[str, Any]:
     """One input file through the provider; returns its line of the summary."""
     started = time.monotonic()
     progress: _Progress = run["progress"]
     progress.tally.begin(entry)
     sample = VectorSample() if report else None
     campaign = Campaign(store, version, run["options"], chunk_size, output,
-                        max_result_bytes=run["limits"].max_result_bytes, fmt=fmt, sample=sample)
+                        max_result_bytes=run["limits"].max_result_bytes, fmt=fmt, sample=sample, rule=rule)
     file_run = _FileRun(source, campaign, entry, **run)
     try:
         file_run.run()
@@ -434,6 +448,7 @@ def screen(
     encoding: Encoding = "float32-base64",
     report: bool = True,
     priority: Priority = "batch",
+    kind: Literal["protein", "text"] | None = None,
 ):
     """Screen every input of a FASTA, CSV, TSV or JSONL file (or of every such file in a folder).
 
@@ -455,6 +470,9 @@ def screen(
             map of the answers' vectors.
         priority: The class its chunks wait in for a worker; a campaign is batch, so a person's ad hoc run
             (interactive) goes first, and ageing keeps the campaign from starving.
+        kind: How each input is read, where the provider takes it: protein (residue letters, by the provider's
+            [inputs] rule) or text. Default: as the file says (FASTA and a sequence column hold proteins, a text
+            column text), else the provider's first kind. An input the rule refuses fails alone, named.
     """
     started = time.monotonic()
     logger = get_run_logger()
@@ -476,6 +494,7 @@ def screen(
         logger.error("%s", error)
         return Failed(message=str(error))
     options = {"encoding": encoding} if encoding and encoding != "json" else {}
+    kind = kind or None  # a form's empty field: unset
     version = provider_version(manifest)
     summaries = []
     progress = _Progress(provider, f"{provider}: {input}", manifests_dir)
@@ -484,11 +503,14 @@ def screen(
     with store, _chunk_runner(max_workers, manifest.lifecycle.max_replicas) as (submit, window):
         for (source, target), entry in zip(files, entries, strict=True):
             try:
+                read_as = manifest.inputs.kind_for(kind or source.kind)
                 summaries.append(_screen_file(source, target, entry, provider=provider, manifests=manifests_dir,
-                                              version=version, store=store, options=options, chunk_size=chunk_size,
-                                              fmt=format, submit=submit, window=window, progress=progress,
-                                              limits=settings, report=report, title=f"{provider} screening",
-                                              priority=priority))
+                                              version=version, store=store,
+                                              options={**options, **kind_option(manifest.inputs, read_as)},
+                                              chunk_size=chunk_size, fmt=format, submit=submit, window=window,
+                                              progress=progress, limits=settings, report=report,
+                                              title=f"{provider} screening", priority=priority,
+                                              rule=input_rule(source, manifest.inputs, read_as)))
             except InputError as error:
                 refused.append(str(error))
     if not files:
@@ -634,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--encoding", choices=["float32-base64", "array", "json"], default="float32-base64",
                         help="how minilm sends each vector back")
     parser.add_argument("--no-report", action="store_true", help="write no HTML report beside the output")
+    parser.add_argument("--kind", choices=["protein", "text"],
+                        help="read each input as this kind (default: as the file says, else the provider's first)")
     parser.add_argument("--manifests", default=str(pool_settings().manifests or ROOT / "manifests"),
                         help="the providers' folder (this process's RESIDENT_POOL_MANIFESTS, for the flow it runs)")
     args = parser.parse_args(argv)
@@ -650,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     state = screen(input=args.input, provider=args.provider, chunk_size=args.chunk_size, output=args.output,
                    format=args.format, column=args.column, id_column=args.id_column,
                    fail_on_input_errors=args.fail_on_input_errors, max_workers=args.max_workers,
-                   encoding=args.encoding, report=not args.no_report, return_state=True)
+                   encoding=args.encoding, report=not args.no_report, kind=args.kind, return_state=True)
     result = state.result(raise_on_failure=False)
     summary = result.details.get("summary") if isinstance(result, CampaignFailed) else result
     if isinstance(summary, dict):

@@ -155,6 +155,46 @@ def test_bad_records_fail_alone_naming_file_and_line(pool_dir, embedder, tmp_pat
     assert "nested too deeply" in records[1]["error"] and records[1]["error"].startswith(f"{lines}:2:")
 
 
+def test_one_input_rule_in_the_predict_flow_the_screen_flow_and_the_cli_each_bad_input_fails_alone(pool_dir, tmp_path):
+    """Issue 33: the predict flow took digits that screen refused (as "line 1202 holds b'1'"), both took '*', and
+    one blank item failed a whole predict run without naming it. A provider declares what it takes ([inputs]:
+    here proteins, by the default policy); every entry point applies that rule, a bad input fails alone, named
+    by its position (and id), and the others are answered."""
+    write_provider(pool_dir, "proteins", EMBEDDER_ENV + '[inputs]\nkinds = ["protein"]\n', worker="embedder.py")
+    from predict import predict
+
+    state = predict(provider="proteins", sequences=["MKV", "MK1V", " ", "MK*V", "mka*"], return_state=True)
+    assert state.is_completed() and state.name == "Completed with failures", state
+    assert state.message.startswith("2 answered, 3 refused: input 2 of 5: position 3 holds '1'"), state.message
+    items = state.result()["items"]
+    assert [item.get("ok", True) for item in items] == [True, False, False, False, True]
+    assert items[4]["input"] == "MKA" and items[4]["tokens"] == 3  # mka* as sent: the final stop dropped
+    assert items[2] == {"input": " ", "ok": False, "reason": "bad_input",
+                        "error": "input 3 of 5: empty: it holds no residue letters"}
+    assert items[3]["error"].startswith("input 4 of 5: position 3 is a stop (*) before the end")
+
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(">a\nMKV\n>digit\nMK1V\n>star\nMK*V\n>gap\nMK-V\n>sec\nMKUV\n>stop\nmka*\n")
+    summary = _screen(pool_dir, provider="proteins", input=str(fasta), output=str(tmp_path / "out.jsonl"))
+    records = _records(tmp_path / "out.jsonl")
+    assert [r["ok"] for r in records] == [True, False, False, False, False, True] and summary["ok"] == 2
+    assert records[5]["tokens"] == 3
+    assert records[1]["error"] == f"{fasta}:3: line 4 holds '1', which is not a sequence letter"
+    assert records[2]["error"].startswith(f"{fasta}:5: star: position 3 is a stop (*) before the end")
+    assert records[3]["error"].startswith(f"{fasta}:7: gap: position 3 is a gap (-)")
+    assert records[4]["error"].startswith(f"{fasta}:9: sec: position 3 is U, selenocysteine, which this provider "
+                                          "refuses")
+
+    done = subprocess.run([sys.executable, "-m", "resident_pool", "predict", "proteins", "--payload",
+                           json.dumps({"inputs": ["MKV", "MK1V", "mk v"]})], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 1, done.stderr
+    answered = json.loads(done.stdout)["items"]
+    assert answered[0]["tokens"] == 3 and answered[2]["tokens"] == 3
+    assert answered[1]["ok"] is False and answered[1]["error"].startswith("input 2 of 3: position 3 holds '1'")
+    assert "proteins: input 2 of 3: position 3 holds '1', which is not a residue letter" in done.stderr
+
+
 def test_a_binary_file_named_fasta_gets_one_clear_error_and_no_task_runs(pool_dir, embedder, tmp_path):
     binary = tmp_path / "proteins.fasta"
     binary.write_bytes(bytes(range(256)) * 1024)

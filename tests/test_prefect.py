@@ -383,13 +383,13 @@ def test_artifact_keys_of_two_different_providers_differ():
 def test_the_predict_artifact_shows_what_was_sent_as_code_with_no_backslashes():
     """The UI showed `Sent: {"inputs": \\["MKT..."\\]}`: markdown escapes inside a code span are shown as typed.
     A backtick in the payload (or the host's name) must not end the span either."""
-    from predict import markdown
+    from predict import Asked, markdown
 
     from resident_pool.prefect import code_span
 
     answer = {"cold": True, "replica": 0, "worker_pid": 1, "host": "vm`x", "answer_s": 0.1, "flow_run_id": "r",
               "results": [{"dim": 3}]}
-    shown = markdown("minilm", "its [smoke] example", [{"inputs": ["MKV"], "note": "a `b` *c*"}], answer)
+    shown = markdown("minilm", Asked([{"inputs": ["MKV"], "note": "a `b` *c*"}], "its [smoke] example"), answer)
     (sent,) = [line for line in shown.splitlines() if line.startswith("Sent: ")]
     assert sent == "Sent: ``" + json.dumps({"inputs": ["MKV"], "note": "a `b` *c*"}) + "``", sent
     assert code_span("vm`x") in shown

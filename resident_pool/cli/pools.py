@@ -114,9 +114,17 @@ def predict(
     input_file: Annotated[Path | None, typer.Option("--input", help="A file holding the JSON payload.")] = None,
     json_text: Annotated[str | None, typer.Option(
         "--json", hidden=True, help="The payload as JSON text (deprecated: use --payload).")] = None,
+    kind: Annotated[str | None, typer.Option(
+        "--kind", help="How the payload's inputs are read: protein or text (default: its \"kind\", else the "
+        "provider's first).")] = None,
     manifests: ManifestsOption = None,
 ) -> None:
-    """Send one prediction to SLUG through the pool and print its result as JSON."""
+    """Send one prediction to SLUG through the pool and print its result as JSON.
+
+    The payload's "inputs" are ruled as every entry point rules them (the provider's [inputs]): one it refuses
+    fails alone, named on stderr and as {"ok": false, "reason": "bad_input", ...} in its place among the items;
+    the others are answered, and the command exits 1.
+    """
     if json_text is not None:
         errors.print("resident-pool predict: --json TEXT is deprecated and goes in the next release: use "
                      "--payload TEXT (--json means JSON output everywhere else)", highlight=False, markup=False)
@@ -133,14 +141,52 @@ def predict(
         raise typer.BadParameter(f"the payload is not JSON: {exc}") from None
     folder = manifests_dir(manifests)
     require_provider(slug, folder)
+    ruled = _ruled(slug, folder, body, kind)
+    if ruled is not None and ruled[2] and not ruled[1]:  # every input refused: nothing to send
+        for why in ruled[2].values():
+            errors.print(f"{safe(slug)}: {safe(why)}", highlight=False)
+        fail(f"{slug}: every input was refused by its input rule", reason="bad_input")
     try:
         with pool_client(folder) as pool:
-            result = pool.predict(slug, body)
+            result = pool.predict(slug, ruled[0] if ruled is not None else body)
     except ResidentPoolError as exc:
         fail(f"{type(exc).__name__}: {exc}", reason=exc.reason or "error")
     from ..arrays import plain
 
+    if ruled is not None and ruled[2]:
+        from ..campaigns.answers import per_input, with_refused
+
+        sent, kept, refused = ruled
+        items = with_refused(per_input(result, len(sent["inputs"])), kept, refused, len(body["inputs"]))
+        result = {**result, "items": items} if isinstance(result, dict) else result
     typer.echo(json.dumps(result, default=plain))  # arrays as nested lists, bytes as base64
+    if ruled is not None and ruled[2]:
+        for why in ruled[2].values():
+            errors.print(f"{safe(slug)}: {safe(why)}", highlight=False)
+        raise typer.Exit(1)
+
+
+def _ruled(slug: str, folder: Path, body: Any, kind: str | None):
+    """For a payload of inputs, (the payload to send, the positions sent, why each other was refused); else None."""
+    from ..errors import ManifestError
+    from ..providers.input_rules import KINDS, kind_option, rule_inputs
+    from ..providers.manifest import load_manifest, manifest_path
+
+    if kind is not None and kind not in KINDS:
+        raise typer.BadParameter(f"{kind!r}: give one of {', '.join(KINDS)}", param_hint="--kind")
+    try:
+        manifest = load_manifest(manifest_path(folder, slug))
+    except ManifestError as exc:
+        fail(f"ManifestError: {exc}", reason=exc.reason or "bad_manifest")
+    if not (isinstance(body, dict) and isinstance(body.get("inputs"), list) and manifest.takes_inputs()):
+        return None
+    wanted = kind or body.get("kind")
+    read_as = manifest.inputs.kind_for(wanted if isinstance(wanted, str) else None)
+    if wanted is not None and wanted != read_as:
+        fail(f"{slug} takes {' and '.join(manifest.inputs.kinds)} inputs, not {wanted!r}", reason="bad_input")
+    texts, kept, refused = rule_inputs(manifest.inputs, body["inputs"], read_as)
+    sent = {key: value for key, value in body.items() if key != "kind"}
+    return {**sent, "inputs": texts, **kind_option(manifest.inputs, read_as)}, kept, refused
 
 
 @app.command()

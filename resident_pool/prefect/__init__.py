@@ -52,6 +52,7 @@ from ..settings import settings
 
 __all__ = [
     "BREAKER_OPEN",
+    "COMPLETED_WITH_FAILURES",
     "Priority",
     "artifact_key",
     "breaker_words",
@@ -70,6 +71,9 @@ log = logging.getLogger("resident_pool.prefect")
 HOST = socket.gethostname()
 _waits = threading.local()  # the last admission wait this thread's request reported
 BREAKER_OPEN = "breaker_open"  # the reason of a request refused at once because the provider's starts keep failing
+# The name of a Completed state whose run answered some inputs and failed others: the UI shows the name (in
+# Completed's colour) where a bare "Completed" would read as every input answered.
+COMPLETED_WITH_FAILURES = "Completed with failures"
 # While a task waits for its worker (a cold start, every replica busy), its log says so this often: a 27 s
 # start that logs nothing until the end looks hung.
 WAITING_FIRST_S = 3.0

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["KINDS", "STANDARD_RESIDUES", "Inputs", "ProteinPolicy", "kind_option", "show_character"]
+__all__ = ["KINDS", "STANDARD_RESIDUES", "Inputs", "ProteinPolicy", "kind_option", "rule_inputs", "show_character"]
 
 Kind = Literal["protein", "text"]
 KINDS: tuple[str, ...] = ("protein", "text")
@@ -94,7 +94,7 @@ class Inputs(BaseModel):
         The reason never repeats the input: at most one character of it, escaped.
         """
         if not isinstance(value, str):
-            return "", f"a {type(value).__name__}, not text"
+            return "", f"{_json_kind(value)}, not text"
         if kind == "text":
             text = value.strip()
             return (text, None) if text else ("", "empty: it holds no text")
@@ -138,10 +138,35 @@ class Inputs(BaseModel):
         return out.decode("ascii"), None
 
 
+def rule_inputs(inputs: Inputs, values: list[Any], kind: str) -> tuple[list[str], list[int], dict[int, str]]:
+    """A list of inputs given by hand (the predict flow, ``resident-pool predict``): the texts to send, their
+    positions in ``values``, and why each other position is refused, naming it ("input 3 of 5: ...")."""
+    texts, kept, refused = [], [], {}
+    for position, value in enumerate(values):
+        text, problem = inputs.check(value, kind)
+        if problem is None:
+            texts.append(text)
+            kept.append(position)
+        else:
+            refused[position] = f"input {position + 1} of {len(values)}: {problem}"
+    return texts, kept, refused
+
+
 def kind_option(inputs: Inputs, kind: str) -> dict[str, str]:
     """What a request says of its inputs' kind: ``{"kind": ...}`` to a provider that takes several, else nothing
     (so a provider of one kind sees the same requests, and its stored results keep their keys)."""
     return {"kind": kind} if len(inputs.kinds) > 1 else {}
+
+
+def _json_kind(value: Any) -> str:
+    """What a value of a JSON payload is, in JSON's words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "a list" if isinstance(value, list) else "an object" if isinstance(value, dict) else type(value).__name__
 
 
 def show_character(character: str) -> str:

@@ -450,6 +450,15 @@ class Manifest(_Strict):
     def worker_path(self) -> Path:
         return (self.directory / self.worker).resolve()
 
+    def takes_inputs(self) -> bool:
+        """Whether its requests are ``{"inputs": [str, ...]}`` (so [inputs] rules each one): it declares [inputs]
+        or [smoke] inputs, or its [smoke] payload looks so; a provider with no example is taken to."""
+        example = self.smoke.payload
+        if "inputs" in self.model_fields_set or self.smoke.inputs is not None or not example:
+            return True
+        inputs = example.get("inputs")
+        return isinstance(inputs, list) and all(isinstance(text, str) for text in inputs)
+
     def variant(self, kit_mode: str | None = None, without_kit: bool = False) -> Manifest:
         """This provider built another way (its kit in another mode, or without its kit), e.g. to compare stock."""
         if self.kit is None:
