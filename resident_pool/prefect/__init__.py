@@ -275,6 +275,16 @@ def _markdown(error: ResidentPoolError, tail_lines: int) -> str:
     return text
 
 
+def _named(error: ResidentPoolError, slug: str) -> ResidentPoolError:
+    """``error`` naming the provider it was asked for: a failure of the pool itself (it could not start, another
+    version holds it) names none, and its artifact would be filed under no provider."""
+    if error.slug:
+        return error
+    return type(error)(str(error), slug=slug, reason=error.reason, exit_code=error.exit_code, hint=error.hint,
+                       transcript=error.transcript, transcript_tail=error.transcript_tail, details=error.details,
+                       headline=error.headline)
+
+
 def _report(error: ResidentPoolError) -> ResidentPoolError:
     """Attach the failure artifact to the running task and return the error with a one-line message."""
     config = settings()
@@ -383,8 +393,9 @@ def pool_session(slug: str, manifests: str | os.PathLike[str] | None = None, *,
             _emit_leased(slug, session, _waits.last)
             yield session
     except ResidentPoolError as error:
-        _emit_failure(error)
-        raise _report(error) from error
+        named = _named(error, slug)
+        _emit_failure(named)
+        raise _report(named) from error
 
 
 def _run_logger() -> logging.Logger | logging.LoggerAdapter | None:
@@ -512,8 +523,9 @@ def warm_provider(slug: str, replicas: int = 1, manifests: str | os.PathLike[str
     try:
         result = client.warm(slug, replicas)
     except ResidentPoolError as error:
-        _emit_failure(error)
-        raise _report(error) from error
+        named = _named(error, slug)
+        _emit_failure(named)
+        raise _report(named) from error
     get_run_logger().info("%s: %d of %d worker(s) warm (%d started now)", slug,
                           result["already_warm"] + result["started"], replicas, result["started"])
     return result
