@@ -451,7 +451,9 @@ def screen(
 
     Args:
         input: An input file on the worker's host (FASTA, CSV, TSV or JSONL, optionally .gz), or a folder of
-            them (an inbox: every input file in it, one output each).
+            them (an inbox: every input file in it, one output each). A deployment's run reads only under the
+            worker's RESIDENT_POOL_INPUT_ROOT (`make stack-up`: .stack/inbox, where it copies the demo file): copy
+            a file there first, then give its path.
         provider: The provider that answers each input.
         chunk_size: Inputs per task run (one request to the model).
         output: The output file; default `<input>.<provider>.<format>` beside the input. For a folder: the output
