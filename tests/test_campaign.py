@@ -364,7 +364,8 @@ def test_the_outputs_artifact_is_keyed_and_names_path_host_and_counts_not_a_file
     artifacts = {a.key: a for a in _artifacts(state)}
     text = artifacts["screen-output-embedder"].data
     assert str(tmp_path / "out.jsonl") in text and socket.gethostname() in text
-    assert f"| {tmp_path / 'in.jsonl'} | {tmp_path / 'out.jsonl'} | 10 | 9 | 1 |" in text.replace("\\", "")
+    shown = text.replace("\\", "")
+    assert f"- {tmp_path / 'in.jsonl'}: 10 records, 9 ok, 1 failed\n    - output: {tmp_path / 'out.jsonl'}" in shown
     assert (tmp_path / "out.jsonl").as_uri() + ")" not in text  # the output is named by path and host, not a URL
     assert not [a for a in _artifacts(state) if a.type == "markdown" and not a.key]  # every artifact is keyed
 
