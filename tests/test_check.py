@@ -107,6 +107,22 @@ def test_a_minilm_that_perturbs_one_value_fails_naming_the_field_and_passes_with
            "unknown tokens (at most 0% may be)" in old["detail"], old["detail"]
 
 
+def test_bless_refuses_answers_that_fail_their_answers_checks_and_records_nothing(tmp_path):
+    """Issue 33: a degenerate model's answers were blessed as the expected ones. Two distinct inputs the test
+    embedder answers alike (same length, same letters): bless runs the [answers] checks first and refuses."""
+    folder = write_provider(tmp_path, "embedder", '[answers]\nembedding = "embedding"\n[smoke]\n'
+                            f'payload = {{ inputs = ["MKV", "KMV", "{"W" * 200}"] }}\nexpected = "smoke/expected.json"\n',
+                            worker="embedder.py").parent
+    done = run_check("--bless", "embedder", "--json", "--manifests", str(tmp_path))
+    assert done.returncode == 1, done.stdout + done.stderr
+    rows = {row["step"]: row for row in json.loads(done.stdout)}
+    assert not rows["answers"]["ok"] and not rows["bless"]["ok"]
+    assert "1 of 3 pairs of distinct inputs (33.3%) lie within cosine 0.9999 (at most 0 may), e.g. 1 and 2" in \
+        rows["answers"]["detail"]
+    assert rows["bless"]["detail"].startswith("not blessed: embedder: the answers to its 3 smoke inputs fail")
+    assert not (folder / "smoke" / "expected.json").exists()
+
+
 def echo_copy(root, expected=True):
     shutil.copytree(ROOT / "manifests" / "echo", root / "echo")
     if expected:
