@@ -70,6 +70,10 @@ def test_a_changed_answer_fails_naming_the_field_expected_found_and_deviation(pr
     assert "items[0].embedding[2]" in message and "expected 0.3, found 0.31; deviation 0.01" in message
     (miss,) = info.value.details["mismatches"]
     assert miss["path"] == "items[0].embedding[2]" and miss["deviation"] == pytest.approx(0.01)
+    loose = provider('expected = "smoke/expected.json"\natol = 0.011\n')  # a tolerance that admits the change
+    said, _ = verdict(loose, loose.smoke.payload, {**ANSWER, "items": [{"embedding": [0.1, 0.2, 0.31], "tokens": 4}]},
+                      None)
+    assert said.startswith("the answer matches") and "within atol 0.011" in said
 
 
 def test_an_expected_file_others_can_write_is_refused(provider):
