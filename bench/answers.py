@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [answer.get("unknown_tokens") for answer in answers]
     lengths = [len(record.text) for record in records]
     windows = [answer.get("windows") for answer in answers]
-    print(f"inputs: {len(records)} records in {args.input}, {len(keep)} distinct sequences; "
+    named = os.path.relpath(args.input) if not os.path.relpath(args.input).startswith("..") else args.input
+    print(f"inputs: {len(records)} records in {named}, {len(keep)} distinct sequences; "
           f"{len(answers) - len(failed)} answered ok, {len(failed)} failed")
     print(f"distinct answers: {distinct_answers} for the {len(keep)} distinct sequences")
     print(f"pairs of distinct sequences within cosine {args.cosine:g}: {figures.get('close_pairs')} of "
