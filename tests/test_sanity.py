@@ -75,3 +75,32 @@ def test_vectors_are_read_as_lists_arrays_or_base64_float32_and_nothing_is_judge
     assert vectors([{"embedding_f32": encoded}, {"embedding": [1, 2]}, {"embedding": "x"}, None], "embedding") == [
         [0.5, -1.0], [1.0, 2.0], None, None]
     assert judge(Answers(), ["a"], ["MKV"], [{"anything": 1}]).ok
+
+
+def test_bench_answers_prints_the_figures_make_run_must_show_and_fails_a_degenerate_output(tmp_path, capsys):
+    """bench/answers.py: the command behind the README's figures, on a file of three proteins (two alike)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_answers", Path(__file__).parents[1] / "bench" / "answers.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(">a\nMKV\n>b\nMKVLA\n>a2\nMKV\n")
+
+    def output(vectors, unknown=0):
+        path = tmp_path / "out.jsonl"
+        path.write_text("".join(json.dumps({"index": n, "ok": True, "tokens": t, "windows": 1, "unknown_tokens": unknown,
+                                            "embedding_f32": base64.b64encode(struct.pack("<2f", *v)).decode()}) + "\n"
+                                for n, (v, t) in enumerate(zip(vectors, (3, 5, 3), strict=True))))
+        return str(path)
+
+    assert bench.main(["--input", str(fasta), "--output", output([(1, 0), (0, 1), (1, 0)])]) == 0
+    said = capsys.readouterr().out
+    assert "3 records" in said and "2 distinct sequences" in said and "distinct answers: 2 for the 2" in said
+    assert "within cosine 0.9999: 0 of 1;" in said and "each shares its first occurrence's answer" in said
+    assert "equal to the sequence length for 3 of 3" in said and "unknown tokens: 0 in all" in said
+    assert bench.main(["--input", str(fasta), "--output", output([(1, 0), (1, 0), (1, 0)], unknown=1)]) == 1
+    said = capsys.readouterr().out
+    assert "distinct answers: 1 for the 2" in said and "within cosine 0.9999: 1 of 1;" in said
