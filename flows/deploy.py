@@ -2,6 +2,7 @@
 
     python flows/deploy.py [--work-pool resident-pool] [--manifests DIR]
                            [--schedule "0 2 * * *" --inbox DIR [--outbox DIR]] [--provider minilm]
+                           [--default-input FILE] [--input-root DIR]
                            [--validate-schedule "0 3 * * *"] [--timezone Europe/Berlin] [--paused]
 
 `validate` runs nightly (``--validate-schedule``). With ``--schedule``,
@@ -10,6 +11,10 @@ computing only what no earlier run computed, one output per file. Crons are
 read in ``--timezone`` (default: this host's). ``--paused`` registers the
 deployments paused (``make stack-up`` does, so a developer's laptop does not
 screen at night); the deployment's own toggle in the UI resumes it.
+``--default-input`` is the screen form's default input (``make stack-up`` gives
+the demo file it copies into the inbox); the schedule keeps screening the inbox.
+``--input-root`` (default: the inbox) is the folder the worker reads inputs under,
+which the form's ``input`` field names so a person knows where a file must go.
 
 The forms are drawn for a person: each parameter described; the provider a
 dropdown of the providers in ``--manifests`` at deploy time, each described;
@@ -40,6 +45,7 @@ from resident_pool.errors import ManifestError
 from resident_pool.prefect import escape_markdown
 from resident_pool.prefect.worker import WORKER_TYPE, locked_job_template
 from resident_pool.providers.manifest import SLUG, Manifest, load_manifest
+from resident_pool.validation.expected import smoke_set
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOWS = {
@@ -114,6 +120,17 @@ def _manifests(manifests: Path, choices: list[str]) -> dict[str, Manifest]:
     return loaded
 
 
+def example_payload(manifest: Manifest, inputs: int = 2) -> dict[str, Any] | None:
+    """What a form shows as the provider's request: its smoke payload, at most ``inputs`` of its inputs; None when
+    its smoke inputs cannot be read (`resident-pool check` says why)."""
+    try:
+        payload = smoke_set(manifest).payload
+    except ManifestError:
+        return None
+    listed = payload.get("inputs")
+    return {**payload, "inputs": listed[:inputs]} if isinstance(listed, list) else payload
+
+
 def schema_of(value: Any) -> dict[str, Any]:
     """A JSON Schema that ``value`` (a provider's [smoke] payload) is an instance of, field by field."""
     if isinstance(value, dict):
@@ -144,12 +161,29 @@ def _plain(prop: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def describe_form(deployment, choices: list[str], manifests: dict[str, Manifest]) -> None:
-    """Draw the deployment's form for a person: described providers, plain fields, per-provider payloads."""
+def input_words(input_root: str | None, default_input: str | None) -> str:
+    """The screen form's ``input`` field described for a person: which folder its file must be in, and how to get a
+    file there."""
+    where = (f"It must lie under {input_root} on the worker's host (the worker's RESIDENT_POOL_INPUT_ROOT): copy "
+             f"a file there first, for example `cp proteins.fasta {input_root}/`, then give its path here."
+             if input_root else
+             "It must lie under the folder the worker's RESIDENT_POOL_INPUT_ROOT names on its host: copy a file "
+             "there first, then give its path here.")
+    shipped = f" The default, {default_input}, is the demo's 500 UniProt proteins." if default_input else ""
+    return ("An input file (FASTA, CSV, TSV or JSONL, optionally .gz), or a folder of them (an inbox: every input "
+            f"file in it, one output each), on the worker's host. {where}{shipped}")
+
+
+def describe_form(deployment, choices: list[str], manifests: dict[str, Manifest], *, input_root: str | None = None,
+                  default_input: str | None = None) -> None:
+    """Draw the deployment's form for a person: described providers, plain fields, per-provider payloads, where
+    the screen's inputs must be."""
     schema = deployment._parameter_openapi_schema  # what Prefect sends with the deployment; the UI draws from it
     properties = schema.properties
     for name in list(properties):
         properties[name] = _plain(properties[name])
+    if "input" in properties and "fail_on_input_errors" in properties:  # the screen flow's
+        properties["input"] = {**properties["input"], "description": input_words(input_root, default_input)}
     if "provider" in properties and choices:
         default = properties["provider"].get("default")
         default = default if default in choices else DEFAULT_PROVIDER if DEFAULT_PROVIDER in choices else choices[0]
@@ -158,15 +192,16 @@ def describe_form(deployment, choices: list[str], manifests: dict[str, Manifest]
         properties["provider"] = {**properties["provider"], "type": "string", "enum": choices, "default": default,
                                   "description": f"{properties['provider'].get('description', '')}\n\n{listed}"}
         schema.required = sorted({*(schema.required or []), "provider"})  # it always has one: not "(Optional)"
+    examples = {slug: example_payload(manifest) for slug, manifest in manifests.items()}
     if "sequences" in properties:
-        example = manifests.get(DEFAULT_PROVIDER) or next(iter(manifests.values()), None)
-        inputs = (example.smoke.payload or {}).get("inputs") if example is not None else None
+        example = examples.get(DEFAULT_PROVIDER) or next(iter(examples.values()), None)
+        inputs = (example or {}).get("inputs")
         properties["sequences"] = {**properties["sequences"], "type": "array", "items": {"type": "string"},
                                    "default": [], **({"examples": [inputs]} if inputs else {})}
     if "payload" in properties:
-        forms = [{"title": slug, **schema_of(manifest.smoke.payload), "examples": [manifest.smoke.payload],
+        forms = [{"title": slug, **schema_of(example), "examples": [example],
                   "description": f"{slug}'s request, as in its manifest's [smoke] payload"}
-                 for slug, manifest in manifests.items() if isinstance(manifest.smoke.payload, dict)]
+                 for slug, example in examples.items() if isinstance(example, dict)]
         properties["payload"] = {key: value for key, value in properties["payload"].items()
                                  if key not in ("type", "additionalProperties")}
         properties["payload"].update({"anyOf": [{"type": "null", "title": "none"}, *forms], "default": None})
@@ -178,7 +213,8 @@ def describe_form(deployment, choices: list[str], manifests: dict[str, Manifest]
 def deploy_all(work_pool: str, manifests: str | None = None, tags: list[str] | None = None, *,
                schedule: str | None = None, inbox: str | None = None, outbox: str | None = None,
                provider: str | None = None, validate_schedule: str | None = VALIDATE_CRON,
-               paused: bool = False, timezone: str | None = None) -> list[str]:
+               paused: bool = False, timezone: str | None = None, default_input: str | None = None,
+               input_root: str | None = None) -> list[str]:
     """Register screen, validate and predict; returns the deployment ids."""
     if schedule and not inbox:
         raise ValueError("--schedule screens an inbox folder: give --inbox DIR")
@@ -195,8 +231,11 @@ def deploy_all(work_pool: str, manifests: str | None = None, tags: list[str] | N
     # The flow runs find the providers (and the folders they may read and write) in the worker's own
     # environment: RESIDENT_POOL_MANIFESTS, _INPUT_ROOT, _OUTPUT_ROOT, set where the worker starts.
     deployments = []
+    default_input = str(Path(default_input).expanduser().resolve()) if default_input else None
+    root = input_root or inbox
     for name, entrypoint in FLOWS.items():
         parameters: dict[str, Any] = {}
+        scheduled: dict[str, Any] = {}  # what the schedule's runs take, over the deployment's defaults
         cron = None
         limit = None
         if name == "screen" and schedule:
@@ -204,22 +243,27 @@ def deploy_all(work_pool: str, manifests: str | None = None, tags: list[str] | N
             # One screen at a time: a night that outlasts the next start queues behind it (and a second run on
             # the same inbox at once would find each output locked and compute nothing).
             limit = 1
-            parameters["input"] = str(Path(inbox).expanduser().resolve())
+            scheduled["input"] = str(Path(inbox).expanduser().resolve())
             if outbox:
-                parameters["output"] = str(Path(outbox).expanduser().resolve())
+                scheduled["output"] = str(Path(outbox).expanduser().resolve())
             if provider:
-                parameters["provider"] = provider
+                scheduled["provider"] = provider
+            parameters.update(scheduled)
+        if name == "screen" and default_input:
+            parameters["input"] = default_input  # the form's default: a file; the night screens the whole inbox
         if name == "validate":
             cron = validate_schedule
             # Nightly means what CI means: the answer against the expected one, and against stock.
             parameters.update({"smoke": True, "against_stock": True})
         remote = flow.from_source(source=str(ROOT), entrypoint=entrypoint)
-        deployment = remote.to_deployment(name=name, parameters=parameters,
-                                          schedules=[Cron(cron, timezone=timezone)] if cron else None,
+        schedules = [Cron(cron, timezone=timezone, parameters=scheduled or None)] if cron else None
+        deployment = remote.to_deployment(name=name, parameters=parameters, schedules=schedules,
                                           paused=paused if cron else None, tags=tags or ["resident-pool"],
                                           work_pool_name=work_pool,
                                           concurrency_limit=limit)
-        describe_form(deployment, choices, loaded)
+        describe_form(deployment, choices, loaded,
+                      input_root=str(Path(root).expanduser().resolve()) if root else None,
+                      default_input=default_input)
         deployments.append(deployment)
     ids = deploy(*deployments, work_pool_name=work_pool, print_next_steps_message=False, ignore_warnings=True)
     return [str(deployment_id) for deployment_id in ids]
@@ -233,6 +277,9 @@ if __name__ == "__main__":
     parser.add_argument("--inbox", help="the folder the scheduled screen reads every input file from")
     parser.add_argument("--outbox", help="where its outputs go (default: <inbox>/screened)")
     parser.add_argument("--provider", help="the scheduled screen's provider (default: the flow's, minilm)")
+    parser.add_argument("--default-input", help="the screen form's default input (a file the worker may read)")
+    parser.add_argument("--input-root", help="the folder the worker reads inputs under (RESIDENT_POOL_INPUT_ROOT), "
+                        "named in the form (default: --inbox)")
     parser.add_argument("--validate-schedule", default=VALIDATE_CRON,
                         help=f"cron for the validate deployment (default {VALIDATE_CRON!r}; '' for none)")
     parser.add_argument("--timezone", help=f"the crons' time zone (default this host's: {host_timezone()})")
@@ -241,7 +288,8 @@ if __name__ == "__main__":
     for deployment_id in deploy_all(arguments.work_pool, arguments.manifests, schedule=arguments.schedule,
                                     inbox=arguments.inbox, outbox=arguments.outbox, provider=arguments.provider,
                                     validate_schedule=arguments.validate_schedule or None, paused=arguments.paused,
-                                    timezone=arguments.timezone):
+                                    timezone=arguments.timezone, default_input=arguments.default_input,
+                                    input_root=arguments.input_root):
         print(deployment_id)
     # A deployment's flow runs take their folders from the worker's environment (docs/security.md).
     needs = [f"RESIDENT_POOL_MANIFESTS={Path(arguments.manifests).expanduser().resolve()}"]

@@ -20,16 +20,17 @@ import math
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger, runtime, task
 from prefect.artifacts import create_markdown_artifact
-from prefect.states import Failed
+from prefect.states import Completed, Failed
 
-from resident_pool.campaigns.answers import per_input
+from resident_pool.campaigns.answers import per_input, with_refused
 from resident_pool.client import default_manifests
 from resident_pool.errors import ManifestError
 from resident_pool.prefect import (
+    COMPLETED_WITH_FAILURES,
     Priority,
     artifact_key,
     code_span,
@@ -38,7 +39,9 @@ from resident_pool.prefect import (
     pool_session,
     retry_pool_failures,
 )
-from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
+from resident_pool.providers.input_rules import kind_option, rule_inputs
+from resident_pool.providers.manifest import load_manifest, manifest_path
+from resident_pool.validation.expected import smoke_set
 
 DEFAULT_PROVIDER = "minilm"  # the demo model: a bare run from the UI embeds its example sequences
 BATCH = 64  # sequences per request, as the campaign's chunks
@@ -62,36 +65,52 @@ def predict_inputs(provider: str, payloads: list[Any], manifests: str, priority:
                 "answer_s": round(seconds, 3)}
 
 
-def takes_sequences(manifest: Manifest) -> bool:
-    """Whether the provider's requests are ``{"inputs": [str, ...]}``: its [smoke] payload says (none: assume so)."""
-    example = manifest.smoke.payload
-    if not example:
-        return True
-    inputs = example.get("inputs") if isinstance(example, dict) else None
-    return isinstance(inputs, list) and all(isinstance(text, str) for text in inputs)
+class Asked:
+    """What a run sends: its requests, what they are (for the log and the artifact), and, when they are inputs, each
+    input in order with why it was refused where it was (refused ones are not sent; each fails alone)."""
+
+    def __init__(self, requests: list[Any], what: str, inputs: list[Any] | None = None,
+                 kept: list[int] | None = None, refused: dict[int, str] | None = None) -> None:
+        self.requests, self.what = requests, what
+        self.inputs, self.kept, self.refused = inputs or [], kept or [], refused or {}
+
+    def shown(self) -> list[Any]:
+        """Each input as it was sent (a protein as its rule read it), or as given where it was refused."""
+        sent, kept = iter(text for request in self.requests for text in request["inputs"]), set(self.kept)
+        return [next(sent) if position in kept else value for position, value in enumerate(self.inputs)]
 
 
-def _requests(provider: str, sequences: list[str] | None, payload: dict[str, Any] | None) -> tuple[list[Any], str]:
-    """The requests to send and what they are (for the log and the artifact)."""
+def _requests(provider: str, sequences: list[str] | None, payload: dict[str, Any] | None,
+              kind: str | None = None) -> Asked:
+    """The requests to send: each sequence (or a payload's "inputs") ruled by the provider's [inputs] as a campaign
+    rules a file's, 64 to a request; a payload of another shape as it is; with neither, its [smoke] example."""
     # A whole name, never a path: it names the manifest folder and the artifact.
     manifest = load_manifest(manifest_path(default_manifests(None, *host_settings()), provider))
     example = json.dumps(manifest.smoke.payload) if manifest.smoke.payload else "{...}"
     if sequences and payload:
         raise ManifestError(f"{provider}: give sequences or a payload, not both")
+    extra: dict[str, Any] = {}
+    if payload and manifest.takes_inputs() and isinstance(payload.get("inputs"), list):
+        extra = {key: value for key, value in payload.items() if key not in ("inputs", "kind")}
+        sequences, kind = payload["inputs"], kind or payload.get("kind")
     if sequences:
-        if not takes_sequences(manifest):
+        if not manifest.takes_inputs():
             raise ManifestError(f"{provider} does not take sequences (its requests look like {example}); leave "
                                 "sequences empty and give a payload", slug=provider)
-        if not all(isinstance(text, str) and text.strip() for text in sequences):
-            raise ManifestError(f"{provider}: every sequence must be non-empty text", slug=provider)
-        texts = [text.strip() for text in sequences]
-        return [{"inputs": texts[at:at + BATCH]} for at in range(0, len(texts), BATCH)], "sequences"
+        read_as = manifest.inputs.kind_for(kind)
+        if kind and kind != read_as:
+            raise ManifestError(f"{provider} takes {' and '.join(manifest.inputs.kinds)} inputs, not {kind}",
+                                slug=provider)
+        texts, kept, refused = rule_inputs(manifest.inputs, list(sequences), read_as)
+        shared = {**extra, **kind_option(manifest.inputs, read_as)}
+        requests = [{**shared, "inputs": texts[at:at + BATCH]} for at in range(0, len(texts), BATCH)]
+        return Asked(requests, "sequences", list(sequences), kept, refused)
     if payload:
-        return [payload], "payload"
-    if not manifest.smoke.payload:
+        return Asked([payload], "payload")
+    if not manifest.smoke.payload and manifest.smoke.inputs is None:
         raise ManifestError(f"{provider}: no sequences or payload were given and its manifest has no [smoke] payload "
                             "to send; give sequences or a payload", slug=provider)
-    return [manifest.smoke.payload], "its [smoke] example"
+    return Asked([smoke_set(manifest).payload], "its [smoke] example")
 
 
 # -- the answer, readable ----------------------------------------------------------------
@@ -161,30 +180,38 @@ def _heading(number: int, sequence: str | None) -> str:
     return f"### {number}. {escape_markdown(shown)} ({len(sequence)} characters)"
 
 
-def markdown(provider: str, what: str, requests: list[Any], answer: dict[str, Any]) -> str:
+def markdown(provider: str, asked: Asked, answer: dict[str, Any]) -> str:
     """The answer as a table per input, under who answered it and how to fetch the whole of it."""
     warmth = "cold start" if answer["cold"] else "warm"
-    sequences = [text for request in requests for text in request["inputs"]] if what == "sequences" else None
-    count = f"{len(sequences)} sequence(s)" if sequences is not None else what
-    lines = [f"## {escape_markdown(provider)}: {count}", "",
-             f"Answered by replica {answer['replica']} (pid {answer['worker_pid']}, {warmth}) on host "
-             f"{code_span(answer['host'])} in {answer['answer_s']} s. The whole answer is this flow run's "
-             f"result: `prefect flow-run inspect {answer['flow_run_id']}` names where it is stored.", ""]
-    if sequences is not None:
-        items, shared = [], {}
-        for request, result in zip(requests, answer["results"], strict=True):
-            items += per_input(result, len(request["inputs"]))
+    requests, what = asked.requests, asked.what
+    count = f"{len(asked.inputs)} sequence(s)" if what == "sequences" else what
+    lines = [f"## {escape_markdown(provider)}: {count}", ""]
+    if asked.refused:
+        lines += [f"{len(asked.refused)} of {len(asked.inputs)} refused by {escape_markdown(provider)}'s input rule, "
+                  "each alone; the rest were answered.", ""]
+    if requests:
+        lines += [f"Answered by replica {answer['replica']} (pid {answer['worker_pid']}, {warmth}) on host "
+                  f"{code_span(answer['host'])} in {answer['answer_s']} s. The whole answer is this flow run's "
+                  f"result: `prefect flow-run inspect {answer['flow_run_id']}` names where it is stored.", ""]
+    if what == "sequences":
+        shared: dict[str, Any] = {}
+        for result in answer["results"]:
             if isinstance(result, dict):
                 shared.update({k: v for k, v in result.items() if k != "items" and _vector(v) is None
                                and getattr(v, "shape", None) is None})
         if shared:
             lines += ["Per request:", "", *_table(shared), ""]
-        for number, (sequence, item) in enumerate(zip(sequences, items, strict=True), 1):
+        for number, (value, item) in enumerate(zip(asked.shown(), answer["items"], strict=True), 1):
             if number > SHOWN_INPUTS:
-                lines.append(f"... and {len(sequences) - SHOWN_INPUTS} more in the flow run's result")
+                lines.append(f"... and {len(asked.inputs) - SHOWN_INPUTS} more in the flow run's result")
                 break
-            lines += [_heading(number, sequence), ""]
-            lines += _table(item) if item is not None else ["(the answer holds no item for this input)"]
+            lines += [_heading(number, value if isinstance(value, str) else describe(value)), ""]
+            fields = {k: v for k, v in item.items() if k != "input"}
+            if item.get("ok") is False:
+                lines.append(f"**refused** ({escape_markdown(str(item.get('reason')))}): "
+                             f"{escape_markdown(str(item.get('error')))}")
+            else:
+                lines += _table(fields) if fields else ["(the answer holds no item for this input)"]
             lines.append("")
         return "\n".join(lines)
     lines += ["Sent: " + code_span(describe(requests[0])), ""]
@@ -205,38 +232,51 @@ def markdown(provider: str, what: str, requests: list[Any], answer: dict[str, An
 
 @flow(name="predict", persist_result=True, log_prints=True)
 def predict(provider: str = DEFAULT_PROVIDER, sequences: list[str] | None = None,
-            payload: dict[str, Any] | None = None, priority: Priority = "interactive"):
+            payload: dict[str, Any] | None = None, priority: Priority = "interactive",
+            kind: Literal["protein", "text"] | None = None):
     """Ask one provider: each sequence gets its own answer; or send one payload; or, with neither, its example.
 
     Args:
         provider: Which model answers (the providers of the worker's host).
         sequences: Protein sequences or texts, one per item; each gets its own answer. Sent as
-            {"inputs": [...]}, 64 to a request.
+            {"inputs": [...]}, 64 to a request. One the provider's input rule refuses (a digit in a protein, a
+            blank item) fails alone, named by its position; the others are answered.
         payload: For a provider that does not take sequences: the request itself, as JSON (its [smoke] payload is
             the example). Leave empty, with no sequences, to send that example.
         priority: The class it waits in for a worker; a person at the UI is interactive (the host admission
             service may cap a class a user may not claim).
+        kind: How the sequences are read: protein (residue letters, by the provider's [inputs] rule) or text.
+            Default: the provider's first kind.
     """
     logger = get_run_logger()
     try:
-        requests, what = _requests(provider, sequences, payload)
+        asked = _requests(provider, sequences, payload, kind or None)
     except ManifestError as error:  # one sentence on the run page, not a traceback
         logger.error("%s", error)
         return Failed(message=str(error))
+    for why in asked.refused.values():
+        logger.warning("%s: %s", provider, why)
+    if not asked.requests:
+        message = f"every input was refused: {'; '.join(asked.refused.values())}"
+        logger.error("%s: %s", provider, message)
+        return Failed(message=message[:1000])
     logger.info("%s: sending %s in %d request(s)", provider,
-                f"{sum(len(r['inputs']) for r in requests)} sequence(s)" if what == "sequences" else what,
-                len(requests))
-    answer = predict_inputs(provider, requests, str(default_manifests(None, *host_settings())), priority)
+                f"{sum(len(r['inputs']) for r in asked.requests)} sequence(s)" if asked.what == "sequences"
+                else asked.what, len(asked.requests))
+    answer = predict_inputs(provider, asked.requests, str(default_manifests(None, *host_settings())), priority)
     answer.update({"provider": provider, "flow_run_pid": os.getpid(), "host": socket.gethostname(),
                    "flow_run_id": str(runtime.flow_run.id)})
-    if what == "sequences":
-        texts = [text for request in requests for text in request["inputs"]]
-        results = [per_input(result, len(request["inputs"]))
-                   for request, result in zip(requests, answer["results"], strict=True)]
-        answer["items"] = [{"input": text, **(item or {})}
-                           for text, item in zip(texts, [i for r in results for i in r], strict=True)]
-    create_markdown_artifact(markdown=markdown(provider, what, requests, answer), key=artifact_key("predict", provider),
-                             description=escape_markdown(f"{provider}: the answer to {what}, a table per input"))
+    if asked.what == "sequences":
+        answered = [item for request, result in zip(asked.requests, answer["results"], strict=True)
+                    for item in per_input(result, len(request["inputs"]))]
+        items = with_refused(answered, asked.kept, asked.refused, len(asked.inputs))
+        answer["items"] = [{"input": value, **(item or {})} for value, item in zip(asked.shown(), items, strict=True)]
+    create_markdown_artifact(markdown=markdown(provider, asked, answer), key=artifact_key("predict", provider),
+                             description=escape_markdown(f"{provider}: the answer to {asked.what}, a table per input"))
+    if asked.refused:
+        first = next(iter(asked.refused.values()))
+        return Completed(name=COMPLETED_WITH_FAILURES, data=answer,
+                         message=f"{len(asked.kept)} answered, {len(asked.refused)} refused: {first}"[:1000])
     return answer
 
 

@@ -34,14 +34,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import (
-    create_markdown_artifact,
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext
+from prefect.settings import PREFECT_UI_URL
 from prefect.states import Completed, Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
@@ -57,13 +53,14 @@ from resident_pool.campaigns.campaign import (
     output_name,
     summarize,
 )
-from resident_pool.campaigns.inputs import FORMATS, InputFile, Region
+from resident_pool.campaigns.inputs import FORMATS, InputFile, Record, Region
 from resident_pool.campaigns.progress import FileProgress, Progress
 from resident_pool.campaigns.report import VectorSample, report_path, write_report
 from resident_pool.campaigns.results import UNWRITABLE, ResultStore, provider_version
 from resident_pool.client import default_manifests
 from resident_pool.errors import CampaignFailed, InputError, ResidentPoolError, WorkerRequestError
 from resident_pool.prefect import (
+    COMPLETED_WITH_FAILURES,
     Priority,
     artifact_key,
     escape_markdown,
@@ -73,6 +70,7 @@ from resident_pool.prefect import (
     retry_pool_failures,
 )
 from resident_pool.prefect.roots import check_path
+from resident_pool.providers.input_rules import Inputs, kind_option
 from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
 from resident_pool.settings import Settings
 
@@ -336,15 +334,28 @@ class _FileRun:
         self.progress.update(self.entry, **self.counts(), fraction_read=self.source.fraction_read())
 
 
+def input_rule(source: InputFile, inputs: Inputs, kind: str) -> Callable[[Record], tuple[str, str | None]]:
+    """The provider's input rule for one file's records: each text as sent, or why it is refused, naming the
+    file, line and id."""
+    check = inputs.check
+
+    def rule(record: Record) -> tuple[str, str | None]:
+        text, problem = check(record.text, kind)
+        return text, None if problem is None else f"{source.path}:{record.line}: {record.id}: {problem}"
+
+    return rule
+
+
 def _screen_file(source: InputFile, output: Path, entry: FileProgress, *, store: ResultStore, version: str,
-                 chunk_size: int, fmt: str, report: bool, title: str, **run: Any) -> dict[str, Any]:
+                 chunk_size: int, fmt: str, report: bool, title: str,
+                 rule: Callable[[Record], tuple[str, str | None]] | None = None, **run: Any) -> dict[str, Any]:
     """One input file through the provider; returns its line of the summary."""
     started = time.monotonic()
     progress: _Progress = run["progress"]
     progress.tally.begin(entry)
     sample = VectorSample() if report else None
     campaign = Campaign(store, version, run["options"], chunk_size, output,
-                        max_result_bytes=run["limits"].max_result_bytes, fmt=fmt, sample=sample)
+                        max_result_bytes=run["limits"].max_result_bytes, fmt=fmt, sample=sample, rule=rule)
     file_run = _FileRun(source, campaign, entry, **run)
     try:
         file_run.run()
@@ -469,12 +480,15 @@ def screen(
     encoding: Encoding = "float32-base64",
     report: bool = True,
     priority: Priority = "batch",
+    kind: Literal["protein", "text"] | None = None,
 ):
     """Screen every input of a FASTA, CSV, TSV or JSONL file (or of every such file in a folder).
 
     Args:
         input: An input file on the worker's host (FASTA, CSV, TSV or JSONL, optionally .gz), or a folder of
-            them (an inbox: every input file in it, one output each).
+            them (an inbox: every input file in it, one output each). A deployment's run reads only under the
+            worker's RESIDENT_POOL_INPUT_ROOT (`make stack-up`: .stack/inbox, where it copies the demo file): copy
+            a file there first, then give its path.
         provider: The provider that answers each input.
         chunk_size: Inputs per task run (one request to the model).
         output: The output file; default `<input>.<provider>.<format>` beside the input. For a folder: the output
@@ -490,6 +504,9 @@ def screen(
             map of the answers' vectors.
         priority: The class its chunks wait in for a worker; a campaign is batch, so a person's ad hoc run
             (interactive) goes first, and ageing keeps the campaign from starving.
+        kind: How each input is read, where the provider takes it: protein (residue letters, by the provider's
+            [inputs] rule) or text. Default: as the file says (FASTA and a sequence column hold proteins, a text
+            column text), else the provider's first kind. An input the rule refuses fails alone, named.
     """
     started = time.monotonic()
     logger = get_run_logger()
@@ -512,6 +529,7 @@ def screen(
         logger.error("%s", error)
         return Failed(message=str(error))
     options = {"encoding": encoding} if encoding and encoding != "json" else {}
+    kind = kind or None  # a form's empty field: unset
     version = provider_version(manifest)
     summaries = []
     progress = _Progress(provider, f"{provider}: {input}", manifests_dir)
@@ -520,11 +538,14 @@ def screen(
     with store, _chunk_runner(max_workers, manifest.lifecycle.max_replicas) as (submit, window):
         for (source, target), entry in zip(files, entries, strict=True):
             try:
+                read_as = manifest.inputs.kind_for(kind or source.kind)
                 summaries.append(_screen_file(source, target, entry, provider=provider, manifests=manifests_dir,
-                                              version=version, store=store, options=options, chunk_size=chunk_size,
-                                              fmt=format, submit=submit, window=window, progress=progress,
-                                              limits=settings, report=report, title=f"{provider} screening",
-                                              priority=priority))
+                                              version=version, store=store,
+                                              options={**options, **kind_option(manifest.inputs, read_as)},
+                                              chunk_size=chunk_size, fmt=format, submit=submit, window=window,
+                                              progress=progress, limits=settings, report=report,
+                                              title=f"{provider} screening", priority=priority,
+                                              rule=input_rule(source, manifest.inputs, read_as)))
             except InputError as error:
                 refused.append(str(error))
             except ResidentPoolError as error:
@@ -559,7 +580,7 @@ def _final_state(summaries: list[dict[str, Any]], refused: list[str], *, provide
         one = summaries[0]
         total.update({k: one[k] for k in ("output", "report", "failure_reasons", "warm_median_chunk_latency_ms",
                                           "workers")})
-    _artifacts(total, input)
+    failed_at = _artifacts(total, input)
     logger = get_run_logger()
     message = f"{ok} ok, {failed} failed"
     details = f"{inputs} inputs in {len(summaries)} file(s): {computed} computed, {total['from_store']} from the " \
@@ -596,6 +617,9 @@ def _final_state(summaries: list[dict[str, Any]], refused: list[str], *, provide
         return Failed(message=f"{message} (fail_on_input_errors)",
                       data=CampaignFailed(f"{message}: the campaign was asked to fail on failed inputs",
                                           details={"summary": total}))
+    if failed:  # completed, and named so: a bare "Completed" reads as every input answered
+        where = failed_at or f"the {artifact_key('screen-failed', provider)} artifact"
+        return Completed(name=COMPLETED_WITH_FAILURES, message=f"{message}; failed inputs: {where}", data=total)
     return Completed(message=message, data=total)
 
 
@@ -609,52 +633,86 @@ def _never_started(summaries: list[dict[str, Any]]) -> tuple[str, str] | None:
     return first["reason"], first["error"]
 
 
-def _artifacts(total: dict[str, Any], input: str) -> None:
-    """The summary table, the failed inputs (when any) and where the outputs are, each under a stable key."""
+def _artifacts(total: dict[str, Any], input: str) -> str | None:
+    """The summary, the failed inputs (when any) and where the outputs are, each under a stable key; returns the
+    UI address of the failed inputs' artifact (None when nothing failed, or no UI address is known).
+
+    Markdown, each a short table with its long text (paths, errors, reasons) under it: the UI cuts a long table
+    cell off at the column's width, and an error or a path cut short is no use."""
     provider, host = total["provider"], total["host"]
-    rows = [{"file": s["file"], "inputs": s["inputs"], "ok": s["ok"], "failed": s["failed"],
-             "computed": s["computed"], "from store": s["from_store"], "duplicates": s["duplicates"],
-             "failure reasons": _reasons(s["failure_reasons"]), "inputs/s": s["throughput_inputs_per_s"],
-             "output": s["output"], "report": s["report"] or ""} for s in total["files"]]
-    rows += [{"file": problem, "inputs": 0, "ok": 0, "failed": 0, "computed": 0, "from store": 0, "duplicates": 0,
-              "failure reasons": "file refused", "inputs/s": None, "output": "", "report": ""}
-             for problem in total["refused"]]
-    reports = [s["report"] for s in total["files"] if s["report"]]
-    where = f"; report{'s' if len(reports) > 1 else ''} on {host}: " + ", ".join(reports) if reports else ""
-    create_table_artifact(key=artifact_key("screen-summary", provider), table=_escaped(rows),
-                          description=escape_markdown(f"screening campaign: {provider} over {input}: {total['ok']} ok, "
-                                                      f"{total['failed']} failed{where}"))
+    create_markdown_artifact(key=artifact_key("screen-summary", provider), markdown=_summary(total, input),
+                             description=escape_markdown(f"screening campaign: {provider} over {input}: {total['ok']} "
+                                                         f"ok, {total['failed']} failed"))
     failures = [{"file": s["file"], **failure} for s in total["files"] for failure in s["failures"]]
+    link = None
     if failures:
         shown = f"the first {len(failures)} of {total['failed']:,}" if len(failures) < total["failed"] else \
             f"all {total['failed']:,}"
-        columns = ("index", "id", "reason", "error") if len(total["files"]) == 1 else \
-            ("file", "index", "id", "reason", "error")
-        create_table_artifact(key=artifact_key("screen-failed", provider),
-                              table=_escaped([{name: row[name] for name in columns} for row in failures]),
-                              description=escape_markdown(f"{provider}: failed inputs, {shown}; every one is in its "
-                                                          "output, with its reason and error"))
+        made = create_markdown_artifact(key=artifact_key("screen-failed", provider),
+                                        markdown=_failed(provider, failures, shown, len(total["files"]) > 1),
+                                        description=escape_markdown(f"{provider}: failed inputs, {shown}; every one "
+                                                                    "is in its output, with its reason and error"))
+        link = _artifact_url(made)
     if total["files"]:
         create_markdown_artifact(key=artifact_key("screen-output", provider), markdown=_outputs(total),
                                  description=escape_markdown(f"{provider}: where the outputs are (on {host})"))
+    return link
 
 
-def _escaped(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Table cells as text: the UI renders them as markdown (an id or an error could hold any of it)."""
-    return [{name: escape_markdown(value) if isinstance(value, str) else value for name, value in row.items()}
-            for row in rows]
+def _artifact_url(artifact_id: Any) -> str | None:
+    """Where the UI shows an artifact: PREFECT_UI_URL's /artifacts/artifact/<id> (None without a UI address)."""
+    base = PREFECT_UI_URL.value()
+    return f"{base.rstrip('/')}/artifacts/artifact/{artifact_id}" if base and artifact_id else None
+
+
+def _summary(total: dict[str, Any], input: str) -> str:
+    """The summary: one short row of counts per file, then each file's paths and failure reasons in full."""
+    lines = [f"## {escape_markdown(total['provider'])} over {escape_markdown(input)}: {total['ok']:,} ok, "
+             f"{total['failed']:,} failed", "",
+             "| file | inputs | ok | failed | computed | from store | duplicates | inputs/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in total["files"]:
+        lines.append(f"| {escape_markdown(Path(s['file']).name)} | {s['inputs']:,} | {s['ok']:,} | {s['failed']:,} | "
+                     f"{s['computed']:,} | {s['from_store']:,} | {s['duplicates']:,} | "
+                     f"{s['throughput_inputs_per_s']} |")
+    lines += ["| (a file refused) | 0 | 0 | 0 | 0 | 0 | 0 | |"] * len(total["refused"])
+    for s in total["files"]:
+        lines += ["", f"### {escape_markdown(Path(s['file']).name)}", "",
+                  f"- input: {escape_markdown(s['file'])}", f"- output: {escape_markdown(s['output'])}",
+                  f"- report: {escape_markdown(s['report'] or 'none')}",
+                  f"- failure reasons: {escape_markdown(_reasons(s['failure_reasons']))}",
+                  f"- {s['throughput_inputs_per_s']} inputs/s over {s['wall_s']} s, on host "
+                  f"{escape_markdown(total['host'])}"]
+    if total["refused"]:
+        lines += ["", "### Files refused", "", *(f"- {escape_markdown(problem)}" for problem in total["refused"])]
+    return "\n".join(lines)
+
+
+def _failed(provider: str, failures: list[dict[str, Any]], shown: str, files: bool) -> str:
+    """The failed inputs: a short table (index, id, reason), then each one's whole error under it."""
+    head = ("| file | index | id | reason |", "|---|---|---|---|") if files else ("| index | id | reason |",
+                                                                               "|---|---|---|")
+    lines = [f"## {escape_markdown(provider)}: failed inputs, {shown}", "",
+             "Every one is in its output with its reason and error; why each failed is under the table.", "", *head]
+    for row in failures:
+        cells = [escape_markdown(Path(row["file"]).name)] if files else []
+        cells += [str(row["index"]), escape_markdown(row["id"]), escape_markdown(row["reason"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "### Why each failed", ""]
+    lines += [f"- **{row['index']}** ({escape_markdown(row['id'])}, {escape_markdown(row['reason'])}): "
+              f"{escape_markdown(row['error'])}" for row in failures]
+    return "\n".join(lines)
 
 
 def _outputs(total: dict[str, Any]) -> str:
     """Each output with its host, its rows and its report: readable wherever the artifact is read."""
     host = escape_markdown(total["host"])
-    lines = [f"## {escape_markdown(total['provider'])}: outputs on host `{host}`", "",
-             "| input | output | records | ok | failed | report |", "|---|---|---|---|---|---|"]
+    lines = [f"## {escape_markdown(total['provider'])}: outputs on host `{host}`", ""]
     for s in total["files"]:
         # Paths on the host, not file:// links: a link opens the reader's own disk, where nothing is.
         report = escape_markdown(s["report"]) if s["report"] else "none"
-        lines.append(f"| {escape_markdown(s['file'])} | {escape_markdown(s['output'])} | {s['inputs']:,} | "
-                     f"{s['ok']:,} | {s['failed']:,} | {report} |")
+        lines += [f"- {escape_markdown(s['file'])}: {s['inputs']:,} records, {s['ok']:,} ok, {s['failed']:,} failed",
+                  f"    - output: {escape_markdown(s['output'])}", f"    - report: {report}"]
     lines += ["", f"The paths are on `{host}`, where the flow ran; the report opens in a browser there, or copied "
                   "anywhere (one file, nothing fetched)."]
     return "\n".join(lines)
@@ -676,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--encoding", choices=["float32-base64", "array", "json"], default="float32-base64",
                         help="how minilm sends each vector back")
     parser.add_argument("--no-report", action="store_true", help="write no HTML report beside the output")
+    parser.add_argument("--kind", choices=["protein", "text"],
+                        help="read each input as this kind (default: as the file says, else the provider's first)")
     parser.add_argument("--manifests", default=str(host_settings()[0].manifests or ROOT / "manifests"),
                         help="the providers' folder (this process's RESIDENT_POOL_MANIFESTS, for the flow it runs)")
     args = parser.parse_args(argv)
@@ -692,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
     state = screen(input=args.input, provider=args.provider, chunk_size=args.chunk_size, output=args.output,
                    format=args.format, column=args.column, id_column=args.id_column,
                    fail_on_input_errors=args.fail_on_input_errors, max_workers=args.max_workers,
-                   encoding=args.encoding, report=not args.no_report, return_state=True)
+                   encoding=args.encoding, report=not args.no_report, kind=args.kind, return_state=True)
     result = state.result(raise_on_failure=False)
     summary = result.details.get("summary") if isinstance(result, CampaignFailed) else result
     if isinstance(summary, dict):

@@ -1,5 +1,6 @@
 """Kit validation for CI: every provider's manifest, weights against pins, kit probe, and (with smoke) its
-answer against the expected one and (with against_stock) against the same payload answered stock.
+answer against the expected one, its answers judged by its [answers] checks, and (with against_stock) against the
+same payload answered stock.
 
 One task run per provider, named after it, that fails when that provider fails:
 the run's task list says which providers failed, and the table lists failures first.
@@ -86,7 +87,8 @@ def validate(smoke: bool = False, providers: list[str] | None = None, against_st
     """Check every provider (or the named ones); the run fails, as does each failed provider's task.
 
     Args:
-        smoke: Also send each provider its [smoke] payload and compare the answer with its expected one.
+        smoke: Also send each provider its [smoke] payload, compare the answer with its expected one, and judge
+            what the answers mean where the provider declares [answers] (distinct inputs, distinct answers).
         providers: The providers to check (default: every provider of the worker's host).
         against_stock: Also answer the smoke payload stock (the kit off) and compare the two answers.
         priority: The class its smoke runs wait in for a worker (CI's default: normal, behind people at the UI,

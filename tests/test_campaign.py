@@ -11,6 +11,7 @@ import contextlib
 import gzip
 import json
 import os
+import re
 import signal
 import sqlite3
 import struct
@@ -58,6 +59,13 @@ def _state(pool_dir, **parameters):
 
     parameters.setdefault("provider", "embedder")
     return screen(return_state=True, **parameters)
+
+
+def _mapped(page: str) -> int:
+    """How many answers a report's map draws: a dot each, or one dot for those alike (the test embedder's answers
+    coincide for texts of one length and letter sum), its label counting them."""
+    return len(re.findall(r"<title>s\d+</title>", page)) + sum(
+        int(count) for count in re.findall(r"<title>(\d+) answers alike", page))
 
 
 def _records(path: Path) -> list[dict]:
@@ -156,6 +164,46 @@ def test_bad_records_fail_alone_naming_file_and_line(pool_dir, embedder, tmp_pat
     assert "nested too deeply" in records[1]["error"] and records[1]["error"].startswith(f"{lines}:2:")
 
 
+def test_one_input_rule_in_the_predict_flow_the_screen_flow_and_the_cli_each_bad_input_fails_alone(pool_dir, tmp_path):
+    """Issue 33: the predict flow took digits that screen refused (as "line 1202 holds b'1'"), both took '*', and
+    one blank item failed a whole predict run without naming it. A provider declares what it takes ([inputs]:
+    here proteins, by the default policy); every entry point applies that rule, a bad input fails alone, named
+    by its position (and id), and the others are answered."""
+    write_provider(pool_dir, "proteins", EMBEDDER_ENV + '[inputs]\nkinds = ["protein"]\n', worker="embedder.py")
+    from predict import predict
+
+    state = predict(provider="proteins", sequences=["MKV", "MK1V", " ", "MK*V", "mka*"], return_state=True)
+    assert state.is_completed() and state.name == "Completed with failures", state
+    assert state.message.startswith("2 answered, 3 refused: input 2 of 5: position 3 holds '1'"), state.message
+    items = state.result()["items"]
+    assert [item.get("ok", True) for item in items] == [True, False, False, False, True]
+    assert items[4]["input"] == "MKA" and items[4]["tokens"] == 3  # mka* as sent: the final stop dropped
+    assert items[2] == {"input": " ", "ok": False, "reason": "bad_input",
+                        "error": "input 3 of 5: empty: it holds no residue letters"}
+    assert items[3]["error"].startswith("input 4 of 5: position 3 is a stop (*) before the end")
+
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(">a\nMKV\n>digit\nMK1V\n>star\nMK*V\n>gap\nMK-V\n>sec\nMKUV\n>stop\nmka*\n")
+    summary = _screen(pool_dir, provider="proteins", input=str(fasta), output=str(tmp_path / "out.jsonl"))
+    records = _records(tmp_path / "out.jsonl")
+    assert [r["ok"] for r in records] == [True, False, False, False, False, True] and summary["ok"] == 2
+    assert records[5]["tokens"] == 3
+    assert records[1]["error"] == f"{fasta}:3: line 4 holds '1', which is not a sequence letter"
+    assert records[2]["error"].startswith(f"{fasta}:5: star: position 3 is a stop (*) before the end")
+    assert records[3]["error"].startswith(f"{fasta}:7: gap: position 3 is a gap (-)")
+    assert records[4]["error"].startswith(f"{fasta}:9: sec: position 3 is U, selenocysteine, which this provider "
+                                          "refuses")
+
+    done = subprocess.run([sys.executable, "-m", "resident_pool", "predict", "proteins", "--payload",
+                           json.dumps({"inputs": ["MKV", "MK1V", "mk v"]})], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 1, done.stderr
+    answered = json.loads(done.stdout)["items"]
+    assert answered[0]["tokens"] == 3 and answered[2]["tokens"] == 3
+    assert answered[1]["ok"] is False and answered[1]["error"].startswith("input 2 of 3: position 3 holds '1'")
+    assert "proteins: input 2 of 3: position 3 holds '1', which is not a residue letter" in done.stderr
+
+
 def test_a_binary_file_named_fasta_gets_one_clear_error_and_no_task_runs(pool_dir, embedder, tmp_path):
     binary = tmp_path / "proteins.fasta"
     binary.write_bytes(bytes(range(256)) * 1024)
@@ -242,7 +290,7 @@ def test_a_chunk_is_named_by_the_inputs_it_holds_when_repeats_and_bad_ones_are_l
     texts = _texts(3)
     state = _state(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", [texts[0], "", texts[1], texts[0], texts[2]])),
                    output=str(tmp_path / "out.jsonl"))
-    assert state.message == "4 ok, 1 failed"
+    assert state.message.startswith("4 ok, 1 failed; failed inputs: ")
     assert [run.name for run in settled_task_runs(state, 1)] == ["predict-chunk[0,2,4]"]
     from resident_pool.campaigns.campaign import Chunk
 
@@ -281,18 +329,26 @@ def test_a_screens_progress_only_rises_and_ends_at_100_with_every_update_sent_at
 
 
 def test_failed_inputs_are_a_table_and_a_warning_and_the_summary_names_their_reasons(pool_dir, embedder, tmp_path):
+    """Issue 33: a run with failed inputs ends Completed and says so by its state's name, its message leads to the
+    failed inputs; the artifacts keep long text (errors, paths) under a short table, where the UI cuts nothing."""
     texts = _texts(8)
     inputs = _jsonl(tmp_path / "in.jsonl", [texts[0], "", texts[1], "RAISE | *this* ~x~", *texts[2:]])
     state = _state(pool_dir, input=str(inputs), output=str(tmp_path / "out.jsonl"))
-    assert state.is_completed() and state.message == "8 ok, 2 failed"
+    assert state.is_completed() and state.name == "Completed with failures", state
     artifacts = {a.key: a for a in _artifacts(state)}
-    failed = json.loads(artifacts["screen-failed-embedder"].data)
-    assert [(row["index"], row["id"], row["reason"]) for row in failed] == [(1, "s1", "bad_input"),
-                                                                          (3, "s3", "request_failed")]
-    assert "no non-empty string field" in failed[0]["error"] and "\n" not in failed[1]["error"]
-    assert "input contains RAISE" in failed[1]["error"]
-    (summary,) = json.loads(artifacts["screen-summary-embedder"].data)
-    assert summary["failure reasons"] == "bad_input: 1, request_failed: 1", summary  # not {}
+    failed = artifacts["screen-failed-embedder"]
+    ui = os.environ["PREFECT_API_URL"].removesuffix("/api")
+    assert state.message == f"8 ok, 2 failed; failed inputs: {ui}/artifacts/artifact/{failed.id}", state.message
+    table, _, why = failed.data.partition("### Why each failed")
+    assert "| 1 | s1 | bad_input |" in table and "| 3 | s3 | request_failed |" in table
+    assert table.strip().splitlines()[-2:] == ["| 1 | s1 | bad_input |", "| 3 | s3 | request_failed |"]  # no long column
+    (bad, refused) = [line for line in why.splitlines() if line.startswith("- ")]
+    assert bad.startswith("- **1** (s1, bad_input): ") and f"{inputs}:2: no non-empty string field" in bad
+    assert refused.startswith("- **3** (s3, request_failed): ") and "input contains RAISE" in refused
+    summary = artifacts["screen-summary-embedder"].data
+    assert "| in.jsonl | 10 | 8 | 2 | 9 | 0 | 0 |" in summary  # the bad input is never computed
+    assert "- failure reasons: bad_input: 1, request_failed: 1" in summary  # not {}
+    assert f"- output: {tmp_path / 'out.jsonl'}" in summary
     (warning,) = _log_lines(state, level=30)
     assert "2 of 10 input(s) failed (bad_input: 1, request_failed: 1)" in warning
     assert str(tmp_path / "out.jsonl") in warning
@@ -317,7 +373,8 @@ def test_the_outputs_artifact_is_keyed_and_names_path_host_and_counts_not_a_file
     artifacts = {a.key: a for a in _artifacts(state)}
     text = artifacts["screen-output-embedder"].data
     assert str(tmp_path / "out.jsonl") in text and socket.gethostname() in text
-    assert f"| {tmp_path / 'in.jsonl'} | {tmp_path / 'out.jsonl'} | 10 | 9 | 1 |" in text.replace("\\", "")
+    shown = text.replace("\\", "")
+    assert f"- {tmp_path / 'in.jsonl'}: 10 records, 9 ok, 1 failed\n    - output: {tmp_path / 'out.jsonl'}" in shown
     assert (tmp_path / "out.jsonl").as_uri() + ")" not in text  # the output is named by path and host, not a URL
     assert not [a for a in _artifacts(state) if a.type == "markdown" and not a.key]  # every artifact is keyed
 
@@ -374,7 +431,7 @@ def test_a_screen_whose_provider_never_starts_ends_failed_naming_why_and_screen_
 
 def test_a_run_whose_inputs_are_all_bad_still_completes_with_a_warning(pool_dir, embedder, tmp_path):
     state = _state(pool_dir, input=str(_jsonl(tmp_path / "in.jsonl", ["RAISE", "", "RAISE"])))
-    assert state.is_completed() and state.message == "0 ok, 3 failed", state.message
+    assert state.is_completed() and state.message.startswith("0 ok, 3 failed; failed inputs: "), state.message
     (warning,) = _log_lines(state, level=30)
     assert "3 of 3 input(s) failed (request_failed: 2, bad_input: 1)" in warning, warning
 
@@ -387,11 +444,11 @@ def test_the_report_beside_the_output_charts_the_run_and_maps_the_vectors_offlin
     assert state.result()["report"] == str(report)
     for chart in ("inputs done", "throughput", "failed inputs"):
         assert f'data-chart="{chart}"' in page
-    assert page.count("<polyline") == 3 and page.count("<circle") == 300  # every vector: fewer than the sample
+    assert page.count("<polyline") == 3 and _mapped(page) == 300  # every vector: fewer than the sample
     assert "http://" not in page and "https://" not in page and " src=" not in page and "<script" not in page
     assert "request_failed" in page and "bad_input" in page and "s301" in page  # the failed inputs, by id
-    summary = json.loads(next(a for a in _artifacts(state) if a.key == "screen-summary-embedder").data)
-    assert summary[0]["report"].replace("\\", "") == str(report)
+    summary = next(a for a in _artifacts(state) if a.key == "screen-summary-embedder").data
+    assert f"- report: {report}" in summary.replace("\\", "")
 
 
 def test_a_rerun_written_again_from_the_store_whole_still_maps_every_vector(pool_dir, embedder, tmp_path):
@@ -402,13 +459,13 @@ def test_a_rerun_written_again_from_the_store_whole_still_maps_every_vector(pool
     again = _screen(pool_dir, input=str(inputs), output=str(tmp_path / "again.jsonl"))
     assert again["computed"] == 0 and again["ok"] == 300
     page = (tmp_path / "again.jsonl.report.html").read_text()
-    assert page.count("<circle") == 300 and "<title>s0</title>" in page  # every vector, named by its id
+    assert _mapped(page) == 300 and re.search(r"<title>(s0|\d+ answers alike: s0,)", page)  # every vector, by id
 
 
 def test_fail_on_input_errors_fails_the_run_and_the_cli_exits_1(pool_dir, embedder, tmp_path):
     inputs = _jsonl(tmp_path / "in.jsonl", [*_texts(9), ""])
     default = _state(pool_dir, input=str(inputs), output=str(tmp_path / "a.jsonl"))
-    assert default.is_completed() and default.message == "9 ok, 1 failed"
+    assert default.is_completed() and default.message.startswith("9 ok, 1 failed; failed inputs: ")
     strict = _state(pool_dir, input=str(inputs), output=str(tmp_path / "b.jsonl"), fail_on_input_errors=True)
     assert strict.is_failed() and strict.message.startswith("9 ok, 1 failed")
     with pytest.raises(CampaignFailed) as raised:
@@ -820,7 +877,7 @@ def test_one_item_with_bad_base64_fails_its_record_alone_in_parquet_and_jsonl_an
     output = tmp_path / f"out.{fmt}"
     for run in (1, 2):  # the second run is served from the store: the bad answer was never kept
         state = _state(pool_dir, input=str(inputs), provider="f32", output=str(output), format=fmt)
-        assert state.is_completed() and state.message == "4 ok, 1 failed", state.message
+        assert state.is_completed() and state.message.startswith("4 ok, 1 failed; failed inputs: "), state.message
         assert state.result()["from_store"] == (4 if run == 2 else 0)
         table = pq.read_table(output).to_pylist() if fmt == "parquet" else _records(output)
         assert [row["ok"] for row in table] == [True] * 4 + [False]
@@ -846,7 +903,7 @@ def test_a_stored_answer_an_older_version_could_not_write_fails_its_row_and_is_c
         store.put(version, [(key, '{"embedding_f32":"abc","tokens":8}')])
     output = tmp_path / "out.parquet"
     state = _state(pool_dir, input=str(inputs), provider="f32", output=str(output), format="parquet")
-    assert state.is_completed() and state.message == "2 ok, 1 failed", state.message
+    assert state.is_completed() and state.message.startswith("2 ok, 1 failed; failed inputs: "), state.message
     rows = pq.read_table(output).to_pylist()
     assert [row["ok"] for row in rows] == [True, False, True] and "computes it again" in rows[1]["error"]
     again = _state(pool_dir, input=str(inputs), provider="f32", output=str(output), format="parquet")
@@ -881,7 +938,7 @@ def test_a_nan_in_an_answer_fails_its_record_as_bad_answer_and_is_never_stored(p
     for run in (1, 2):  # the second run computes the NaN again: it was never stored
         state = _state(pool_dir, input=str(inputs), provider="nans", chunk_size=3, output=str(output),
                        encoding="array")
-        assert state.is_completed() and state.message == "5 ok, 1 failed", state.message
+        assert state.is_completed() and state.message.startswith("5 ok, 1 failed; failed inputs: "), state.message
         assert state.result()["from_store"] == (5 if run == 2 else 0)
         records = [_strict_json(line) for line in output.read_text().splitlines()]
         assert [r["ok"] for r in records] == [True, True, False, True, True, True]
@@ -910,7 +967,7 @@ def test_a_parquet_embedding_of_another_size_fails_its_row_and_is_not_kept(pool_
     for run in (1, 2):  # the odd answer was removed from the store, so the second run computes it again
         state = _state(pool_dir, input=str(inputs), provider="sizes", chunk_size=3, output=str(output),
                        format="parquet")
-        assert state.is_completed() and state.message == "5 ok, 1 failed", state.message
+        assert state.is_completed() and state.message.startswith("5 ok, 1 failed; failed inputs: "), state.message
         assert state.result()["computed"] == (6 if run == 1 else 1)
         rows = pq.read_table(output).to_pylist()
         assert [row["ok"] for row in rows] == [True] * 4 + [False, True]
@@ -1028,7 +1085,7 @@ def test_a_result_over_a_size_limit_lowered_to_100_kb_fails_alone_and_is_not_sto
     _inline_provider(pool_dir, "big", _BIG)
     inputs = _fasta(tmp_path / "in.fasta", ["MKVBIGKV", *_texts(2)])
     state = _state(pool_dir, input=str(inputs), provider="big", output=str(tmp_path / "out.jsonl"))
-    assert state.is_completed() and state.message == "2 ok, 1 failed", state.message
+    assert state.is_completed() and state.message.startswith("2 ok, 1 failed; failed inputs: "), state.message
     bad = _records(tmp_path / "out.jsonl")[0]
     assert bad["reason"] == "bad_answer" and "over 100000 bytes decoded (RESIDENT_POOL_MAX_RESULT_BYTES)" in \
         bad["error"]
@@ -1052,7 +1109,7 @@ def test_a_campaign_maps_less_of_an_answer_than_a_direct_call_cap_lowered_to_1_m
         assert len(pool.predict("attached", {})["items"][0]["blob"]) == 2_000_000
     inputs = _fasta(tmp_path / "in.fasta", _texts(2))
     state = _state(pool_dir, input=str(inputs), provider="attached", output=str(tmp_path / "out.jsonl"))
-    assert state.is_completed() and state.message == "0 ok, 2 failed", state.message
+    assert state.is_completed() and state.message.startswith("0 ok, 2 failed; failed inputs: "), state.message
     record = _records(tmp_path / "out.jsonl")[0]
     assert record["reason"] == "request_failed" and "attachment cap of 1000000 bytes" in record["error"], record
 

@@ -103,9 +103,9 @@ def test_bless_refuses_an_answer_check_could_not_read_back(tmp_path):
     path = write_provider(tmp_path, "big", '[smoke]\npayload = { x = 1 }\nexpected = "smoke/e.json"\n')
     manifest = load_manifest(path)
     with pytest.raises(GoldenMismatch, match=r"over the .* byte limit check reads"):
-        expected.bless(manifest, {"embedding": [0.123456789 + i * 1e-9 for i in range(4_200_000)]}, {}, force=False)
+        expected.bless(manifest, manifest.smoke.payload, {"embedding": [0.123456789 + i * 1e-9 for i in range(4_200_000)]}, {}, force=False)
     with pytest.raises(GoldenMismatch, match="NaN or an infinity"):
-        expected.bless(manifest, {"score": math.nan}, {}, force=False)
+        expected.bless(manifest, manifest.smoke.payload, {"score": math.nan}, {}, force=False)
     assert not (tmp_path / "big" / "smoke" / "e.json").exists()
 
 

@@ -236,6 +236,39 @@ def test_logs_follow_prints_what_the_transcript_gains_and_moves_to_a_newer_one_u
     assert "another provider's\n" not in seen
 
 
+def test_logs_shows_and_follows_the_worker_serving_now_not_a_checks_newer_one(pool_dir, isolated_dirs):
+    """Issue 33: `resident-pool logs minilm` (and -f) showed a stopped smoke worker's transcript, the newest file,
+    while the serving worker ran: the pool says which worker serves."""
+    from resident_pool.providers.manifest import load_manifest
+    from resident_pool.validation.check import run_smoke
+
+    write_provider(pool_dir, "talker", "")
+    logs = Path(isolated_dirs["logs"])
+    with Pool() as pool:
+        pool.predict("talker", {"action": "echo", "value": 1})
+        (serving,) = [Path(w["transcript"]) for w in pool.status()["workers"] if w["slug"] == "talker"]
+        run_smoke(load_manifest(pool_dir / "talker" / "manifest.toml"), {"action": "echo", "value": 2})
+        newest = sorted(logs.glob("talker-*.log"), key=lambda path: path.stat().st_mtime)[-1]
+        assert newest != serving  # the check's own worker started after the serving one, and stopped
+        done = _cli("logs", "talker", "--tail", "1")
+        assert done.returncode == 0 and done.stdout.splitlines()[0] == f"==> {serving} <==", done.stdout
+        as_in_a_terminal = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, "
+                            "signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"]
+        with subprocess.Popen([*as_in_a_terminal, CLI, "logs", "talker", "-f"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) as follower:
+            try:
+                first = follower.stdout.readline()
+            finally:
+                follower.send_signal(signal.SIGINT)
+                try:
+                    follower.wait(timeout=30)
+                finally:
+                    if follower.poll() is None:
+                        follower.kill()
+                        follower.wait()
+        assert first == f"==> {serving} <==\n"
+
+
 def test_logs_json_prints_one_object_per_line(pool_dir, isolated_dirs):
     write_provider(pool_dir, "talker", "")
     path = Path(isolated_dirs["logs"]) / "talker-0-20260101-000000-aaaaaa.log"

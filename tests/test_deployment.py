@@ -20,6 +20,7 @@ from helpers import prefect_server, stop_group, wait_until
 from providers import EMBEDDER_ENV, write_provider
 from scheduling import claim_worker
 
+from resident_pool.campaigns.inputs import InputFile
 from resident_pool.host.procs import pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,8 +169,9 @@ FORM = """
 import json
 from prefect.client.orchestration import get_client
 with get_client(sync_client=True) as client:
-    print(json.dumps({name: {"schema": d.parameter_openapi_schema, "schedules": [
-        {"cron": s.schedule.cron, "timezone": s.schedule.timezone} for s in d.schedules]}
+    print(json.dumps({name: {"schema": d.parameter_openapi_schema, "parameters": d.parameters, "schedules": [
+        {"cron": s.schedule.cron, "timezone": s.schedule.timezone, **({"parameters": s.parameters}
+                                                                      if s.parameters else {})} for s in d.schedules]}
         for name in ("screen/screen", "validate/validate", "predict/predict")
         for d in [client.read_deployment_by_name(name)]}))
 """
@@ -188,7 +190,9 @@ def test_the_forms_describe_every_parameter_offer_described_providers_and_a_payl
     write_provider(pool_dir, "esm_2", '[smoke]\npayload = { inputs = ["MKTAYIAKQRQ"], layer = 33 }\n',
                    worker="embedder.py")
     monkeypatch.setenv("TZ", "Europe/Berlin")
-    deploy_all("rp-forms", str(pool_dir), schedule="0 2 * * *", inbox=str(pool_dir.parent))
+    inbox = pool_dir.parent / "inbox"
+    deploy_all("rp-forms", str(pool_dir), schedule="0 2 * * *", inbox=str(inbox),
+               default_input=str(inbox / "uniprot-500.fasta"))
     done = subprocess.run([sys.executable, "-c", FORM], capture_output=True, text=True, timeout=60, check=True,
                           env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()})
     found = json.loads(done.stdout.strip().splitlines()[-1])
@@ -205,8 +209,10 @@ def test_the_forms_describe_every_parameter_offer_described_providers_and_a_payl
     assert "provider" in predict["required"]  # it always has one: not shown "(Optional)"
     sequences = predict["properties"]["sequences"]
     assert sequences["type"] == "array" and sequences["items"] == {"type": "string"}
-    assert sequences["examples"] == [["MKTAYIAKQRQISFVKSHFSRQ", "resident workers keep models warm"]]
+    smoke = [record.text for record in InputFile(ROOT / "manifests" / "minilm" / "smoke" / "proteins.fasta").records()]
+    assert sequences["examples"] == [smoke[:2]]  # the first of its smoke set
     forms = {form["title"]: form for form in predict["properties"]["payload"]["anyOf"]}
+    assert forms["minilm"]["examples"] == [{"inputs": smoke[:2], "kind": "protein"}]
     assert sorted(forms) == ["echo", "esm_2", "minilm", "none"] and forms["none"]["type"] == "null"
     assert forms["esm_2"]["properties"] == {"inputs": {"type": "array", "items": {"type": "string"}},
                                             "layer": {"type": "integer"}}
@@ -216,8 +222,15 @@ def test_the_forms_describe_every_parameter_offer_described_providers_and_a_payl
     assert screen["format"]["enum"] == ["jsonl", "parquet"] and screen["output"]["type"] == "string"
     providers = found["validate/validate"]["schema"]["properties"]["providers"]
     assert providers["type"] == "array" and providers["items"]["enum"] == ["echo", "esm_2", "minilm"]
+    # Issue 33: the form's default input is the demo file `make stack-up` copies into the inbox, and the field
+    # says which folder a file must be in and how to get one there; the night still screens the whole inbox.
+    assert found["screen/screen"]["parameters"] == {"input": str(inbox / "uniprot-500.fasta")}
+    said = screen["input"]["description"]
+    assert f"It must lie under {inbox} on the worker's host" in said and f"cp proteins.fasta {inbox}/" in said
+    assert f"The default, {inbox / 'uniprot-500.fasta'}, is the demo's 500 UniProt proteins" in said
     # Schedules carry a time zone: the host's by default (here $TZ).
-    assert found["screen/screen"]["schedules"] == [{"cron": "0 2 * * *", "timezone": "Europe/Berlin"}]
+    assert found["screen/screen"]["schedules"] == [{"cron": "0 2 * * *", "timezone": "Europe/Berlin",
+                                                    "parameters": {"input": str(inbox)}}]
     assert found["validate/validate"]["schedules"] == [{"cron": "0 3 * * *", "timezone": "Europe/Berlin"}]
     deploy_all("rp-forms", str(pool_dir), timezone="America/Chicago")
     done = subprocess.run([sys.executable, "-c", FORM], capture_output=True, text=True, timeout=60, check=True,

@@ -85,15 +85,39 @@ def test_a_record_of_gigabytes_costs_no_more_memory_than_the_limit(tmp_path):
 
 def test_fasta_bad_records_name_their_line_and_the_rest_is_read(tmp_path):
     path = tmp_path / "mixed.fa"
-    path.write_bytes(b"MKV junk before any header\n>ok1\nMKV\n>bad\xff\nMKV\n>star\nMK*V-\n>nul\nMK\x00V\n>empty\n>ok2\nmk\n")
+    path.write_bytes(b"MKV junk before any header\n>ok1\nMKV\n>bad\xff\nMKV\n>star\nMK*V-\n>nul\nMK\x00V\n>empty\n>ok2\nmk\n"
+                     b">digit\nMKV\nMK1V\n")
     records = _records(path)
-    assert [r.id for r in records] == ["line-1", "ok1", "line-4", "star", "nul", "empty", "ok2"]
+    assert [r.id for r in records] == ["line-1", "ok1", "line-4", "star", "nul", "empty", "ok2", "digit"]
     assert [r.text for r in records if r.error is None] == ["MKV", "MK*V-", "MK"]
     errors = {r.line: r.error for r in records if r.error}
     assert "before the first '>' header" in errors[1]
     assert "header is not UTF-8 text (byte 5)" in errors[4]
-    assert "line 9 holds b'\\x00', which is not a sequence letter" in errors[8]
+    # Issue 33: said as a person reads it, never as Python's bytes (screen said "line 1202 holds b'1'").
+    assert "line 9 holds U+0000, which is not a sequence letter" in errors[8]
+    assert "line 15 holds '1', which is not a sequence letter" in errors[13]
     assert "empty sequence" in errors[10]
+    assert InputFile(path).kind == "protein"
+
+
+@pytest.mark.parametrize(("name", "content", "kind"), [
+    ("in.csv", "id,Sequence\na,MKV\n", "protein"),
+    ("in.csv", "id,text\na,some words\n", "text"),
+    ("in.tsv", "id\tseq\na\tMKV\n", "protein"),
+    ("in.jsonl", '{"id": "a", "input": "words"}\n', "text"),
+    ("in.jsonl", '{"id": "a", "sequence": "MKV"}\n{"id": "b", "text": "words"}\n', "protein"),
+])
+def test_a_file_says_what_its_inputs_are_by_its_format_or_the_column_they_come_from(tmp_path, name, content, kind):
+    """The provider's rule reads each file's inputs as that kind (FASTA and a sequence column: proteins); a JSON
+    Lines file is the kind of its first input's field."""
+    path = tmp_path / name
+    path.write_text(content)
+    source = InputFile(path)
+    source.check()
+    assert source.kind == kind
+    named = InputFile(path, column="id")
+    named.check()
+    assert named.kind is None  # a column of the caller's own: the provider's first kind
 
 
 def test_gzip_inputs_read_like_plain_ones_and_bad_gzip_is_one_error(tmp_path):
@@ -126,7 +150,7 @@ def test_csv_and_tsv_columns_match_ignoring_case_and_can_be_named(tmp_path):
     with pytest.raises(InputError) as raised:
         InputFile(tmp_path / "b.tsv").check()
     assert "no column named 'sequence' or 'text'" in str(raised.value) and "--column" in str(raised.value)
-    assert "its header row reads 'name, protein, note'" in str(raised.value)  # a short, escaped snippet
+    assert "its header row has 3 column(s), none so named" in str(raised.value)  # never quoted (issue 31, 12)
     with pytest.raises(InputError, match="--id-column"):
         InputFile(tmp_path / "b.tsv", column="protein", id_column="accession").check()
 
@@ -322,6 +346,34 @@ def test_a_link_as_an_input_is_refused_and_its_target_never_read(tmp_path):
         assert SECRET not in str(refused.value) and "PATH=" not in str(refused.value)
 
 
+def test_a_link_to_a_folder_on_the_way_is_refused_and_nothing_behind_it_read(tmp_path):
+    """Issue 31, finding 4: O_NOFOLLOW guarded only the last component; with `sub` a link planted by another user
+    in a shared inbox to the victim's private folder, open_input("inbox/sub/x.fasta") returned the private bytes."""
+    private = tmp_path / "home"
+    (private / "deep").mkdir(parents=True, mode=0o700)
+    (private / "x.fasta").write_text(">secret-id\nMKVLAAGIV\n")
+    (private / "deep" / "y.fasta").write_text(">deep-secret\nMKV\n")
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    os.chmod(inbox, 0o777)
+    (inbox / "sub").symlink_to(private)
+    (tmp_path / "alias").symlink_to(inbox)
+    for given, link in ((inbox / "sub" / "x.fasta", inbox / "sub"), (inbox / "sub" / "deep" / "y.fasta", inbox / "sub"),
+                        (tmp_path / "alias" / "sub" / "x.fasta", tmp_path / "alias")):
+        with pytest.raises(InputError) as refused:
+            InputFile(given).check()
+        message = str(refused.value)
+        assert f"the folder {link} on its way is a symbolic link; an input is opened, never followed, on any part " \
+               "of its path" in message, message
+        assert "secret" not in message and "MKV" not in message
+    assert [r.id for r in _records(private / "x.fasta")] == ["secret-id"]  # by its own path, read
+    with pytest.raises(InputError, match="no such input file"):
+        InputFile(tmp_path / "gone" / "x.fasta").check()
+    (tmp_path / "plain").write_text("")
+    with pytest.raises(InputError, match="plain is not a folder"):
+        InputFile(tmp_path / "plain" / "x.fasta").check()
+
+
 @pytest.mark.parametrize("path", ["/proc/self/environ", "/proc/self/cwd/x.csv", "/sys/kernel/notes.csv",
                                   "/dev/stdin.fasta", "/dev/shm/../../proc/self/environ"])
 def test_anything_under_proc_sys_or_dev_is_refused_by_name(path):
@@ -365,13 +417,22 @@ def test_a_hard_link_in_a_folder_another_user_owns_is_refused_and_never_quoted(t
     assert f"has 2 hard links and lies in a folder its owner ({other_user}, uid" in str(refused.value)
 
 
-def test_a_table_without_its_column_is_quoted_as_a_short_escaped_snippet_at_most(tmp_path):
+def test_a_table_without_its_column_is_refused_without_quoting_its_header_row(tmp_path):
+    """Issue 31, finding 12: `screen.py --input creds.csv` printed "its header row reads 'https://user:<secret>...";
+    a refused file's content is never quoted, not even cut short and escaped."""
+    (tmp_path / "creds.csv").write_text(f"https://alice:{SECRET}-cell@github.com,x\nvalue,y\n")
     (tmp_path / "wide.csv").write_text(f"token={SECRET}\x1b[31m," + "x" * 500 + "\nvalue\n")
-    with pytest.raises(InputError) as raised:
-        InputFile(tmp_path / "wide.csv").check()
-    message = str(raised.value)
-    assert "\x1b" not in message and "\\x1b" in message  # escaped, never a live terminal sequence
-    assert "x" * 41 not in message and len(message) < 400
+    for name, columns in (("creds.csv", 2), ("wide.csv", 2)):
+        with pytest.raises(InputError) as raised:
+            InputFile(tmp_path / name).check()
+        message = str(raised.value)
+        assert "ghp_" not in message and "alice" not in message and "token" not in message and "\x1b" not in message
+        assert f"no column named 'sequence' or 'text' or 'input' or 'seq' (matched ignoring case); its header row " \
+               f"has {columns} column(s), none so named; name the input column with --column NAME" in message
+    with pytest.raises(InputError, match=r"no column named 'smiles'.*has 2 column"):
+        InputFile(tmp_path / "creds.csv", column="smiles").check()
+
+
 @pytest.mark.parametrize("name", ["in.fasta", "in.jsonl", "in.fasta.gz", "in.jsonl.gz", "small.fasta.gz"])
 def test_fraction_read_only_rises_follows_the_records_read_and_is_1_at_the_end(tmp_path, name):
     """The reports: bytes_read() was the whole size from record 10 on, and 0 after the last record; for a .gz under

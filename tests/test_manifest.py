@@ -27,6 +27,9 @@ def test_the_gpu_example_is_valid_and_not_picked_up_as_a_provider():
     assert example.gpu.policy == "required" and example.gpu.vram_budget_gb > 0
     assert example.kit is not None and example.kit.levers_off and example.kit.env
     assert "boltz2" not in load_manifests(ROOT / "manifests")
+    protein = load_manifest(ROOT / "manifests" / "_examples" / "esm2" / "manifest.toml")
+    assert protein.inputs.kinds == ["protein"] and protein.answers.embedding == "embedding"
+    assert protein.answers.relations and "esm2" not in load_manifests(ROOT / "manifests")
 
 
 @pytest.mark.parametrize(
@@ -38,6 +41,16 @@ def test_the_gpu_example_is_valid_and_not_picked_up_as_a_provider():
         ('[lifecycle]\nidle_timeout = 5\n', "lifecycle.idle_timeout", "Extra inputs"),
         ('worker_args = ["{socket}", "{weights}"]\n', "worker_args", "{weights} in"),
         ('mode = "subprocess"\n', "(top level)", "mode_reason"),
+        ('[inputs]\nkinds = ["protein", "dna"]\n', "inputs.kinds.1", "'protein' or 'text'"),
+        ('[inputs]\nkinds = []\n', "inputs.kinds", "at least 1 item"),
+        ('[inputs]\nkinds = ["text", "text"]\n', "inputs.kinds", "names a kind twice"),
+        ('[inputs.protein]\nU = "J"\n', "inputs.protein.U", "'accept', 'refuse'"),
+        ('[inputs.protein]\n"*" = "ignore"\n', "inputs.protein.*", "'trailing', 'refuse' or 'accept'"),
+        ('[inputs.protein]\nJ = "accept"\n', "inputs.protein.J", "Extra inputs"),
+        ('[answers]\nembedding = "items.0"\n', "answers.embedding", "the name of an answer item's field"),
+        ('[answers]\nchecks = ["distinct", "golden"]\n', "answers.checks.1", "'distinct', 'finite'"),
+        ('[answers]\ndistinct_cosine = 1.5\n', "answers.distinct_cosine", "less than or equal to 1"),
+        ('[smoke]\ninputs = "../elsewhere.fasta"\n', "smoke.inputs", "relative to the manifest, without '..'"),
         ('[kit]\nname = "boltz"\nmode = "fast"\nenv_row = "none"\n', "kit", "env_row_reason"),
         ('[lifecycle]\nmax_replicas = 0\n', "lifecycle.max_replicas", "greater than or equal to 1"),
         ('[[weights.files]]\npath = "../etc/passwd"\nsha256 = "' + "0" * 64 + '"\nsize = 1\n', "weights.files.0.path", "'..'"),
@@ -88,6 +101,19 @@ def test_fingerprint_follows_the_pins(tmp_path):
     first = load_manifest(write_provider(tmp_path, "fp", pin.format("a" * 64)))
     second = load_manifest(write_provider(tmp_path, "fp", pin.format("b" * 64)))
     assert first.fingerprint() != second.fingerprint()
+
+
+def test_the_input_rule_is_part_of_the_version_and_what_the_answers_mean_is_not(tmp_path):
+    """[inputs] decides what is sent (a final '*' dropped, U read as C): a campaign's stored answers under another
+    rule are not its answers. [answers] only judges them."""
+    plain = load_manifest(write_provider(tmp_path / "a", "model", ""))
+    ruled = load_manifest(write_provider(tmp_path / "b", "model", '[inputs]\nkinds = ["protein"]\n'))
+    replaced = load_manifest(write_provider(tmp_path / "c", "model", '[inputs]\nkinds = ["protein"]\n'
+                                                                      '[inputs.protein]\nU = "C"\n'))
+    judged = load_manifest(write_provider(tmp_path / "d", "model", '[answers]\nembedding = "embedding"\n'))
+    assert len({plain.version(), ruled.version(), replaced.version()}) == 3
+    assert judged.version() == plain.version()
+    assert plain.inputs.kinds == ["text"]  # a provider that declares nothing takes free text, as before
 
 
 def test_schema_is_exported_by_the_cli():

@@ -396,14 +396,44 @@ def test_artifact_keys_of_two_different_providers_differ():
 def test_the_predict_artifact_shows_what_was_sent_as_code_with_no_backslashes():
     """The UI showed `Sent: {"inputs": \\["MKT..."\\]}`: markdown escapes inside a code span are shown as typed.
     A backtick in the payload (or the host's name) must not end the span either."""
-    from predict import markdown
+    from predict import Asked, markdown
 
     from resident_pool.prefect import code_span
 
     answer = {"cold": True, "replica": 0, "worker_pid": 1, "host": "vm`x", "answer_s": 0.1, "flow_run_id": "r",
               "results": [{"dim": 3}]}
-    shown = markdown("minilm", "its [smoke] example", [{"inputs": ["MKV"], "note": "a `b` *c*"}], answer)
+    shown = markdown("minilm", Asked([{"inputs": ["MKV"], "note": "a `b` *c*"}], "its [smoke] example"), answer)
     (sent,) = [line for line in shown.splitlines() if line.startswith("Sent: ")]
     assert sent == "Sent: ``" + json.dumps({"inputs": ["MKV"], "note": "a `b` *c*"}) + "``", sent
     assert code_span("vm`x") in shown
     assert code_span("a\nb") == "`a b`" and code_span("`x`") == "`` `x` ``"
+
+
+def test_a_failure_of_the_pool_itself_is_filed_under_the_provider_asked_for(pool_dir, tmp_path, monkeypatch):
+    """Issue 33: a run's failure artifact was resident-pool-failure-unknown for minilm: a failure of the pool
+    itself (here it cannot start: the host admission service it is told to use does not answer) names no
+    provider, and the artifact must still say which provider the task asked for."""
+    from prefect import flow, task
+
+    from resident_pool.prefect import predict as pool_predict
+
+    shutil.copytree(ROOT / "manifests" / "echo", pool_dir / "echo")
+    monkeypatch.setenv("RESIDENT_POOL_ADMISSION_SERVICE", str(tmp_path / "nobody.sock"))
+
+    @task
+    def ask():
+        return pool_predict("echo", {"ping": "hello"})
+
+    @flow
+    def asking():
+        return ask(return_state=True)
+
+    state = asking(return_state=True)
+    assert state.is_failed()
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    keys = {artifact.key for artifact in artifacts}
+    assert "resident-pool-failure-echo" in keys and "resident-pool-failure-unknown" not in keys, keys
+    (artifact,) = [a for a in artifacts if a.key == "resident-pool-failure-echo"]
+    assert "| provider | echo |" in artifact.data and "pool_start_failed" in artifact.data

@@ -174,3 +174,22 @@ def test_the_failed_inputs_chart_of_a_campaign_without_failures_has_no_1e_09_axi
                         timeline=[(0.0, 0, 0), (1.0, 50, 0), (2.0, 100, 0)], sample=None, failures=[])
     ticks = _chart_ticks(path.read_text(), "failed inputs")
     assert ticks == [0.0, 1.0], f"the failed-inputs axis is labelled {ticks}"
+
+
+def test_the_map_names_its_axes_labels_each_dot_by_id_and_says_when_many_answers_coincide(tmp_path):
+    """Issue 33: the map of the old demo's answers was one unlabelled dot beside a cloud (453 of 500 proteins
+    shared an embedding), with unnamed axes; it now names its axes and its dots, and says so."""
+    sample = VectorSample()
+    for n in range(40):  # 30 inputs answered alike, 10 apart
+        sample.offer(f"p{n}", _row([1.0, 2.0, 3.0] if n < 30 else [float(n), float(n % 7), 1.0]))
+    page = write_report(tmp_path / "r.html", title="t", summary={}, timeline=[], sample=sample,
+                        failures=[]).read_text()
+    assert page.count("<circle") == 11  # the 30 alike are one dot
+    assert "<title>30 answers alike: p0, p1, p2, p3, p4 and 25 more</title>" in page and "<title>p35</title>" in page
+    assert "principal component 1 (" in page and "principal component 2 (" in page and "hover a dot for its id" in page
+    assert "30 of these 40 answers (75%) coincide with another's exactly, the largest group 30 alike" in page
+    distinct = VectorSample()
+    for n in range(40):
+        distinct.offer(f"p{n}", _row([float(n), float(n % 7), 1.0]))
+    assert "coincide" not in write_report(tmp_path / "d.html", title="t", summary={}, timeline=[], sample=distinct,
+                                          failures=[]).read_text()

@@ -294,7 +294,7 @@ def test_a_sequence_typed_into_the_predict_form_gives_a_readable_answer(stack, p
     page.get_by_role("link", name="predict").first.click()
     page.get_by_role("button", name="Run", exact=True).click()
     page.get_by_text("Custom run").click()
-    page.get_by_text("all-MiniLM-L6-v2 embeddings", exact=False).first.wait_for()  # the providers, described
+    page.get_by_text("all-MiniLM-L6-v2, a sentence model", exact=False).first.wait_for()  # the providers, described
     form = page.inner_text("form")
     assert "manifests" not in form and "provider (Optional)" not in form
     assert page.locator(".p-select-button__control").first.inner_text().strip() == "minilm"  # the demo model
@@ -311,7 +311,7 @@ def test_a_sequence_typed_into_the_predict_form_gives_a_readable_answer(stack, p
     _open_artifact(page, "predict-minilm")
     page.get_by_text(f"1. {SEQUENCE} (22 characters)").wait_for()
     body = page.inner_text("body")
-    assert "vector of 384, norm 1:" in body and "tokens" in body and "truncated" in body
+    assert "vector of 384, norm 1:" in body and "tokens" in body and "windows" in body and "unknown_tokens" in body
     assert "prefect flow-run inspect " + run["id"] in body  # where the whole answer is
     logs = [log["message"] for log in stack.api.logs(run["id"])]
     assert any(line.startswith("minilm: cold start done in") for line in logs) or any(
@@ -331,18 +331,25 @@ def test_a_2000_input_screens_progress_only_rises_and_ends_at_100(screened, stac
 
 
 def test_a_run_with_bad_inputs_shows_the_failed_inputs_table_and_ends_with_a_warning(stack, page):
+    """Issue 33: a run with failed inputs ended a bare Completed, as one that answered every input; its state is
+    now named so (Completed's colour), its message leads to the failed inputs, whose errors are not cut off."""
     inputs = stack.root / "bad.jsonl"
     inputs.write_text("".join(json.dumps({"id": ident, "sequence": text}) + "\n" for ident, text in
                               (("good-1", "MKVA"), ("empty-2", ""), ("refused-3", "RAISE"), ("good-4", "MKVC"))))
     run_id = stack.api.run("screen/screen", {"input": str(inputs), "provider": "embedder",
                                              "output": str(stack.root / "bad.out.jsonl")})
     final = stack.api.wait(run_id)
-    assert final["type"] == "COMPLETED" and final["message"] == "2 ok, 2 failed"
-    _run_page(page, stack, run_id, "Artifacts")
-    _open_artifact(page, "screen-failed-embedder")
+    assert final["type"] == "COMPLETED" and final["name"] == "Completed with failures", final
+    (failed,) = stack.api.artifacts(run_id, "screen-failed-embedder")
+    assert final["message"] == f"2 ok, 2 failed; failed inputs: {stack.url}/artifacts/artifact/{failed['id']}"
+    page.goto(f"{stack.url}/runs/flow-run/{run_id}")
+    page.get_by_text("Completed with failures").first.wait_for()  # the state the run's page shows
+    page.goto(final["message"].rsplit(" ", 1)[1])  # the link in the message: the failed inputs
     page.get_by_text("refused-3").first.wait_for()
     body = page.inner_text("body")
     assert "empty-2" in body and "bad_input" in body and "request_failed" in body and "input contains RAISE" in body
+    why = page.locator("li", has_text="input contains RAISE").first
+    assert why.evaluate("e => e.scrollWidth <= e.clientWidth + 1"), "the error is cut off"
     _run_page(page, stack, run_id, "Artifacts")
     _open_artifact(page, "screen-summary-embedder")
     page.get_by_text("bad_input: 1, request_failed: 1").first.wait_for()  # not {}
@@ -351,6 +358,33 @@ def test_a_run_with_bad_inputs_shows_the_failed_inputs_table_and_ends_with_a_war
     _run_page(page, stack, run_id, "Logs")
     page.get_by_text("2 of 4 input(s) failed", exact=False).first.wait_for()
     assert page.locator(".log-level-label--warning").count() == 1  # the one warning, shown as one
+
+
+@pytest.fixture(scope="module")
+def demo_run() -> dict:
+    """The flow run of the demo file that a Quick run of the screen form started: started before the tests that run
+    no screen (the deployment screens one run at a time), so the model's 500 proteins compute while they look at
+    the UI; checked by a later test."""
+    return {}
+
+
+def test_the_screen_forms_default_input_is_the_demo_file_and_a_quick_run_screens_it(stack, page, demo_run):
+    """Issue 33: `make stack-up` puts the demo's data file in the inbox and the screen form's default input names
+    it, so a new user's Quick run screens the 500 proteins; the form says where an input must be."""
+    copied = stack.root / "stack" / "inbox" / "uniprot-500.fasta"
+    assert copied.read_bytes() == (ROOT / "data" / "uniprot-500.fasta").read_bytes()
+    screen = stack.api.call("GET", "/deployments/name/screen/screen")
+    assert screen["parameters"]["input"] == str(copied)
+    described = screen["parameter_openapi_schema"]["properties"]["input"]["description"]
+    assert f"It must lie under {stack.root}" in described and "cp proteins.fasta" in described
+    page.goto(f"{stack.url}/deployments/deployment/{screen['id']}")
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.get_by_text("Quick run").click()
+    page.get_by_role("button", name="Close").locator("xpath=..").get_by_role("button", name="Run").click()
+    (run,) = wait_until(lambda: [r for r in stack.api.call("POST", "/flow_runs/filter", {"deployments": {"name": {
+        "any_": ["screen"]}}}) if r["parameters"].get("input") == str(copied)], timeout=60,
+        message="the flow run the quick run created")
+    demo_run.update(run=run["id"], output=copied.with_name("uniprot-500.fasta.minilm.jsonl"))
 
 
 def test_a_validate_run_with_one_broken_provider_shows_that_providers_task_failed(stack, page):
@@ -385,11 +419,21 @@ def test_the_report_opens_offline_with_its_charts_drawn(screened, browser, stack
         for index in range(3):
             box = lines.nth(index).bounding_box()
             assert box and box["width"] > 50, box  # drawn across the chart, not an empty element
-        dots = page.locator("svg.map circle")
-        assert dots.count() > 100 and dots.first.bounding_box()["width"] > 0
+        dots = page.locator("svg.map circle")  # the embedder's 2,000 answers hold 53 distinct vectors: a dot each
+        assert dots.count() > 50 and dots.first.bounding_box()["width"] > 0
     finally:
         context.close()
     assert asked == [report.as_uri()], asked  # nothing but the file itself: no request leaves the host
+
+
+def test_the_quick_run_of_the_demo_file_completes_with_a_distinct_answer_per_distinct_protein(stack, demo_run):
+    """The run the default form started (above) completes: 500 answers, the 498 distinct proteins' all distinct,
+    none read as unknown tokens."""
+    final = stack.api.wait(demo_run["run"], timeout=540)
+    assert final["type"] == "COMPLETED" and final["message"] == "500 ok, 0 failed", final
+    records = [json.loads(line) for line in demo_run["output"].read_text().splitlines()]
+    assert len(records) == 500 and all(r["ok"] and r["unknown_tokens"] == 0 for r in records)
+    assert len({r["embedding_f32"] for r in records}) == 498  # the two repeated sequences share theirs
 
 
 def test_stack_up_started_the_relay_and_a_deployments_own_toggle_runs_its_schedule_and_down_stops_all(stack, page):

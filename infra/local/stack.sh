@@ -25,6 +25,7 @@ OUTPUT_ROOT=${OUTPUT_ROOT:-}
 MANIFESTS=${MANIFESTS:-${RESIDENT_POOL_MANIFESTS:-$PWD/manifests}}
 SCREEN_CRON=${SCREEN_CRON:-0 2 * * *}
 AUTH_FILE=$STACK_DIR/auth
+DEMO_INPUT=uniprot-500.fasta  # data/'s, copied into the inbox by `up`
 export PREFECT_API_URL="http://127.0.0.1:${PORT}/api"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_HOME=${PREFECT_HOME:-$STACK_DIR/prefect-home}
@@ -138,7 +139,16 @@ deploy() {  # the deployments, registered as the worker will run them
   # The nightly screen and validation are registered paused: a laptop must not screen at night.
   # Crons are read in this host's time zone ($TZ, else the system's); SCREEN_TIMEZONE names another.
   "$VENV/bin/python" flows/deploy.py --work-pool "$POOL" --manifests "$MANIFESTS" --schedule "$SCREEN_CRON" \
-    --inbox "$INBOX" --paused ${SCREEN_TIMEZONE:+--timezone "$SCREEN_TIMEZONE"} "$@"
+    --inbox "$INBOX" --input-root "$INPUT_ROOT" --default-input "$INBOX/$DEMO_INPUT" --paused \
+    ${SCREEN_TIMEZONE:+--timezone "$SCREEN_TIMEZONE"} "$@"
+}
+
+inbox() {  # the inbox, with the demo's input file in it (the screen form's default): a new user's first screen
+  mkdir -p "$INBOX"
+  if [ ! -e "$INBOX/$DEMO_INPUT" ] && [ ! -L "$INBOX/$DEMO_INPUT" ]; then
+    cp "data/$DEMO_INPUT" "$INBOX/$DEMO_INPUT"
+    echo "the demo input is in the inbox: $INBOX/$DEMO_INPUT (the screen form's default input)"
+  fi
 }
 
 case "${1:-}" in
@@ -149,7 +159,7 @@ case "${1:-}" in
     fi
     (server_env; start server "${SERVER[@]}")
     wait_for_our_server
-    mkdir -p "$INBOX"
+    inbox
     (deploy >>"$STACK_DIR/deploy.log" 2>&1) || { echo "deploy failed; see $STACK_DIR/deploy.log"; exit 1; }
     echo "deployments registered on work pool $POOL; the nightly screen of $INBOX and validate are registered"
     echo "  paused: on each one's page, the toggle beside the Schedules heading (the deployment's own) runs them"
@@ -187,6 +197,6 @@ EOF
     ;;
   server) auth_string; port_free_or_ours; server_env; exec "${SERVER[@]}" ;;
   worker) auth_string; server_is_ours; worker_env; exec "${WORKER[@]}" ;;
-  deploy) auth_string; server_is_ours; mkdir -p "$INBOX"; shift; deploy "$@" ;;
+  deploy) auth_string; server_is_ours; inbox; shift; deploy "$@" ;;
   *) echo "usage: $0 up|down|status|server|worker|deploy" >&2; exit 2 ;;
 esac

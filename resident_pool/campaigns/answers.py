@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["per_input"]
+__all__ = ["per_input", "with_refused"]
 
 
 def per_input(answer: Any, expected: int) -> list[dict[str, Any] | None]:
@@ -31,3 +31,15 @@ def _rows(value: Any, expected: int) -> list[Any] | None:
     if not isinstance(shape, tuple) or not shape or shape[0] != expected or not hasattr(value, "tolist"):
         return None
     return list(value) if hasattr(value, "__getitem__") else value.tolist()
+
+
+def with_refused(items: list[dict[str, Any] | None], kept: list[int], refused: dict[int, str],
+                 count: int) -> list[dict[str, Any] | None]:
+    """``count`` items in input order: the answered ones (``items``, for the positions ``kept``) and, at each refused
+    position, ``{"ok": false, "reason": "bad_input", "error": why}``, as a campaign's output records a bad input."""
+    out: list[dict[str, Any] | None] = [None] * count
+    for position, item in zip(kept, items, strict=True):
+        out[position] = item
+    for position, why in refused.items():
+        out[position] = {"ok": False, "reason": "bad_input", "error": why}
+    return out

@@ -246,7 +246,8 @@ class Campaign:
 
     def __init__(self, store: ResultStore, version: str, options: dict[str, Any], chunk_size: int,
                  output: str | os.PathLike[str], *, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-                 fmt: Literal["jsonl", "parquet"] = "jsonl", sample: VectorSample | None = None) -> None:
+                 fmt: Literal["jsonl", "parquet"] = "jsonl", sample: VectorSample | None = None,
+                 rule: Callable[[Record], tuple[str, str | None]] | None = None) -> None:
         if chunk_size < 1:
             raise InputError(f"chunk_size must be at least 1, not {chunk_size}")
         _check_format(fmt)
@@ -259,6 +260,8 @@ class Campaign:
         self.output = Path(output)
         self.fmt = fmt
         self.sample = sample  # offered every result as it is written (the report's map)
+        # The provider's input rule: each record's text as sent, or why it is refused (that input fails alone).
+        self.rule = rule
         self.journal_name = self.output.name + ".partial"
         self.pending = Chunk()
         # Inputs waiting for a key that is pending or in flight: a duplicate of one is not computed twice.
@@ -306,9 +309,13 @@ class Campaign:
     # -- planning -----------------------------------------------------------------
     def add(self, records: list[Record]) -> list[Chunk]:
         """Take a block of records; return the full chunks of what is neither stored nor already on its way."""
-        version, options = self.version, self.options
+        version, options, rule = self.version, self.options, self.rule
         entries: list[tuple[_Entry, Record]] = []
         for record in records:
+            if record.error is None and rule is not None:
+                text, problem = rule(record)
+                if problem is not None or text != record.text:
+                    record = Record(record.index, record.id, text, record.line, problem)  # noqa: PLW2901
             if record.error is not None:
                 entry = _Entry(record.index, record.id, None)
                 entry.reason, entry.error = "bad_input", record.error

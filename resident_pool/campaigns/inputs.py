@@ -29,6 +29,7 @@ from typing import IO
 
 from ..errors import InputError
 from ..host.trust import others_may_write
+from ..providers.input_rules import show_character
 
 __all__ = [
     "DEFAULT_MAX_INPUT_BYTES",
@@ -42,6 +43,7 @@ __all__ = [
     "InputFile",
     "Record",
     "Region",
+    "field_kind",
     "input_format",
     "open_input",
     "snippet",
@@ -148,6 +150,9 @@ class InputFile:
         self.max_record_bytes = max_record_bytes
         self.max_input_bytes = max_input_bytes
         self.max_input_records = max_input_records
+        # What its inputs are, as the reader found them: FASTA and a sequence column or field hold proteins, a text
+        # or input one text; None for a column named otherwise (the provider's default kind then). Set by check().
+        self.kind: str | None = "protein" if self.format == "fasta" else None
         self._raw: IO[bytes] | None = None
         # Of the current records() pass, for fraction_read(): its parser, what came out of the (decompressed)
         # stream, the file's size, and the fraction said so far (1 once it read to the end).
@@ -327,8 +332,8 @@ class InputFile:
         stray = sequence.translate(None, _SEQUENCE_BYTES)
         if stray:
             where = line + 1 + body.count(b"\n", 0, body.find(stray[:1]))
-            return self.bad(index, identifier, line, f"line {where} holds {stray[:1]!r}, which is not a sequence "
-                                                      "letter")
+            return self.bad(index, identifier, line, f"line {where} holds {show_character(chr(stray[0]))}, which is "
+                                                      "not a sequence letter")
         if not sequence and not last:
             return self.bad(index, identifier, line, "empty sequence")
         return Record(index, identifier, sequence.upper().decode("ascii"), line)
@@ -370,6 +375,7 @@ class InputFile:
                 id_at = self._pick_column(header, self.id_column, ID_FIELDS, "--id-column",
                                           required=bool(self.id_column))
                 normalize = _sequence_text if header[text_at].lower() in SEQUENCE_FIELDS else str.strip
+                self.kind = field_kind(header[text_at])
                 continue
             if problem is not None:
                 yield self.bad(index, f"line-{number}", number, problem)
@@ -398,9 +404,11 @@ class InputFile:
         if not required:
             return None
         asked = repr(wanted) if wanted else " or ".join(repr(name) for name in defaults)
-        columns = snippet(", ".join(header)) if header else "none"
-        raise InputError(f"{self.path}: no column named {asked} (matched ignoring case); its header row reads "
-                         f"{columns}; name the input column with {option} NAME", details={"path": str(self.path)})
+        # The header row is the file's content, and a refused file is never quoted: a table of credentials (or a
+        # link planted to one) must not reach a log or a flow run's page through this message.
+        held = f"its header row has {len(header)} column(s), none so named" if header else "it has no header row"
+        raise InputError(f"{self.path}: no column named {asked} (matched ignoring case); {held}; name the input "
+                         f"column with {option} NAME", details={"path": str(self.path)})
 
     # JSON Lines ----------------------------------------------------------------------
     def _jsonl(self, lines: _Lines) -> Iterator[Record]:
@@ -439,6 +447,8 @@ class InputFile:
                 yield self.bad(index, identifier, number, f"no non-empty string field {names}")
             else:
                 value = _sequence_text(text) if text_name.lower() in SEQUENCE_FIELDS else text.strip()
+                if self.kind is None:  # the file's first input says what its inputs are
+                    self.kind = field_kind(text_name)
                 yield Record(index, identifier, value, number)
             index += 1
 
@@ -658,15 +668,17 @@ SPECIAL_FOLDERS = ("/proc", "/sys", "/dev")
 
 
 def open_input(path: Path) -> int:
-    """Open an input file for reading, never following a link to it; returns the descriptor (blocking).
+    """Open an input file for reading, never following a link on any part of its path; returns the descriptor
+    (blocking).
 
-    An inbox others can write into may hold a link planted to your private files or to
-    ``/proc/self/environ``, so: a symlink as the last component is refused (O_NOFOLLOW), as are
-    every special file (checked on the opened file, so a swap after the check changes nothing),
-    anything under /proc, /sys or /dev by name and by filesystem, and a file with more than one hard
-    link in a folder others can write, or that another user owns (a planted hard link to your file: where
-    fs.protected_hardlinks is off, anyone may link to a file they cannot read). The file's owner does not matter:
-    a colleague's file in a group inbox is fine. A refusal names the file and never quotes it.
+    An inbox others can write into may hold a link planted to your private files or to ``/proc/self/environ``, as
+    the file itself or as a folder on the way (``inbox/sub`` -> your home), so: every folder of the path is opened
+    one by one from ``/`` without following a link (O_NOFOLLOW on each, each held open while the next is opened,
+    so a swap after a check changes nothing) and the file itself likewise; every special file is refused (checked
+    on the opened file), as is anything under /proc, /sys or /dev by name and by filesystem, and a file with more
+    than one hard link in a folder others can write, or that another user owns (a planted hard link to your file:
+    where fs.protected_hardlinks is off, anyone may link to a file they cannot read). The file's owner does not
+    matter: a colleague's file in a group inbox is fine. A refusal names the file and never quotes it.
     """
     where = {"path": str(path)}
     spelled = os.path.abspath(path)
@@ -675,39 +687,85 @@ def open_input(path: Path) -> int:
             if real == top or real.startswith(top + "/"):
                 raise InputError(f"{path}: lies under {top}, a kernel or device folder, never an input; give a "
                                  "FASTA, CSV, TSV or JSONL file", details=where)
+    folder_fd = _open_folders(path, os.path.dirname(spelled))
     try:
-        # O_NONBLOCK: a FIFO named seqs.fasta must not hang the campaign before it is refused.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such input file; give a FASTA, CSV, TSV or JSONL file, or a folder of them",
-                         details=where) from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise InputError(f"{path}: a symbolic link; an input is opened, never followed: give the file itself",
-                             details=where) from None
-        raise InputError(f"{path}: cannot be opened ({exc.strerror})", details=where) from None
+        try:
+            # O_NONBLOCK: a FIFO named seqs.fasta must not hang the campaign before it is refused.
+            fd = os.open(os.path.basename(spelled), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY
+                         | os.O_CLOEXEC, dir_fd=folder_fd)
+        except FileNotFoundError:
+            raise InputError(f"{path}: no such input file; give a FASTA, CSV, TSV or JSONL file, or a folder of "
+                             "them", details=where) from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise InputError(f"{path}: a symbolic link; an input is opened, never followed: give the file "
+                                 "itself", details=where) from None
+            raise InputError(f"{path}: cannot be opened ({exc.strerror})", details=where) from None
+        try:
+            _check_opened(path, fd, os.fstat(folder_fd), where)
+        except BaseException:
+            os.close(fd)
+            raise
+    finally:
+        os.close(folder_fd)
+    return fd
+
+
+def _open_folders(path: Path, folder: str) -> int:
+    """``folder`` (absolute) opened component by component from ``/``, never through a link: its descriptor."""
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    walked = "/"
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise InputError(f"{path}: not a regular file (a FIFO, socket, device or folder); give a FASTA, CSV, "
-                             "TSV or JSONL file", details=where)
-        if info.st_dev in _special_devices():
-            raise InputError(f"{path}: a file of a kernel or device filesystem, never an input", details=where)
-        if info.st_nlink > 1:
-            folder = os.stat(os.path.dirname(spelled))
-            writable = others_may_write(folder)
-            if folder.st_uid not in (os.getuid(), 0):  # its owner may plant a link as well as any writer
-                writable.insert(0, f"its owner ({_user_name(folder.st_uid)})")
-            if writable:
-                raise InputError(
-                    f"{path}: has {info.st_nlink} hard links and lies in a folder {' and '.join(writable)} can write "
-                    "into, so it may be a link planted to someone's private file; copy the file in instead of "
-                    "linking it", details=where)
-        os.set_blocking(fd, True)
+        for part in folder.split("/"):
+            if not part:
+                continue
+            try:
+                following = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                raise _folder_refused(path, os.path.join(walked, part), part, fd, exc) from None
+            os.close(fd)
+            fd, walked = following, os.path.join(walked, part)
+        return fd
     except BaseException:
         os.close(fd)
         raise
-    return fd
+
+
+def _folder_refused(path: Path, folder: str, name: str, parent_fd: int, exc: OSError) -> InputError:
+    where = {"path": str(path)}
+    try:
+        is_link = stat.S_ISLNK(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        is_link = False
+    if is_link:
+        return InputError(f"{path}: the folder {folder} on its way is a symbolic link; an input is opened, never "
+                          "followed, on any part of its path: give the path without links", details=where)
+    if exc.errno == errno.ENOENT:
+        return InputError(f"{path}: no such input file ({folder} does not exist); give a FASTA, CSV, TSV or JSONL "
+                          "file, or a folder of them", details=where)
+    if exc.errno == errno.ENOTDIR:
+        return InputError(f"{path}: {folder} is not a folder", details=where)
+    return InputError(f"{path}: cannot be opened ({folder}: {exc.strerror})", details=where)
+
+
+def _check_opened(path: Path, fd: int, folder: os.stat_result, where: dict[str, str]) -> None:
+    """Refuse what ``fd`` must not be: a special file, a file of a kernel filesystem, a planted hard link."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise InputError(f"{path}: not a regular file (a FIFO, socket, device or folder); give a FASTA, CSV, "
+                         "TSV or JSONL file", details=where)
+    if info.st_dev in _special_devices():
+        raise InputError(f"{path}: a file of a kernel or device filesystem, never an input", details=where)
+    if info.st_nlink > 1:
+        writable = others_may_write(folder)
+        if folder.st_uid not in (os.getuid(), 0):  # its owner may plant a link as well as any writer
+            writable.insert(0, f"its owner ({_user_name(folder.st_uid)})")
+        if writable:
+            raise InputError(
+                f"{path}: has {info.st_nlink} hard links and lies in a folder {' and '.join(writable)} can write "
+                "into, so it may be a link planted to someone's private file; copy the file in instead of "
+                "linking it", details=where)
+    os.set_blocking(fd, True)
 
 
 def _user_name(uid: int) -> str:
@@ -762,6 +820,12 @@ def _text_so_far(data: bytes) -> bool:
         return bool(codecs.getincrementaldecoder("utf-8")().decode(data, final=False).strip())
     except UnicodeDecodeError:
         return False
+
+
+def field_kind(name: str) -> str | None:
+    """What a column or field of this name holds: "protein", "text", or None (a name of the caller's own)."""
+    lowered = name.lower()
+    return "protein" if lowered in SEQUENCE_FIELDS else "text" if lowered in TEXT_FIELDS else None
 
 
 def _field(row: dict, names: tuple[str, ...]) -> tuple[str | None, object]:

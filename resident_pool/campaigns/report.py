@@ -223,6 +223,7 @@ h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:28px 0 8px}
 text-align:left;vertical-align:top}th{color:#5b6475;font-weight:600}
 .charts{display:flex;flex-wrap:wrap;gap:12px}svg{background:#fafbfc;border:1px solid #e3e6ec;border-radius:6px}
 svg text{font:11px system-ui,sans-serif;fill:#5b6475}.none{color:#5b6475;font-style:italic}
+.warn{color:#8a4b00;background:#fff4e0;padding:6px 10px;border-radius:4px}
 """
 
 
@@ -353,6 +354,9 @@ def _line_chart(name: str, xs: Sequence[float], ys: Sequence[float], unit: str, 
     return head + "".join(grid) + f'<polyline fill=none stroke="{colour}" stroke-width=1.6 points="{points}"/></svg>'
 
 
+COINCIDE_NOTE = 0.05  # the share of mapped answers that coincide with another's past which the map says so
+
+
 def _map_section(sample: VectorSample | None) -> str:
     if sample is None or not sample.vectors:
         return ("<h2>Map</h2><p class=none>no map: the provider's answers hold no vector (a list of numbers or "
@@ -360,21 +364,45 @@ def _map_section(sample: VectorSample | None) -> str:
     points, ids, explained = pca_2d(sample)
     if not points:
         return "<h2>Map</h2><p class=none>no map: fewer than three vectors</p>"
-    size, pad = 560, 16
+    size, pad, axis = 560, 16, 30  # ``axis``: room for the axes' names, below and to the left
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
     y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
-    dots = "".join(
-        f'<circle cx="{pad + (x - x0) / (x1 - x0) * (size - 2 * pad):.1f}" '
-        f'cy="{size - pad - (y - y0) / (y1 - y0) * (size - 2 * pad):.1f}" r=2><title>{html.escape(ident)}</title>'
-        "</circle>" for (x, y), ident in zip(points, ids, strict=True))
+    # Answers that coincide (the same vector, as sampled) are one dot, drawn larger, its label naming them all: a
+    # model that answers many inputs alike shows as one dot beside a cloud, and says so.
+    groups: dict[bytes, list[int]] = {}
+    for at, vector in enumerate(sample.vectors):
+        groups.setdefault(vector, []).append(at)
+    dots = []
+    for members in groups.values():
+        x, y = points[members[0]]
+        named = [ids[at] for at in members]
+        label = named[0] if len(named) == 1 else (
+            f"{len(named)} answers alike: " + ", ".join(named[:5]) + (f" and {len(named) - 5} more"
+                                                                     if len(named) > 5 else ""))
+        radius = 2 if len(named) == 1 else min(12.0, 2 + 2 * math.log2(len(named)))
+        dots.append(f'<circle cx="{axis + pad + (x - x0) / (x1 - x0) * (size - axis - 2 * pad):.1f}" '
+                    f'cy="{size - axis - pad - (y - y0) / (y1 - y0) * (size - axis - 2 * pad):.1f}" r={radius:g}>'
+                    f"<title>{html.escape(label)}</title></circle>")
+    coinciding = sum(len(members) for members in groups.values() if len(members) > 1)
     shown = len(points)
     note = (f"{shown:,} of {sample.offered:,} results (a uniform sample), {sample.dim}-dimensional "
             f"<code>{html.escape(sample.field or '')}</code> projected on its first two principal components "
-            f"(they explain about {explained[0]:.0%} and {explained[1]:.0%} of its variance)")
-    return (f"<h2>Map</h2><p class=meta>{note}</p><svg class=map data-chart=map width={size} height={size} "
-            f'viewBox="0 0 {size} {size}" role=img aria-label="PCA map"><g fill="#2f6fdb" fill-opacity=0.45>'
-            f"{dots}</g></svg>")
+            f"(they explain about {explained[0]:.0%} and {explained[1]:.0%} of its variance); hover a dot for its "
+            "id")
+    alike = ""
+    if coinciding >= 3 and coinciding >= COINCIDE_NOTE * shown:
+        largest = max(len(members) for members in groups.values())
+        alike = (f"<p class=warn>{coinciding:,} of these {shown:,} answers ({coinciding / shown:.0%}) coincide with "
+                 f"another's exactly, the largest group {largest:,} alike, each group drawn as one larger dot. A "
+                 "repeated input shares its answer by right; distinct inputs that share one mean a model that does "
+                 "not read them (<code>resident-pool check --smoke</code> judges it)</p>")
+    names = (f'<text x={axis + pad} y={size - 8}>principal component 1 ({explained[0]:.0%} of the variance)</text>'
+             f'<text transform="translate(14 {size - axis - pad}) rotate(-90)">principal component 2 '
+             f"({explained[1]:.0%})</text>")
+    return (f"<h2>Map</h2><p class=meta>{note}</p>{alike}<svg class=map data-chart=map width={size} height={size} "
+            f'viewBox="0 0 {size} {size}" role=img aria-label="PCA map">{names}<g fill="#2f6fdb" '
+            f'fill-opacity=0.45>{"".join(dots)}</g></svg>')
 
 
 def _failures_section(failures: Sequence[dict[str, Any]], summary: dict[str, Any]) -> str:

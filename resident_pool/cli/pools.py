@@ -32,6 +32,7 @@ from .base import (
 __all__ = ["pool_client"]
 
 FOLLOW_POLL_S = 0.5
+SERVING_POLL_S = 1.0  # how often `logs -f` asks the pool which worker serves, while the transcript is quiet
 
 
 def pool_client(manifests: Path | None, start: bool = True):
@@ -113,9 +114,17 @@ def predict(
     input_file: Annotated[Path | None, typer.Option("--input", help="A file holding the JSON payload.")] = None,
     json_text: Annotated[str | None, typer.Option(
         "--json", hidden=True, help="The payload as JSON text (deprecated: use --payload).")] = None,
+    kind: Annotated[str | None, typer.Option(
+        "--kind", help="How the payload's inputs are read: protein or text (default: its \"kind\", else the "
+        "provider's first).")] = None,
     manifests: ManifestsOption = None,
 ) -> None:
-    """Send one prediction to SLUG through the pool and print its result as JSON."""
+    """Send one prediction to SLUG through the pool and print its result as JSON.
+
+    The payload's "inputs" are ruled as every entry point rules them (the provider's [inputs]): one it refuses
+    fails alone, named on stderr and as {"ok": false, "reason": "bad_input", ...} in its place among the items;
+    the others are answered, and the command exits 1.
+    """
     if json_text is not None:
         errors.print("resident-pool predict: --json TEXT is deprecated and goes in the next release: use "
                      "--payload TEXT (--json means JSON output everywhere else)", highlight=False, markup=False)
@@ -132,14 +141,52 @@ def predict(
         raise typer.BadParameter(f"the payload is not JSON: {exc}") from None
     folder = manifests_dir(manifests)
     require_provider(slug, folder)
+    ruled = _ruled(slug, folder, body, kind)
+    if ruled is not None and ruled[2] and not ruled[1]:  # every input refused: nothing to send
+        for why in ruled[2].values():
+            errors.print(f"{safe(slug)}: {safe(why)}", highlight=False)
+        fail(f"{slug}: every input was refused by its input rule", reason="bad_input")
     try:
         with pool_client(folder) as pool:
-            result = pool.predict(slug, body)
+            result = pool.predict(slug, ruled[0] if ruled is not None else body)
     except ResidentPoolError as exc:
         fail(f"{type(exc).__name__}: {exc}", reason=exc.reason or "error")
     from ..arrays import plain
 
+    if ruled is not None and ruled[2]:
+        from ..campaigns.answers import per_input, with_refused
+
+        sent, kept, refused = ruled
+        items = with_refused(per_input(result, len(sent["inputs"])), kept, refused, len(body["inputs"]))
+        result = {**result, "items": items} if isinstance(result, dict) else result
     typer.echo(json.dumps(result, default=plain))  # arrays as nested lists, bytes as base64
+    if ruled is not None and ruled[2]:
+        for why in ruled[2].values():
+            errors.print(f"{safe(slug)}: {safe(why)}", highlight=False)
+        raise typer.Exit(1)
+
+
+def _ruled(slug: str, folder: Path, body: Any, kind: str | None):
+    """For a payload of inputs, (the payload to send, the positions sent, why each other was refused); else None."""
+    from ..errors import ManifestError
+    from ..providers.input_rules import KINDS, kind_option, rule_inputs
+    from ..providers.manifest import load_manifest, manifest_path
+
+    if kind is not None and kind not in KINDS:
+        raise typer.BadParameter(f"{kind!r}: give one of {', '.join(KINDS)}", param_hint="--kind")
+    try:
+        manifest = load_manifest(manifest_path(folder, slug))
+    except ManifestError as exc:
+        fail(f"ManifestError: {exc}", reason=exc.reason or "bad_manifest")
+    if not (isinstance(body, dict) and isinstance(body.get("inputs"), list) and manifest.takes_inputs()):
+        return None
+    wanted = kind or body.get("kind")
+    read_as = manifest.inputs.kind_for(wanted if isinstance(wanted, str) else None)
+    if wanted is not None and wanted != read_as:
+        fail(f"{slug} takes {' and '.join(manifest.inputs.kinds)} inputs, not {wanted!r}", reason="bad_input")
+    texts, kept, refused = rule_inputs(manifest.inputs, body["inputs"], read_as)
+    sent = {key: value for key, value in body.items() if key != "kind"}
+    return {**sent, "inputs": texts, **kind_option(manifest.inputs, read_as)}, kept, refused
 
 
 @app.command()
@@ -295,30 +342,60 @@ def _transcripts(slug: str) -> list[Path]:
 @app.command()
 def logs(
     slug: str,
-    tail: Annotated[int, typer.Option("--tail", help="How many lines of the newest transcript.")] = 40,
+    tail: Annotated[int, typer.Option("--tail", help="How many lines of the transcript.")] = 40,
     follow: Annotated[bool, typer.Option(
-        "--follow", "-f", help="Keep printing what the newest transcript gains, and move to a newer one when a "
-        "worker starts, until Ctrl-C.")] = False,
+        "--follow", "-f", help="Keep printing what the transcript gains, and move to the next one when another "
+        "worker of SLUG starts serving, until Ctrl-C.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print {transcript, line} objects, one a line.")] = False,
     manifests: ManifestsOption = None,
 ) -> None:
-    """The newest transcript of SLUG's workers: its path, then its last lines."""
+    """The transcript of the worker serving SLUG now (the running pool says which), else SLUG's newest: its
+    path, then its last lines.
+
+    A check's smoke run starts a worker of its own, whose transcript is newer than the serving one's: it is
+    not the one a person following SLUG wants.
+    """
     check_slug(slug)
+    folder = manifests_dir(manifests)
     transcripts = _transcripts(slug)
     if not transcripts:
-        require_provider(slug, manifests_dir(manifests), as_json=as_json)
+        require_provider(slug, folder, as_json=as_json)
         fail(f"no transcript for {slug} in {configured()[1].log_dir()}: none of its workers has started since the "
              "log folder was last cleared", as_json, reason="no_transcript")
-    newest = transcripts[-1]
+    shown = _current(slug, folder, transcripts)
     say = _say(as_json)
-    say(newest, None)
-    for line in read_tail(newest, tail):
-        say(newest, line)
+    say(shown, None)
+    for line in read_tail(shown, tail):
+        say(shown, line)
     if follow:
         try:
-            _follow(slug, newest, say)
+            _follow(slug, folder, shown, say)
         except KeyboardInterrupt:
             return
+
+
+def _serving(slug: str, folder: Path) -> Path | None:
+    """The transcript of the worker serving SLUG now, as the running pool says: a worker of SLUG itself (not a
+    check's build of it), alive, leased first, then the one used last; None when no pool answers or none serves."""
+    from ..errors import ResidentPoolError
+
+    try:
+        with pool_client(folder, start=False) as pool:
+            workers = pool.status().get("workers", [])
+    except (ResidentPoolError, OSError):
+        return None
+    live = [w for w in workers if w.get("slug") == slug and w.get("pid") and w.get("transcript")
+            and w.get("state") not in ("stopping", "stopped", "failed")]
+    if not live:
+        return None
+    best = min(live, key=lambda w: (w.get("state") != "leased", w.get("idle_s") or 0.0, w.get("uptime_s") or 0.0))
+    return Path(best["transcript"])
+
+
+def _current(slug: str, folder: Path, transcripts: list[Path]) -> Path:
+    """The transcript to show: the serving worker's where it is one of SLUG's in the log folder, else the newest."""
+    serving = _serving(slug, folder)
+    return serving if serving in transcripts else transcripts[-1]
 
 
 def _say(as_json: bool):
@@ -333,20 +410,22 @@ def _say(as_json: bool):
     return say
 
 
-def _follow(slug: str, path: Path, say) -> None:
-    """Print what ``path`` gains; when a worker of SLUG starts (a newer transcript), go on with that one."""
-    newer = _follow_one(slug, path, say, from_end=True)
+def _follow(slug: str, folder: Path, path: Path, say) -> None:
+    """Print what ``path`` gains; when another worker of SLUG serves (or, with no pool, a newer transcript
+    appears), go on with its transcript."""
+    following = _follow_one(slug, folder, path, say, from_end=True)
     while True:
-        say(newer, None)
-        newer = _follow_one(slug, newer, say, from_end=False)
+        say(following, None)
+        following = _follow_one(slug, folder, following, say, from_end=False)
 
 
-def _follow_one(slug: str, path: Path, say, from_end: bool) -> Path:
-    """Print what ``path`` gains until a newer transcript of SLUG appears; return that one."""
+def _follow_one(slug: str, folder: Path, path: Path, say, from_end: bool) -> Path:
+    """Print what ``path`` gains until another transcript is the one to show; return that one."""
     with open(path, "rb") as handle:
         if from_end:
             handle.seek(0, os.SEEK_END)
         partial = b""
+        asked = 0.0
         while True:
             chunk = handle.read()
             if chunk:
@@ -355,8 +434,11 @@ def _follow_one(slug: str, path: Path, say, from_end: bool) -> Path:
                     say(path, line.decode("utf-8", "replace"))
                 continue
             transcripts = _transcripts(slug)
-            if transcripts and transcripts[-1] != path:
-                if partial:
-                    say(path, partial.decode("utf-8", "replace"))
-                return transcripts[-1]
+            if transcripts and time.monotonic() - asked >= SERVING_POLL_S:
+                asked = time.monotonic()
+                now = _current(slug, folder, transcripts)
+                if now != path:
+                    if partial:
+                        say(path, partial.decode("utf-8", "replace"))
+                    return now
             time.sleep(FOLLOW_POLL_S)

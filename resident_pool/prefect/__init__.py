@@ -52,6 +52,7 @@ from ..settings import Settings, settings
 
 __all__ = [
     "BREAKER_OPEN",
+    "COMPLETED_WITH_FAILURES",
     "Priority",
     "artifact_key",
     "breaker_words",
@@ -70,6 +71,9 @@ __all__ = [
 log = logging.getLogger("resident_pool.prefect")
 HOST = socket.gethostname()
 BREAKER_OPEN = "breaker_open"  # the reason of a request refused at once because the provider's starts keep failing
+# The name of a Completed state whose run answered some inputs and failed others: the UI shows the name (in
+# Completed's colour) where a bare "Completed" would read as every input answered.
+COMPLETED_WITH_FAILURES = "Completed with failures"
 # While a task waits for its worker (a cold start, every replica busy), its log says so this often: a 27 s
 # start that logs nothing until the end looks hung.
 WAITING_FIRST_S = 3.0
@@ -283,6 +287,16 @@ def _markdown(error: ResidentPoolError, tail_lines: int, where: Paths) -> str:
     return text
 
 
+def _named(error: ResidentPoolError, slug: str) -> ResidentPoolError:
+    """``error`` naming the provider it was asked for: a failure of the pool itself (it could not start, another
+    version holds it) names none, and its artifact would be filed under no provider."""
+    if error.slug:
+        return error
+    return type(error)(str(error), slug=slug, reason=error.reason, exit_code=error.exit_code, hint=error.hint,
+                       transcript=error.transcript, transcript_tail=error.transcript_tail, details=error.details,
+                       headline=error.headline)
+
+
 def _report(error: ResidentPoolError, tail_lines: int, where: Paths) -> ResidentPoolError:
     """Attach the failure artifact (``tail_lines`` of the transcript, read only from ``where``'s log folder) to the
     running task and return the error with a one-line message."""
@@ -389,8 +403,9 @@ def pool_session(slug: str, manifests: str | os.PathLike[str] | None = None, *,
             _emit_leased(slug, session, session.wait)
             yield session
     except ResidentPoolError as error:
-        _emit_failure(error)
-        raise _report(error, client.config.artifact_tail_lines, client.paths) from error
+        named = _named(error, slug)
+        _emit_failure(named)
+        raise _report(named, client.config.artifact_tail_lines, client.paths) from error
 
 
 def _run_logger() -> logging.Logger | logging.LoggerAdapter | None:
@@ -517,8 +532,9 @@ def warm_provider(slug: str, replicas: int = 1, manifests: str | os.PathLike[str
     try:
         result = client.warm(slug, replicas, on_wait=_log_wait)
     except ResidentPoolError as error:
-        _emit_failure(error)
-        raise _report(error, client.config.artifact_tail_lines, client.paths) from error
+        named = _named(error, slug)
+        _emit_failure(named)
+        raise _report(named, client.config.artifact_tail_lines, client.paths) from error
     get_run_logger().info("%s: %d of %d worker(s) warm (%d started now)", slug,
                           result["already_warm"] + result["started"], replicas, result["started"])
     return result

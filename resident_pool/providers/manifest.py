@@ -20,9 +20,11 @@ from ..errors import ManifestError
 from ..host.trust import check_trusted
 from ..messages import SLUG
 from ..protocol import DEFAULT_REQUEST_TIMEOUT_S
+from .input_rules import Inputs
 
 __all__ = [
     "PLACEHOLDERS",
+    "Answers",
     "Manifest",
     "json_schema",
     "load_manifest",
@@ -305,6 +307,11 @@ class Smoke(_Strict):
     """What `resident-pool check --smoke` sends, and the answer it must get back."""
 
     payload: dict[str, Any] = Field(default_factory=dict)
+    inputs: str | None = Field(
+        None, description='A file of inputs beside the manifest (FASTA, CSV, TSV or JSONL, e.g. "smoke/inputs.fasta"), '
+        "read as a campaign reads one and ruled by [inputs]: they become the payload's \"inputs\", so [answers] can "
+        "judge answers over a real range of inputs. Their ids name them in [[answers.relations]].",
+    )
     expected: str | None = Field(
         None, description='The expected answer, relative to the manifest (e.g. "smoke/expected.json"); '
         "recorded with `resident-pool check --bless SLUG`. Unset: any answer passes.",
@@ -326,7 +333,7 @@ class Smoke(_Strict):
         description="Fields holding little-endian float32 arrays in base64, compared as numbers.",
     )
 
-    @field_validator("expected")
+    @field_validator("expected", "inputs")
     @classmethod
     def _beside_the_manifest(cls, value: str | None) -> str | None:
         if value is None:
@@ -347,6 +354,48 @@ class Smoke(_Strict):
         return values
 
 
+ANSWER_CHECKS = ("distinct", "finite", "spread", "unknown_tokens", "relations")
+
+
+class Relation(_Strict):
+    """A known relation among the smoke inputs: ``closer``'s answer lies nearer ``anchor``'s than ``farther``'s."""
+
+    anchor: str = Field(description="The id of a smoke input (a FASTA id; an inline payload's inputs are 1, 2, ...).")
+    closer: str = Field(description="An input whose answer must lie closer to the anchor's (e.g. a point mutant).")
+    farther: str = Field(description="An input whose answer must lie farther from it (e.g. an unrelated protein).")
+    why: str = Field("", description="What the relation is, in words, for the report.")
+
+
+class Answers(_Strict):
+    """``[answers]``: what the answers mean, so `resident-pool check` can tell a working model from a degenerate one."""
+
+    embedding: str | None = Field(
+        None, description='The field of each answer item that holds its vector ("embedding"; a list of numbers, or '
+        'base64 float32 under the same name with "_f32" added). Unset: no check below runs.')
+    checks: list[Literal["distinct", "finite", "spread", "unknown_tokens", "relations"]] = Field(
+        default_factory=lambda: list(ANSWER_CHECKS),
+        description="Which apply: distinct (distinct inputs, distinct answers), finite (no NaN or infinity), spread "
+        "(the answers vary across inputs), unknown_tokens (the share the items report, where they report "
+        "\"unknown_tokens\" and \"tokens\"), relations (those listed below).")
+    distinct_cosine: float = Field(
+        0.9999, gt=0, le=1, allow_inf_nan=False,
+        description="Two distinct inputs whose answers lie at this cosine similarity or above count as one answer.")
+    max_close_pairs: int = Field(0, ge=0, description="How many such pairs the smoke set may hold.")
+    max_unknown_share: float = Field(
+        0.0, ge=0, le=1, allow_inf_nan=False, description="The largest share of the tokens read that may be unknown.")
+    min_spread: float = Field(
+        1e-6, ge=0, allow_inf_nan=False,
+        description="The smallest root mean square distance of the answers from their mean.")
+    relations: list[Relation] = Field(default_factory=list)
+
+    @field_validator("embedding")
+    @classmethod
+    def _field_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+            raise ValueError(f"{value!r} must be the name of an answer item's field")
+        return value
+
+
 class Manifest(_Strict):
     """One provider: a model the pool can hold."""
 
@@ -362,8 +411,10 @@ class Manifest(_Strict):
     lifecycle: Lifecycle = Field(default_factory=Lifecycle)
     weights: Weights = Field(default_factory=Weights)
     kit: Kit | None = None
+    inputs: Inputs = Field(default_factory=Inputs)
     smoke: Smoke = Field(default_factory=Smoke)
     batching: Batching | None = None
+    answers: Answers = Field(default_factory=Answers)
 
     # Set by load_manifest; not part of the file.
     path: Path | None = Field(None, exclude=True)
@@ -426,6 +477,15 @@ class Manifest(_Strict):
     def worker_path(self) -> Path:
         return (self.directory / self.worker).resolve()
 
+    def takes_inputs(self) -> bool:
+        """Whether its requests are ``{"inputs": [str, ...]}`` (so [inputs] rules each one): it declares [inputs]
+        or [smoke] inputs, or its [smoke] payload looks so; a provider with no example is taken to."""
+        example = self.smoke.payload
+        if "inputs" in self.model_fields_set or self.smoke.inputs is not None or not example:
+            return True
+        inputs = example.get("inputs")
+        return isinstance(inputs, list) and all(isinstance(text, str) for text in inputs)
+
     def variant(self, kit_mode: str | None = None, without_kit: bool = False) -> Manifest:
         """This provider built another way (its kit in another mode, or without its kit), e.g. to compare stock."""
         if self.kit is None:
@@ -446,9 +506,12 @@ class Manifest(_Strict):
 
     def version(self) -> str:
         """What changes a worker's answers: its script's content, arguments, interpreter and environment,
-        kit settings, mode and weights pins. Not description, [lifecycle], [gpu] or [smoke]: editing an
-        idle timeout must neither drain warm workers nor invalidate a campaign's results."""
+        kit settings, mode, weights pins and input rule ([inputs] says how an input is read before it is sent).
+        Not description, [lifecycle], [gpu], [smoke] or [answers]: editing an idle timeout must neither drain
+        warm workers nor invalidate a campaign's results."""
         data = self.model_dump(mode="json", include={"worker", "worker_args", "mode", "env", "kit", "weights"})
+        if "inputs" in self.model_fields_set:  # a manifest without [inputs] keeps the version it had before
+            data["inputs"] = self.inputs.model_dump(mode="json", by_alias=True)
         if isinstance(self.env, VenvEnv) and self.env.python == "auto":
             data["interpreter"] = auto_interpreter_identity()
         try:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..admission import read_devices
+from ..campaigns.answers import per_input
 from ..client import Pool
 from ..errors import AdmissionRefused, GoldenMismatch, KitUnavailable, ResidentPoolError, error_from_dict
 from ..host.paths import Paths
@@ -30,13 +31,13 @@ from ..providers.launch import check_weights, plan_launch
 from ..providers.manifest import Manifest, VenvEnv, load_manifest, manifest_path
 from ..providers.weights import HashCache
 from ..settings import Settings
-from . import expected
+from . import expected, sanity
 from .golden import compare, summary
 from .provenance import environment, gpu, gpu_name, host, own_version
 
 __all__ = ["DECLARED", "SmokeRun", "StepResult", "Variant", "check_providers", "junit_xml", "run_smoke"]
 
-STEPS = ("manifest", "interpreter", "weights", "gpu", "kit", "smoke", "bless", "against-stock")
+STEPS = ("manifest", "interpreter", "weights", "gpu", "kit", "smoke", "answers", "bless", "against-stock")
 
 
 @dataclass
@@ -226,15 +227,15 @@ def _describe_provider(manifest: Manifest, python: str | None, row: KitRow | Non
     return out
 
 
-def _against_stock(manifest: Manifest, declared: SmokeRun, row: KitRow, extras: dict[str, str],
-                   priority: str = "normal") -> str:
+def _against_stock(manifest: Manifest, payload: dict[str, Any], declared: SmokeRun, row: KitRow,
+                   extras: dict[str, str], priority: str = "normal") -> str:
     """Run the payload stock and compare; the kit's own ACTIVE line must not say it engaged nothing."""
     kit, tol = manifest.kit, expected.tolerance(manifest)
     assert kit is not None
     variant = stock_variant(manifest, row)
     stock_how = variant.describe(manifest)
     extras["stock.kit.mode"] = stock_how
-    stock = run_smoke(manifest, manifest.smoke.payload, variant, priority)
+    stock = run_smoke(manifest, payload, variant, priority)
     extras["stock.transcript"] = str(stock.transcript)
     extras["stock.worker"] = _answered_by(stock.lease)
     said, said_line = kit_says(declared.transcript, kit.package_name)
@@ -361,44 +362,92 @@ def _gpu_feasible(manifest: Manifest, config: Settings) -> str:
     return f"{gpu_spec.vram_budget_gb:g} GB fits the largest device ({largest:g} GB after headroom, {source})"
 
 
+class _Smoke:
+    """One provider's smoke run and what is judged of it: the golden answer, the [answers] checks, a blessing,
+    the stock comparison. Each method is one step; they share the run."""
+
+    def __init__(self, manifest: Manifest, row: KitRow | None, provenance: dict[str, str],
+                 extras: dict[str, dict[str, str]], step: str, priority: str, fake_nvml: Path | None) -> None:
+        self.manifest, self.row, self.provenance, self.extras = manifest, row, provenance, extras
+        self.step, self.priority, self.fake_nvml = step, priority, fake_nvml
+        self.chosen: expected.SmokeSet | None = None
+        self.run: SmokeRun | None = None
+
+    def answer(self) -> Any:
+        manifest = self.manifest
+        chosen = self.chosen = expected.smoke_set(manifest)
+        run = self.run = run_smoke(manifest, chosen.payload, priority=self.priority)
+        self.extras[self.step] = {"smoke.transcript": str(run.transcript), "smoke.worker": _answered_by(run.lease)}
+        self.provenance.update(_what_answered(run.lease, self.fake_nvml))
+        if manifest.kit is not None:
+            self.provenance["kit.active"] = kit_says(run.transcript, manifest.kit.package_name)[1] or "no ACTIVE line"
+        if self.step == "bless":
+            return "answered"
+        return expected.verdict(manifest, chosen.payload, run.result, run.transcript)
+
+    def judge(self) -> tuple[str, dict[str, Any]]:
+        chosen, run, slug = self.chosen, self.run, self.manifest.slug
+        assert chosen is not None and run is not None
+        found = sanity.judge(self.manifest.answers, chosen.ids, chosen.texts,
+                             per_input(run.result, len(chosen.texts)))
+        if not found.ok:
+            raise GoldenMismatch(f"{slug}: the answers to its {len(chosen.texts)} smoke inputs fail their [answers] "
+                                 "checks: " + "; ".join(found.problems), slug=slug, reason="answers_degenerate",
+                                 transcript=str(run.transcript), details={"figures": found.figures})
+        return f"the answers to {len(chosen.texts)} smoke inputs: {found.describe()}", {"figures": found.figures}
+
+    def bless(self, force: bool) -> tuple[str, dict[str, Any]]:
+        chosen, run = self.chosen, self.run
+        assert chosen is not None and run is not None
+        # A second start answers too: what differs between them varies, and cannot be expected.
+        _refuse_varying(self.manifest, run, run_smoke(self.manifest, chosen.payload, priority=self.priority))
+        return expected.bless(self.manifest, chosen.payload, run.result, self.provenance, force=force)
+
+    def stock(self) -> str:
+        assert self.chosen is not None and self.run is not None and self.row is not None
+        return _against_stock(self.manifest, self.chosen.payload, self.run, self.row,
+                              self.extras.setdefault("against-stock", {}), self.priority)
+
+
 def _answer_steps(manifest: Manifest, python: str | None, row: KitRow | None, results: list[StepResult],
                   provenance: dict[str, str], *, smoke: bool, against_stock: bool, bless: bool,
                   force: bool, fake_nvml: Path | None, priority: str = "normal") -> dict[str, dict[str, str]]:
-    """The steps that run the smoke payload (smoke or bless, then against-stock); returns their own provenance."""
+    """The steps that run the smoke payload (smoke then answers, or answers then bless; then against-stock); returns
+    their own provenance. ``answers`` judges what the answers mean ([answers]): bless refuses answers it fails."""
     slug, extras = manifest.slug, {}
     first = "bless" if bless else "smoke" if smoke or against_stock else None
-    wanted = [step for step in (first, "against-stock" if against_stock else None) if step]
+    judged = first is not None and manifest.answers.embedding is not None
+    wanted = [step for step in (first, "answers" if judged else None, "against-stock" if against_stock else None)
+              if step]
     if any(not r.ok for r in results):
         results += [StepResult(slug, step, False, "skipped: an earlier step failed", skipped=True) for step in wanted]
         return extras
-    runs: dict[str, SmokeRun] = {}
-
-    def answer():
-        run = runs["declared"] = run_smoke(manifest, manifest.smoke.payload, priority=priority)
-        extras[first] = {"smoke.transcript": str(run.transcript), "smoke.worker": _answered_by(run.lease)}
-        provenance.update(_what_answered(run.lease, fake_nvml))
-        if manifest.kit is not None:
-            provenance["kit.active"] = kit_says(run.transcript, manifest.kit.package_name)[1] or "no ACTIVE line"
-        if bless:  # a second start answers too: what differs between them varies, and cannot be expected
-            _refuse_varying(manifest, run, run_smoke(manifest, manifest.smoke.payload, priority=priority))
-            return expected.bless(manifest, run.result, provenance, force=force)
-        return expected.verdict(manifest, run.result, run.transcript)
-
-    def stock():
-        return _against_stock(manifest, runs["declared"], row, extras.setdefault("against-stock", {}), priority)
-
+    steps = _Smoke(manifest, row, provenance, extras, first or "smoke", priority, fake_nvml)
     if first:
-        results.append(_run(slug, first, answer))
-        recorded = results[-1].data.get("expected_file")
+        ran = _run(slug, first, steps.answer)
+        if not bless or not ran.ok:
+            results.append(ran)
+        if judged:
+            results.append(_run(slug, "answers", steps.judge) if steps.run is not None else
+                           StepResult(slug, "answers", False, "skipped: the smoke run gave no answer", skipped=True))
+        if bless and ran.ok:
+            if judged and not results[-1].ok:
+                results.append(StepResult(slug, "bless", False, f"not blessed: {results[-1].detail}", ran.seconds,
+                                          data={"reason": "answers_degenerate"}))
+            else:
+                blessed = _run(slug, "bless", lambda: steps.bless(force))
+                blessed.seconds += ran.seconds
+                results.append(blessed)
+        recorded = next((r.data.get("expected_file") for r in results if r.step == first), None)
         if recorded and os.path.isfile(recorded):
             digest = hashlib.sha256(Path(recorded).read_bytes()).hexdigest()
             extras.setdefault(first, {})["smoke.expected"] = f"{recorded} (sha256 {digest[:16]})"
     if against_stock:
-        if manifest.kit is None or "declared" not in runs:
+        if manifest.kit is None or steps.run is None:
             why = "no kit: the smoke run is stock" if manifest.kit is None else "the smoke run gave no answer"
             results.append(StepResult(slug, "against-stock", False, f"skipped: {why}", skipped=True))
         else:
-            results.append(_run(slug, "against-stock", stock))
+            results.append(_run(slug, "against-stock", steps.stock))
     return extras
 
 

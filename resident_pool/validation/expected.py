@@ -12,15 +12,18 @@ import json
 import os
 import stat
 import tempfile
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..errors import GoldenMismatch, ManifestError, ResidentPoolError
+from ..campaigns.inputs import InputFile
+from ..errors import GoldenMismatch, InputError, ManifestError, ResidentPoolError
+from ..providers.input_rules import kind_option
 from ..providers.manifest import Manifest
 from .golden import Tolerance, compare, normalize, summary
 
-__all__ = ["FORMAT", "bless", "expected_file", "read_expected", "tolerance", "verdict"]
+__all__ = ["FORMAT", "SmokeSet", "bless", "expected_file", "read_expected", "smoke_set", "tolerance", "verdict"]
 
 FORMAT = 1
 MAX_BYTES = 64 * 1024 * 1024
@@ -37,6 +40,66 @@ def expected_file(manifest: Manifest) -> Path | None:
     return manifest.directory / manifest.smoke.expected if manifest.smoke.expected else None
 
 
+@dataclass(frozen=True)
+class SmokeSet:
+    """What a smoke run sends (``payload``) and, where it sends inputs, their ids and texts in order."""
+
+    payload: dict[str, Any]
+    ids: list[str]
+    texts: list[str]
+
+
+def smoke_set(manifest: Manifest) -> SmokeSet:
+    """The smoke payload: ``[smoke] payload``, its "inputs" read from ``[smoke] inputs`` where that names a file.
+
+    The file is read as a campaign reads an input file and each input ruled by ``[inputs]``, so a smoke set
+    holds only what a campaign could send; a bad one is a ManifestError naming its line.
+    """
+    smoke, slug = manifest.smoke, manifest.slug
+    if smoke.inputs is None:
+        inputs = smoke.payload.get("inputs")
+        texts = list(inputs) if isinstance(inputs, list) and all(isinstance(t, str) for t in inputs) else []
+        return SmokeSet(dict(smoke.payload), [str(number) for number in range(1, len(texts) + 1)], texts)
+    path = manifest.directory / smoke.inputs
+
+    def refuse(why: str) -> ManifestError:
+        return ManifestError(f"{slug}: the smoke inputs {why}", slug=slug, details={"field": "smoke.inputs"})
+
+    _owned(path, refuse)
+    try:
+        source = InputFile(path)
+        source.check()
+        records = list(source.records())
+    except InputError as error:
+        raise refuse(f"cannot be read: {error}") from None
+    kind = manifest.inputs.kind_for(source.kind)
+    ids, texts = [], []
+    for record in records:
+        text, problem = (record.text, record.error) if record.error else manifest.inputs.check(record.text, kind)
+        if record.error is None and problem is not None:
+            problem = f"{path}:{record.line}: {record.id}: {problem}"
+        if problem is not None:
+            raise refuse(f"hold an input {slug} refuses, {problem}")
+        ids.append(record.id)
+        texts.append(text)
+    if not texts:
+        raise refuse(f"in {path} hold no input")
+    return SmokeSet({**smoke.payload, "inputs": texts, **kind_option(manifest.inputs, kind)}, ids, texts)
+
+
+def _owned(path: Path, refuse) -> None:
+    """A file that decides what check passes: yours (or root's), and writable by nobody else."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        raise refuse(f"file {path} does not exist") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise refuse(f"file {path} is not a plain file")
+    if info.st_uid not in (os.getuid(), 0) or info.st_mode & 0o022:
+        raise refuse(f"file {path} is writable by others (owner uid {info.st_uid}, mode "
+                     f"{stat.S_IMODE(info.st_mode):04o}); run `chmod go-w {path}` as its owner")
+
+
 def read_expected(manifest: Manifest) -> dict[str, Any]:
     """The recorded expected answer; refused when missing, malformed, or writable by another user."""
     path = expected_file(manifest)
@@ -51,12 +114,8 @@ def read_expected(manifest: Manifest) -> dict[str, Any]:
         info = path.lstat()
     except FileNotFoundError:
         raise refuse(f"does not exist; record it with `resident-pool check --bless {slug}`") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise refuse("is not a plain file")
     # A golden file another user can replace proves nothing about the answer.
-    if info.st_uid not in (os.getuid(), 0) or info.st_mode & 0o022:
-        raise refuse(f"is writable by others (owner uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o}); "
-                     f"run `chmod go-w {path}` as its owner")
+    _owned(path, lambda why: refuse(why.removeprefix(f"file {path} ")))
     if info.st_size > MAX_BYTES:
         raise refuse(f"is {info.st_size} bytes, over the {MAX_BYTES} byte limit; shrink the smoke payload")
     rebless = f"re-bless it with `resident-pool check --bless {slug} --force`"
@@ -70,15 +129,16 @@ def read_expected(manifest: Manifest) -> dict[str, Any]:
     return document
 
 
-def verdict(manifest: Manifest, result: Any, transcript: Path | None) -> tuple[str, dict[str, Any]]:
-    """Pass, or raise GoldenMismatch naming each field off the expected answer and by how much."""
+def verdict(manifest: Manifest, payload: dict[str, Any], result: Any,
+            transcript: Path | None) -> tuple[str, dict[str, Any]]:
+    """Pass, or raise GoldenMismatch naming each field off the expected answer to ``payload`` and by how much."""
     slug, tol = manifest.slug, tolerance(manifest)
     path = expected_file(manifest)
     if path is None:
         return (f"answered ({len(json.dumps(result))} characters); not compared: [smoke] expected is not set "
                 f"(record an answer with `resident-pool check --bless {slug}`)"), {}
     document = read_expected(manifest)
-    if document["payload"] != manifest.smoke.payload:
+    if document["payload"] != payload:
         raise GoldenMismatch(f"{slug}: the smoke payload changed since {path} was blessed; "
                              f"re-bless it with `resident-pool check --bless {slug} --force`", slug=slug,
                              transcript=str(transcript), details={"expected_file": str(path)})
@@ -91,8 +151,10 @@ def verdict(manifest: Manifest, result: Any, transcript: Path | None) -> tuple[s
     return f"the answer matches {path} within {tol.describe()}", {"expected_file": str(path)}
 
 
-def bless(manifest: Manifest, result: Any, provenance: dict[str, str], *, force: bool) -> tuple[str, dict[str, Any]]:
-    """Record ``result`` as the expected answer, over an existing file only with ``force``; says what changed."""
+def bless(manifest: Manifest, payload: dict[str, Any], result: Any, provenance: dict[str, str], *,
+          force: bool) -> tuple[str, dict[str, Any]]:
+    """Record ``result`` as the expected answer to ``payload``, over an existing file only with ``force``; says what
+    changed."""
     slug, tol = manifest.slug, tolerance(manifest)
     path = expected_file(manifest)
     if path is None:
@@ -103,12 +165,12 @@ def bless(manifest: Manifest, result: Any, provenance: dict[str, str], *, force:
     data: dict[str, Any] = {"expected_file": str(path), "diff": [], "written": False}
     heading = "a new file"
     if path.exists() or path.is_symlink():
-        heading, data["diff"] = _diff(manifest, new)
+        heading, data["diff"] = _diff(manifest, payload, new)
         if not force:
             raise ResidentPoolError(f"{slug}: {path} exists and is not overwritten without --force; {heading}",
                                     slug=slug, reason="expected_exists", details=data)
     _write(path, {
-        "format": FORMAT, "slug": slug, "payload": manifest.smoke.payload, "result": new,
+        "format": FORMAT, "slug": slug, "payload": payload, "result": new,
         "blessed": {"at": datetime.now(UTC).isoformat(timespec="seconds"),
                     "provenance": {k: v for k, v in provenance.items() if k not in _LOCAL and not k.endswith(
                         "transcript")}},
@@ -117,7 +179,7 @@ def bless(manifest: Manifest, result: Any, provenance: dict[str, str], *, force:
     return f"wrote {path}: {heading}", data
 
 
-def _diff(manifest: Manifest, new: Any) -> tuple[str, list[str]]:
+def _diff(manifest: Manifest, payload: dict[str, Any], new: Any) -> tuple[str, list[str]]:
     """How ``new`` differs from the recorded answer: a heading, then one line per field."""
     tol = tolerance(manifest)
     try:
@@ -125,8 +187,8 @@ def _diff(manifest: Manifest, new: Any) -> tuple[str, list[str]]:
     except ManifestError as exc:
         return f"the old file is unusable ({exc})", []
     lines = []
-    if old["payload"] != manifest.smoke.payload:
-        lines.append(f"the payload changed: {json.dumps(old['payload'])} -> {json.dumps(manifest.smoke.payload)}")
+    if old["payload"] != payload:
+        lines.append(f"the payload changed: {_short(old['payload'])} -> {_short(payload)}")
     changes = compare(old["result"], new, Tolerance(ignore=tol.ignore, float32_base64=tol.float32_base64))
     lines += [change.describe("old", "new") for change in changes]
     if not changes:
@@ -134,6 +196,12 @@ def _diff(manifest: Manifest, new: Any) -> tuple[str, list[str]]:
     beyond = compare(old["result"], new, tol)
     return (f"{len(changes)} field(s) differ from the old file, {len(beyond)} of them beyond the tolerance "
             f"({tol.describe()})"), lines
+
+
+def _short(payload: Any, limit: int = 300) -> str:
+    """A payload as JSON, cut: a smoke set of 32 proteins would fill a screen."""
+    text = json.dumps(payload)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _write(path: Path, document: dict[str, Any]) -> None:
