@@ -19,10 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TEST_WORKER, WORKERS, wait_until
+from helpers import TEST_WORKER, WORKERS, state_dir, wait_until
 
 from resident_pool import arrays, protocol, worker_base
-from resident_pool.host import paths
 from resident_pool.protocol import Inbox, recv_line, send_line
 from resident_pool.providers.supervisor import PROTOCOL_PATH, WORKER_BASE_PATH
 
@@ -91,7 +90,7 @@ class Caller:
 
 @contextmanager
 def batching_worker(tmp_path: Path, *options: str, script: Path = BATCH_WORKER, **env: str):
-    socket_path = str(paths.state_dir() / "batch.sock")
+    socket_path = str(state_dir() / "batch.sock")
     calls, log = tmp_path / "calls.jsonl", tmp_path / "worker.log"
     environ = {**os.environ, "RESIDENT_POOL_PROTOCOL": PROTOCOL_PATH, "RESIDENT_POOL_WORKER_BASE": WORKER_BASE_PATH,
                "BATCHWORKER_CALLS": str(calls), **env}
@@ -525,7 +524,7 @@ def test_the_pools_variables_win_over_serves_arguments_and_a_bad_one_stops_the_s
     with batching_worker(tmp_path, "--by-argument", "2", "250", RESIDENT_POOL_MAX_BATCH_SIZE="5",
                          RESIDENT_POOL_MAX_WAIT_MS="0") as worker:
         assert worker.ask({"op": "ping", "id": 1})["batching"]["max_batch_size"] == 5
-    bad = subprocess.run([sys.executable, str(BATCH_WORKER), str(paths.state_dir() / "bad.sock")], check=False,
+    bad = subprocess.run([sys.executable, str(BATCH_WORKER), str(state_dir() / "bad.sock")], check=False,
                          env={**os.environ, "RESIDENT_POOL_WORKER_BASE": WORKER_BASE_PATH,
                               "RESIDENT_POOL_PROTOCOL": PROTOCOL_PATH, "RESIDENT_POOL_MAX_BATCH_SIZE": "lots"},
                          capture_output=True, text=True, timeout=60)
