@@ -23,23 +23,17 @@ from filelock import FileLock
 
 from . import arrays
 from . import priority as order
-from .errors import RequestTimeout, ResidentPoolError, WorkerRequestError, error_from_dict
+from .errors import ResidentPoolError, WorkerRequestError, error_from_dict
 from .host import paths
+from .lease import KEPT_BUFFER_BYTES, RECALLED_RETRIES, Held, failure
 from .messages import Acquire, Release, StopWorkers, Used, Variant, Warm, bad_request
 from .protocol import COPY, Inbox, PeerError, ProtocolError, connect, recv_line, send_line
 from .settings import settings
 from .version import __version__
 
-__all__ = ["Pool", "Session", "default_manifests", "shutdown_pool"]
+__all__ = ["KEPT_BUFFER_BYTES", "Pool", "Session", "default_manifests", "shutdown_pool"]
 
 POOL_START_TIMEOUT_S = 60.0
-# A kept lease tells the pool it is in use at most this often: idle retirement counts in seconds, and a
-# message per call would cost the pool a decode and its lock for every prediction.
-_NOTICE_S = 1.0
-_RECALLED_RETRIES = 5
-# What a kept lease keeps of reused array buffers between calls (its own and the worker's it maps): small arrays
-# sent call after call stay fast; bigger ones are given back as the call returns (docs/arrays.md).
-KEPT_BUFFER_BYTES = 16 << 20
 
 
 class _Process:
@@ -93,6 +87,44 @@ def running_pool_manifests() -> Path | None:
     return Path(folder) if isinstance(folder, str) and os.path.isabs(folder) else None
 
 
+def after_hello(hello: dict[str, Any] | None) -> str:
+    """What a client does with a connection after the pool's hello: ``use`` it; ``again`` (the pool closed it: the
+    next one answers); ``drained`` (this pool drains to exit: wait for its socket to go, then again); ``replace``
+    (an idle pool of another version: ask it to shut down, then again). Raises where the pool turned it away, or
+    runs another version and holds workers."""
+    if hello is None:
+        return "again"
+    if hello.get("ok") is False:  # turned away (too many connections): its reason, not a version story
+        error = hello.get("error")
+        raise error_from_dict(error if isinstance(error, dict) else {"error": str(error)})
+    if hello.get("version") == __version__ and not hello.get("draining"):
+        return "use"
+    if hello.get("draining"):
+        return "drained"
+    if not hello.get("idle"):
+        raise ResidentPoolError(
+            f"this client is resident-pool {__version__} but the pool (pid {hello.get('pid')}) runs "
+            f"{hello.get('version')} and holds workers; run `resident-pool stop --all` (its workers "
+            "drain, and the idle pool then gives way to this version), or retry once it is idle",
+            reason="version_mismatch", details={"client": __version__, "pool": hello.get("version")})
+    return "replace"
+
+
+def heard(line: dict[str, Any], recalled: dict[int, str]) -> bool:
+    """A line the pool sent unasked: True when it was one (a recall is kept in ``recalled`` for its session)."""
+    recall = line.get("recall")
+    if isinstance(recall, dict) and isinstance(recall.get("lease"), int):
+        recalled[recall["lease"]] = str(recall.get("why") or "")
+        return True
+    return "progress" in line
+
+
+def admission_wait(line: dict[str, Any]) -> dict[str, Any] | None:
+    """The admission wait a progress line reports (for ``on_wait``), or None."""
+    progress = line.get("progress")
+    return progress.get("waiting_for_admission") if isinstance(progress, dict) else None
+
+
 class _Link:
     """One thread's connection to the pool and its cached worker connections."""
 
@@ -105,11 +137,7 @@ class _Link:
 
     def heard(self, line: dict[str, Any]) -> bool:
         """A line the pool sent unasked: True when it was one (a recall is kept for its session)."""
-        recall = line.get("recall")
-        if isinstance(recall, dict) and isinstance(recall.get("lease"), int):
-            self.recalled[recall["lease"]] = str(recall.get("why") or "")
-            return True
-        return "progress" in line
+        return heard(line, self.recalled)
 
     def poll(self) -> None:
         """Read what the pool sent since (a recall), without waiting."""
@@ -216,28 +244,27 @@ class Pool:
             except (OSError, ProtocolError):
                 sock.close()
                 raise
-            if hello is None:
+            try:
+                step = after_hello(hello)
+            except ResidentPoolError:
                 sock.close()
-                continue
-            if hello.get("ok") is False:  # turned away (too many connections): its reason, not a version story
-                sock.close()
-                error = hello.get("error")
-                raise error_from_dict(error if isinstance(error, dict) else {"error": str(error)})
-            if hello.get("version") == __version__ and not hello.get("draining"):
+                raise
+            if step == "use":
                 return sock
             sock.close()
-            if hello.get("draining"):
+            if step == "drained":
                 self._wait_for_socket_to_go()
-                continue
-            if not hello.get("idle"):
-                raise ResidentPoolError(
-                    f"this client is resident-pool {__version__} but the pool (pid {hello.get('pid')}) runs "
-                    f"{hello.get('version')} and holds workers; run `resident-pool stop --all` (its workers "
-                    "drain, and the idle pool then gives way to this version), or retry once it is idle",
-                    reason="version_mismatch", details={"client": __version__, "pool": hello.get("version")})
-            self._call_once({"op": "shutdown"})  # idle: it drains at once and a pool of this version starts
-            self._wait_for_socket_to_go()
-        raise ResidentPoolError(f"no pool of version {__version__} could be reached on {self.socket_path}")
+            elif step == "replace":
+                self._call_once({"op": "shutdown"})  # idle: it drains at once and a pool of this version starts
+                self._wait_for_socket_to_go()
+        raise self._unreachable()
+
+    def _unreachable(self) -> ResidentPoolError:
+        return ResidentPoolError(f"no pool of version {__version__} could be reached on {self.socket_path}")
+
+    def _no_pool(self) -> ResidentPoolError:
+        return ResidentPoolError(f"no pool is running on {self.socket_path}; start one with `resident-pool daemon`",
+                                 reason="no_pool")
 
     def _open(self) -> socket.socket:
         try:
@@ -246,9 +273,7 @@ class Pool:
             raise ResidentPoolError(str(exc), reason="peer_not_you") from None
         except (FileNotFoundError, ConnectionRefusedError):
             if not self.start:
-                raise ResidentPoolError(
-                    f"no pool is running on {self.socket_path}; start one with `resident-pool daemon`",
-                    reason="no_pool") from None
+                raise self._no_pool() from None
         # Two flow runs racing here start one pool, not two.
         with FileLock(str(self.state_dir / "start.lock")):
             try:
@@ -313,7 +338,7 @@ class Pool:
                 return {}
             reply = recv_line(link.pool, link.buf)
             while reply is not None and link.heard(reply):
-                wait = reply["progress"].get("waiting_for_admission") if "progress" in reply else None
+                wait = admission_wait(reply)
                 if wait is not None and self.on_wait is not None:
                     self.on_wait(wait)
                 reply = recv_line(link.pool, link.buf)
@@ -374,7 +399,7 @@ class Pool:
         """
         _check_priority(priority)
         link = self._link()
-        for _ in range(_RECALLED_RETRIES):
+        for _ in range(RECALLED_RETRIES):
             session = link.kept.get(slug)
             if session is None or session._ended:
                 session = Session(self, self._acquire(slug, None, self.holder, priority, keep=True))
@@ -396,7 +421,7 @@ class Pool:
                 session.trim()
             session.notice()
             return result
-        raise WorkerRequestError(f"{slug}: its lease was taken back {_RECALLED_RETRIES} times in a row; the pool is "
+        raise WorkerRequestError(f"{slug}: its lease was taken back {RECALLED_RETRIES} times in a row; the pool is "
                                  "busy with other clients: retry", slug=slug, reason="lease_recalled")
 
     @contextmanager
@@ -497,7 +522,7 @@ def shutdown_pool(wait_s: float = 60.0) -> int | None:
         return None
 
 
-class Session:
+class Session(Held):
     """A leased worker: requests go straight to its socket."""
 
     def __init__(self, pool: Pool, lease: dict[str, Any], max_attachment_bytes: int | None = None,
@@ -512,25 +537,6 @@ class Session:
         self._inbox: Inbox | None = None  # of the connection its last request went on
         self._hold(lease)
         self._ended = False
-
-    def _hold(self, lease: dict[str, Any]) -> None:
-        self.lease = lease
-        self.slug: str = lease["slug"]
-        self.pid: int = lease["pid"]
-        self.replica: int = lease["replica"]
-        self.cold: bool = lease["cold"]
-        self.transcript: str = lease["transcript"]
-        self.version: str | None = lease.get("version")
-        self.token: str | None = lease.get("token")
-        self.priority: str = lease.get("priority", order.DEFAULT)
-        self.backfilled: bool = bool(lease.get("backfilled"))
-        self.served = 0
-        self._unnoticed = 0  # served since the pool last heard (a kept lease tells it now and then)
-        self._noticed_at = -_NOTICE_S  # the first call tells at once: a waiting client may then take it back
-
-    def _renews(self) -> bool:
-        """A backfilled session's lease may be taken back (every other session's never is): it acquires again."""
-        return self.backfilled and self._reacquire is not None
 
     def _renew_if_recalled(self) -> None:
         """A backfilled lease the pool asked back is given back before the next request, which waits again in its
@@ -578,13 +584,10 @@ class Session:
 
     def predict(self, payload: Any) -> Any:
         if self._forks != _Process.forks:  # its lease and its connections are the parent's, which may still use them
-            raise WorkerRequestError(f"{self.slug}: this session was opened before this process was forked (pid "
-                                     f"{os.getpid()}); its lease is the parent's: open a session in this process",
-                                     slug=self.slug, reason="session_forked")
+            raise self._forked_error(os.getpid())
         if self._ended:
-            raise WorkerRequestError(f"{self.slug}: this session has ended; open a new one", slug=self.slug,
-                                     reason="session_ended")
-        for _ in range(_RECALLED_RETRIES):
+            raise self._ended_error()
+        for _ in range(RECALLED_RETRIES):
             self._renew_if_recalled()
             try:
                 return self._predict_once(payload)
@@ -594,9 +597,7 @@ class Session:
                 if error.reason != "lease_recalled" or not self._renews():
                     raise
                 self._renew()
-        raise WorkerRequestError(f"{self.slug}: this backfilled session's lease was taken back {_RECALLED_RETRIES} "
-                                 "times in a row; the card is busy with requests ahead of it: retry",
-                                 slug=self.slug, reason="lease_recalled")
+        raise self._taken_back_too_often()
 
     def _predict_once(self, payload: Any) -> Any:
         request_id = next(_Process.request_ids)  # unique in this process: a reply to another request is never taken
@@ -612,10 +613,8 @@ class Session:
                 inbox.slabs = arrays.Slabs()  # this session's reused buffers, on its connection to the worker
         # Encoded before a byte of it goes: a payload that cannot be sent (a dtype the protocol does not
         # carry, NaN, over a cap) raises here as the caller's mistake, and the session goes on as it was.
-        message = {"op": "predict", "id": request_id, "payload": payload}
-        if self.token is not None:
-            message["lease"] = self.token  # a lease the pool took back is refused by the worker
-        encoded = arrays.encode(message, inbox.peer, inbox.attach_min_bytes, slabs=inbox.slabs)
+        encoded = arrays.encode(self._request(request_id, payload), inbox.peer, inbox.attach_min_bytes,
+                                slabs=inbox.slabs)
         with self._failures(timeout):
             # Arrays in the payload and the result travel beside the line (arrays.py).
             reply = arrays.complete(sock, inbox, *encoded, request_id=request_id)
@@ -625,20 +624,11 @@ class Session:
                 raise ProtocolError(f"the worker answered request {reply.get('id')!r}, not {request_id}")
         if reply.get("reason") == "lease_recalled":
             self._ended = True  # the pool ended it already: nothing to release
-            raise WorkerRequestError(f"{self.slug}: the pool took this lease back (another request waited); "
-                                     "acquire again", slug=self.slug, reason="lease_recalled")
+            raise self._recalled_error()
         if reply.get("reason") == "worker_stopping":
-            # The worker was told to stop before it read this request, and answered it unrun: a kept lease acquires
-            # again unseen (Pool.predict), a session hears it and may send it again.
             self._forget_worker()
             self.release()
-            if self.lease.get("kept") or self._renews():
-                raise WorkerRequestError(f"{self.slug}: this lease's worker is stopping; acquire again",
-                                         slug=self.slug, reason="lease_recalled")
-            raise WorkerRequestError(
-                f"{self.slug}: the worker (pid {self.pid}) was stopping and did not run this request; send it again "
-                f"(transcript {self.transcript})", slug=self.slug, reason="worker_stopping",
-                transcript=self.transcript)
+            raise self._stopping_error()
         self.served += 1
         self._unnoticed += 1
         if reply.get("ok"):
@@ -647,88 +637,44 @@ class Session:
             self._forget_worker()
             answer = self._end("exiting", {"reply": reply})
             raise error_from_dict(answer["error"])
-        raise WorkerRequestError(
-            f"{self.slug}: request failed: {reply.get('error')} (transcript {self.transcript})",
-            slug=self.slug, reason=str(reply.get("reason") or "request_failed"), transcript=self.transcript,
-            details={"traceback": reply.get("traceback")},
-        )
+        raise self._failed_error(reply)
 
     @contextmanager
     def _failures(self, timeout: float, sent: bool = True) -> Iterator[None]:
-        """What a broken, timed-out or interrupted exchange with the worker does to this session.
+        """What a broken, timed-out or interrupted exchange with the worker does to this session (lease.failure).
 
         ``sent=False``: no request has gone yet (connecting, negotiating)."""
         try:
             yield
-        except PeerError as exc:
-            self.release()
-            raise ResidentPoolError(f"{self.slug}: {exc}", slug=self.slug, reason="peer_not_you") from None
-        except ProtocolError as exc:
-            # The worker answered in a form this side cannot read (not JSON, an attachment that is no sealed memfd,
-            # a reply to another request): its connection goes, and the pool checks the worker (a ping) before it
-            # serves again. Told without waiting for an answer: a bad reply costs no more than its round trip.
-            self._forget_worker()
-            self._ended = True
-            try:
-                self.pool._call(Release(self.lease["lease"], "bad_reply", self._unnoticed).to_message(),
-                                expect_reply=False)
-            except OSError:
-                pass  # the pool is gone: the lease went with its connection
-            ran = "the request may have run" if sent else "the request did not run"
-            raise WorkerRequestError(
-                f"{self.slug}: its worker (pid {self.pid}) sent a reply that cannot be read ({exc}); {ran}; "
-                f"transcript {self.transcript}", slug=self.slug, reason="bad_reply", transcript=self.transcript,
-                details={"protocol_error": str(exc)[:500]}) from None
-        except TimeoutError as exc:
-            self._forget_worker()
-            self._end("timeout", {})
-            headline = (f"{self.slug}: a request outran request_timeout_s = {timeout:g} s; its worker (pid "
-                        f"{self.pid}) was stopped and the next request starts a fresh one; transcript "
-                        f"{self.transcript}")
-            raise RequestTimeout(headline, slug=self.slug, transcript=self.transcript,
-                                 details={"timeout_s": timeout, "pid": self.pid}) from exc
-        except OSError as exc:
-            self._forget_worker()
-            answer = self._end("broken", {})
-            recalled = self.lease.get("kept") or (self.backfilled and answer.get("gone"))
-            if recalled and (not sent or isinstance(exc, arrays.NotSent)):
-                # Between calls of a kept lease the pool took it back, or its worker ended (died, stopped), or the
-                # pool took a backfilled session's lease back (it says "gone") and evicted its worker: the request
-                # never reached a worker, so Pool.predict (or the session) acquires again and sends it there. (One
-                # that broke after it was sent may have run, or killed its worker: that is the caller's to hear.)
-                raise WorkerRequestError(f"{self.slug}: this lease's worker is gone; acquire again",
-                                         slug=self.slug, reason="lease_recalled") from exc
-            if answer.get("error"):
-                raise error_from_dict(answer["error"]) from exc
-            if not sent or isinstance(exc, arrays.NotSent):
-                raise WorkerRequestError(
-                    f"{self.slug}: could not reach its worker (pid {self.pid}): {type(exc).__name__}: {exc}; the "
-                    f"request did not run (transcript {self.transcript})", slug=self.slug,
-                    reason="worker_unreachable", transcript=self.transcript) from exc
-            raise WorkerRequestError(
-                f"{self.slug}: the connection to its worker (pid {self.pid}) broke after the request was sent "
-                f"({type(exc).__name__}: {exc}); the request may have run; the worker lives on. Send it again if it "
-                f"is safe to repeat (transcript {self.transcript})", slug=self.slug, reason="connection_broken",
-                transcript=self.transcript) from exc
-        except BaseException:
-            # Interrupted with the request in flight (Ctrl-C, a cancelled task): its reply may still
-            # come on this connection, and the worker still computes. Drop the connection, and let
-            # the pool drain the worker before anyone else gets it.
-            self._forget_worker()
-            self._ended = True
-            try:
-                self.pool._call(Release(self.lease["lease"], "abandoned", self._unnoticed).to_message(),
-                                expect_reply=False)
-            except (OSError, ResidentPoolError):
-                pass  # the pool is gone: the lease went with its connection
-            raise
+        except BaseException as exc:
+            kind = failure(exc)
+            answer: dict[str, Any] = {}
+            if kind == "peer":
+                self.release()
+            else:
+                self._forget_worker()
+            if kind in ("timeout", "broken"):
+                answer = self._end(kind, {})
+            elif kind in ("bad_reply", "abandoned"):
+                # Told without waiting for an answer: a bad reply costs no more than its round trip, and an
+                # interrupted request (Ctrl-C, a cancelled task) may still be computing: its reply may still come
+                # on the connection just dropped, and the pool drains the worker before anyone else gets it.
+                self._ended = True
+                try:
+                    self.pool._call(Release(self.lease["lease"], kind, self._unnoticed).to_message(),
+                                    expect_reply=False)
+                except (OSError, ResidentPoolError):
+                    pass  # the pool is gone: the lease went with its connection
+            error = self._failure_error(kind, exc, sent, timeout, answer)
+            if error is None:
+                raise
+            raise error  # noqa: B904 - its cause is set by _failure_error (None where the exchange's adds nothing)
 
     def notice(self) -> None:
         """Tell the pool, at most once a second and without waiting, that this kept lease is in use."""
-        now = time.monotonic()
-        if now - self._noticed_at < _NOTICE_S or self._ended:
+        served = self._notice_due()
+        if served is None:
             return
-        self._noticed_at, served, self._unnoticed = now, self._unnoticed, 0
         try:
             self.pool._call(Used(self.lease["lease"], served).to_message(), expect_reply=False)
         except OSError:

@@ -43,6 +43,7 @@ __all__ = [
     "ProtocolError",
     "Slab",
     "SocketPathError",
+    "check_peer",
     "check_socket_path",
     "connect",
     "encode_line",
@@ -271,15 +272,20 @@ def connect(path: str | os.PathLike[str], timeout: float = CONNECT_TIMEOUT_S) ->
     sock.settimeout(timeout)
     try:
         sock.connect(check_socket_path(path))
-        uid = peer_uid(sock)
-        if uid != os.getuid():
-            raise PeerError(f"{os.fspath(path)} is served by uid {uid}, not by you (uid {os.getuid()}); "
-                            "refusing to talk to it: check who can write its folder")
+        check_peer(sock, path)
     except BaseException:
         sock.close()
         raise
     sock.settimeout(None)
     return sock
+
+
+def check_peer(sock: socket.socket, path: str | os.PathLike[str]) -> None:
+    """Raise PeerError unless the process at the other end of ``sock`` (connected to ``path``) is this user's."""
+    uid = peer_uid(sock)
+    if uid != os.getuid():
+        raise PeerError(f"{os.fspath(path)} is served by uid {uid}, not by you (uid {os.getuid()}); "
+                        "refusing to talk to it: check who can write its folder")
 
 
 # -- attachments: sealed memfds beside a line -------------------------------------
