@@ -25,8 +25,8 @@ from . import arrays
 from . import priority as order
 from .errors import ResidentPoolError, WorkerRequestError, error_from_dict
 from .host import paths
-from .lease import KEPT_BUFFER_BYTES, RECALLED_RETRIES, Held, failure
-from .messages import Acquire, Release, StopWorkers, Used, Variant, Warm, bad_request
+from .lease import EXITING, KEPT_BUFFER_BYTES, RECALLED_RETRIES, Held, failure
+from .messages import Acquire, Release, StopWorkers, Variant, Warm, bad_request
 from .protocol import COPY, Inbox, PeerError, ProtocolError, connect, recv_line, send_line
 from .settings import settings
 from .version import __version__
@@ -576,17 +576,26 @@ class Session(Held):
             cached = link.workers[key] = (connect(self.lease["socket"]), inbox)
         return cached
 
+    def _cached_worker(self) -> tuple[socket.socket, Inbox] | None:
+        return self.pool._link().workers.get((self.lease["socket"], self.pid, self.max_attachment_bytes))
+
     def _forget_worker(self) -> None:
         cached = self.pool._link().workers.pop((self.lease["socket"], self.pid, self.max_attachment_bytes), None)
         if cached is not None:
             cached[0].close()
             cached[1].close()
 
+    def _opened_here(self) -> bool:
+        return self._forks == _Process.forks
+
+    def _tell(self, message: dict[str, Any]) -> None:
+        try:
+            self.pool._call(message, expect_reply=False)
+        except (OSError, ResidentPoolError):
+            pass  # the pool is gone: the lease went with its connection
+
     def predict(self, payload: Any) -> Any:
-        if self._forks != _Process.forks:  # its lease and its connections are the parent's, which may still use them
-            raise self._forked_error(os.getpid())
-        if self._ended:
-            raise self._ended_error()
+        self._check_usable()
         for _ in range(RECALLED_RETRIES):
             self._renew_if_recalled()
             try:
@@ -617,27 +626,11 @@ class Session(Held):
                                 slabs=inbox.slabs)
         with self._failures(timeout):
             # Arrays in the payload and the result travel beside the line (arrays.py).
-            reply = arrays.complete(sock, inbox, *encoded, request_id=request_id)
-            if reply is None:
-                raise ConnectionResetError("the worker closed the connection without a reply")
-            if reply.get("id") != request_id:
-                raise ProtocolError(f"the worker answered request {reply.get('id')!r}, not {request_id}")
-        if reply.get("reason") == "lease_recalled":
-            self._ended = True  # the pool ended it already: nothing to release
-            raise self._recalled_error()
-        if reply.get("reason") == "worker_stopping":
-            self._forget_worker()
-            self.release()
-            raise self._stopping_error()
-        self.served += 1
-        self._unnoticed += 1
-        if reply.get("ok"):
-            return reply.get("result")
-        if reply.get("reason") == "worker_exiting":
-            self._forget_worker()
-            answer = self._end("exiting", {"reply": reply})
-            raise error_from_dict(answer["error"])
-        raise self._failed_error(reply)
+            reply = self._answered(arrays.complete(sock, inbox, *encoded, request_id=request_id), request_id)
+        result = self._outcome(reply)
+        if result is EXITING:
+            raise error_from_dict(self._end("exiting", {"reply": reply})["error"])
+        return result
 
     @contextmanager
     def _failures(self, timeout: float, sent: bool = True) -> Iterator[None]:
@@ -648,65 +641,12 @@ class Session(Held):
             yield
         except BaseException as exc:
             kind = failure(exc)
-            answer: dict[str, Any] = {}
-            if kind == "peer":
-                self.release()
-            else:
-                self._forget_worker()
-            if kind in ("timeout", "broken"):
-                answer = self._end(kind, {})
-            elif kind in ("bad_reply", "abandoned"):
-                # Told without waiting for an answer: a bad reply costs no more than its round trip, and an
-                # interrupted request (Ctrl-C, a cancelled task) may still be computing: its reply may still come
-                # on the connection just dropped, and the pool drains the worker before anyone else gets it.
-                self._ended = True
-                try:
-                    self.pool._call(Release(self.lease["lease"], kind, self._unnoticed).to_message(),
-                                    expect_reply=False)
-                except (OSError, ResidentPoolError):
-                    pass  # the pool is gone: the lease went with its connection
+            answer = self._end(kind, {}) if self._dropped(kind) else {}
             error = self._failure_error(kind, exc, sent, timeout, answer)
             if error is None:
                 raise
             raise error  # noqa: B904 - its cause is set by _failure_error (None where the exchange's adds nothing)
 
-    def notice(self) -> None:
-        """Tell the pool, at most once a second and without waiting, that this kept lease is in use."""
-        served = self._notice_due()
-        if served is None:
-            return
-        try:
-            self.pool._call(Used(self.lease["lease"], served).to_message(), expect_reply=False)
-        except OSError:
-            pass  # the pool is gone: the next call finds out and acquires again
-
     def _end(self, outcome: str, extra: dict[str, Any]) -> dict[str, Any]:
         self._ended = True
         return self.pool._call(Release(self.lease["lease"], outcome, self._unnoticed, extra.get("reply")).to_message())
-
-    def _close_buffers(self) -> None:
-        """The session's reused buffers go with it: a connection that carried any is closed, so the worker
-        lets go of its mappings of them and of its own reply buffers too."""
-        cached = self.pool._link().workers.get((self.lease["socket"], self.pid, self.max_attachment_bytes))
-        if cached is not None and cached[1].holds_buffers():
-            self._forget_worker()
-
-    def trim(self) -> None:
-        """After a call of a kept lease: reused buffers past KEPT_BUFFER_BYTES go with their connection (the worker
-        then lets go of its mappings of this side's and of its own answer buffers); the next call connects again."""
-        inbox = self._inbox  # no lookup on the way out of a call that sent no array (most calls)
-        if inbox is None or (inbox.slabs is None and not inbox.mappings.entries):
-            return
-        if inbox.buffer_bytes() > KEPT_BUFFER_BYTES:
-            self._forget_worker()
-            self._inbox = None
-
-    def release(self) -> None:
-        if self._ended or self._forks != _Process.forks:  # a forked child's copy: the parent gives its lease back
-            return
-        self._close_buffers()
-        self._ended = True
-        try:
-            self.pool._call(Release(self.lease["lease"], "ok", self._unnoticed).to_message(), expect_reply=False)
-        except OSError:
-            pass  # the pool is gone; the lease went with its connection

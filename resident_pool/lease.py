@@ -6,15 +6,17 @@ socket, never in what a reply or a broken exchange means, nor in what the caller
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 from . import arrays
 from . import priority as order
 from .errors import RequestTimeout, ResidentPoolError, WorkerRequestError, error_from_dict
-from .protocol import PeerError, ProtocolError
+from .messages import Release, Used
+from .protocol import Inbox, PeerError, ProtocolError
 
-__all__ = ["KEPT_BUFFER_BYTES", "NOTICE_S", "RECALLED_RETRIES", "Held", "failure"]
+__all__ = ["EXITING", "KEPT_BUFFER_BYTES", "NOTICE_S", "RECALLED_RETRIES", "Held", "failure"]
 
 # A kept lease tells the pool it is in use at most this often: idle retirement counts in seconds, and a
 # message per call would cost the pool a decode and its lock for every prediction.
@@ -23,6 +25,8 @@ RECALLED_RETRIES = 5
 # What a kept lease keeps of reused array buffers between calls (its own and the worker's it maps): small arrays
 # sent call after call stay fast; bigger ones are given back as the call returns (docs/arrays.md).
 KEPT_BUFFER_BYTES = 16 << 20
+# What Held._outcome gives for a worker that said it exits: its client ends the lease and raises what the pool says.
+EXITING = object()
 
 
 def failure(exc: BaseException) -> str:
@@ -41,11 +45,29 @@ def failure(exc: BaseException) -> str:
 
 
 class Held:
-    """One lease as its client holds it: what the pool granted, what it served, and the errors it raises."""
+    """One lease as its client holds it: what the pool granted, what it served, what each reply and each failed
+    exchange does to it, and the errors it raises. A client's session adds how it talks: ``_tell`` the pool a line
+    that has no answer, find (``_cached_worker``) and drop (``_forget_worker``) its connection to the worker."""
 
     lease: dict[str, Any]
     _ended: bool
+    _forks: int  # the process it was opened in (client._Process.forks then)
+    _inbox: Inbox | None  # of the connection its last request went on
     _reacquire: Any  # how a backfilled session acquires again (None: it never does)
+
+    def _tell(self, message: dict[str, Any]) -> None:
+        """Send the pool a line that has no answer, without waiting; a pool that is gone is no error here (the
+        lease went with its connection)."""
+        raise NotImplementedError
+
+    def _cached_worker(self) -> tuple[Any, Inbox] | None:
+        raise NotImplementedError
+
+    def _forget_worker(self) -> None:
+        raise NotImplementedError
+
+    def _opened_here(self) -> bool:
+        raise NotImplementedError
 
     def _hold(self, lease: dict[str, Any]) -> None:
         self.lease = lease
@@ -79,6 +101,87 @@ class Held:
             return None
         self._noticed_at, served, self._unnoticed = now, self._unnoticed, 0
         return served
+
+    def _answered(self, reply: dict[str, Any] | None, request_id: int) -> dict[str, Any]:
+        """``reply`` if it answers ``request_id``; a connection closed instead, or an answer to another request, is
+        an exchange that broke (ConnectionResetError, ProtocolError)."""
+        if reply is None:
+            raise ConnectionResetError("the worker closed the connection without a reply")
+        if reply.get("id") != request_id:
+            raise ProtocolError(f"the worker answered request {reply.get('id')!r}, not {request_id}")
+        return reply
+
+    def _outcome(self, reply: dict[str, Any]) -> Any:
+        """What the worker's reply means for the caller: its result, or the error raised; ``EXITING`` for a worker
+        that said it exits (the lease is ended, and what the pool answers to that is the caller's error)."""
+        if reply.get("reason") == "lease_recalled":
+            self._ended = True  # the pool ended it already: nothing to release
+            raise self._recalled_error()
+        if reply.get("reason") == "worker_stopping":
+            self._forget_worker()
+            self.release()
+            raise self._stopping_error()
+        self.served += 1
+        self._unnoticed += 1
+        if reply.get("ok"):
+            return reply.get("result")
+        if reply.get("reason") == "worker_exiting":
+            self._forget_worker()
+            return EXITING
+        raise self._failed_error(reply)
+
+    def _dropped(self, kind: str) -> bool:
+        """What an exchange that failed (``failure``'s ``kind``) does to this lease before the caller hears: True
+        when the pool is to be told, and its answer waited for (the session's ``_end(kind)``)."""
+        if kind == "peer":
+            self.release()
+            return False
+        self._forget_worker()
+        if kind in ("timeout", "broken"):
+            return True
+        # Told without waiting for an answer: a bad reply costs no more than its round trip, and an interrupted
+        # request (Ctrl-C, a cancelled task) may still be computing: its reply may still come on the connection
+        # just dropped, and the pool drains the worker before anyone else gets it.
+        self._ended = True
+        self._tell(Release(self.lease["lease"], kind, self._unnoticed).to_message())
+        return False
+
+    def notice(self) -> None:
+        """Tell the pool, at most once a second and without waiting, that this kept lease is in use."""
+        served = self._notice_due()
+        if served is not None:
+            self._tell(Used(self.lease["lease"], served).to_message())
+
+    def _close_buffers(self) -> None:
+        """The session's reused buffers go with it: a connection that carried any is closed, so the worker
+        lets go of its mappings of them and of its own reply buffers too."""
+        cached = self._cached_worker()
+        if cached is not None and cached[1].holds_buffers():
+            self._forget_worker()
+
+    def trim(self) -> None:
+        """After a call of a kept lease: reused buffers past KEPT_BUFFER_BYTES go with their connection (the worker
+        then lets go of its mappings of this side's and of its own answer buffers); the next call connects again."""
+        inbox = self._inbox  # no lookup on the way out of a call that sent no array (most calls)
+        if inbox is None or (inbox.slabs is None and not inbox.mappings.entries):
+            return
+        if inbox.buffer_bytes() > KEPT_BUFFER_BYTES:
+            self._forget_worker()
+            self._inbox = None
+
+    def release(self) -> None:
+        """Give the lease back (once; never from a forked child's copy: the parent gives its lease back)."""
+        if self._ended or not self._opened_here():
+            return
+        self._close_buffers()
+        self._ended = True
+        self._tell(Release(self.lease["lease"], "ok", self._unnoticed).to_message())
+
+    def _check_usable(self) -> None:
+        if not self._opened_here():  # its lease and its connections are the parent's, which may still use them
+            raise self._forked_error(os.getpid())
+        if self._ended:
+            raise self._ended_error()
 
     # -- what the caller is told ---------------------------------------------------------------------------
     def _forked_error(self, pid: int) -> WorkerRequestError:
