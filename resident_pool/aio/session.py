@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from .. import arrays
@@ -85,7 +84,8 @@ class AsyncSession(Held):
         async with self._turn:
             self._check_usable()  # ended while this call waited its turn
             for _ in range(RECALLED_RETRIES):
-                await self._renew_if_recalled()
+                if self._renews():
+                    await self._renew_if_recalled()
                 try:
                     return await self._predict_once(payload)
                 except WorkerRequestError as error:
@@ -99,39 +99,43 @@ class AsyncSession(Held):
     async def _predict_once(self, payload: Any) -> Any:
         request_id = next(_Process.request_ids)  # unique in this process: a reply to another request is never taken
         timeout = self.lease["request_timeout_s"]
-        async with self._failures(timeout, sent=False):
+        try:
             sock, inbox = await self._worker()
             self._inbox = inbox  # for trim, after the call
             if inbox.peer is None:
                 await streams.negotiate(sock, inbox, timeout)
             if inbox.slabs is None and arrays.reuses(inbox.peer):
                 inbox.slabs = arrays.Slabs()  # this session's reused buffers, on its connection to the worker
+        except BaseException as exc:
+            error = await self._failed(exc, timeout, sent=False)
+            if error is None:
+                raise
+            raise error  # noqa: B904 - its cause is set by _failure_error (None where the exchange's adds nothing)
         # Encoded before a byte of it goes: a payload that cannot be sent (a dtype the protocol does not
         # carry, NaN, over a cap) raises here as the caller's mistake, and the session goes on as it was.
         encoded = arrays.encode(self._request(request_id, payload), inbox.peer, inbox.attach_min_bytes,
                                 slabs=inbox.slabs)
-        async with self._failures(timeout):
+        try:
             reply = self._answered(await streams.complete(sock, inbox, *encoded, request_id, timeout), request_id)
+        except BaseException as exc:
+            error = await self._failed(exc, timeout, sent=True)
+            if error is None:
+                raise
+            raise error  # noqa: B904 - its cause is set by _failure_error (None where the exchange's adds nothing)
         result = self._outcome(reply)
         if result is EXITING:
             answer = await self._end("exiting", reply)
             raise error_from_dict(answer["error"]) if answer.get("error") else self._failed_error(reply)
         return result
 
-    @asynccontextmanager
-    async def _failures(self, timeout: float, sent: bool = True) -> AsyncIterator[None]:
-        """What a broken, timed-out or interrupted exchange with the worker does to this session (lease.failure):
-        a cancelled task's request is abandoned (its connection dropped, the pool drains the worker), as an
-        interrupted one is in the blocking client. ``sent=False``: no request has gone yet."""
-        try:
-            yield
-        except BaseException as exc:
-            kind = failure(exc)
-            answer = await self._end(kind) if self._dropped(kind) else {}
-            error = self._failure_error(kind, exc, sent, timeout, answer)
-            if error is None:
-                raise
-            raise error  # noqa: B904 - its cause is set by _failure_error (None where the exchange's adds nothing)
+    async def _failed(self, exc: BaseException, timeout: float, sent: bool) -> BaseException | None:
+        """What a broken, timed-out or interrupted exchange with the worker does to this session (lease.failure), and
+        the library's error the caller hears; None: ``exc`` itself goes on (an interruption). A cancelled task's
+        request is abandoned (its connection dropped, the pool drains the worker), as an interrupted one is in the
+        blocking client. ``sent=False``: no request had gone yet."""
+        kind = failure(exc)
+        answer = await self._end(kind) if self._dropped(kind) else {}
+        return self._failure_error(kind, exc, sent, timeout, answer)
 
     async def _end(self, outcome: str, reply: dict[str, Any] | None = None) -> dict[str, Any]:
         """End the lease with ``outcome`` and return what the pool says to it (an error, where there was one)."""
