@@ -337,6 +337,44 @@ def test_an_admission_wait_reaches_on_wait_and_the_request_is_served_once_memory
     assert answer["echo"] == "admitted"
 
 
+def test_a_backfilled_session_hears_the_pools_recall_and_waits_again_unseen(pool_dir, monkeypatch):
+    """big (8 GB) is held, big2 (9) waits, small (2) is backfilled ahead of it. Once big is free, big2 needs small's
+    memory: the pool's recall line reaches small's session, whose next request waits again, unseen by its caller."""
+    monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "10")
+    for slug, budget in (("big", 8), ("big2", 9), ("small", 2)):
+        write_provider(pool_dir, slug, f'[gpu]\npolicy = "required"\nvram_budget_gb = {budget}\n'
+                                       "[lifecycle]\nadmission_timeout_s = 120\n")
+
+    async def scenario():
+        async with AsyncPool() as pool:
+            async def hold_big():
+                async with pool.session("big") as session:
+                    await session.predict({"action": "sleep", "seconds": 1.0})
+
+            async def state(slug, wanted):
+                return [w for w in (await pool.status())["workers"] if w["slug"] == slug and w["state"] == wanted]
+
+            async def big2_waits():
+                return [w for w in await pool.waiting() if w["slug"] == "big2" and w.get("needs_gb")]
+
+            big = asyncio.create_task(hold_big())
+            await until(lambda: state("big", "leased"), message="big busy")
+            big2 = asyncio.create_task(pool.predict("big2", {"action": "echo", "value": "big2"}))
+            await until(big2_waits, message="big2 waiting for memory")
+            async with pool.session("small") as small:
+                backfilled = small.backfilled
+                answers = [await small.predict({"action": "echo", "value": n}) for n in range(3)]
+                await big
+                await until(lambda: state("big2", "leased"), message="big2 served, small's memory taken back")
+                answers.append(await small.predict({"action": "echo", "value": 3}))
+                recalls = small.recalls
+            return backfilled, answers, recalls, await big2
+
+    backfilled, answers, recalls, big2 = asyncio.run(scenario())
+    assert backfilled is True and recalls == 1
+    assert [answer["echo"] for answer in answers] == [0, 1, 2, 3] and big2["echo"] == "big2"
+
+
 def test_a_priority_that_is_not_a_class_is_refused_naming_the_classes(pool_dir):
     async def scenario():
         async with AsyncPool() as pool:
