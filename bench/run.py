@@ -1030,11 +1030,13 @@ def case_admission_start_zygote(table: Table, env: Env, quick: bool) -> None:
 
 
 from adhoc import case_adhoc_predict  # noqa: E402 - bench/ is on the path now
+from async_client import case_async_client  # noqa: E402 - bench/ is on the path now
 from batching import case_worker_batching  # noqa: E402 - bench/ is on the path now
 from contention import case_head_of_line, case_host_race, case_mixed  # noqa: E402 - bench/ is on the path now
 
 CASES = {
     "call_path": case_call_path,
+    "async_client": case_async_client,
     "real_model": case_real_model,
     "memory": case_memory,
     "admission": case_admission,

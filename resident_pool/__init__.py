@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .aio import AsyncPool, AsyncSession
 from .client import Pool, Session
 from .errors import (
     AdmissionRefused,
@@ -26,6 +27,8 @@ __all__ = [
     "EXIT_HINTS",
     "AdmissionRefused",
     "AdmissionTimeout",
+    "AsyncPool",
+    "AsyncSession",
     "GoldenMismatch",
     "KitUnavailable",
     "ManifestError",

@@ -34,8 +34,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["DTYPES", "Array", "ArrayError", "Slabs", "complete", "decode", "encode", "exchange", "limits", "negotiate",
-           "plain", "reuses", "with_field"]
+__all__ = ["DTYPES", "Array", "ArrayError", "Slabs", "answer", "complete", "decode", "encode", "exchange", "limits",
+           "negotiate", "negotiated", "offer", "plain", "reuses", "stale", "with_field"]
 
 # 2: reused buffers (Slabs) and the "held" field of a reply.
 VERSION = 2
@@ -741,10 +741,19 @@ def negotiate(sock: Any, inbox: Any) -> None:
     Tells the peer this side's cap (``inbox.max_attachment_bytes``), and version 2 (reused buffers) only
     for an inbox that says what to do with them (``protocol.COPY``).
     """
+    protocol.send_line(sock, offer(inbox))
+    negotiated(inbox, protocol.recv_message(sock, inbox))
+
+
+def offer(inbox: Any) -> dict[str, Any]:
+    """The ping that asks a peer about attachments (``negotiate``'s first half)."""
     version = VERSION if inbox.reused is not None else 1
-    protocol.send_line(sock, {"op": "ping", "id": "attachments",
-                              "attachments": {"version": version, "max_bytes": inbox.max_attachment_bytes}})
-    reply = protocol.recv_message(sock, inbox)
+    return {"op": "ping", "id": "attachments",
+            "attachments": {"version": version, "max_bytes": inbox.max_attachment_bytes}}
+
+
+def negotiated(inbox: Any, reply: Any) -> None:
+    """Record the peer's answer to ``offer`` on ``inbox`` (``negotiate``'s second half)."""
     if reply is None:
         raise ConnectionResetError("the worker closed the connection before answering the attachments ping")
     reply.close()
@@ -779,6 +788,11 @@ class NotSent(OSError):
     """The request never reached its peer whole (the connection was gone before it was sent): it did not run."""
 
 
+def unsent(exc: OSError) -> NotSent:
+    """What a send that failed with ``exc`` means: the request did not run."""
+    return NotSent(exc.errno, f"the request was not sent: {exc.strerror or exc}")
+
+
 # Replies to earlier requests skipped in a row before the worker is taken for broken.
 STALE_REPLIES = 16
 
@@ -794,20 +808,32 @@ def complete(sock: Any, inbox: Any, raw: bytes, fds: list[int], fresh: int | Non
     try:
         protocol.send_raw(sock, raw, fds)
     except OSError as exc:
-        raise NotSent(exc.errno, f"the request was not sent: {exc.strerror or exc}") from exc
+        raise unsent(exc) from exc
     finally:
         if fresh is not None:
             os.close(fresh)
     for _ in range(STALE_REPLIES + 1):
         reply = protocol.recv_message(sock, inbox)
-        if reply is None:
-            return None
-        answered = reply.obj.get("id")
-        if request_id is None or not _int(answered) or answered >= request_id:
-            break
-        reply.close()
-    else:
-        raise protocol.ProtocolError(f"the worker sent {STALE_REPLIES + 1} replies to earlier requests in a row")
+        if reply is None or not stale(reply, request_id):
+            return None if reply is None else answer(inbox, reply)
+    raise too_many_stale()
+
+
+def stale(reply: Any, request_id: int | None) -> bool:
+    """Whether ``reply`` answers a request earlier than ``request_id`` (then it is closed, and skipped)."""
+    answered = reply.obj.get("id")
+    if request_id is None or not _int(answered) or answered >= request_id:
+        return False
+    reply.close()
+    return True
+
+
+def too_many_stale() -> Exception:
+    return protocol.ProtocolError(f"the worker sent {STALE_REPLIES + 1} replies to earlier requests in a row")
+
+
+def answer(inbox: Any, reply: Any) -> dict[str, Any]:
+    """The reply's object, its arrays in place; the buffers the peer let go of are this side's again."""
     try:
         held = reply.obj.pop("held", None)
         if inbox.slabs is not None:  # before reading the reply: a buffer the worker let go may take a copy

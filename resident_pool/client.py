@@ -23,23 +23,17 @@ from filelock import FileLock
 
 from . import arrays
 from . import priority as order
-from .errors import RequestTimeout, ResidentPoolError, WorkerRequestError, error_from_dict
+from .errors import ResidentPoolError, WorkerRequestError, error_from_dict
 from .host.paths import Paths
-from .messages import Acquire, Release, StopWorkers, Used, Variant, Warm, bad_request
+from .lease import EXITING, KEPT_BUFFER_BYTES, RECALLED_RETRIES, Held, failure
+from .messages import Acquire, Release, StopWorkers, Variant, Warm, bad_request
 from .protocol import COPY, Inbox, PeerError, ProtocolError, connect, recv_line, send_line
 from .settings import Settings, settings
 from .version import __version__
 
-__all__ = ["Pool", "Session", "default_manifests", "shutdown_pool"]
+__all__ = ["KEPT_BUFFER_BYTES", "Pool", "Session", "default_manifests", "shutdown_pool"]
 
 POOL_START_TIMEOUT_S = 60.0
-# A kept lease tells the pool it is in use at most this often: idle retirement counts in seconds, and a
-# message per call would cost the pool a decode and its lock for every prediction.
-_NOTICE_S = 1.0
-_RECALLED_RETRIES = 5
-# What a kept lease keeps of reused array buffers between calls (its own and the worker's it maps): small arrays
-# sent call after call stay fast; bigger ones are given back as the call returns (docs/arrays.md).
-KEPT_BUFFER_BYTES = 16 << 20
 
 
 class _Process:
@@ -93,6 +87,44 @@ def running_pool_manifests(where: Paths, timeout_s: float) -> Path | None:
     return Path(folder) if isinstance(folder, str) and os.path.isabs(folder) else None
 
 
+def after_hello(hello: dict[str, Any] | None) -> str:
+    """What a client does with a connection after the pool's hello: ``use`` it; ``again`` (the pool closed it: the
+    next one answers); ``drained`` (this pool drains to exit: wait for its socket to go, then again); ``replace``
+    (an idle pool of another version: ask it to shut down, then again). Raises where the pool turned it away, or
+    runs another version and holds workers."""
+    if hello is None:
+        return "again"
+    if hello.get("ok") is False:  # turned away (too many connections): its reason, not a version story
+        error = hello.get("error")
+        raise error_from_dict(error if isinstance(error, dict) else {"error": str(error)})
+    if hello.get("version") == __version__ and not hello.get("draining"):
+        return "use"
+    if hello.get("draining"):
+        return "drained"
+    if not hello.get("idle"):
+        raise ResidentPoolError(
+            f"this client is resident-pool {__version__} but the pool (pid {hello.get('pid')}) runs "
+            f"{hello.get('version')} and holds workers; run `resident-pool stop --all` (its workers "
+            "drain, and the idle pool then gives way to this version), or retry once it is idle",
+            reason="version_mismatch", details={"client": __version__, "pool": hello.get("version")})
+    return "replace"
+
+
+def heard(line: dict[str, Any], recalled: dict[int, str]) -> bool:
+    """A line the pool sent unasked: True when it was one (a recall is kept in ``recalled`` for its session)."""
+    recall = line.get("recall")
+    if isinstance(recall, dict) and isinstance(recall.get("lease"), int):
+        recalled[recall["lease"]] = str(recall.get("why") or "")
+        return True
+    return "progress" in line
+
+
+def admission_wait(line: dict[str, Any]) -> dict[str, Any] | None:
+    """The admission wait a progress line reports (for ``on_wait``), or None."""
+    progress = line.get("progress")
+    return progress.get("waiting_for_admission") if isinstance(progress, dict) else None
+
+
 class _Link:
     """One thread's connection to the pool and its cached worker connections."""
 
@@ -105,11 +137,7 @@ class _Link:
 
     def heard(self, line: dict[str, Any]) -> bool:
         """A line the pool sent unasked: True when it was one (a recall is kept for its session)."""
-        recall = line.get("recall")
-        if isinstance(recall, dict) and isinstance(recall.get("lease"), int):
-            self.recalled[recall["lease"]] = str(recall.get("why") or "")
-            return True
-        return "progress" in line
+        return heard(line, self.recalled)
 
     def poll(self) -> None:
         """Read what the pool sent since (a recall), without waiting."""
@@ -218,28 +246,27 @@ class Pool:
             except (OSError, ProtocolError):
                 sock.close()
                 raise
-            if hello is None:
+            try:
+                step = after_hello(hello)
+            except ResidentPoolError:
                 sock.close()
-                continue
-            if hello.get("ok") is False:  # turned away (too many connections): its reason, not a version story
-                sock.close()
-                error = hello.get("error")
-                raise error_from_dict(error if isinstance(error, dict) else {"error": str(error)})
-            if hello.get("version") == __version__ and not hello.get("draining"):
+                raise
+            if step == "use":
                 return sock
             sock.close()
-            if hello.get("draining"):
+            if step == "drained":
                 self._wait_for_socket_to_go()
-                continue
-            if not hello.get("idle"):
-                raise ResidentPoolError(
-                    f"this client is resident-pool {__version__} but the pool (pid {hello.get('pid')}) runs "
-                    f"{hello.get('version')} and holds workers; run `resident-pool stop --all` (its workers "
-                    "drain, and the idle pool then gives way to this version), or retry once it is idle",
-                    reason="version_mismatch", details={"client": __version__, "pool": hello.get("version")})
-            self._call_once({"op": "shutdown"})  # idle: it drains at once and a pool of this version starts
-            self._wait_for_socket_to_go()
-        raise ResidentPoolError(f"no pool of version {__version__} could be reached on {self.socket_path}")
+            elif step == "replace":
+                self._call_once({"op": "shutdown"})  # idle: it drains at once and a pool of this version starts
+                self._wait_for_socket_to_go()
+        raise self._unreachable()
+
+    def _unreachable(self) -> ResidentPoolError:
+        return ResidentPoolError(f"no pool of version {__version__} could be reached on {self.socket_path}")
+
+    def _no_pool(self) -> ResidentPoolError:
+        return ResidentPoolError(f"no pool is running on {self.socket_path}; start one with `resident-pool daemon`",
+                                 reason="no_pool")
 
     def _open(self) -> socket.socket:
         try:
@@ -248,9 +275,7 @@ class Pool:
             raise ResidentPoolError(str(exc), reason="peer_not_you") from None
         except (FileNotFoundError, ConnectionRefusedError):
             if not self.start:
-                raise ResidentPoolError(
-                    f"no pool is running on {self.socket_path}; start one with `resident-pool daemon`",
-                    reason="no_pool") from None
+                raise self._no_pool() from None
         # Two flow runs racing here start one pool, not two.
         with FileLock(str(self.state_dir / "start.lock")):
             try:
@@ -318,7 +343,7 @@ class Pool:
                 return {}
             reply = recv_line(link.pool, link.buf)
             while reply is not None and link.heard(reply):
-                wait = reply["progress"].get("waiting_for_admission") if "progress" in reply else None
+                wait = admission_wait(reply)
                 if wait is not None:
                     for hear in (self.on_wait, on_wait):
                         if hear is not None:
@@ -381,7 +406,7 @@ class Pool:
         """
         _check_priority(priority)
         link = self._link()
-        for _ in range(_RECALLED_RETRIES):
+        for _ in range(RECALLED_RETRIES):
             session = link.kept.get(slug)
             if session is None or session._ended:
                 session = Session(self, *self._acquire(slug, None, self.holder, priority, keep=True))
@@ -403,7 +428,7 @@ class Pool:
                 session.trim()
             session.notice()
             return result
-        raise WorkerRequestError(f"{slug}: its lease was taken back {_RECALLED_RETRIES} times in a row; the pool is "
+        raise WorkerRequestError(f"{slug}: its lease was taken back {RECALLED_RETRIES} times in a row; the pool is "
                                  "busy with other clients: retry", slug=slug, reason="lease_recalled")
 
     @contextmanager
@@ -517,7 +542,7 @@ def shutdown_pool(wait_s: float = 60.0) -> int | None:
         return None
 
 
-class Session:
+class Session(Held):
     """A leased worker: requests go straight to its socket.
 
     ``wait``: the last report of the wait for GPU admission its lease went through (what it needed, what was free,
@@ -537,27 +562,6 @@ class Session:
         self._inbox: Inbox | None = None  # of the connection its last request went on
         self._hold(lease, wait)
         self._ended = False
-
-    def _hold(self, lease: dict[str, Any], wait: dict[str, Any] | None) -> None:
-        self.lease = lease
-        self.wait = wait
-        self.slug: str = lease["slug"]
-        self.pid: int = lease["pid"]
-        self.replica: int = lease["replica"]
-        self.cold: bool = lease["cold"]
-        self.transcript: str = lease["transcript"]
-        self.version: str | None = lease.get("version")
-        self.token: str | None = lease.get("token")
-        self.priority: str = lease.get("priority", order.DEFAULT)
-        self.backfilled: bool = bool(lease.get("backfilled"))
-        self.served = 0
-        self._unnoticed = 0  # served since the pool last heard (a kept lease tells it now and then)
-        self.queue_wait_s: float | None = None  # its last request's wait in a batching worker's queue
-        self._noticed_at = -_NOTICE_S  # the first call tells at once: a waiting client may then take it back
-
-    def _renews(self) -> bool:
-        """A backfilled session's lease may be taken back (every other session's never is): it acquires again."""
-        return self.backfilled and self._reacquire is not None
 
     def _renew_if_recalled(self) -> None:
         """A backfilled lease the pool asked back is given back before the next request, which waits again in its
@@ -597,21 +601,27 @@ class Session:
             cached = link.workers[key] = (connect(self.lease["socket"]), inbox)
         return cached
 
+    def _cached_worker(self) -> tuple[socket.socket, Inbox] | None:
+        return self.pool._link().workers.get((self.lease["socket"], self.pid, self.max_attachment_bytes))
+
     def _forget_worker(self) -> None:
         cached = self.pool._link().workers.pop((self.lease["socket"], self.pid, self.max_attachment_bytes), None)
         if cached is not None:
             cached[0].close()
             cached[1].close()
 
+    def _opened_here(self) -> bool:
+        return self._forks == _Process.forks
+
+    def _tell(self, message: dict[str, Any]) -> None:
+        try:
+            self.pool._call(message, expect_reply=False)
+        except (OSError, ResidentPoolError):
+            pass  # the pool is gone: the lease went with its connection
+
     def predict(self, payload: Any) -> Any:
-        if self._forks != _Process.forks:  # its lease and its connections are the parent's, which may still use them
-            raise WorkerRequestError(f"{self.slug}: this session was opened before this process was forked (pid "
-                                     f"{os.getpid()}); its lease is the parent's: open a session in this process",
-                                     slug=self.slug, reason="session_forked")
-        if self._ended:
-            raise WorkerRequestError(f"{self.slug}: this session has ended; open a new one", slug=self.slug,
-                                     reason="session_ended")
-        for _ in range(_RECALLED_RETRIES):
+        self._check_usable()
+        for _ in range(RECALLED_RETRIES):
             self._renew_if_recalled()
             try:
                 return self._predict_once(payload)
@@ -621,9 +631,7 @@ class Session:
                 if error.reason != "lease_recalled" or not self._renews():
                     raise
                 self._renew()
-        raise WorkerRequestError(f"{self.slug}: this backfilled session's lease was taken back {_RECALLED_RETRIES} "
-                                 "times in a row; the card is busy with requests ahead of it: retry",
-                                 slug=self.slug, reason="lease_recalled")
+        raise self._taken_back_too_often()
 
     def _predict_once(self, payload: Any) -> Any:
         request_id = next(_Process.request_ids)  # unique in this process: a reply to another request is never taken
@@ -639,157 +647,31 @@ class Session:
                 inbox.slabs = arrays.Slabs()  # this session's reused buffers, on its connection to the worker
         # Encoded before a byte of it goes: a payload that cannot be sent (a dtype the protocol does not
         # carry, NaN, over a cap) raises here as the caller's mistake, and the session goes on as it was.
-        message = {"op": "predict", "id": request_id, "payload": payload, "priority": self.priority}
-        if self.token is not None:
-            message["lease"] = self.token  # a lease the pool took back is refused by the worker
-        encoded = arrays.encode(message, inbox.peer, inbox.attach_min_bytes, slabs=inbox.slabs)
+        encoded = arrays.encode(self._request(request_id, payload), inbox.peer, inbox.attach_min_bytes,
+                                slabs=inbox.slabs)
         with self._failures(timeout):
             # Arrays in the payload and the result travel beside the line (arrays.py).
-            reply = arrays.complete(sock, inbox, *encoded, request_id=request_id)
-            if reply is None:
-                raise ConnectionResetError("the worker closed the connection without a reply")
-            if reply.get("id") != request_id:
-                raise ProtocolError(f"the worker answered request {reply.get('id')!r}, not {request_id}")
-        if reply.get("reason") == "lease_recalled":
-            self._ended = True  # the pool ended it already: nothing to release
-            raise WorkerRequestError(f"{self.slug}: the pool took this lease back (another request waited); "
-                                     "acquire again", slug=self.slug, reason="lease_recalled")
-        if reply.get("reason") == "worker_stopping":
-            # The worker was told to stop before it read this request, and answered it unrun: a kept lease acquires
-            # again unseen (Pool.predict), a session hears it and may send it again.
-            self._forget_worker()
-            self.release()
-            if self.lease.get("kept") or self._renews():
-                raise WorkerRequestError(f"{self.slug}: this lease's worker is stopping; acquire again",
-                                         slug=self.slug, reason="lease_recalled")
-            raise WorkerRequestError(
-                f"{self.slug}: the worker (pid {self.pid}) was stopping and did not run this request; send it again "
-                f"(transcript {self.transcript})", slug=self.slug, reason="worker_stopping",
-                transcript=self.transcript)
-        self.served += 1
-        wait = reply.get("queue_wait_s")  # a batching worker says how long the request waited in its queue
-        self.queue_wait_s = float(wait) if isinstance(wait, int | float) and not isinstance(wait, bool) else None
-        self._unnoticed += 1
-        if reply.get("ok"):
-            return reply.get("result")
-        if reply.get("reason") == "worker_exiting":
-            self._forget_worker()
-            answer = self._end("exiting", {"reply": reply})
-            raise error_from_dict(answer["error"])
-        raise WorkerRequestError(
-            f"{self.slug}: request failed: {reply.get('error')} (transcript {self.transcript})",
-            slug=self.slug, reason=str(reply.get("reason") or "request_failed"), transcript=self.transcript,
-            details={"traceback": reply.get("traceback")},
-        )
+            reply = self._answered(arrays.complete(sock, inbox, *encoded, request_id=request_id), request_id)
+        result = self._outcome(reply)
+        if result is EXITING:
+            raise error_from_dict(self._end("exiting", {"reply": reply})["error"])
+        return result
 
     @contextmanager
     def _failures(self, timeout: float, sent: bool = True) -> Iterator[None]:
-        """What a broken, timed-out or interrupted exchange with the worker does to this session.
+        """What a broken, timed-out or interrupted exchange with the worker does to this session (lease.failure).
 
         ``sent=False``: no request has gone yet (connecting, negotiating)."""
         try:
             yield
-        except PeerError as exc:
-            self.release()
-            raise ResidentPoolError(f"{self.slug}: {exc}", slug=self.slug, reason="peer_not_you") from None
-        except ProtocolError as exc:
-            # The worker answered in a form this side cannot read (not JSON, an attachment that is no sealed memfd,
-            # a reply to another request): its connection goes, and the pool checks the worker (a ping) before it
-            # serves again. Told without waiting for an answer: a bad reply costs no more than its round trip.
-            self._forget_worker()
-            self._ended = True
-            try:
-                self.pool._call(Release(self.lease["lease"], "bad_reply", self._unnoticed).to_message(),
-                                expect_reply=False)
-            except OSError:
-                pass  # the pool is gone: the lease went with its connection
-            ran = "the request may have run" if sent else "the request did not run"
-            raise WorkerRequestError(
-                f"{self.slug}: its worker (pid {self.pid}) sent a reply that cannot be read ({exc}); {ran}; "
-                f"transcript {self.transcript}", slug=self.slug, reason="bad_reply", transcript=self.transcript,
-                details={"protocol_error": str(exc)[:500]}) from None
-        except TimeoutError as exc:
-            self._forget_worker()
-            self._end("timeout", {})
-            headline = (f"{self.slug}: a request outran request_timeout_s = {timeout:g} s; its worker (pid "
-                        f"{self.pid}) was stopped and the next request starts a fresh one; transcript "
-                        f"{self.transcript}")
-            raise RequestTimeout(headline, slug=self.slug, transcript=self.transcript,
-                                 details={"timeout_s": timeout, "pid": self.pid}) from exc
-        except OSError as exc:
-            self._forget_worker()
-            answer = self._end("broken", {})
-            recalled = self.lease.get("kept") or (self.backfilled and answer.get("gone"))
-            if recalled and (not sent or isinstance(exc, arrays.NotSent)):
-                # Between calls of a kept lease the pool took it back, or its worker ended (died, stopped), or the
-                # pool took a backfilled session's lease back (it says "gone") and evicted its worker: the request
-                # never reached a worker, so Pool.predict (or the session) acquires again and sends it there. (One
-                # that broke after it was sent may have run, or killed its worker: that is the caller's to hear.)
-                raise WorkerRequestError(f"{self.slug}: this lease's worker is gone; acquire again",
-                                         slug=self.slug, reason="lease_recalled") from exc
-            if answer.get("error"):
-                raise error_from_dict(answer["error"]) from exc
-            if not sent or isinstance(exc, arrays.NotSent):
-                raise WorkerRequestError(
-                    f"{self.slug}: could not reach its worker (pid {self.pid}): {type(exc).__name__}: {exc}; the "
-                    f"request did not run (transcript {self.transcript})", slug=self.slug,
-                    reason="worker_unreachable", transcript=self.transcript) from exc
-            raise WorkerRequestError(
-                f"{self.slug}: the connection to its worker (pid {self.pid}) broke after the request was sent "
-                f"({type(exc).__name__}: {exc}); the request may have run. Send it again if it is safe to repeat "
-                f"(transcript {self.transcript}: what the worker did)", slug=self.slug, reason="connection_broken",
-                transcript=self.transcript) from exc
-        except BaseException:
-            # Interrupted with the request in flight (Ctrl-C, a cancelled task): its reply may still
-            # come on this connection, and the worker still computes. Drop the connection, and let
-            # the pool drain the worker before anyone else gets it.
-            self._forget_worker()
-            self._ended = True
-            try:
-                self.pool._call(Release(self.lease["lease"], "abandoned", self._unnoticed).to_message(),
-                                expect_reply=False)
-            except (OSError, ResidentPoolError):
-                pass  # the pool is gone: the lease went with its connection
-            raise
-
-    def notice(self) -> None:
-        """Tell the pool, at most once a second and without waiting, that this kept lease is in use."""
-        now = time.monotonic()
-        if now - self._noticed_at < _NOTICE_S or self._ended:
-            return
-        self._noticed_at, served, self._unnoticed = now, self._unnoticed, 0
-        try:
-            self.pool._call(Used(self.lease["lease"], served, self.queue_wait_s).to_message(), expect_reply=False)
-        except OSError:
-            pass  # the pool is gone: the next call finds out and acquires again
+        except BaseException as exc:
+            kind = failure(exc)
+            answer = self._end(kind, {}) if self._dropped(kind) else {}
+            error = self._failure_error(kind, exc, sent, timeout, answer)
+            if error is None:
+                raise
+            raise error  # noqa: B904 - its cause is set by _failure_error (None where the exchange's adds nothing)
 
     def _end(self, outcome: str, extra: dict[str, Any]) -> dict[str, Any]:
         self._ended = True
         return self.pool._call(Release(self.lease["lease"], outcome, self._unnoticed, extra.get("reply")).to_message())
-
-    def _close_buffers(self) -> None:
-        """The session's reused buffers go with it: a connection that carried any is closed, so the worker
-        lets go of its mappings of them and of its own reply buffers too."""
-        cached = self.pool._link().workers.get((self.lease["socket"], self.pid, self.max_attachment_bytes))
-        if cached is not None and cached[1].holds_buffers():
-            self._forget_worker()
-
-    def trim(self) -> None:
-        """After a call of a kept lease: reused buffers past KEPT_BUFFER_BYTES go with their connection (the worker
-        then lets go of its mappings of this side's and of its own answer buffers); the next call connects again."""
-        inbox = self._inbox  # no lookup on the way out of a call that sent no array (most calls)
-        if inbox is None or (inbox.slabs is None and not inbox.mappings.entries):
-            return
-        if inbox.buffer_bytes() > KEPT_BUFFER_BYTES:
-            self._forget_worker()
-            self._inbox = None
-
-    def release(self) -> None:
-        if self._ended or self._forks != _Process.forks:  # a forked child's copy: the parent gives its lease back
-            return
-        self._close_buffers()
-        self._ended = True
-        try:
-            self.pool._call(Release(self.lease["lease"], "ok", self._unnoticed).to_message(), expect_reply=False)
-        except OSError:
-            pass  # the pool is gone; the lease went with its connection

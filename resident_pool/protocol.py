@@ -43,7 +43,9 @@ __all__ = [
     "ProtocolError",
     "Slab",
     "SocketPathError",
+    "check_peer",
     "check_socket_path",
+    "closed",
     "connect",
     "encode_line",
     "fill",
@@ -53,6 +55,7 @@ __all__ = [
     "pop_message",
     "recv_line",
     "recv_message",
+    "rights",
     "seal_memfd",
     "send_line",
     "send_raw",
@@ -155,12 +158,17 @@ def recv_line(sock: socket.socket, buf: bytearray, max_bytes: int = MAX_LINE_BYT
         scanned = len(buf)
         chunk = sock.recv(min(RECV_CHUNK, max_bytes + 1 - len(buf)) or 1)
         if not chunk:
-            if buf:
-                size = len(buf)
-                buf.clear()
-                raise ProtocolError(f"peer closed the connection mid-message ({size} bytes unterminated)")
-            return None
+            return closed(buf)
         buf += chunk
+
+
+def closed(buf: bytearray) -> None:
+    """The peer closed the connection: None (a clean close, between messages), or a ProtocolError for a message it
+    left unterminated in ``buf``."""
+    if buf:
+        size = len(buf)
+        buf.clear()
+        raise ProtocolError(f"peer closed the connection mid-message ({size} bytes unterminated)")
 
 
 def _decode(line: bytes) -> dict[str, Any]:
@@ -271,15 +279,20 @@ def connect(path: str | os.PathLike[str], timeout: float = CONNECT_TIMEOUT_S) ->
     sock.settimeout(timeout)
     try:
         sock.connect(check_socket_path(path))
-        uid = peer_uid(sock)
-        if uid != os.getuid():
-            raise PeerError(f"{os.fspath(path)} is served by uid {uid}, not by you (uid {os.getuid()}); "
-                            "refusing to talk to it: check who can write its folder")
+        check_peer(sock, path)
     except BaseException:
         sock.close()
         raise
     sock.settimeout(None)
     return sock
+
+
+def check_peer(sock: socket.socket, path: str | os.PathLike[str]) -> None:
+    """Raise PeerError unless the process at the other end of ``sock`` (connected to ``path``) is this user's."""
+    uid = peer_uid(sock)
+    if uid != os.getuid():
+        raise PeerError(f"{os.fspath(path)} is served by uid {uid}, not by you (uid {os.getuid()}); "
+                        "refusing to talk to it: check who can write its folder")
 
 
 # -- attachments: sealed memfds beside a line -------------------------------------
@@ -806,11 +819,7 @@ def recv_message(sock: socket.socket, inbox: Inbox, max_bytes: int = MAX_LINE_BY
             return message
         scanned = len(inbox)
         if not fill(sock, inbox, min(RECV_CHUNK, max_bytes + 1 - len(inbox)) or 1):
-            if inbox:
-                size = len(inbox)
-                inbox.clear()
-                raise ProtocolError(f"peer closed the connection mid-message ({size} bytes unterminated)")
-            return None
+            return closed(inbox)
 
 
 def send_raw(sock: socket.socket, raw: bytes, fds: Sequence[int] = ()) -> None:
@@ -818,9 +827,14 @@ def send_raw(sock: socket.socket, raw: bytes, fds: Sequence[int] = ()) -> None:
     if not fds:
         sock.sendall(raw)
         return
-    sent = sock.sendmsg([raw], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    sent = sock.sendmsg([raw], rights(fds))
     if sent < len(raw):
         sock.sendall(memoryview(raw)[sent:])
+
+
+def rights(fds: Sequence[int]) -> list[tuple[int, int, array.array]]:
+    """The ancillary data that passes ``fds`` (SCM_RIGHTS) with a sendmsg."""
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
 
 
 def seal_memfd(parts: Sequence[tuple[int, Any]], size: int, name: str = "resident-pool") -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import logging
 import os
 import re
@@ -17,20 +18,21 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
 from prefect import get_run_logger, runtime, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import acreate_markdown_artifact, create_markdown_artifact
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.events import Event, emit_event
 from prefect.events.clients import get_events_client
 from prefect.exceptions import MissingContextError
 from prefect.settings import PREFECT_API_URL
 
+from ..aio import AsyncPool, AsyncSession
 from ..client import Pool, Session, default_manifests
 from ..errors import (
     AdmissionRefused,
@@ -54,6 +56,9 @@ __all__ = [
     "BREAKER_OPEN",
     "COMPLETED_WITH_FAILURES",
     "Priority",
+    "apool_session",
+    "apredict",
+    "apredict_batch",
     "artifact_key",
     "breaker_words",
     "escape_markdown",
@@ -301,16 +306,32 @@ def _report(error: ResidentPoolError, tail_lines: int, where: Paths) -> Resident
     """Attach the failure artifact (``tail_lines`` of the transcript, read only from ``where``'s log folder) to the
     running task and return the error with a one-line message."""
     if TaskRunContext.get() is not None:
-        create_markdown_artifact(
-            markdown=_markdown(error, tail_lines, where),
-            key=failure_artifact_key(error.slug or "unknown"),
-            # The description is what the task run's Artifacts tab shows without a click.
-            description=escape_markdown(_one_line(error)),  # the UI renders it as markdown too
-        )
-    summary = type(error)(_one_line(error), slug=error.slug, reason=error.reason, exit_code=error.exit_code,
-                          hint=error.hint, transcript=error.transcript, transcript_tail=error.transcript_tail,
-                          details=error.details)
-    return summary
+        # _sync: Prefect's blocking call also where a sync helper runs in an async task; there it would otherwise
+        # hand back a coroutine nobody awaits, and the artifact would never be made.
+        create_markdown_artifact(**_failure_artifact(error, tail_lines, where), _sync=True)
+    return _summary(error)
+
+
+async def _areport(error: ResidentPoolError, tail_lines: int, where: Paths) -> ResidentPoolError:
+    """``_report`` for async tasks."""
+    if TaskRunContext.get() is not None:
+        await acreate_markdown_artifact(**_failure_artifact(error, tail_lines, where))
+    return _summary(error)
+
+
+def _failure_artifact(error: ResidentPoolError, tail_lines: int, where: Paths) -> dict[str, str]:
+    return {
+        "markdown": _markdown(error, tail_lines, where),
+        "key": failure_artifact_key(error.slug or "unknown"),
+        # The description is what the task run's Artifacts tab shows without a click.
+        "description": escape_markdown(_one_line(error)),  # the UI renders it as markdown too
+    }
+
+
+def _summary(error: ResidentPoolError) -> ResidentPoolError:
+    return type(error)(_one_line(error), slug=error.slug, reason=error.reason, exit_code=error.exit_code,
+                       hint=error.hint, transcript=error.transcript, transcript_tail=error.transcript_tail,
+                       details=error.details)
 
 
 def _holder() -> dict[str, str]:
@@ -454,21 +475,26 @@ class _WaitNotes:
                 status = probe.status()
         except (ResidentPoolError, OSError, ProtocolError) as exc:
             return f"{self.slug}: waiting for a worker, {waited} (the pool's status could not be read: {exc})"
-        replicas = [w for w in status.get("workers", []) if w.get("slug") == self.slug]
-        starting = [w for w in replicas if w.get("state") == "starting"]
-        if starting:
-            worker = starting[0]
-            how = _start_way(status, self.slug)
-            if worker.get("pid") is None:  # a zygote still importing its preload, or admission not yet passed
-                what = f"replica {worker.get('replica')}{how} is starting (no process yet)"
-            else:
-                what = f"replica {worker.get('replica')} (pid {worker.get('pid')}{how}) is loading"
-            return f"{self.slug}: cold start in progress, {waited}: {what}; transcript {worker.get('transcript')}"
-        busy = [w for w in replicas if w.get("state") == "leased"]
-        if busy:
-            return (f"{self.slug}: waiting for a worker, {waited}: its {len(busy)} replica(s) are busy with other "
-                    "requests (max_replicas in its manifest says how many may run)")
-        return f"{self.slug}: waiting for a worker, {waited}"
+        return _waiting_words(self.slug, status, waited)
+
+
+def _waiting_words(slug: str, status: dict[str, Any], waited: str) -> str:
+    """What a task waiting for ``slug``'s worker is waiting for, from the pool's status."""
+    replicas = [w for w in status.get("workers", []) if w.get("slug") == slug]
+    starting = [w for w in replicas if w.get("state") == "starting"]
+    if starting:
+        worker = starting[0]
+        how = _start_way(status, slug)
+        if worker.get("pid") is None:  # a zygote still importing its preload, or admission not yet passed
+            what = f"replica {worker.get('replica')}{how} is starting (no process yet)"
+        else:
+            what = f"replica {worker.get('replica')} (pid {worker.get('pid')}{how}) is loading"
+        return f"{slug}: cold start in progress, {waited}: {what}; transcript {worker.get('transcript')}"
+    busy = [w for w in replicas if w.get("state") == "leased"]
+    if busy:
+        return (f"{slug}: waiting for a worker, {waited}: its {len(busy)} replica(s) are busy with other "
+                "requests (max_replicas in its manifest says how many may run)")
+    return f"{slug}: waiting for a worker, {waited}"
 
 
 def _start_way(status: dict[str, Any], slug: str) -> str:
@@ -480,16 +506,22 @@ def _start_way(status: dict[str, Any], slug: str) -> str:
 
 def _cold_start_line(manifests: Path, session: Session, waited: float, wait: dict[str, Any] | None) -> str:
     """The cold start, once the worker answers: its time, its phases (admission, start), where it runs."""
-    phases = []
-    admission = float(wait.get("waited_s") or 0) if wait else 0.0
-    if wait:
-        phases.append(f"GPU admission {admission:.1f} s")
-    phases.append(f"start {max(0.0, waited - admission):.1f} s")
     try:
         with Pool(manifests, start=False) as probe:
             start = (probe.status().get("providers", {}).get(session.slug) or {}).get("start") or {}
     except (ResidentPoolError, OSError, ProtocolError):
         start = {}  # the phases the pool would add; the line stands without them
+    return _cold_start_words(start, session, waited, wait)
+
+
+def _cold_start_words(start: dict[str, Any], session: Session | AsyncSession, waited: float,
+                      wait: dict[str, Any] | None) -> str:
+    """``_cold_start_line`` from what the pool's status says of the provider's starts (``start``)."""
+    phases = []
+    admission = float(wait.get("waited_s") or 0) if wait else 0.0
+    if wait:
+        phases.append(f"GPU admission {admission:.1f} s")
+    phases.append(f"start {max(0.0, waited - admission):.1f} s")
     zygote = start.get("zygote") or {}
     if start.get("way") == "zygote" and zygote:
         modules = zygote.get("modules_s") or {}
@@ -519,6 +551,112 @@ def predict_batch(slug: str, payloads: list[Any], manifests: str | os.PathLike[s
     """Several predictions on one held worker (one lease, no other caller in between)."""
     with pool_session(slug, manifests, priority=priority) as session:
         return [session.predict(payload) for payload in payloads]
+
+
+# -- the same helpers for async tasks: no thread while a task waits ----------------------------------------------
+_aclients: dict[tuple[Path, Path], AsyncPool] = {}
+
+
+def _async_client(manifests: str | os.PathLike[str] | None) -> AsyncPool:
+    """One asyncio client per process and manifests folder; it keeps connections per event loop. Its ``on_wait``
+    runs in the waiting task, so the log line lands in that task's log. The helpers' edge, as ``_client``."""
+    config, where = host_settings()
+    directory = default_manifests(manifests, config, where)
+    key = (directory, where.state_dir())
+    with _clients_lock:
+        client = _aclients.get(key)
+        if client is None:
+            client = _aclients[key] = AsyncPool(directory, on_wait=_log_wait)
+        return client
+
+
+@asynccontextmanager
+async def apool_session(slug: str, manifests: str | os.PathLike[str] | None = None, *,
+                        max_attachment_bytes: int | None = None,
+                        priority: Priority = "normal") -> AsyncIterator[AsyncSession]:
+    """``pool_session`` for async tasks (``async with apool_session(slug) as worker: await worker.predict(p)``):
+    the same log lines while it waits, events, and failure artifacts."""
+    client = _async_client(manifests)
+    logger = _run_logger()
+    began = time.monotonic()
+    try:
+        async with _AsyncWaitNotes(slug, client.manifests, logger) as notes, client.session(
+                slug, holder=_holder(), max_attachment_bytes=max_attachment_bytes, priority=priority) as session:
+            notes.close()
+            waited = time.monotonic() - began
+            if session.cold and logger is not None:
+                logger.info("%s", _cold_start_words(await _provider_start(client.manifests, slug), session, waited,
+                                                    session.wait))
+            _emit_leased(slug, session, session.wait)
+            yield session
+    except ResidentPoolError as error:
+        named = _named(error, slug)
+        _emit_failure(named)
+        raise await _areport(named, client.config.artifact_tail_lines, client.paths) from error
+
+
+async def apredict(slug: str, payload: Any, manifests: str | os.PathLike[str] | None = None, *,
+                   priority: Priority = "normal") -> Any:
+    """``predict`` for async tasks: one prediction through the host pool."""
+    async with apool_session(slug, manifests, priority=priority) as session:
+        return await session.predict(payload)
+
+
+async def apredict_batch(slug: str, payloads: list[Any], manifests: str | os.PathLike[str] | None = None, *,
+                         priority: Priority = "normal") -> list[Any]:
+    """``predict_batch`` for async tasks: several predictions on one held worker."""
+    async with apool_session(slug, manifests, priority=priority) as session:
+        return [await session.predict(payload) for payload in payloads]
+
+
+async def _pool_status(manifests: Path) -> dict[str, Any] | Exception:
+    """The pool's status, through a connection of its own (closed at once, never starting a pool); or what
+    kept it from being read."""
+    try:
+        async with AsyncPool(manifests, start=False) as probe:
+            return await probe.status()
+    except (ResidentPoolError, OSError, ProtocolError) as exc:
+        return exc
+
+
+async def _provider_start(manifests: Path, slug: str) -> dict[str, Any]:
+    status = await _pool_status(manifests)
+    if isinstance(status, Exception):
+        return {}  # the phases the pool would add; the line stands without them
+    return (status.get("providers", {}).get(slug) or {}).get("start") or {}
+
+
+class _AsyncWaitNotes:
+    """_WaitNotes for a coroutine: the same lines, from a task on its loop instead of a thread."""
+
+    def __init__(self, slug: str, manifests: Path, logger: logging.Logger | logging.LoggerAdapter | None) -> None:
+        self.slug, self.manifests, self.logger = slug, manifests, logger
+        self.began = time.monotonic()
+        self.task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> _AsyncWaitNotes:
+        if self.logger is not None:
+            self.task = asyncio.create_task(self._run(), name=f"waiting-for-{self.slug}")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+        if self.task is not None:
+            await asyncio.wait([self.task])  # cancelled: it ends at once, and is not left pending on the loop
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    async def _run(self) -> None:
+        await asyncio.sleep(WAITING_FIRST_S)
+        while True:
+            waited = f"{time.monotonic() - self.began:.0f} s so far"
+            status = await _pool_status(self.manifests)
+            self.logger.info("%s", _waiting_words(self.slug, status, waited) if isinstance(status, dict) else
+                             f"{self.slug}: waiting for a worker, {waited} (the pool's status could not be read: "
+                             f"{status})")
+            await asyncio.sleep(WAITING_EVERY_S)
 
 
 @task(name="resident-pool-warm")
@@ -614,18 +752,33 @@ _RETRYABLE_REASONS = frozenset({"worker_died", "worker_stopped", "worker_exiting
                                 "worker_stopping", "worker_unreachable", "connection_broken"})
 
 
-def retry_pool_failures(task, task_run, state) -> bool:
+def retry_pool_failures(task, task_run, state) -> bool | Awaitable[bool]:
     """``retry_condition_fn`` for tasks that use the pool.
 
     Retries a worker that died or timed out; never a refusal (exit 3 or 5), an
     open breaker, a bad manifest, pinned weights that do not match, a missing
     kit or a budget that can never fit. Errors not from the pool keep Prefect's
-    usual behaviour (retry).
+    usual behaviour (retry). For an async task Prefect reads the state's result
+    asynchronously, so there this returns an awaitable, which Prefect awaits.
     """
     try:
         error = state.result(raise_on_failure=False)
     except Exception:  # noqa: BLE001 - a result that cannot be read: let the retry policy decide
         return True
+    if inspect.isawaitable(error):
+        return _retries_once_read(error)
+    return _retries(error)
+
+
+async def _retries_once_read(pending: Awaitable[Any]) -> bool:
+    try:
+        error = await pending
+    except Exception:  # noqa: BLE001 - a result that cannot be read: let the retry policy decide
+        return True
+    return _retries(error)
+
+
+def _retries(error: Any) -> bool:
     if not isinstance(error, BaseException):
         return True
     if isinstance(error, ResidentPoolError):
