@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ResidentPoolError, SocketPathTooLong, WorkerRequestError, WorkerStartError
+from ..errors import ResidentPoolError, SocketPathTooLong, StateDirError, WorkerRequestError, WorkerStartError
 from ..exits import describe_exit, exit_hint
 from ..host.paths import Paths
 from ..host.procs import ForkRefused, ProcessHandle, Spawner, child_env, terminate_group, wait_exit
@@ -201,6 +201,9 @@ class WorkerProcess:
         try:
             self.transcript = (Transcript.append_to(self.log_path) if self.log_path is not None
                                else Transcript.create(self.paths.log_dir(), self.slug, self.replica))
+        except StateDirError as exc:  # the log folder itself is unusable: its own words name it and the fix
+            self._cleanup()
+            raise WorkerStartError(f"{self.slug}: {exc}", slug=self.slug) from exc
         except OSError as exc:
             self._cleanup()
             where = self.log_path or self.paths.logs
