@@ -245,16 +245,26 @@ class Held:
                 details={"protocol_error": str(exc)[:500]})
             cause = None
         elif kind == "timeout":
-            error = RequestTimeout(
-                f"{self.slug}: a request outran request_timeout_s = {timeout:g} s; its worker (pid {self.pid}) was "
-                f"stopped and the next request starts a fresh one; transcript {self.transcript}",
-                slug=self.slug, transcript=self.transcript, details={"timeout_s": timeout, "pid": self.pid})
+            error = RequestTimeout(self._timeout_words(timeout, answer.get("stopped", True)), slug=self.slug,
+                                   transcript=self.transcript, details={"timeout_s": timeout, "pid": self.pid})
         elif kind == "broken":
             error = self._broken_error(exc, sent, answer)
         else:
             return None
         error.__cause__, error.__suppress_context__ = cause, True
         return error
+
+    def _timeout_words(self, timeout: float, stopped: bool) -> str:
+        if stopped:
+            return (f"{self.slug}: a request outran request_timeout_s = {timeout:g} s; its worker (pid {self.pid}) was "
+                    f"stopped and the next request starts a fresh one; transcript {self.transcript}")
+        # A batching worker's request may wait in its queue behind other callers' model calls: the pool stops the
+        # worker only when a model call itself outruns the limit.
+        return (f"{self.slug}: a request outran request_timeout_s = {timeout:g} s waiting in its shared worker's queue "
+                f"(pid {self.pid}); no model call outran the limit, so the worker serves on. The request may still "
+                f"run there, its answer unread: send it again if it is safe to repeat. If waits this long are usual, "
+                f"raise request_timeout_s, lower [batching] max_callers, or set max_queue_wait_s so the pool starts "
+                f"another replica sooner; transcript {self.transcript}")
 
     def _broken_error(self, exc: BaseException, sent: bool, answer: dict[str, Any]) -> BaseException:
         unsent = not sent or isinstance(exc, arrays.NotSent)

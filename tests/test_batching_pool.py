@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 from helpers import wait_until
 from providers import write_provider
 
 from resident_pool import Pool
-from resident_pool.errors import WorkerRequestError
+from resident_pool.errors import RequestTimeout, WorkerRequestError
 from resident_pool.host.procs import pid_alive
 
 pytestmark = pytest.mark.reliability
@@ -157,3 +160,88 @@ def test_a_new_version_drains_a_shared_replica_with_callers_in_flight_and_loses_
         assert wait_until(lambda: pool.predict("batch", {"tag": "new"})["pid"] != old, timeout=15,
                           message="the new version serving")
     assert not pid_alive(old) or wait_until(lambda: not pid_alive(old), timeout=30, message="the old worker gone")
+
+
+def test_a_caller_killed_mid_batch_loses_only_its_own_item_and_the_worker_serves_on(pool_dir, tmp_path):
+    """A client process SIGKILLed while its item waits in the shared worker: the other caller's item in the same
+    worker is answered, the worker is not drained or stopped for it, and its slot is free again."""
+    batching_provider(pool_dir)
+    hold = tmp_path / "hold"
+    script = ("import sys; from resident_pool import Pool\n"
+              "Pool().predict('batch', {'tag': 'doomed', 'hold': sys.argv[1]})\n")
+    answers: list[object] = []
+    with Pool() as pool:
+        pid = pool.predict("batch", {"tag": "warm"})["pid"]
+
+        def kept() -> None:
+            with Pool() as own:
+                answers.append(own.predict("batch", {"tag": "kept", "hold": str(hold)}))
+
+        other = threading.Thread(target=kept)
+        other.start()
+        doomed = subprocess.Popen([sys.executable, "-c", script, str(hold)])
+        try:
+            wait_until(lambda: pool.status()["workers"][0]["callers"] == 3, timeout=30,
+                       message="the doomed client and the other caller seated on the one replica")
+            doomed.kill()
+        finally:
+            doomed.kill()
+            doomed.wait(timeout=30)
+        wait_until(lambda: pool.status()["workers"][0]["callers"] == 2, timeout=30,
+                   message="the killed client's slot freed")
+        hold.touch()
+        other.join(timeout=60)
+        assert [answer["tag"] for answer in answers] == ["kept"] and answers[0]["pid"] == pid
+        assert pool.predict("batch", {"tag": "after"})["pid"] == pid  # neither drained nor stopped
+        assert all(w["state"] != "draining" for w in pool.status()["workers"])
+
+
+def test_one_callers_timeout_in_a_shared_queue_fails_its_item_alone_and_says_the_worker_serves_on(
+        pool_dir, tmp_path, monkeypatch):
+    """request_timeout_s cut to 4 s so a queue wait can outrun it quickly. The caller whose item waited behind
+    another's model call gets RequestTimeout; no model call outran the limit, so the worker is not stopped, the
+    other caller is answered, and the error does not claim the worker was stopped."""
+    calls = tmp_path / "calls.jsonl"
+    batching_provider(pool_dir, extra="[lifecycle]\nrequest_timeout_s = 4\n")
+    monkeypatch.setenv("BATCHWORKER_CALLS", str(calls))
+    first, second = tmp_path / "first", tmp_path / "second"
+    outcome: dict[str, object] = {}
+    ready, go, sending = threading.Event(), threading.Event(), threading.Event()
+
+    def running() -> None:
+        with Pool() as pool:
+            outcome["running"] = pool.predict("batch", {"tag": "running", "hold": str(first)})["tag"]
+
+    def queued() -> None:
+        with Pool() as pool:
+            pool.predict("batch", {"tag": "prepared"})  # its lease and worker connection, ready before the scene
+            ready.set()
+            go.wait(30)
+            sending.set()
+            try:
+                outcome["queued"] = pool.predict("batch", {"tag": "queued", "hold": str(second)})["tag"]
+            except RequestTimeout as exc:
+                outcome["queued"] = exc
+
+    with Pool() as pool:
+        pid = pool.predict("batch", {"tag": "warm"})["pid"]
+        threads = [threading.Thread(target=queued), threading.Thread(target=running)]
+        threads[0].start()
+        assert ready.wait(30)
+        threads[1].start()
+        wait_until(lambda: (pool.status()["workers"][0]["in_flight_s"] or 0) > 0, timeout=30,
+                   message="the running caller's model call")
+        go.set()
+        assert sending.wait(30)
+        time.sleep(1.5)  # the scene: the queued item waits 1.5 s of its 4 behind the running model call
+        first.touch()
+        wait_until(lambda: any(c["tags"] == ["queued"] for c in _calls(calls)), timeout=30,
+                   message="the queued item's own model call")
+        threads[0].join(timeout=30)
+        second.touch()  # its model call ends inside the limit
+        threads[1].join(timeout=30)
+        assert outcome["running"] == "running"
+        error = outcome["queued"]
+        assert isinstance(error, RequestTimeout), error
+        assert "was stopped" not in str(error) and "serves on" in str(error), str(error)
+        assert pool.predict("batch", {"tag": "after"})["pid"] == pid

@@ -131,13 +131,28 @@ def test_a_callers_timeout_in_a_shared_queue_costs_only_its_slot_but_a_model_cal
     a = started(state, clock, ask(state, clock, 1).actions)
     b = one(ask(state, clock, 2).actions, c.Grant)
     clock.advance(61)
-    state.handle(clock(), ev.Tick(in_flight={a.rid: 5.0}))  # its current model call began 5 s ago
-    assert of(state.handle(clock(), ev.LeaseReleased(a.lease, 1, "timeout")).actions, c.Stop) == []
+    # Its current model call began 5 s ago: a waits in the queue past the limit.
+    assert of(state.handle(clock(), ev.LeaseReleased(a.lease, 1, "timeout", in_flight_s=5.0)).actions, c.Stop) == []
     assert state.replicas[a.rid].state is R.LEASED and list(state.replicas[a.rid].holds) == [b.lease]
     clock.advance(60)
-    state.handle(clock(), ev.Tick(in_flight={a.rid: 65.0}))  # one model call has run past request_timeout_s
-    stop = one(state.handle(clock(), ev.LeaseReleased(b.lease, 2, "timeout")).actions, c.Stop)
+    # One model call has run past request_timeout_s.
+    stop = one(state.handle(clock(), ev.LeaseReleased(b.lease, 2, "timeout", in_flight_s=65.0)).actions, c.Stop)
     assert stop.cause is StopCause.TIMEOUT and stop.kill
+
+
+def test_a_timeout_is_judged_by_the_model_calls_age_when_it_came_not_by_the_last_ticks(clock):
+    """The last tick saw a long model call (another caller's, since answered); the timed-out caller's own model
+    call began a moment ago. The release carries the age measured then: the worker is not stopped."""
+    state = shared(clock, request_timeout_s=4)
+    a = started(state, clock, ask(state, clock, 1).actions)
+    b = one(ask(state, clock, 2).actions, c.Grant)
+    clock.advance(3.5)
+    state.handle(clock(), ev.Tick(in_flight={a.rid: 3.5}))  # b's model call, 3.5 s old
+    clock.advance(1.0)  # b answered; a's own model call began 0.5 s ago (the tick's figure would say 4.5 s)
+    released = state.handle(clock(), ev.LeaseReleased(a.lease, 1, "timeout", in_flight_s=0.5))
+    assert of(released.actions, c.Stop) == [] and list(state.replicas[a.rid].holds) == [b.lease]
+    stop = one(state.handle(clock(), ev.LeaseReleased(b.lease, 2, "timeout", in_flight_s=4.5)).actions, c.Stop)
+    assert stop.cause is StopCause.TIMEOUT
 
 
 def test_a_caller_gone_mid_batch_frees_its_slot_and_never_drains_the_others(clock):

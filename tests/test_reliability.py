@@ -93,6 +93,22 @@ def test_stop_of_a_worker_that_ignores_sigterm_and_leaks_a_child(pool_dir, relia
     reliability_row("worker ignores SIGTERM; worker leaks a child", "stop escalates to SIGKILL of the group")
 
 
+def test_a_lease_whose_worker_died_is_told_how_even_when_the_pool_saw_the_death_first(pool_dir):
+    """A kept lease's release after a broken exchange races the pool's own look at its workers (a tick): when the pool
+    saw the death first, the lease had already ended, and its answer said only "gone": the caller was told the
+    connection broke, not that the worker was killed."""
+    from resident_pool.messages import Release
+
+    write_provider(pool_dir, "dies", "")
+    with Pool() as pool:
+        lease, _ = pool._acquire("dies", keep=True)  # Pool.predict's: the pool ends a kept lease with its worker
+        os.kill(lease["pid"], signal.SIGKILL)
+        wait_until(lambda: not pool.status()["workers"], timeout=10, message="the pool to see its worker die")
+        time.sleep(1.0)  # the scene: a few of the pool's ticks (0.25 s) pass, and its look ends the lease
+        answer = pool._call(Release(lease["lease"], "broken", 0).to_message())
+    assert "SIGKILL" in answer.get("error", {}).get("error", ""), answer
+
+
 def test_a_worker_killed_while_idle_leaves_no_stale_socket(pool_dir, isolated_dirs, reliability_row):
     write_provider(pool_dir, "stale", "")
     with Pool() as pool:

@@ -136,6 +136,9 @@ class PoolState:
     def _lease_released(self, now: float, event: ev.LeaseReleased) -> ev.Decision:
         lease = self.leases.get(event.lease)
         key = self._key(lease.rid) if lease is not None else None
+        replica = self.replicas.get(lease.rid) if lease is not None else None
+        if event.outcome == "timeout" and replica is not None:  # measured as the client gave up: fresher than a tick's
+            replica.in_flight_since = None if event.in_flight_s is None else now - event.in_flight_s
         actions = self.leasing.released(now, event.lease, event.connection, event.outcome, event.served, event.rc)
         return ev.Decision(actions + self._assign(now, key))
 

@@ -95,13 +95,16 @@ class TicketGone:
 @dataclass(frozen=True)
 class LeaseReleased:
     """A lease ends. ``outcome``: ok; abandoned (interrupted mid-request); timeout; exiting (the worker said so) or
-    died, with the exit code ``rc``; broken (its connection broke, the worker lives); bad_reply."""
+    died, with the exit code ``rc``; broken (its connection broke, the worker lives); bad_reply. ``in_flight_s``
+    (a timeout's): how long the worker's model call had run when the client gave up, None when none ran: a
+    shared worker's caller may time out in its queue, and the last tick's figure may be another call's."""
 
     lease: int
     connection: int
     outcome: str
     served: int = 0
     rc: int | None = None
+    in_flight_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ log = logging.getLogger("resident_pool.pool")
 
 
 _KEPT_START_ERRORS = 64  # the last failed starts, for warm-ups that wait on them
+_KEPT_DEATHS = 256  # the last kept leases ended with their dead worker, for releases that come after
 
 
 class Runtime:
@@ -63,6 +64,9 @@ class Runtime:
         self.changed = threading.Condition(self.lock)  # notified after every event: warm and stop wait on it
         self.workers: dict[int, Worker] = {}
         self.by_lease: dict[int, Worker] = {}  # the worker each lease holds, kept past the replica's end
+        # Kept leases the pool ended with their dead worker before their client released them: (connection, what
+        # the worker's death was), so a release that comes after the pool's own look still says how it died.
+        self.deaths: dict[int, tuple[int, dict[str, Any]]] = {}
         self.waiters: dict[int, Waiter] = {}
         self.tell_lease: dict[int, tuple[int, Callable[[dict[str, Any]], None]]] = {}  # lease: (connection, tell)
         self.start_errors: dict[int, ResidentPoolError] = {}  # for warm-ups waiting on their starts
@@ -309,8 +313,14 @@ class Runtime:
             view = self.core.view(self.clock())
             leased = {r.rid for r in view.replicas if r.state in (ReplicaState.LEASED, ReplicaState.DRAINING)}
             for lease in [lease for lease in self.by_lease if lease not in view.leases]:
-                del self.by_lease[lease]  # recalled, or its client went away: its release finds nothing
-                self.tell_lease.pop(lease, None)
+                gone = self.by_lease.pop(lease)  # recalled, its worker dead, or its client went away
+                told = self.tell_lease.pop(lease, None)
+                rc = gone.process.returncode
+                if rc is not None and told is not None:
+                    error = gone.process.died_error(rc, stopping=gone.stopped_on_purpose)
+                    self.deaths[lease] = (told[0], error.to_dict())
+                    while len(self.deaths) > _KEPT_DEATHS:
+                        del self.deaths[next(iter(self.deaths))]
         for worker in workers:
             if beat:  # a worker still loading its model counts on it too
                 worker.process.beat()
@@ -359,8 +369,13 @@ class Runtime:
             self.tell_lease.pop(release.lease, None)
         quiet = release.outcome in ("ok", "abandoned", "bad_reply")  # the client does not wait for an answer to these
         if worker is None:  # ended already (a kept lease recalled, a stop --now): the client may acquire again
-            return None if quiet else {"ok": True, "gone": True}
+            with self.lock:
+                connection_of, died = self.deaths.pop(release.lease, (None, None))
+            if quiet:
+                return None
+            return {"ok": True, "gone": True, **({"error": died} if died and connection_of == connection else {})}
         outcome, rc = release.outcome, None
+        ran: float | None = None  # a timeout's: how long the worker's model call had run as its client gave up
         answer: dict[str, Any] = {"ok": True}
         book, slug = self.observer.metrics.book, worker.loaded.slug
         if outcome == "exiting":
@@ -376,10 +391,15 @@ class Runtime:
                 answer["error"], outcome = error.to_dict(), "died"
         elif outcome == "timeout":
             book.failed(slug, worker.index, "timeout")
+            ran = worker.process.in_flight_s()
         # A worker that ended its lease's request (timed out, exiting, dead) is stopped before the client hears:
         # the next status and the next request see it gone.
-        self.report(ev.LeaseReleased(release.lease, connection, outcome, release.served, rc),
+        self.report(ev.LeaseReleased(release.lease, connection, outcome, release.served, rc, ran),
                     inline=outcome in ("timeout", "exiting", "died"))
+        if outcome == "timeout":  # a request of a shared worker may time out in its queue: the worker serves on
+            with self.lock:
+                replica = self.core.view(self.clock()).replica(lease.rid) if lease is not None else None
+            answer["stopped"] = replica is None or replica.ending
         return None if quiet else answer
 
     def wait_gone(self, rids: list[int], bound_s: float) -> None:
