@@ -26,6 +26,7 @@ from ..errors import ManifestError
 from ..exits import LOST_EXIT, describe_exit
 from ..host.procs import ForkRefused
 from ..host.trust import check_trusted
+from ..host.paths import Paths
 from ..providers.zygote import ForkedProcess, Zygote
 
 if TYPE_CHECKING:
@@ -77,7 +78,9 @@ def flow_files(deployments: Iterable[Any]) -> list[str]:
 class FlowRunZygote:
     """Which zygote forks the next flow run (see the module's docstring)."""
 
-    def __init__(self, start_timeout_s: float = 300.0) -> None:
+    def __init__(self, *, paths: Paths, kill_grace_s: float, start_timeout_s: float = 300.0) -> None:
+        self.paths = paths
+        self.kill_grace_s = kill_grace_s
         self.start_timeout_s = start_timeout_s
         self._lock = threading.Lock()
         self._current: Zygote | None = None
@@ -110,7 +113,8 @@ class FlowRunZygote:
         zygote = self._current = Zygote(
             _SLUG, hashlib.sha256(files.encode()).hexdigest(), sys.executable, env, FORK_SCRIPT, PRELOAD,
             # The load stage's argument names the weights root where a model is loaded; here, the flow files.
-            load="preload_flows", weights=lambda: files, start_timeout_s=self.start_timeout_s)
+            load="preload_flows", weights=lambda: files, start_timeout_s=self.start_timeout_s,
+            paths=self.paths, kill_grace_s=self.kill_grace_s)
         threading.Thread(target=self._start, args=(zygote,), daemon=True, name="flow-run-zygote").start()
         self._retire_idle()
 

@@ -34,6 +34,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 from prefect.workers.process import ProcessJobConfiguration, ProcessWorker, ProcessWorkerResult
 
+from ..host.paths import Paths
 from ..settings import settings
 from .forking import FlowRunZygote, ForkStarter, exit_in_words_proposer, flow_files
 
@@ -101,7 +102,7 @@ class ResidentProcessWorker(ProcessWorker):
     # -- life ------------------------------------------------------------------------------------
     async def setup(self) -> None:
         if self.refusal is None:
-            self.zygote = FlowRunZygote()
+            self.zygote = FlowRunZygote(paths=Paths.of(self.config), kill_grace_s=self.config.kill_grace_s)
             # Registered before Prefect's setup enters the runs' task group: the stack unwinds that first, so
             # the zygote, the only process that can report how its forks ended, outlives every run.
             self._exit_stack.callback(self.zygote.stop)
