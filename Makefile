@@ -26,7 +26,7 @@ JOBS ?= 4
 
 # Every test but load and soak at size (those are `make reliability`), in JOBS processes.
 test: setup
-	$(PY) -m pytest -n $(JOBS) --dist loadgroup -m "not soak"
+	$(PY) -m pytest -n $(JOBS) --dist loadgroup -m "not soak" --durations=25
 
 # Before every commit: the unit tests and the decision core, plus a few real paths through a pool (smoke).
 test-fast: setup
