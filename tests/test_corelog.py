@@ -42,7 +42,7 @@ SAMPLES: list[object] = [
     c.Hibernate(1, "evicted"), c.Grant(2, 5, 1, True, True), c.Recall(1, 5, "waits", True, False),
     c.Refuse(2, AdmissionTimeout("k: waited", slug="k", details={"held": ["a[0] leased"]})), c.Note(1, "x"),
     c.ReleaseBudget(1), c.Gone(1, None, None, 0), c.Announce("request.aged", "k", (("ticket", 2), ("waited_s", 1.5))),
-    c.Exit("quiet"), ev.Decision([c.Spawn(1)], 3, (1, 2), None),
+    c.Exit("quiet"), c.Forget("k~stock"), ev.Decision([c.Spawn(1)], 3, (1, 2), None),
 ]
 
 

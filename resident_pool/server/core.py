@@ -22,7 +22,7 @@ from .. import priority as order
 from ..errors import AdmissionTimeout, BreakerOpen, PoolStopping, ResidentPoolError, error_from_dict
 from . import events as ev
 from . import starting
-from .actions import Action, Announce, Exit, Policy, Refuse, Spawn, Timings, Withdraw
+from .actions import Action, Announce, Exit, Forget, Policy, Refuse, Spawn, Timings, Withdraw
 from .admitting import Admitting
 from .breaker import Breaker
 from .leases import Leasing
@@ -245,7 +245,7 @@ class PoolState:
         provider = self.providers.get(key) if key is not None else None
         if provider is not None and provider.variant and not provider.replicas and not provider.queue:
             del self.providers[provider.key]  # a variant (a check's run) is gone with its last replica
-            return ev.Decision(actions)
+            return ev.Decision([*actions, Forget(provider.key)])
         return ev.Decision(actions + self._assign(now, key))
 
     # -- ending replicas on purpose ------------------------------------------------------------------------
@@ -323,9 +323,9 @@ class PoolState:
         if now - self.last_keep_warm >= self.timings.keep_warm_s and not self.stopping and not admission_waiting:
             self.last_keep_warm = now
             for provider in list(self.providers.values()):
-                if provider.spec.min_replicas > self.lifecycle.serving_count(provider) \
+                if provider.min_replicas > self.lifecycle.serving_count(provider) \
                         and provider.breaker.remaining_s(now) == 0:
-                    actions += self._top_up(now, provider, provider.spec.min_replicas, wait=False).actions
+                    actions += self._top_up(now, provider, provider.min_replicas, wait=False).actions
         return ev.Decision(actions)
 
     def view(self, now: float) -> CoreView:
@@ -340,7 +340,7 @@ class PoolState:
                              order.CLASSES[order.effective(t.priority, now - t.arrived, self.policy.aging_s)])
                   for t in order.in_order(p.queue, now, self.policy.aging_s, lambda t: t.priority,
                                           lambda t: t.arrived)),
-            p.spec.min_replicas, p.spec.max_replicas, serving[key],
+            p.min_replicas, p.spec.max_replicas, serving[key],
             sum(1 for r in replicas if r.key == key and not r.ending)) for key, p in self.providers.items()}
         return CoreView(now, self.stopping, providers, replicas, tuple(self.admitting.line_view(now)),
                         {"aging_s": self.policy.aging_s, "backfill": self.policy.backfill,

@@ -52,7 +52,7 @@ class Lifecycle:
 
     def kept_warm(self, replica: Replica) -> bool:
         """One of its provider's ``min_replicas`` (the lowest-numbered ones that serve new requests)."""
-        keep = self.providers[replica.key].spec.min_replicas
+        keep = self.providers[replica.key].min_replicas
         if not keep or not self.serving(replica):
             return False
         warm = sorted(r.index for r in self.providers[replica.key].replicas.values() if self.serving(r))

@@ -219,6 +219,9 @@ class PoolServer:
             return
         self._watched = now
         for known in self.registry.changed():
+            if known.variant is not None and known.key not in self.runtime.view().providers:
+                self.registry.forget(known.key)  # a check's run that ended: never read back in, nor kept warm
+                continue
             try:
                 self._provider(known.slug, str(known.source.parent.parent), known.variant)
             except ResidentPoolError as exc:

@@ -193,3 +193,8 @@ class Provider:
     queue: list[Ticket] = field(default_factory=list)  # in the order they are served
     starts: int = 0
     last_error: str | None = None
+
+    @property
+    def min_replicas(self) -> int:
+        """The replicas kept warm: its manifest's ``min_replicas``; none for a variant (a check's run ends with it)."""
+        return 0 if self.variant else self.spec.min_replicas

@@ -136,6 +136,8 @@ class Runtime:
                 self._gone(action)
             elif isinstance(action, c.Exit):
                 self.on_exit(action.why)
+            elif isinstance(action, c.Forget):
+                self.registry.forget(action.key)
             elif isinstance(action, c.Announce):
                 self.observer.events.emit(action.event, action.slug, **dict(action.fields))
             elif isinstance(action, c.Recall) and not action.worker:

@@ -1,0 +1,58 @@
+"""The decision core at its boundary, with a fake clock: a check's variant ends with its run, events are the core's
+input and never changed by it, and the one view it hands out (built once per look, linear in the replicas)."""
+
+from __future__ import annotations
+
+import pytest
+from test_core import CONN, Clock, of, one
+
+from resident_pool.server import actions as c
+from resident_pool.server import events as ev
+from resident_pool.server.actions import Timings
+from resident_pool.server.core import PoolState
+from resident_pool.server.replica import Spec
+from resident_pool.server.states import ReplicaState, StopCause
+
+R = ReplicaState
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+# -- a check's variant ------------------------------------------------------------------------------------
+def _with_variant(clock: Clock, spec: Spec) -> PoolState:
+    state = PoolState(Timings(keep_warm_s=5), clock())
+    state.handle(clock(), ev.ManifestRead("m", "m", "v", "f", Spec()))
+    state.handle(clock(), ev.ManifestRead("m~stock", "m", "v", "f", spec, variant=True))
+    return state
+
+
+def test_a_variant_is_never_topped_up_to_its_manifests_min_replicas(clock):
+    state = _with_variant(clock, Spec(min_replicas=1))
+    clock.advance(5)
+    assert of(state.handle(clock(), ev.Tick()).actions, c.Start) == []  # a check's run, not a provider kept warm
+
+
+def test_a_variants_idle_worker_retires_whatever_min_replicas_its_manifest_says(clock):
+    state = _with_variant(clock, Spec(min_replicas=1, idle_timeout_s=1, ping_interval_s=10_000))
+    ask = state.handle(clock(), ev.ClientAsked("m~stock", CONN, {}))
+    start = one(ask.actions, c.Start)
+    grant = one(state.handle(clock(), ev.WorkerStarted(start.rid, 7)).actions, c.Grant)
+    state.handle(clock(), ev.LeaseReleased(grant.lease, CONN, "ok"))
+    assert not state.view(clock()).replica(start.rid).kept_warm
+    clock.advance(2)
+    assert one(state.handle(clock(), ev.Tick()).actions, c.Stop).cause is StopCause.IDLE
+
+
+def test_a_variant_gone_with_its_last_replica_tells_the_shell_to_forget_its_manifest(clock):
+    state = _with_variant(clock, Spec(idle_timeout_s=1, ping_interval_s=10_000))
+    start = one(state.handle(clock(), ev.ClientAsked("m~stock", CONN, {})).actions, c.Start)
+    grant = one(state.handle(clock(), ev.WorkerStarted(start.rid, 7)).actions, c.Grant)
+    state.handle(clock(), ev.LeaseReleased(grant.lease, CONN, "ok"))
+    clock.advance(2)
+    one(state.handle(clock(), ev.Tick()).actions, c.Stop)
+    actions = state.handle(clock(), ev.WorkerStopped(start.rid)).actions
+    assert one(actions, c.Forget).key == "m~stock"
+    assert "m~stock" not in state.view(clock()).providers and "m" in state.view(clock()).providers
