@@ -3,13 +3,17 @@ input and never changed by it, and the one view it hands out (built once per loo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from test_core import CONN, Clock, of, one
 
+from resident_pool.errors import WorkerStartError
 from resident_pool.server import actions as c
 from resident_pool.server import events as ev
 from resident_pool.server.actions import Timings
 from resident_pool.server.core import PoolState
+from resident_pool.server.corelog import encode
 from resident_pool.server.replica import Spec
 from resident_pool.server.states import ReplicaState, StopCause
 
@@ -56,3 +60,32 @@ def test_a_variant_gone_with_its_last_replica_tells_the_shell_to_forget_its_mani
     actions = state.handle(clock(), ev.WorkerStopped(start.rid)).actions
     assert one(actions, c.Forget).key == "m~stock"
     assert "m~stock" not in state.view(clock()).providers and "m" in state.view(clock()).providers
+
+
+# -- events are the core's input, never changed by it --------------------------------------------------------
+def test_a_start_failure_that_opens_the_breaker_leaves_the_event_as_it_came(clock):
+    state = PoolState(Timings(breaker_cooldown_s=300), clock())
+    state.handle(clock(), ev.ManifestRead("m", "m", "v", "f", Spec()))
+    ask = state.handle(clock(), ev.ClientAsked("m", CONN, {}))
+    start = one(ask.actions, c.Start)
+    failed = ev.StartFailed(start.rid, WorkerStartError("m: exited 3: refused", slug="m", exit_code=3,
+                                                        details={"transcript_lines": 2}))
+    before = json.dumps(encode(failed))
+    decision = state.handle(clock(), failed)
+    assert json.dumps(encode(failed)) == before  # logged, and replayed, as the runtime reported it
+    refusal = one(decision.actions, c.Refuse).error
+    assert refusal.details == {"transcript_lines": 2, "breaker_opened": True} and refusal.headline == \
+        failed.error.headline
+    assert decision.error is refusal  # the events stream says `breaker.open` once, and the client hears its id
+
+
+@pytest.mark.parametrize("asked", [ev.ClientAsked("m~stock", CONN, {}), ev.WarmAsked("m~stock", 1)],
+                         ids=["ClientAsked", "WarmAsked"])
+def test_asking_for_a_variant_forgotten_since_its_manifest_was_read_is_answered_not_a_key_error(clock, asked):
+    state = _with_variant(clock, Spec())
+    start = one(state.handle(clock(), ev.WarmAsked("m~stock", 1)).actions, c.Start)
+    state.handle(clock(), ev.StartFailed(start.rid, WorkerStartError("m: exited 1", slug="m", exit_code=1)))
+    assert "m~stock" not in state.view(clock()).providers  # gone with its last replica
+    decision = state.handle(clock(), asked)
+    assert decision.error is not None and decision.error.reason == "provider_gone"
+    assert decision.actions == [] and decision.ticket is None

@@ -31,7 +31,7 @@ from .replica import Lease, Provider, Replica, Ticket
 from .states import ReplicaState, StopCause
 from .view import CoreView, LeaseView, ProviderView, ReplicaView, TicketView
 
-__all__ = ["PoolState", "breaker_error", "replica_timeout", "stopping_error"]
+__all__ = ["PoolState", "breaker_error", "provider_gone", "replica_timeout", "stopping_error"]
 
 
 class PoolState:
@@ -120,7 +120,9 @@ class PoolState:
         """A ticket, answered by a Grant or a Refuse. A kept lease (``keep``: Pool.predict's) counts as idle once its
         holder stops calling, and is recalled when another client waits, admission needs the memory, or the worker
         retires."""
-        provider = self.providers[event.key]
+        provider = self.providers.get(event.key)
+        if provider is None:  # a check's variant, gone with its last replica since its manifest was read
+            return ev.Decision(error=provider_gone(event.key))
         ticket = self.leasing.new_ticket(now, provider, event.connection, event.holder, event.priority, event.keep)
         if self.stopping:
             return ev.Decision([Refuse(ticket.id, stopping_error())], ticket=ticket.id)
@@ -219,7 +221,10 @@ class PoolState:
         actions += self.leasing.refuse(provider, ticket, error) if error.reason != "client_gone" else []
         if provider.breaker.remaining_s(now) > 0:
             actions += self.leasing.refuse_all(provider, breaker_error(provider, now))
-        return ev.Decision(actions + self._assign(now, key))
+        opened = error if error.details.get("breaker_opened") else None  # the events stream says so, once
+        if self._forgotten(provider):
+            return ev.Decision([*actions, Forget(provider.key)], error=opened)
+        return ev.Decision(actions + self._assign(now, key), error=opened)
 
     def _pinged(self, now: float, event: ev.Pinged) -> ev.Decision:
         key = self._key(event.rid)
@@ -243,10 +248,16 @@ class PoolState:
         if rid not in self.replicas:
             self.leasing.drop_kept(rid)
         provider = self.providers.get(key) if key is not None else None
-        if provider is not None and provider.variant and not provider.replicas and not provider.queue:
-            del self.providers[provider.key]  # a variant (a check's run) is gone with its last replica
+        if provider is not None and self._forgotten(provider):
             return ev.Decision([*actions, Forget(provider.key)])
         return ev.Decision(actions + self._assign(now, key))
+
+    def _forgotten(self, provider: Provider) -> bool:
+        """A variant (a check's run) is gone with its last replica, started or not, once nobody waits for it."""
+        if not provider.variant or provider.replicas or provider.queue:
+            return False
+        del self.providers[provider.key]
+        return True
 
     # -- ending replicas on purpose ------------------------------------------------------------------------
     def _retire_asked(self, now: float, event: ev.RetireAsked) -> ev.Decision:
@@ -276,7 +287,9 @@ class PoolState:
         return ev.Decision(actions + self._stop_asked(now, stop).actions)
 
     def _warm_asked(self, now: float, event: ev.WarmAsked) -> ev.Decision:
-        provider = self.providers[event.key]
+        provider = self.providers.get(event.key)
+        if provider is None:
+            return ev.Decision(error=provider_gone(event.key))
         spec = provider.spec
         if self.stopping:
             return ev.Decision(error=stopping_error())
@@ -372,6 +385,12 @@ class PoolState:
 # -- errors the core answers with ------------------------------------------------------------------------------
 def stopping_error() -> PoolStopping:
     return PoolStopping("the pool is stopping; the client retries with the next pool")
+
+
+def provider_gone(key: str) -> ResidentPoolError:
+    """Asked for a provider the core no longer knows: its manifest is read again, and it is asked again."""
+    return ResidentPoolError(f"{key}: this pool forgot it since its manifest was read (a check's run ended); "
+                             "ask again", slug=key, reason="provider_gone")
 
 
 def breaker_error(provider: Provider, now: float) -> BreakerOpen:

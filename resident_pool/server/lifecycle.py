@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 
-from ..errors import ResidentPoolError
+from ..errors import ResidentPoolError, error_from_dict
 from ..exits import REFUSAL_CODES, describe_exit
 from . import drains, holding
 from .actions import Action, Gone, Hibernate, Note, Ping, Recall, ReleaseBudget, Start, Stop, Timings
@@ -174,10 +174,11 @@ class Lifecycle:
         replica.last_error = provider.last_error = error.headline
         self._drop(provider, replica)
         kept = error.to_dict()
-        kept["details"] = dict(kept["details"])  # a copy: the flag below belongs to this one error, not the kept one
         if error.reason not in NOT_THE_PROVIDERS_FAULT and provider.breaker.failed(
                 provider.fingerprint, kept, error.exit_code in REFUSAL_CODES, now):
-            error.details["breaker_opened"] = True  # the Prefect helpers and the events stream say so once
+            # The Prefect helpers and the events stream say so once. A copy: the event's error is what the runtime
+            # reported, and is logged and replayed as it came.
+            error = error_from_dict({**error.to_dict(), "details": {**error.details, "breaker_opened": True}})
         return [Gone(rid, None, error.headline)], error, replica.for_ticket
 
     # -- ends of leases -------------------------------------------------------------------------------

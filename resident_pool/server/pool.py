@@ -44,6 +44,7 @@ from .states import ReplicaState
 from .status import StatusFacts, build_status, describe_holder, waiting
 from .wire import Connection, Wire
 
+_ASKS = 3  # a request (or a warm-up) asked again when its provider was forgotten meanwhile: once is enough
 MANIFEST_WATCH_S = 1.0  # how often the manifests served are looked at for edits (a stat of two files each)
 
 __all__ = ["PoolServer", "policy_from", "timings_from"]
@@ -253,8 +254,10 @@ class PoolServer:
         key = f"{slug}~{variant.name}" if variant else slug
         serving = any(r.key == key and not r.ending for r in self.runtime.view().replicas)
         loaded = self.registry.load(slug, manifests, variant, serving=serving)
+        # Kept in the registry as the core decided, under its lock: a Forget of a variant decided before this read
+        # (settled under the lock too) cannot take away what a start of the provider read anew needs.
         self.runtime.report(ev.ManifestRead(key, slug, loaded.version, loaded.fingerprint, spec_of(loaded.manifest),
-                                            variant is not None))
+                                            variant is not None), noted=lambda _: self.registry.keep(loaded))
         return loaded
 
     # -- ops ----------------------------------------------------------------------------------------------------
@@ -270,16 +273,22 @@ class PoolServer:
         """Lease a ready replica of ``ask.slug``, starting one if the provider may have another."""
         if self.draining:
             raise stopping_error()
-        key = self._provider(ask.slug, ask.manifests, ask.variant).key
         asked = time.monotonic()
         waiter = Waiter(threading.Event(), connection.progress, tell=connection.tell, connection=connection.id)
 
         def wait_for(decision: ev.Decision) -> None:  # under the lock, before any answer to its ticket is given
-            assert decision.ticket is not None
-            self.runtime.waiters[decision.ticket] = waiter
+            if decision.ticket is not None:
+                self.runtime.waiters[decision.ticket] = waiter
 
-        ticket = self.runtime.report(ev.ClientAsked(key, connection.id, ask.holder or {}, ask.priority, ask.keep),
-                                     noted=wait_for).ticket
+        for _ in range(_ASKS):
+            key = self._provider(ask.slug, ask.manifests, ask.variant).key
+            decision = self.runtime.report(ev.ClientAsked(key, connection.id, ask.holder or {}, ask.priority,
+                                                          ask.keep), noted=wait_for)
+            if decision.error is None or decision.error.reason != "provider_gone":
+                break  # else: a check's variant ended between the two reports; read again, ask again
+        if decision.error is not None:
+            raise decision.error
+        ticket = decision.ticket
         assert ticket is not None
         try:
             while not waiter.event.wait(self.tick_s):
@@ -336,8 +345,11 @@ class PoolServer:
         """Start workers of ``slug`` until ``replicas`` of its current version are live; wait for them to answer."""
         if self.draining:
             raise stopping_error()
-        loaded = self._provider(slug, manifests)
-        decision = self.runtime.report(ev.WarmAsked(loaded.key, replicas))
+        for _ in range(_ASKS):
+            loaded = self._provider(slug, manifests)
+            decision = self.runtime.report(ev.WarmAsked(loaded.key, replicas))
+            if decision.error is None or decision.error.reason != "provider_gone":
+                break
         if decision.error is not None:
             raise decision.error
         starting = list(decision.replicas)

@@ -120,6 +120,8 @@ class Runtime:
                 if waiter is not None:
                     waiter.answer = action
                     waiter.event.set()
+            elif isinstance(action, c.Forget):
+                self.registry.forget(action.key)  # under the lock: ordered with the manifest reads the core hears
             else:
                 later.append(action)
         return later
@@ -136,8 +138,6 @@ class Runtime:
                 self._gone(action)
             elif isinstance(action, c.Exit):
                 self.on_exit(action.why)
-            elif isinstance(action, c.Forget):
-                self.registry.forget(action.key)
             elif isinstance(action, c.Announce):
                 self.observer.events.emit(action.event, action.slug, **dict(action.fields))
             elif isinstance(action, c.Recall) and not action.worker:
