@@ -106,7 +106,8 @@ class PoolServer:
                                self.paths, self.observer, config)
         self.runtime.on_exit = self.begin_stop
         if config.core_log is not None:
-            self.runtime.core_log = CoreLog(config.core_log, self.timings, policy, started)
+            self.runtime.core_log = CoreLog(config.core_log, self.timings, policy, started,
+                                            int(config.core_log_max_mb * 2**20))
         self.wire = Wire(self.socket_path, {
             "hello": self._op_hello, "acquire": self._op_acquire, "release": self._op_release,
             "status": lambda m, conn: {"ok": True, **self.status()},
