@@ -89,3 +89,43 @@ def test_asking_for_a_variant_forgotten_since_its_manifest_was_read_is_answered_
     decision = state.handle(clock(), asked)
     assert decision.error is not None and decision.error.reason == "provider_gone"
     assert decision.actions == [] and decision.ticket is None
+
+
+# -- the one view: cheap to build, built once per decision ----------------------------------------------------
+def _many(clock: Clock, replicas: int) -> PoolState:
+    state = PoolState(Timings(), clock())
+    state.handle(clock(), ev.ManifestRead("m", "m", "v", "f", Spec(max_replicas=replicas, min_replicas=replicas)))
+    for start in state.handle(clock(), ev.WarmAsked("m", replicas)).actions:
+        state.handle(clock(), ev.WorkerStarted(start.rid, 1000 + start.rid))
+    return state
+
+
+def test_a_view_of_64_replicas_asks_each_whether_it_serves_a_bounded_number_of_times(clock, monkeypatch):
+    from resident_pool.server.lifecycle import Lifecycle
+
+    state = _many(clock, 64)
+    asked = []
+    serving = Lifecycle.serving
+    monkeypatch.setattr(Lifecycle, "serving", lambda self, r: asked.append(r.rid) or serving(self, r))
+    view = state.view(clock())
+    assert sum(r.kept_warm for r in view.replicas) == 64 and view.providers["m"].serving == 64
+    assert len(asked) <= 3 * 64  # linear: kept_warm sorted its provider's replicas once per replica (4,000+ asks)
+
+
+def test_the_runtime_builds_the_view_once_per_decision(clock, monkeypatch):
+    from types import SimpleNamespace
+
+    from resident_pool.server.runtime import Runtime
+
+    state = _many(clock, 4)
+    runtime = Runtime(state, None, None, None, None, None, None, SimpleNamespace(kill_grace_s=1.0), clock=clock)
+    built = []
+    view = PoolState.view
+    monkeypatch.setattr(PoolState, "view", lambda self, now: built.append(now) or view(self, now))
+    for _ in range(5):  # a session's path: draining, the manifest's read, the lease, the release...
+        runtime.view()
+        runtime.snapshot()
+    assert len(built) == 1
+    runtime.report(ev.LeaseUsed(1, CONN, 1))
+    clock.advance(1)
+    assert runtime.view().now == clock() and runtime.view() is runtime.view() and len(built) == 2

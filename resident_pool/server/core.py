@@ -343,18 +343,22 @@ class PoolState:
 
     def view(self, now: float) -> CoreView:
         """The records as they are at ``now``, read-only, each word (idle, serving, ending) decided here."""
-        serving = {key: self.lifecycle.serving_count(p) for key, p in self.providers.items()}
         leases = {lease.id: self._lease_view(now, lease) for lease in self.leases.values()}
-        replicas = tuple(self._replica_view(now, r, leases) for r in sorted(self.replicas.values(),
-                                                                            key=lambda r: (r.key, r.index)))
+        warm = self.lifecycle.kept_warm_rids()
+        replicas = tuple(self._replica_view(now, r, leases, warm) for r in sorted(self.replicas.values(),
+                                                                                  key=lambda r: (r.key, r.index)))
+        serving = dict.fromkeys(self.providers, 0)
+        running = dict.fromkeys(self.providers, 0)
+        for r in replicas:
+            serving[r.key] += r.serving
+            running[r.key] += not r.ending
         providers = {key: ProviderView(
             key, p.slug, p.version, p.fingerprint, p.starts, p.last_error, p.breaker.snapshot(now), p.variant,
             tuple(TicketView(t.id, dict(t.holder), round(now - t.arrived, 3), t.priority, t.asked,
                              order.CLASSES[order.effective(t.priority, now - t.arrived, self.policy.aging_s)])
                   for t in order.in_order(p.queue, now, self.policy.aging_s, lambda t: t.priority,
                                           lambda t: t.arrived)),
-            p.min_replicas, p.spec.max_replicas, serving[key],
-            sum(1 for r in replicas if r.key == key and not r.ending)) for key, p in self.providers.items()}
+            p.min_replicas, p.spec.max_replicas, serving[key], running[key]) for key, p in self.providers.items()}
         return CoreView(now, self.stopping, providers, replicas, tuple(self.admitting.line_view(now)),
                         {"aging_s": self.policy.aging_s, "backfill": self.policy.backfill,
                          "classes": list(self.policy.classes)}, leases)
@@ -366,7 +370,7 @@ class PoolState:
         return LeaseView(lease.id, lease.rid, lease.connection, dict(lease.holder), round(now - lease.since, 1),
                          lease.kept, recalling, lease.priority, lease.backfilled)
 
-    def _replica_view(self, now: float, r: Replica, leases: dict[int, LeaseView]) -> ReplicaView:
+    def _replica_view(self, now: float, r: Replica, leases: dict[int, LeaseView], warm: set[int]) -> ReplicaView:
         held = tuple(leases[lease] for lease in sorted(r.holds) if lease in leases)
         ending = r.state in (ReplicaState.STOPPING, ReplicaState.STOPPED, ReplicaState.FAILED)
         idle = r.state in (ReplicaState.READY, ReplicaState.HIBERNATED) or (
@@ -377,7 +381,7 @@ class PoolState:
             r.rid, r.key, provider.slug, r.index, r.state, r.version, r.version == provider.version, r.pid, r.device,
             r.budget_gb, r.served, round(r.idle_s(now), 1), idle, self.lifecycle.serving(r), ending,
             r.retire[1] if r.retire else None, r.abort[1] if r.abort else None, r.last_error,
-            self.lifecycle.kept_warm(r), r.backfilled, r.kept, held[0] if held else None,
+            r.rid in warm, r.backfilled, r.kept, held[0] if held else None,
             round(now - r.in_flight_since, 1) if busy and r.in_flight_since is not None else None,
             held, provider.spec.max_callers, r.queue_wait_s)
 

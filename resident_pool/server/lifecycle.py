@@ -52,11 +52,21 @@ class Lifecycle:
 
     def kept_warm(self, replica: Replica) -> bool:
         """One of its provider's ``min_replicas`` (the lowest-numbered ones that serve new requests)."""
-        keep = self.providers[replica.key].min_replicas
+        provider = self.providers[replica.key]
+        keep = provider.min_replicas
         if not keep or not self.serving(replica):
             return False
-        warm = sorted(r.index for r in self.providers[replica.key].replicas.values() if self.serving(r))
-        return replica.index in warm[:keep]
+        below = sum(1 for r in provider.replicas.values() if r.index < replica.index and self.serving(r))
+        return below < keep
+
+    def kept_warm_rids(self) -> set[int]:
+        """Every replica ``kept_warm`` says is one, found in one pass per provider (not one per replica)."""
+        found: set[int] = set()
+        for provider in self.providers.values():
+            if provider.min_replicas:
+                serving = sorted((r.index, r.rid) for r in provider.replicas.values() if self.serving(r))
+                found.update(rid for _, rid in serving[:provider.min_replicas])
+        return found
 
     def serving_count(self, provider: Provider) -> int:
         """Replicas that count against max_replicas: those serving (a new request may get them)."""

@@ -72,6 +72,7 @@ class Runtime:
         self.start_errors: dict[int, ResidentPoolError] = {}  # for warm-ups waiting on their starts
         self.nonce = secrets.token_hex(8)  # lease tokens of this pool never name another pool's lease
         self.on_exit: Callable[[str], None] = lambda why: None
+        self._view: CoreView | None = None  # the core's view since its last decision (``_look``)
         self.core_log: CoreLog | None = None  # RESIDENT_POOL_CORE_LOG: each event and its decision, for replay
         self.starter = Starter(self, registry, admission, zygotes, hibernator, observer, paths, config,
                                self.timings)
@@ -87,6 +88,7 @@ class Runtime:
         with self.lock:
             now = self.clock()
             decision = self.core.handle(now, event)
+            self._view = None  # the records changed: the next read builds the view again, once
             if self.core_log is not None:
                 self.core_log.write(now, event, decision)
             if noted is not None:
@@ -97,14 +99,21 @@ class Runtime:
         return decision
 
     def view(self) -> CoreView:
-        """The core's records now, read-only."""
+        """The core's records, read-only, as of its last decision."""
         with self.lock:
-            return self.core.view(self.clock())
+            return self._look()
 
     def snapshot(self) -> tuple[CoreView, dict[int, Worker]]:
         """The core's view and the workers the runtime holds, taken together."""
         with self.lock:
-            return self.core.view(self.clock()), dict(self.workers)
+            return self._look(), dict(self.workers)
+
+    def _look(self) -> CoreView:
+        """The core's view, built at most once per decision (the lock is held): a session's path reads it several
+        times, and each build walks every replica. Its ages are as of that build: a tick old at most."""
+        if self._view is None:
+            self._view = self.core.view(self.clock())
+        return self._view
 
     def settle(self, actions: list[c.Action]) -> list[c.Action]:
         """Answer waiting clients at once (the lock is held); return what must run outside it."""
@@ -312,7 +321,7 @@ class Runtime:
         """Heartbeats, deaths between requests, the core's clock, and what each wait for memory is for."""
         with self.lock:
             workers = list(self.workers.values())
-            view = self.core.view(self.clock())
+            view = self._look()
             leased = {r.rid for r in view.replicas if r.state in (ReplicaState.LEASED, ReplicaState.DRAINING)}
             for lease in [lease for lease in self.by_lease if lease not in view.leases]:
                 gone = self.by_lease.pop(lease)  # recalled, its worker dead, or its client went away
@@ -350,7 +359,7 @@ class Runtime:
         """The lease a waiting client gets: where the worker's socket is, and how long a request may run."""
         with self.lock:
             worker = self.by_lease[grant.lease]
-            lease = self.core.view(self.clock()).lease(grant.lease)
+            lease = self._look().lease(grant.lease)
             priority, backfilled = (lease.priority, lease.backfilled) if lease is not None else ("normal", False)
         process, manifest = worker.process, worker.loaded.manifest
         return LeaseGrant(lease=grant.lease, slug=key, replica=worker.index, pid=process.pid,
@@ -363,7 +372,7 @@ class Runtime:
     def release(self, release: Release, connection: int) -> dict[str, Any] | None:
         """A lease ends; what the client's last request saw is turned into a fact first (did the worker die?)."""
         with self.lock:
-            lease = self.core.view(self.clock()).lease(release.lease)
+            lease = self._look().lease(release.lease)
             if lease is not None and lease.connection != connection:
                 raise ResidentPoolError(f"lease {release.lease} is not held by this connection; a client releases "
                                         "only its own leases", reason="bad_request")
@@ -400,7 +409,7 @@ class Runtime:
                     inline=outcome in ("timeout", "exiting", "died"))
         if outcome == "timeout":  # a request of a shared worker may time out in its queue: the worker serves on
             with self.lock:
-                replica = self.core.view(self.clock()).replica(lease.rid) if lease is not None else None
+                replica = self._look().replica(lease.rid) if lease is not None else None
             answer["stopped"] = replica is None or replica.ending
         return None if quiet else answer
 
@@ -408,7 +417,7 @@ class Runtime:
         """Wait until none of ``rids`` is left (every stop reports back, or is escalated), at most ``bound_s``."""
         deadline = self.clock() + bound_s
         with self.lock:
-            while any(self.core.view(self.clock()).replica(rid) for rid in rids) and self.clock() < deadline:
+            while any(self._look().replica(rid) for rid in rids) and self.clock() < deadline:
                 self.changed.wait(0.25)
 
     def wait_started(self, rids: list[int], bound_s: float) -> list[ResidentPoolError]:
@@ -416,7 +425,7 @@ class Runtime:
         deadline = self.clock() + bound_s
 
         def starting() -> bool:
-            view = self.core.view(self.clock())
+            view = self._look()
             return any((replica := view.replica(rid)) is not None and replica.state is ReplicaState.STARTING
                        for rid in rids)
 

@@ -7,7 +7,7 @@ frozen records: nothing in them reaches back into the core's own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .states import ReplicaState
 
@@ -137,8 +137,13 @@ class CoreView:
         """Nothing leased and every replica ready: a pool of another version may step aside."""
         return not self.leases and all(r.state is ReplicaState.READY for r in self.replicas)
 
+    _by_rid: dict[int, ReplicaView] = field(init=False, repr=False, compare=False)  # ``replica``'s index
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_rid", {r.rid: r for r in self.replicas})
+
     def replica(self, rid: int) -> ReplicaView | None:
-        return next((r for r in self.replicas if r.rid == rid), None)
+        return self._by_rid.get(rid)
 
     def lease(self, lease: int) -> LeaseView | None:
         return self.leases.get(lease)
