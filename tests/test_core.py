@@ -735,7 +735,7 @@ def test_a_kept_lease_ends_with_its_replica_and_the_pool_is_idle_again(clock):
     kept = _kept_in_use(state, clock)
     one(state.handle(clock(), ev.StopAsked("m", True, "stop --now")).actions, c.Stop)
     state.handle(clock(), ev.WorkerStopped(kept.rid))
-    assert kept.lease not in state.leases and state.view(clock()).idle
+    assert kept.lease not in state.leases and state.view(clock()).resting
 
 
 def test_stop_and_shutdown_take_a_kept_lease_back_first(clock):

@@ -129,3 +129,29 @@ def test_the_runtime_builds_the_view_once_per_decision(clock, monkeypatch):
     runtime.report(ev.LeaseUsed(1, CONN, 1))
     clock.advance(1)
     assert runtime.view().now == clock() and runtime.view() is runtime.view() and len(built) == 2
+
+
+# -- idle: decided once, in the core -------------------------------------------------------------------------
+def test_a_kept_lease_running_a_request_is_neither_idle_nor_counting_idle_time(clock):
+    state = PoolState(Timings(), clock())
+    state.handle(clock(), ev.ManifestRead("m", "m", "v", "f", Spec(idle_timeout_s=0, ping_interval_s=10_000)))
+    start = one(state.handle(clock(), ev.ClientAsked("m", CONN, {}, keep=True)).actions, c.Start)
+    one(state.handle(clock(), ev.WorkerStarted(start.rid, 7, True)).actions, c.Grant)
+    clock.advance(30)
+    between_calls = state.view(clock()).replica(start.rid)
+    assert between_calls.idle and between_calls.idle_s == 30.0
+    state.handle(clock(), ev.Tick(in_flight={start.rid: 5.0}))  # a request runs on it now
+    clock.advance(10)
+    running = state.view(clock()).replica(start.rid)
+    assert not running.idle and running.idle_s == 0.0  # one word, one meaning: the time agrees with the flag
+
+
+def test_a_waiting_task_calls_busy_what_the_pool_says_serves_and_is_not_idle():
+    from resident_pool.prefect import _waiting_words
+
+    rows = [{"slug": "m", "replica": 0, "state": "leased", "serving": True, "idle": True},  # a kept lease, idle
+            {"slug": "m", "replica": 1, "state": "leased", "serving": True, "idle": False},
+            {"slug": "m", "replica": 2, "state": "draining", "serving": False, "idle": False}]
+    assert "its 1 replica(s) are busy" in _waiting_words("m", {"workers": rows}, "3 s so far")
+    older_pool = [{"slug": "m", "replica": 0, "state": "leased"}]  # a pool from before `serving` was said
+    assert "its 1 replica(s) are busy" in _waiting_words("m", {"workers": older_pool}, "3 s so far")

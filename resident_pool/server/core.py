@@ -372,14 +372,11 @@ class PoolState:
 
     def _replica_view(self, now: float, r: Replica, leases: dict[int, LeaseView], warm: set[int]) -> ReplicaView:
         held = tuple(leases[lease] for lease in sorted(r.holds) if lease in leases)
-        ending = r.state in (ReplicaState.STOPPING, ReplicaState.STOPPED, ReplicaState.FAILED)
-        idle = r.state in (ReplicaState.READY, ReplicaState.HIBERNATED) or (
-            r.state is ReplicaState.LEASED and r.kept and not r.recalling and r.in_flight_since is None)
         busy = r.in_flight_since is not None and r.state in (ReplicaState.LEASED, ReplicaState.DRAINING)
         provider = self.providers[r.key]
         return ReplicaView(
             r.rid, r.key, provider.slug, r.index, r.state, r.version, r.version == provider.version, r.pid, r.device,
-            r.budget_gb, r.served, round(r.idle_s(now), 1), idle, self.lifecycle.serving(r), ending,
+            r.budget_gb, r.served, round(r.idle_s(now), 1), r.idle, self.lifecycle.serving(r), r.ending,
             r.retire[1] if r.retire else None, r.abort[1] if r.abort else None, r.last_error,
             r.rid in warm, r.backfilled, r.kept, held[0] if held else None,
             round(now - r.in_flight_since, 1) if busy and r.in_flight_since is not None else None,

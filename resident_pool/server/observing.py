@@ -127,7 +127,7 @@ class Observer:
                 measured = self.measured.setdefault(replica.rid, Measured())
                 # A kept lease (Pool.predict) tells the pool of its requests only now and then: its worker's
                 # counts are asked for every few seconds instead, between its requests.
-                kept = replica.state is ReplicaState.LEASED and replica.kept
+                kept = replica.kept
                 if ((replica.state is ReplicaState.READY and replica.served != measured.stats_served
                      and now - measured.stats_at >= STATS_INTERVAL_S)
                         or (kept and now - measured.stats_at >= KEPT_STATS_INTERVAL_S)) \

@@ -40,7 +40,6 @@ from .lifecycle import STOP_ATTEMPTS
 from .observing import Observer
 from .registry import Loaded, Registry, spec_of
 from .runtime import Runtime
-from .states import ReplicaState
 from .status import StatusFacts, build_status, describe_holder, waiting
 from .wire import Connection, Wire
 
@@ -245,7 +244,7 @@ class PoolServer:
             if loaded is not None:
                 timeouts[key] = loaded.manifest.lifecycle.idle_timeout_s
         for replica in view.replicas:
-            used = now - replica.idle_s if replica.state is ReplicaState.READY else now
+            used = now - replica.idle_s if replica.idle else now  # the core says what idle is
             activity[replica.key] = max(activity.get(replica.key, 0.0), used)
         self.zygotes.maintain(activity, timeouts, now)
 
@@ -263,7 +262,7 @@ class PoolServer:
 
     # -- ops ----------------------------------------------------------------------------------------------------
     def _op_hello(self, message: dict[str, Any], connection: Connection) -> dict[str, Any]:
-        idle = self.runtime.view().idle
+        idle = self.runtime.view().resting
         return {"ok": True, "pid": os.getpid(), "version": __version__, "manifests": str(self.manifests),
                 "idle": idle, "draining": self.draining}
 

@@ -69,6 +69,7 @@ def build_status(view: CoreView, facts: StatusFacts) -> dict[str, Any]:
             "in_flight_s": replica.in_flight_s,
             "gpu_used_gb": measured.gpu_used_gb, "gpu_peak_gb": measured.gpu_peak_gb,
             "over_budget": measured.over_budget, "kept_warm": replica.kept_warm, "idle": replica.idle,
+            "serving": replica.serving, "ending": replica.ending,
             "callers": len(replica.leases), "max_callers": replica.max_callers,
             "leases": [lease.row() for lease in replica.leases], "queue_wait_s": replica.queue_wait_s,
         })

@@ -133,8 +133,9 @@ class CoreView:
     leases: dict[int, LeaseView]  # every lease, a session's on a replica that has ended too (until released)
 
     @property
-    def idle(self) -> bool:
-        """Nothing leased and every replica ready: a pool of another version may step aside."""
+    def resting(self) -> bool:
+        """Nothing leased and every replica ready (none starting, hibernated or on its way out): a pool of another
+        version may step aside (``hello`` says ``idle``)."""
         return not self.leases and all(r.state is ReplicaState.READY for r in self.replicas)
 
     _by_rid: dict[int, ReplicaView] = field(init=False, repr=False, compare=False)  # ``replica``'s index
