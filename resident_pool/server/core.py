@@ -16,7 +16,7 @@ whoever waits, and the GPU line is decided again.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 from .. import priority as order
 from ..errors import AdmissionTimeout, BreakerOpen, PoolStopping, ResidentPoolError, error_from_dict
@@ -32,6 +32,18 @@ from .states import ReplicaState, StopCause
 from .view import CoreView, LeaseView, ProviderView, ReplicaView, TicketView
 
 __all__ = ["PoolState", "breaker_error", "provider_gone", "replica_timeout", "stopping_error"]
+
+
+_E = TypeVar("_E", bound=ev.Event)
+_Handler = Callable[[float, ev.Event], ev.Decision]
+
+
+def _route(kind: type[_E], handler: Callable[[float, _E], ev.Decision]) -> tuple[type[_E], _Handler]:
+    """``handler`` for events of ``kind``, as the one entry point calls it (with any event, its own by type)."""
+    def run(now: float, event: ev.Event) -> ev.Decision:
+        assert isinstance(event, kind)  # handle() looked it up by type(event)
+        return handler(now, event)
+    return kind, run
 
 
 class PoolState:
@@ -81,20 +93,22 @@ class PoolState:
         """Decide what ``event`` calls for at ``now``: the actions to carry out, and what its asker needs back."""
         return self._handlers[type(event)](now, event)
 
-    def _dispatch(self) -> dict[type, Callable[[float, Any], ev.Decision]]:
-        return {
-            ev.ManifestRead: self._manifest_read, ev.ClientAsked: self._client_asked, ev.TicketGone: self._ticket_gone,
-            ev.LeaseReleased: self._lease_released, ev.LeaseUsed: self._lease_used,
-            ev.LeaseRecalled: self._lease_recalled, ev.ConnectionClosed: self._connection_closed,
-            ev.StartPrepared: self._start_prepared, ev.BudgetPlaced: self._budget_placed,
-            ev.BudgetNotPlaced: self._budget_not_placed, ev.MemoryFreed: self._memory_freed,
-            ev.HostRecall: self._host_recall, ev.WorkerSpawned: self._worker_spawned,
-            ev.RestoreFailed: self._restore_failed, ev.WorkerStarted: self._worker_started,
-            ev.StartFailed: self._start_failed, ev.Pinged: self._pinged, ev.WorkerExited: self._worker_exited,
-            ev.HibernationEnded: self._hibernation_ended, ev.WorkerStopped: self._worker_stopped,
-            ev.RetireAsked: self._retire_asked, ev.StopAsked: self._stop_asked, ev.ShutdownAsked: self._shutdown_asked,
-            ev.WarmAsked: self._warm_asked, ev.Tick: self._tick,
-        }
+    def _dispatch(self) -> dict[type, _Handler]:
+        return dict([
+            _route(ev.ManifestRead, self._manifest_read), _route(ev.ClientAsked, self._client_asked),
+            _route(ev.TicketGone, self._ticket_gone), _route(ev.LeaseReleased, self._lease_released),
+            _route(ev.LeaseUsed, self._lease_used), _route(ev.LeaseRecalled, self._lease_recalled),
+            _route(ev.ConnectionClosed, self._connection_closed), _route(ev.StartPrepared, self._start_prepared),
+            _route(ev.BudgetPlaced, self._budget_placed), _route(ev.BudgetNotPlaced, self._budget_not_placed),
+            _route(ev.MemoryFreed, self._memory_freed), _route(ev.HostRecall, self._host_recall),
+            _route(ev.WorkerSpawned, self._worker_spawned), _route(ev.RestoreFailed, self._restore_failed),
+            _route(ev.WorkerStarted, self._worker_started), _route(ev.StartFailed, self._start_failed),
+            _route(ev.Pinged, self._pinged), _route(ev.WorkerExited, self._worker_exited),
+            _route(ev.HibernationEnded, self._hibernation_ended), _route(ev.WorkerStopped, self._worker_stopped),
+            _route(ev.RetireAsked, self._retire_asked), _route(ev.StopAsked, self._stop_asked),
+            _route(ev.ShutdownAsked, self._shutdown_asked), _route(ev.WarmAsked, self._warm_asked),
+            _route(ev.Tick, self._tick),
+        ])
 
     # -- providers ------------------------------------------------------------------------------------
     def _manifest_read(self, now: float, event: ev.ManifestRead) -> ev.Decision:

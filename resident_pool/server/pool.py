@@ -23,7 +23,7 @@ from ..admission.orphans import Orphans
 from ..admission.remote import connect_service
 from ..errors import ResidentPoolError
 from ..host.paths import Paths
-from ..messages import Acquire, LeaseGrant, Release, StopWorkers, Used, Warm
+from ..messages import Acquire, LeaseGrant, Release, StopWorkers, Used, Variant, Warm
 from ..providers.hibernate import CudaCheckpoint, Hibernator
 from ..providers.jit_cache import JitSizes
 from ..providers.worker_process import HEARTBEAT_INTERVAL_S
@@ -249,7 +249,7 @@ class PoolServer:
         self.zygotes.maintain(activity, timeouts, now)
 
     # -- providers ----------------------------------------------------------------------------------------
-    def _provider(self, slug: str, manifests: str | None, variant: Any = None) -> Loaded:
+    def _provider(self, slug: str, manifests: str | None, variant: Variant | None = None) -> Loaded:
         """Read ``slug``'s manifest as it is now and tell the core."""
         key = f"{slug}~{variant.name}" if variant else slug
         serving = any(r.key == key and not r.ending for r in self.runtime.view().replicas)

@@ -13,7 +13,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ..admission import Admission
 from ..errors import ResidentPoolError
@@ -28,6 +28,7 @@ from . import events as ev
 from .core import PoolState
 from .corelog import CoreLog
 from .handles import Waiter, Worker
+from .observing import Observer
 from .registry import Registry
 from .starts import Starter
 from .states import ReplicaState, StopCause
@@ -38,6 +39,7 @@ __all__ = ["Runtime"]
 log = logging.getLogger("resident_pool.pool")
 
 
+_A = TypeVar("_A", bound=c.Start | c.Place | c.Withdraw | c.Spawn | c.Stop | c.Ping | c.Hibernate | c.Recall)
 _KEPT_START_ERRORS = 64  # the last failed starts, for warm-ups that wait on them
 _KEPT_DEATHS = 256  # the last kept leases ended with their dead worker, for releases that come after
 
@@ -46,7 +48,7 @@ class Runtime:
     """Carries out the core's actions and reports their outcomes; holds the one lock."""
 
     def __init__(self, core: PoolState, registry: Registry, admission: Admission, zygotes: Zygotes,
-                 hibernator: Hibernator, paths: Paths, observer: Any, config: Settings,
+                 hibernator: Hibernator, paths: Paths, observer: Observer, config: Settings,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``paths`` and ``config``: the pool's folders and settings, handed to each worker start and stop."""
         self.core = core
@@ -148,25 +150,34 @@ class Runtime:
             elif isinstance(action, c.Exit):
                 self.on_exit(action.why)
             elif isinstance(action, c.Announce):
-                self.observer.events.emit(action.event, action.slug, **dict(action.fields))
+                fields = dict(action.fields)
+                replica = fields.pop("replica", None)  # the record's own field, not its payload's
+                self.observer.events.emit(action.event, action.slug, replica if isinstance(replica, int) else None,
+                                          **fields)
             elif isinstance(action, c.Recall) and not action.worker:
                 self._tell_recall(action)  # a worker that cannot answer ``recall``: its client is the only way
-            else:
-                if isinstance(action, c.Recall) and action.client:
+            elif isinstance(action, c.Recall):
+                if action.client:
                     self._tell_recall(action)  # the fast path: its session gives it back before its next request
-                runs: dict[type, Callable[[Any], None]] = {
-                    c.Start: self.starter.start, c.Place: self.starter.place, c.Withdraw: self.starter.withdraw,
-                    c.Spawn: self.starter.spawn, c.Stop: self._stop, c.Ping: self._ping, c.Hibernate: self._hibernate,
-                    c.Recall: self._recall}
-                run = runs[type(action)]
-                if inline and isinstance(action, c.Recall):
+                if inline:
                     self._recall(action, inline=True)  # what comes of its answer (an eviction) runs here too
-                elif inline:
-                    run(action)
                 else:
-                    self._thread(run, action)
+                    self._run(self._recall, action, inline)
+            elif isinstance(action, c.Start | c.Place | c.Withdraw | c.Spawn):
+                self._run(self.starter.carry_out, action, inline)
+            elif isinstance(action, c.Stop):
+                self._run(self._stop, action, inline)
+            elif isinstance(action, c.Ping):
+                self._run(self._ping, action, inline)
+            elif isinstance(action, c.Hibernate):
+                self._run(self._hibernate, action, inline)
+            else:  # Grant and Refuse are settled under the lock
+                raise TypeError(f"the runtime has no way to carry out {action!r}")
 
-    def _thread(self, run: Callable[[Any], None], action: Any) -> None:
+    def _run(self, run: Callable[[_A], None], action: _A, inline: bool) -> None:
+        """``run(action)`` here (``inline``), else on a thread of its own."""
+        if inline:
+            return run(action)
         try:
             threading.Thread(target=run, args=(action,), daemon=True,
                              name=f"{type(action).__name__.lower()}-{action.rid}").start()

@@ -76,6 +76,17 @@ class Starter:
         self.kill_grace_s = config.kill_grace_s
         self.timings = timings
 
+    def carry_out(self, action: c.Start | c.Place | c.Withdraw | c.Spawn) -> None:
+        """One step of a start, as the core decided it."""
+        if isinstance(action, c.Start):
+            self.start(action)
+        elif isinstance(action, c.Place):
+            self.place(action)
+        elif isinstance(action, c.Withdraw):
+            self.withdraw(action)
+        else:
+            self.spawn(action)
+
     def start(self, action: c.Start) -> None:
         """Prepare a start: its worker record, and the GPU memory it needs (refused at once if none could hold it)."""
         runtime = self.runtime

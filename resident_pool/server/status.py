@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..admission import Admission
+from ..admission.remote import ServiceClient
 from ..errors import ResidentPoolError
 from ..ops.gpu_memory import budget_advice
 from ..providers.hibernate import Hibernator
@@ -36,7 +37,7 @@ class StatusFacts:
     hibernator: Hibernator
     jit_sizes: JitSizes
     admission: Admission
-    service: Any  # the host admission service's client, or None
+    service: ServiceClient | None  # the host admission service's client
     manifests: Path
     socket_path: str
     started: float
