@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import ResidentPoolError
@@ -54,8 +54,11 @@ class Settings(BaseSettings):
     fake_nvml: Path | None = Field(None, description="read device memory from this JSON file (drills, tests)")
     ledger_audit: Path | None = Field(None, description="append every ledger state to this JSONL file")
     core_log: Path | None = Field(None, description="the pool's decision core's event log: every event it hears and "
-                                  "what it decides, a JSON line each, rewritten at each pool start "
-                                  "(`resident-pool replay FILE` feeds it to a fresh core)")
+                                  "what it decides, a JSON line each; an absolute path, 0600 in a folder only you "
+                                  "can reach; a new file at each pool start, the last pool's kept as FILE.1 (up to "
+                                  "FILE.3) (`resident-pool replay FILE` feeds it to a fresh core)")
+    core_log_max_mb: float = Field(256.0, gt=0, description="the core event log stops at this size (said in pool.log "
+                                   "and in its last line); the pool serves on")
     admission_service: str = Field("auto", description="the host-wide admission service's socket: `auto` (in force "
                                    "where its configuration file exists, at the socket it names; else "
                                    "/run/resident-pool/admission.sock where that exists), `off` (this user's own "
@@ -136,6 +139,14 @@ class Settings(BaseSettings):
                                    "events for new flow runs; while that stream is down, it asks this often")
     pool_log_max_mb: float = Field(20.0, gt=0, description="the background pool's own log (pool.log) is rotated "
                                    "at this size; 3 old files are kept")
+
+    @field_validator("core_log")
+    @classmethod
+    def _absolute(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.is_absolute():  # the pool runs from its state folder, not the caller's
+            raise ValueError("must be an absolute path, to a file in a folder only you can reach (such as the "
+                             "pool's log folder, RESIDENT_POOL_LOG_DIR)")
+        return path
 
 
 _BUILT: dict[tuple[tuple[str, str], ...], Settings] = {}  # the last environment read, and what it gave

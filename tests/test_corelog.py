@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import threading
 import typing
 
@@ -42,7 +43,7 @@ SAMPLES: list[object] = [
     c.Hibernate(1, "evicted"), c.Grant(2, 5, 1, True, True), c.Recall(1, 5, "waits", True, False),
     c.Refuse(2, AdmissionTimeout("k: waited", slug="k", details={"held": ["a[0] leased"]})), c.Note(1, "x"),
     c.ReleaseBudget(1), c.Gone(1, None, None, 0), c.Announce("request.aged", "k", (("ticket", 2), ("waited_s", 1.5))),
-    c.Exit("quiet"), ev.Decision([c.Spawn(1)], 3, (1, 2), None),
+    c.Exit("quiet"), c.Forget("k~stock"), ev.Decision([c.Spawn(1)], 3, (1, 2), None),
 ]
 
 
@@ -146,3 +147,127 @@ def test_resident_pool_replay_says_whether_a_log_replays_and_where_it_does_not(t
     (tmp_path / "not.jsonl").write_text('{"what": "else"}\n')
     ran = subprocess.run([cli, "replay", str(tmp_path / "not.jsonl")], capture_output=True, text=True, check=False)
     assert ran.returncode == 2 and "not a core event log" in ran.stderr
+
+
+# -- the log file: never the pool's end, never an earlier pool's evidence overwritten, private -----------------
+def _opened(path, **kw):
+    from resident_pool.server.actions import Policy, Timings
+
+    return CoreLog(path, Timings(), Policy(), 1000.0, **kw)
+
+
+class _FullDisk:
+    def write(self, text):
+        raise OSError(28, "No space left on device")
+
+    def close(self):
+        pass
+
+
+def test_a_log_that_cannot_be_written_ends_said_once_and_the_pool_serves_on(tmp_path, caplog):
+    log = _opened(tmp_path / "core.jsonl")
+    log._out.close()
+    log._out = _FullDisk()  # the disk filled up under it
+    event, decision = ev.Tick(), ev.Decision([c.Spawn(1)])
+    with caplog.at_level("ERROR", logger="resident_pool.pool"):
+        for _ in range(3):
+            log.write(1001.0, event, decision)  # no exception: the decision stands, only its record ends
+    said = [r.getMessage() for r in caplog.records if "core event log" in r.getMessage()]
+    assert len(said) == 1 and "No space left on device" in said[0] and "serves on" in said[0]
+    assert log.stopped is not None
+    log.close()
+
+
+def test_a_log_stops_at_its_cap_with_a_last_line_replay_reads(tmp_path):
+    path = tmp_path / "core.jsonl"
+    log = _opened(path, max_bytes=4096)
+    from resident_pool.server.actions import Policy, Timings
+    from resident_pool.server.core import PoolState
+
+    state = PoolState(Timings(), 1000.0, Policy())
+    steps = [ev.ManifestRead("m", "m", "v", "f", Spec())] + [ev.Tick() for _ in range(200)]
+    for n, event in enumerate(steps):
+        log.write(1000.0 + n, event, state.handle(1000.0 + n, event))
+    log.close()
+    text = path.read_text()
+    assert len(text.encode()) <= 4096 + 200 and "RESIDENT_POOL_CORE_LOG_MAX_MB" in text.splitlines()[-1]
+    notes: list[str] = []
+    count, divergence = replay(text.splitlines(), notes)
+    assert divergence is None and 0 < count < len(steps) and "stopped logging" in notes[0]
+
+
+def test_a_new_pool_keeps_the_last_pools_log_beside_its_own(tmp_path):
+    path = tmp_path / "core.jsonl"
+    path.write_text("the dead pool's last events\n")
+    os.chmod(path, 0o600)
+    for _ in range(5):
+        _opened(path).close()
+    assert (tmp_path / "core.jsonl.1").read_text().startswith('{"format"')
+    assert not (tmp_path / "core.jsonl.4").exists()  # KEPT = 3 earlier ones at most
+    fresh = _opened(tmp_path / "other.jsonl")
+    fresh.close()
+    path.unlink()
+    (tmp_path / "core.jsonl.3").rename(tmp_path / "keep.jsonl")
+    path.write_text("evidence\n")
+    os.chmod(path, 0o600)
+    _opened(path).close()
+    assert (tmp_path / "core.jsonl.1").read_text() == "evidence\n"  # moved aside, never truncated
+
+
+def test_a_replay_leaves_out_a_last_line_cut_short_and_only_the_last(tmp_path):
+    lines = _logged(tmp_path, [(1000.0, ev.ManifestRead("m", "m", "v", "f", Spec())),
+                               (1000.5, ev.ClientAsked("m", 1, {})), (1001.0, ev.WorkerStarted(1, 77))])
+    cut = [*lines[:-1], lines[-1][: len(lines[-1]) // 2]]  # the pool was killed mid-write
+    notes: list[str] = []
+    assert replay(cut, notes) == (2, None) and "line 4, the last, was cut short" in notes[0]
+    middle = [lines[0], lines[1][:20], *lines[2:]]
+    with pytest.raises(ValueError, match=r"line 2 is not JSON"):
+        replay(middle)
+
+
+def test_the_log_is_0600_and_refused_in_a_folder_another_user_can_reach(tmp_path):
+    from resident_pool.server.corelog import CoreLogError
+
+    private = tmp_path / "private"
+    log = _opened(private / "core.jsonl")  # made 0700 where missing
+    log.close()
+    assert stat.S_IMODE((private / "core.jsonl").stat().st_mode) == 0o600
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    with pytest.raises(CoreLogError, match=r"RESIDENT_POOL_CORE_LOG=.*mode 0755, open to group or others"):
+        _opened(shared / "core.jsonl")
+    (private / "link.jsonl").symlink_to(private / "core.jsonl")
+    with pytest.raises(CoreLogError, match="a link"):
+        _opened(private / "link.jsonl")
+
+
+def test_a_relative_core_log_is_a_settings_error_naming_the_variable(monkeypatch):
+    from resident_pool.errors import ResidentPoolError
+    from resident_pool.settings import settings
+
+    monkeypatch.setenv("RESIDENT_POOL_CORE_LOG", "core.jsonl")
+    with pytest.raises(ResidentPoolError, match=r"RESIDENT_POOL_CORE_LOG='core\.jsonl'.*absolute path") as found:
+        settings()
+    assert found.value.reason == "bad_setting"
+
+
+@pytest.mark.parametrize(("where", "said"), [("shared/core.jsonl", "chmod 700"),
+                                             ("a-file/core.jsonl", "its folder cannot be made")],
+                         ids=["open-to-others", "cannot-be-made"])
+def test_a_pool_whose_core_log_cannot_be_kept_fails_its_clients_start_at_once(pool_dir, monkeypatch, tmp_path,
+                                                                                where, said):
+    import time
+
+    from resident_pool.errors import ResidentPoolError
+
+    (tmp_path / "shared").mkdir()
+    os.chmod(tmp_path / "shared", 0o755)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("RESIDENT_POOL_CORE_LOG", str(tmp_path / where))
+    write_provider(pool_dir, "m", lifecycle())
+    began = time.monotonic()
+    with pytest.raises(ResidentPoolError, match=rf"RESIDENT_POOL_CORE_LOG=.*{said}") as found, Pool() as pool:
+        pool.predict("m", {"action": "echo"})
+    assert found.value.reason == "pool_start_failed" and time.monotonic() - began < 30  # not the 60 s start wait

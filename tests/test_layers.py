@@ -37,11 +37,6 @@ def _modules(package: Path = PACKAGE) -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _is_alias(path: Path) -> bool:
-    """A compatibility name the spec gives (``resident_pool.supervisor``): it only points at the real module."""
-    return "sys.modules[__name__]" in path.read_text()
-
-
 def _imports(name: str, path: Path, modules: dict[str, Path] = MODULES) -> set[str]:
     """The package's own modules ``name`` imports, anywhere in it (inside functions, and for type hints, too)."""
     here = name.split(".") if path.name != "__init__.py" else [*name.split("."), "__init__"]
@@ -94,10 +89,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def _graphs(found: dict[str, Path] = MODULES) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     parts: dict[str, set[str]] = {}
     modules: dict[str, set[str]] = {}
-    for name, path in found.items():
-        if name in ("__init__", "__main__") or _is_alias(path):
-            continue  # the package's face re-exports from below; aliases only point
-        imported = {m for m in _imports(name, path, found) if not _is_alias(found[m]) and m not in ("__init__",)}
+    for name, path in found.items():  # every module: the package's face, its aliases and __main__ too
+        imported = _imports(name, path, found)
         modules[name] = imported
         parts.setdefault(_part(name), set()).update(_part(m) for m in imported if _part(m) != _part(name))
     return parts, modules
@@ -152,3 +145,17 @@ def test_a_two_way_pair_hidden_behind_type_checking_is_an_import_cycle(tmp_path)
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .upper import Upper\n")
     _, modules = _graphs(_modules(tmp_path))
     assert _cycle(modules) == ["part.lower", "part.upper", "part.lower"]
+
+
+def test_every_module_is_in_the_graph_whatever_its_text_says(tmp_path):
+    """A module was left out when its text held ``sys.modules[__name__]`` (zygote_server.py does, and is no alias):
+    a cycle through one must fail the test, and the package's face, its aliases and ``__main__`` are nodes too."""
+    (tmp_path / "part").mkdir()
+    (tmp_path / "part" / "__init__.py").write_text("")
+    (tmp_path / "part" / "upper.py").write_text("from .lower import helper\n")
+    (tmp_path / "part" / "lower.py").write_text(
+        "import sys\n\nfrom .upper import Upper\n\nsys.modules['staged'] = sys.modules[__name__]\n")
+    _, modules = _graphs(_modules(tmp_path))
+    assert _cycle(modules) == ["part.lower", "part.upper", "part.lower"]
+    _, real = _graphs()
+    assert set(real) == set(MODULES) and {"zygote_server", "supervisor", "__init__", "__main__"} <= set(real)

@@ -51,11 +51,15 @@ def daemon(
 ) -> None:
     """Run this host's pool: it owns the workers, the ledger writes and the admission queue."""
     from ..admission.remote import probe_service
+    from ..server.corelog import check_path
     from ..server.pool import PoolServer
 
     config, paths = configured()
-    try:  # before detaching: a host admission service in force that does not answer is said here, not in a log
+    try:  # before detaching: a host admission service in force that does not answer, or a core log that cannot be
+        # written, is said here, where the client that starts the pool reads it at once, not in a log
         probe_service(config)
+        if config.core_log is not None:
+            check_path(config.core_log)
     except ResidentPoolError as exc:
         errors.print(f"[red]cannot start the pool[/]: {safe(exc)}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
@@ -73,7 +77,11 @@ def daemon(
         logging.basicConfig(level=logging.INFO, handlers=[handler])
     else:
         logging.basicConfig(level=logging.INFO, format=log_format)
-    server = PoolServer(manifests_dir(manifests), quiet_exit_s=quiet_exit_s, config=config)
+    try:
+        server = PoolServer(manifests_dir(manifests), quiet_exit_s=quiet_exit_s, config=config)
+    except ResidentPoolError as exc:  # in the log (or the journal) as one sentence, not a traceback
+        logging.getLogger("resident_pool.pool").error("cannot start the pool: %s", exc)
+        raise typer.Exit(2) from None
     # Never the folder it was started from (a shared project or scratch folder): what runs later
     # (`python -c` probes, a tool's relative path) must find nothing planted there.
     os.chdir(server.state_dir)
@@ -262,13 +270,16 @@ def replay(
     else 1, naming the first event it decided otherwise."""
     from ..server.corelog import replay as replay_log
 
+    notes: list[str] = []  # what was left out: a last line cut short, lines after the log stopped
     try:
         with open(log, encoding="utf-8") as lines:
-            count, divergence = replay_log(lines)
+            count, divergence = replay_log(lines, notes)
     except (OSError, ValueError, KeyError) as exc:
         fail(f"resident-pool replay: {log} cannot be replayed: {safe(exc)}", as_json, "bad_log", code=2)
+    for note in notes if not as_json else ():
+        errors.print(f"{log}: {note}", markup=False, highlight=False)
     if as_json:
-        print_json({"events": count, "same": divergence is None,
+        print_json({"events": count, "same": divergence is None, "notes": notes,
                     "divergence": None if divergence is None else {
                         "line": divergence.line, "event": divergence.event, "recorded": divergence.recorded,
                         "replayed": divergence.replayed}})

@@ -490,7 +490,8 @@ def _waiting_words(slug: str, status: dict[str, Any], waited: str) -> str:
         else:
             what = f"replica {worker.get('replica')} (pid {worker.get('pid')}{how}) is loading"
         return f"{slug}: cold start in progress, {waited}: {what}; transcript {worker.get('transcript')}"
-    busy = [w for w in replicas if w.get("state") == "leased"]
+    # Busy as the pool's core says: serving new requests, and not idle (a kept lease between its calls is idle).
+    busy = [w for w in replicas if w.get("serving", w.get("state") == "leased") and not w.get("idle", False)]
     if busy:
         return (f"{slug}: waiting for a worker, {waited}: its {len(busy)} replica(s) are busy with other "
                 "requests (max_replicas in its manifest says how many may run)")

@@ -12,6 +12,7 @@ __all__ = [
     "Action",
     "Announce",
     "Exit",
+    "Forget",
     "Gone",
     "Grant",
     "Hibernate",
@@ -205,5 +206,13 @@ class Exit:
     why: str
 
 
+@dataclass(frozen=True)
+class Forget:
+    """A provider the core no longer knows (a check's variant, gone with its last replica): its manifest is
+    forgotten too, so no watch of it reads it back in."""
+
+    key: str
+
+
 Action = (Start | Place | Withdraw | Spawn | Stop | Ping | Hibernate | Grant | Refuse | Recall | Note | ReleaseBudget
-          | Gone | Announce | Exit)
+          | Gone | Announce | Exit | Forget)

@@ -230,8 +230,8 @@ class Admitting:
         it now, which the core cannot see, so a ready worker goes before it)."""
         idle = [r for r in self.lifecycle.replicas.values() if r.admitted
                 and (r.state is R.READY or (r.state is R.LEASED and r.kept and not r.recalling))]
-        return sorted(idle, key=lambda r: (not r.backfilled, self.lifecycle.kept_warm(r), r.state is not R.READY,
-                                           r.last_used, r.rid))
+        warm = self.lifecycle.kept_warm_rids() if idle else set()
+        return sorted(idle, key=lambda r: (not r.backfilled, r.rid in warm, r.state is not R.READY, r.last_used, r.rid))
 
     def _idle(self, now: float, device: int, head: Waiting) -> list[Replica]:
         """``evictable`` workers on ``device`` that ``head`` may take (``_spared``)."""

@@ -16,13 +16,13 @@ whoever waits, and the GPU line is decided again.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 from .. import priority as order
 from ..errors import AdmissionTimeout, BreakerOpen, PoolStopping, ResidentPoolError, error_from_dict
 from . import events as ev
 from . import starting
-from .actions import Action, Announce, Exit, Policy, Refuse, Spawn, Timings, Withdraw
+from .actions import Action, Announce, Exit, Forget, Policy, Refuse, Spawn, Timings, Withdraw
 from .admitting import Admitting
 from .breaker import Breaker
 from .leases import Leasing
@@ -31,7 +31,19 @@ from .replica import Lease, Provider, Replica, Ticket
 from .states import ReplicaState, StopCause
 from .view import CoreView, LeaseView, ProviderView, ReplicaView, TicketView
 
-__all__ = ["PoolState", "breaker_error", "replica_timeout", "stopping_error"]
+__all__ = ["PoolState", "breaker_error", "provider_gone", "replica_timeout", "stopping_error"]
+
+
+_E = TypeVar("_E", bound=ev.Event)
+_Handler = Callable[[float, ev.Event], ev.Decision]
+
+
+def _route(kind: type[_E], handler: Callable[[float, _E], ev.Decision]) -> tuple[type[_E], _Handler]:
+    """``handler`` for events of ``kind``, as the one entry point calls it (with any event, its own by type)."""
+    def run(now: float, event: ev.Event) -> ev.Decision:
+        assert isinstance(event, kind)  # handle() looked it up by type(event)
+        return handler(now, event)
+    return kind, run
 
 
 class PoolState:
@@ -81,20 +93,22 @@ class PoolState:
         """Decide what ``event`` calls for at ``now``: the actions to carry out, and what its asker needs back."""
         return self._handlers[type(event)](now, event)
 
-    def _dispatch(self) -> dict[type, Callable[[float, Any], ev.Decision]]:
-        return {
-            ev.ManifestRead: self._manifest_read, ev.ClientAsked: self._client_asked, ev.TicketGone: self._ticket_gone,
-            ev.LeaseReleased: self._lease_released, ev.LeaseUsed: self._lease_used,
-            ev.LeaseRecalled: self._lease_recalled, ev.ConnectionClosed: self._connection_closed,
-            ev.StartPrepared: self._start_prepared, ev.BudgetPlaced: self._budget_placed,
-            ev.BudgetNotPlaced: self._budget_not_placed, ev.MemoryFreed: self._memory_freed,
-            ev.HostRecall: self._host_recall, ev.WorkerSpawned: self._worker_spawned,
-            ev.RestoreFailed: self._restore_failed, ev.WorkerStarted: self._worker_started,
-            ev.StartFailed: self._start_failed, ev.Pinged: self._pinged, ev.WorkerExited: self._worker_exited,
-            ev.HibernationEnded: self._hibernation_ended, ev.WorkerStopped: self._worker_stopped,
-            ev.RetireAsked: self._retire_asked, ev.StopAsked: self._stop_asked, ev.ShutdownAsked: self._shutdown_asked,
-            ev.WarmAsked: self._warm_asked, ev.Tick: self._tick,
-        }
+    def _dispatch(self) -> dict[type, _Handler]:
+        return dict([
+            _route(ev.ManifestRead, self._manifest_read), _route(ev.ClientAsked, self._client_asked),
+            _route(ev.TicketGone, self._ticket_gone), _route(ev.LeaseReleased, self._lease_released),
+            _route(ev.LeaseUsed, self._lease_used), _route(ev.LeaseRecalled, self._lease_recalled),
+            _route(ev.ConnectionClosed, self._connection_closed), _route(ev.StartPrepared, self._start_prepared),
+            _route(ev.BudgetPlaced, self._budget_placed), _route(ev.BudgetNotPlaced, self._budget_not_placed),
+            _route(ev.MemoryFreed, self._memory_freed), _route(ev.HostRecall, self._host_recall),
+            _route(ev.WorkerSpawned, self._worker_spawned), _route(ev.RestoreFailed, self._restore_failed),
+            _route(ev.WorkerStarted, self._worker_started), _route(ev.StartFailed, self._start_failed),
+            _route(ev.Pinged, self._pinged), _route(ev.WorkerExited, self._worker_exited),
+            _route(ev.HibernationEnded, self._hibernation_ended), _route(ev.WorkerStopped, self._worker_stopped),
+            _route(ev.RetireAsked, self._retire_asked), _route(ev.StopAsked, self._stop_asked),
+            _route(ev.ShutdownAsked, self._shutdown_asked), _route(ev.WarmAsked, self._warm_asked),
+            _route(ev.Tick, self._tick),
+        ])
 
     # -- providers ------------------------------------------------------------------------------------
     def _manifest_read(self, now: float, event: ev.ManifestRead) -> ev.Decision:
@@ -120,7 +134,9 @@ class PoolState:
         """A ticket, answered by a Grant or a Refuse. A kept lease (``keep``: Pool.predict's) counts as idle once its
         holder stops calling, and is recalled when another client waits, admission needs the memory, or the worker
         retires."""
-        provider = self.providers[event.key]
+        provider = self.providers.get(event.key)
+        if provider is None:  # a check's variant, gone with its last replica since its manifest was read
+            return ev.Decision(error=provider_gone(event.key))
         ticket = self.leasing.new_ticket(now, provider, event.connection, event.holder, event.priority, event.keep)
         if self.stopping:
             return ev.Decision([Refuse(ticket.id, stopping_error())], ticket=ticket.id)
@@ -219,7 +235,10 @@ class PoolState:
         actions += self.leasing.refuse(provider, ticket, error) if error.reason != "client_gone" else []
         if provider.breaker.remaining_s(now) > 0:
             actions += self.leasing.refuse_all(provider, breaker_error(provider, now))
-        return ev.Decision(actions + self._assign(now, key))
+        opened = error if error.details.get("breaker_opened") else None  # the events stream says so, once
+        if self._forgotten(provider):
+            return ev.Decision([*actions, Forget(provider.key)], error=opened)
+        return ev.Decision(actions + self._assign(now, key), error=opened)
 
     def _pinged(self, now: float, event: ev.Pinged) -> ev.Decision:
         key = self._key(event.rid)
@@ -243,10 +262,16 @@ class PoolState:
         if rid not in self.replicas:
             self.leasing.drop_kept(rid)
         provider = self.providers.get(key) if key is not None else None
-        if provider is not None and provider.variant and not provider.replicas and not provider.queue:
-            del self.providers[provider.key]  # a variant (a check's run) is gone with its last replica
-            return ev.Decision(actions)
+        if provider is not None and self._forgotten(provider):
+            return ev.Decision([*actions, Forget(provider.key)])
         return ev.Decision(actions + self._assign(now, key))
+
+    def _forgotten(self, provider: Provider) -> bool:
+        """A variant (a check's run) is gone with its last replica, started or not, once nobody waits for it."""
+        if not provider.variant or provider.replicas or provider.queue:
+            return False
+        del self.providers[provider.key]
+        return True
 
     # -- ending replicas on purpose ------------------------------------------------------------------------
     def _retire_asked(self, now: float, event: ev.RetireAsked) -> ev.Decision:
@@ -276,7 +301,9 @@ class PoolState:
         return ev.Decision(actions + self._stop_asked(now, stop).actions)
 
     def _warm_asked(self, now: float, event: ev.WarmAsked) -> ev.Decision:
-        provider = self.providers[event.key]
+        provider = self.providers.get(event.key)
+        if provider is None:
+            return ev.Decision(error=provider_gone(event.key))
         spec = provider.spec
         if self.stopping:
             return ev.Decision(error=stopping_error())
@@ -323,25 +350,29 @@ class PoolState:
         if now - self.last_keep_warm >= self.timings.keep_warm_s and not self.stopping and not admission_waiting:
             self.last_keep_warm = now
             for provider in list(self.providers.values()):
-                if provider.spec.min_replicas > self.lifecycle.serving_count(provider) \
+                if provider.min_replicas > self.lifecycle.serving_count(provider) \
                         and provider.breaker.remaining_s(now) == 0:
-                    actions += self._top_up(now, provider, provider.spec.min_replicas, wait=False).actions
+                    actions += self._top_up(now, provider, provider.min_replicas, wait=False).actions
         return ev.Decision(actions)
 
     def view(self, now: float) -> CoreView:
         """The records as they are at ``now``, read-only, each word (idle, serving, ending) decided here."""
-        serving = {key: self.lifecycle.serving_count(p) for key, p in self.providers.items()}
         leases = {lease.id: self._lease_view(now, lease) for lease in self.leases.values()}
-        replicas = tuple(self._replica_view(now, r, leases) for r in sorted(self.replicas.values(),
-                                                                            key=lambda r: (r.key, r.index)))
+        warm = self.lifecycle.kept_warm_rids()
+        replicas = tuple(self._replica_view(now, r, leases, warm) for r in sorted(self.replicas.values(),
+                                                                                  key=lambda r: (r.key, r.index)))
+        serving = dict.fromkeys(self.providers, 0)
+        running = dict.fromkeys(self.providers, 0)
+        for r in replicas:
+            serving[r.key] += r.serving
+            running[r.key] += not r.ending
         providers = {key: ProviderView(
             key, p.slug, p.version, p.fingerprint, p.starts, p.last_error, p.breaker.snapshot(now), p.variant,
             tuple(TicketView(t.id, dict(t.holder), round(now - t.arrived, 3), t.priority, t.asked,
                              order.CLASSES[order.effective(t.priority, now - t.arrived, self.policy.aging_s)])
                   for t in order.in_order(p.queue, now, self.policy.aging_s, lambda t: t.priority,
                                           lambda t: t.arrived)),
-            p.spec.min_replicas, p.spec.max_replicas, serving[key],
-            sum(1 for r in replicas if r.key == key and not r.ending)) for key, p in self.providers.items()}
+            p.min_replicas, p.spec.max_replicas, serving[key], running[key]) for key, p in self.providers.items()}
         return CoreView(now, self.stopping, providers, replicas, tuple(self.admitting.line_view(now)),
                         {"aging_s": self.policy.aging_s, "backfill": self.policy.backfill,
                          "classes": list(self.policy.classes)}, leases)
@@ -353,18 +384,15 @@ class PoolState:
         return LeaseView(lease.id, lease.rid, lease.connection, dict(lease.holder), round(now - lease.since, 1),
                          lease.kept, recalling, lease.priority, lease.backfilled)
 
-    def _replica_view(self, now: float, r: Replica, leases: dict[int, LeaseView]) -> ReplicaView:
+    def _replica_view(self, now: float, r: Replica, leases: dict[int, LeaseView], warm: set[int]) -> ReplicaView:
         held = tuple(leases[lease] for lease in sorted(r.holds) if lease in leases)
-        ending = r.state in (ReplicaState.STOPPING, ReplicaState.STOPPED, ReplicaState.FAILED)
-        idle = r.state in (ReplicaState.READY, ReplicaState.HIBERNATED) or (
-            r.state is ReplicaState.LEASED and r.kept and not r.recalling and r.in_flight_since is None)
         busy = r.in_flight_since is not None and r.state in (ReplicaState.LEASED, ReplicaState.DRAINING)
         provider = self.providers[r.key]
         return ReplicaView(
             r.rid, r.key, provider.slug, r.index, r.state, r.version, r.version == provider.version, r.pid, r.device,
-            r.budget_gb, r.served, round(r.idle_s(now), 1), idle, self.lifecycle.serving(r), ending,
+            r.budget_gb, r.served, round(r.idle_s(now), 1), r.idle, self.lifecycle.serving(r), r.ending,
             r.retire[1] if r.retire else None, r.abort[1] if r.abort else None, r.last_error,
-            self.lifecycle.kept_warm(r), r.backfilled, r.kept, held[0] if held else None,
+            r.rid in warm, r.backfilled, r.kept, held[0] if held else None,
             round(now - r.in_flight_since, 1) if busy and r.in_flight_since is not None else None,
             held, provider.spec.max_callers, r.queue_wait_s)
 
@@ -372,6 +400,12 @@ class PoolState:
 # -- errors the core answers with ------------------------------------------------------------------------------
 def stopping_error() -> PoolStopping:
     return PoolStopping("the pool is stopping; the client retries with the next pool")
+
+
+def provider_gone(key: str) -> ResidentPoolError:
+    """Asked for a provider the core no longer knows: its manifest is read again, and it is asked again."""
+    return ResidentPoolError(f"{key}: this pool forgot it since its manifest was read (a check's run ended); "
+                             "ask again", slug=key, reason="provider_gone")
 
 
 def breaker_error(provider: Provider, now: float) -> BreakerOpen:

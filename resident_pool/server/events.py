@@ -50,7 +50,8 @@ __all__ = [
 @dataclass(frozen=True)
 class Decision:
     """What the core decided: the actions to carry out, and what the asker needs back (a ticket, the replicas a
-    stop or a warm-up names, or the error a warm-up is refused with)."""
+    stop or a warm-up names, the error a warm-up or a request is refused with before it waits, or the error a failed
+    start opened its provider's breaker with)."""
 
     actions: list[Action] = field(default_factory=list)
     ticket: int | None = None

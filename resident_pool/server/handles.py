@@ -5,14 +5,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..providers.hibernate import Hibernation
+from ..providers.manifest import Manifest
 from ..providers.worker_process import WorkerProcess
 from . import actions as c
 from .registry import Loaded
 
-__all__ = ["Waiter", "Worker"]
+__all__ = ["Admitter", "Waiter", "Worker"]
+
+
+class Admitter(Protocol):
+    """What admitted a worker's GPU budget (the pool's admission, or CPU-only): told when the worker is gone."""
+
+    def release(self, worker: Any) -> None: ...  # admission's own signature: it takes any worker-like record
 
 
 @dataclass(eq=False)
@@ -25,7 +32,7 @@ class Worker:
     budget_gb: float | None
     loaded: Loaded
     process: WorkerProcess
-    admitter: Any = None  # what admitted its budget, told when it is gone
+    admitter: Admitter | None = None  # what admitted its budget, told when it is gone
     hibernation: Hibernation | None = None
     stopped_on_purpose: bool = False
     env: dict[str, str] | None = None  # what admission gave it (CUDA_VISIBLE_DEVICES)
@@ -43,7 +50,7 @@ class Worker:
         return self.budget_gb
 
     @property
-    def manifest(self) -> Any:
+    def manifest(self) -> Manifest:
         return self.loaded.manifest
 
     @property

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 
-from ..errors import ResidentPoolError
+from ..errors import ResidentPoolError, error_from_dict
 from ..exits import REFUSAL_CODES, describe_exit
 from . import drains, holding
 from .actions import Action, Gone, Hibernate, Note, Ping, Recall, ReleaseBudget, Start, Stop, Timings
@@ -52,11 +52,21 @@ class Lifecycle:
 
     def kept_warm(self, replica: Replica) -> bool:
         """One of its provider's ``min_replicas`` (the lowest-numbered ones that serve new requests)."""
-        keep = self.providers[replica.key].spec.min_replicas
+        provider = self.providers[replica.key]
+        keep = provider.min_replicas
         if not keep or not self.serving(replica):
             return False
-        warm = sorted(r.index for r in self.providers[replica.key].replicas.values() if self.serving(r))
-        return replica.index in warm[:keep]
+        below = sum(1 for r in provider.replicas.values() if r.index < replica.index and self.serving(r))
+        return below < keep
+
+    def kept_warm_rids(self) -> set[int]:
+        """Every replica ``kept_warm`` says is one, found in one pass per provider (not one per replica)."""
+        found: set[int] = set()
+        for provider in self.providers.values():
+            if provider.min_replicas:
+                serving = sorted((r.index, r.rid) for r in provider.replicas.values() if self.serving(r))
+                found.update(rid for _, rid in serving[:provider.min_replicas])
+        return found
 
     def serving_count(self, provider: Provider) -> int:
         """Replicas that count against max_replicas: those serving (a new request may get them)."""
@@ -174,10 +184,11 @@ class Lifecycle:
         replica.last_error = provider.last_error = error.headline
         self._drop(provider, replica)
         kept = error.to_dict()
-        kept["details"] = dict(kept["details"])  # a copy: the flag below belongs to this one error, not the kept one
         if error.reason not in NOT_THE_PROVIDERS_FAULT and provider.breaker.failed(
                 provider.fingerprint, kept, error.exit_code in REFUSAL_CODES, now):
-            error.details["breaker_opened"] = True  # the Prefect helpers and the events stream say so once
+            # The Prefect helpers and the events stream say so once. A copy: the event's error is what the runtime
+            # reported, and is logged and replayed as it came.
+            error = error_from_dict({**error.to_dict(), "details": {**error.details, "breaker_opened": True}})
         return [Gone(rid, None, error.headline)], error, replica.for_ticket
 
     # -- ends of leases -------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ..ops.systemd import notify, watchdog_interval_s
 from ..providers.worker_process import WorkerProcess
 from ..settings import Settings
 from ..version import __version__
+from .handles import Worker
 from .states import ReplicaState, StopCause
 from .view import CoreView, ReplicaView
 
@@ -49,7 +50,7 @@ GPU_SAMPLE_S = 2.0
 PRUNE_INTERVAL_S = 5.0
 
 # (core snapshot, {rid: runtime Worker}) taken together under the pool's lock
-Snapshot = Callable[[], tuple[CoreView, dict[int, Any]]]
+Snapshot = Callable[[], tuple[CoreView, dict[int, Worker]]]
 
 
 @dataclass
@@ -127,7 +128,7 @@ class Observer:
                 measured = self.measured.setdefault(replica.rid, Measured())
                 # A kept lease (Pool.predict) tells the pool of its requests only now and then: its worker's
                 # counts are asked for every few seconds instead, between its requests.
-                kept = replica.state is ReplicaState.LEASED and replica.kept
+                kept = replica.kept
                 if ((replica.state is ReplicaState.READY and replica.served != measured.stats_served
                      and now - measured.stats_at >= STATS_INTERVAL_S)
                         or (kept and now - measured.stats_at >= KEPT_STATS_INTERVAL_S)) \
@@ -154,7 +155,7 @@ class Observer:
             self.finished.wait(GPU_SAMPLE_S)
 
     # -- a worker's own counts and its memory ------------------------------------------------------
-    def collect_stats(self, worker: Any, timeout: float = STATS_TIMEOUT_S, served: int | None = None) -> None:
+    def collect_stats(self, worker: Worker, timeout: float = STATS_TIMEOUT_S, served: int | None = None) -> None:
         """Fold the worker's own counts into the metrics (it answers between requests)."""
         pid = worker.process.pid
         # Never behind a request in flight: the worker answers one at a time, and a kept lease's caller waits.
@@ -183,7 +184,7 @@ class Observer:
             if replica.pid is not None:  # those without one were left out above
                 self._gpu_reading(replica, worker, group_usage(usage, replica.pid) / GIB)
 
-    def _gpu_reading(self, replica: ReplicaView, worker: Any, used_gb: float) -> None:
+    def _gpu_reading(self, replica: ReplicaView, worker: Worker, used_gb: float) -> None:
         """Record one reading: flag and act on a worker over its budget; remember a new peak."""
         budget = replica.budget_gb
         policy = worker.loaded.manifest.gpu.over_budget
@@ -225,14 +226,14 @@ class Observer:
     def on_lease(self, priority: str, waited_s: float) -> None:
         self.metrics.lease_wait.labels(priority).observe(waited_s)
 
-    def on_started(self, worker: Any, start_s: float) -> None:
+    def on_started(self, worker: Worker, start_s: float) -> None:
         slug = worker.loaded.slug
         self.metrics.cold_starts.labels(slug).inc()
         self.metrics.start_seconds.labels(slug).observe(start_s)
         self.events.emit("worker.started", slug, worker.index, pid=worker.pid, device=worker.process.device,
                          budget_gb=worker.budget_gb, version=worker.loaded.version, start_s=round(start_s, 3))
 
-    def on_start_failed(self, worker: Any, error: ResidentPoolError) -> None:
+    def on_start_failed(self, worker: Worker, error: ResidentPoolError) -> None:
         """Count and tell the failed start; a start that opened the breaker is also ``breaker.open``, once.
 
         Runs before the waiting client hears the error, so the error carries that event's id and time: a Prefect
@@ -255,7 +256,7 @@ class Observer:
     def on_evicted(self, slug: str) -> None:
         self.metrics.evictions.labels(slug).inc()
 
-    def on_gone(self, worker: Any, cause: StopCause | None, why: str | None, served: int) -> None:
+    def on_gone(self, worker: Worker, cause: StopCause | None, why: str | None, served: int) -> None:
         """The worker ended (``cause`` None: its start failed)."""
         slug = worker.loaded.slug
         with self._lock:

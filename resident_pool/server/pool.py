@@ -23,7 +23,7 @@ from ..admission.orphans import Orphans
 from ..admission.remote import connect_service
 from ..errors import ResidentPoolError
 from ..host.paths import Paths
-from ..messages import Acquire, LeaseGrant, Release, StopWorkers, Used, Warm
+from ..messages import Acquire, LeaseGrant, Release, StopWorkers, Used, Variant, Warm
 from ..providers.hibernate import CudaCheckpoint, Hibernator
 from ..providers.jit_cache import JitSizes
 from ..providers.worker_process import HEARTBEAT_INTERVAL_S
@@ -40,10 +40,10 @@ from .lifecycle import STOP_ATTEMPTS
 from .observing import Observer
 from .registry import Loaded, Registry, spec_of
 from .runtime import Runtime
-from .states import ReplicaState
 from .status import StatusFacts, build_status, describe_holder, waiting
 from .wire import Connection, Wire
 
+_ASKS = 3  # a request (or a warm-up) asked again when its provider was forgotten meanwhile: once is enough
 MANIFEST_WATCH_S = 1.0  # how often the manifests served are looked at for edits (a stat of two files each)
 
 __all__ = ["PoolServer", "policy_from", "timings_from"]
@@ -105,7 +105,8 @@ class PoolServer:
                                self.paths, self.observer, config)
         self.runtime.on_exit = self.begin_stop
         if config.core_log is not None:
-            self.runtime.core_log = CoreLog(config.core_log, self.timings, policy, started)
+            self.runtime.core_log = CoreLog(config.core_log, self.timings, policy, started,
+                                            int(config.core_log_max_mb * 2**20))
         self.wire = Wire(self.socket_path, {
             "hello": self._op_hello, "acquire": self._op_acquire, "release": self._op_release,
             "status": lambda m, conn: {"ok": True, **self.status()},
@@ -219,6 +220,9 @@ class PoolServer:
             return
         self._watched = now
         for known in self.registry.changed():
+            if known.variant is not None and known.key not in self.runtime.view().providers:
+                self.registry.forget(known.key)  # a check's run that ended: never read back in, nor kept warm
+                continue
             try:
                 self._provider(known.slug, str(known.source.parent.parent), known.variant)
             except ResidentPoolError as exc:
@@ -240,23 +244,25 @@ class PoolServer:
             if loaded is not None:
                 timeouts[key] = loaded.manifest.lifecycle.idle_timeout_s
         for replica in view.replicas:
-            used = now - replica.idle_s if replica.state is ReplicaState.READY else now
+            used = now - replica.idle_s if replica.idle else now  # the core says what idle is
             activity[replica.key] = max(activity.get(replica.key, 0.0), used)
         self.zygotes.maintain(activity, timeouts, now)
 
     # -- providers ----------------------------------------------------------------------------------------
-    def _provider(self, slug: str, manifests: str | None, variant: Any = None) -> Loaded:
+    def _provider(self, slug: str, manifests: str | None, variant: Variant | None = None) -> Loaded:
         """Read ``slug``'s manifest as it is now and tell the core."""
         key = f"{slug}~{variant.name}" if variant else slug
         serving = any(r.key == key and not r.ending for r in self.runtime.view().replicas)
         loaded = self.registry.load(slug, manifests, variant, serving=serving)
+        # Kept in the registry as the core decided, under its lock: a Forget of a variant decided before this read
+        # (settled under the lock too) cannot take away what a start of the provider read anew needs.
         self.runtime.report(ev.ManifestRead(key, slug, loaded.version, loaded.fingerprint, spec_of(loaded.manifest),
-                                            variant is not None))
+                                            variant is not None), noted=lambda _: self.registry.keep(loaded))
         return loaded
 
     # -- ops ----------------------------------------------------------------------------------------------------
     def _op_hello(self, message: dict[str, Any], connection: Connection) -> dict[str, Any]:
-        idle = self.runtime.view().idle
+        idle = self.runtime.view().resting
         return {"ok": True, "pid": os.getpid(), "version": __version__, "manifests": str(self.manifests),
                 "idle": idle, "draining": self.draining}
 
@@ -267,16 +273,22 @@ class PoolServer:
         """Lease a ready replica of ``ask.slug``, starting one if the provider may have another."""
         if self.draining:
             raise stopping_error()
-        key = self._provider(ask.slug, ask.manifests, ask.variant).key
         asked = time.monotonic()
         waiter = Waiter(threading.Event(), connection.progress, tell=connection.tell, connection=connection.id)
 
         def wait_for(decision: ev.Decision) -> None:  # under the lock, before any answer to its ticket is given
-            assert decision.ticket is not None
-            self.runtime.waiters[decision.ticket] = waiter
+            if decision.ticket is not None:
+                self.runtime.waiters[decision.ticket] = waiter
 
-        ticket = self.runtime.report(ev.ClientAsked(key, connection.id, ask.holder or {}, ask.priority, ask.keep),
-                                     noted=wait_for).ticket
+        for _ in range(_ASKS):
+            key = self._provider(ask.slug, ask.manifests, ask.variant).key
+            decision = self.runtime.report(ev.ClientAsked(key, connection.id, ask.holder or {}, ask.priority,
+                                                          ask.keep), noted=wait_for)
+            if decision.error is None or decision.error.reason != "provider_gone":
+                break  # else: a check's variant ended between the two reports; read again, ask again
+        if decision.error is not None:
+            raise decision.error
+        ticket = decision.ticket
         assert ticket is not None
         try:
             while not waiter.event.wait(self.tick_s):
@@ -333,8 +345,11 @@ class PoolServer:
         """Start workers of ``slug`` until ``replicas`` of its current version are live; wait for them to answer."""
         if self.draining:
             raise stopping_error()
-        loaded = self._provider(slug, manifests)
-        decision = self.runtime.report(ev.WarmAsked(loaded.key, replicas))
+        for _ in range(_ASKS):
+            loaded = self._provider(slug, manifests)
+            decision = self.runtime.report(ev.WarmAsked(loaded.key, replicas))
+            if decision.error is None or decision.error.reason != "provider_gone":
+                break
         if decision.error is not None:
             raise decision.error
         starting = list(decision.replicas)

@@ -65,6 +65,11 @@ class Registry:
         with self._lock:
             self._loaded.pop(key, None)
 
+    def keep(self, loaded: Loaded) -> None:
+        """``loaded`` is known again (after a ``forget``), unless a newer read of it is already."""
+        with self._lock:
+            self._loaded.setdefault(loaded.key, loaded)
+
     def load(self, slug: str, manifests: str | None, variant: Variant | None = None,
              serving: bool = False) -> Loaded:
         """``slug``'s manifest as it is now (a variant is a provider of its own, ``slug~name``).

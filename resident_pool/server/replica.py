@@ -171,11 +171,17 @@ class Replica:
         """Held by kept leases between their calls, none being taken back, and not being checked."""
         return self.state is ReplicaState.LEASED and self.kept and not self.recalling and self.check is None
 
+    @property
+    def idle(self) -> bool:
+        """No request runs on it, nor will before the pool hands it out: nobody holds it (ready, hibernated), or
+        kept leases hold it between their calls (none being taken back, none running a request at the runtime's last
+        look). The one place the word is decided: idle time, retirement, eviction and every reader go by it."""
+        return self.state in (ReplicaState.READY, ReplicaState.HIBERNATED) or (
+            self.state is ReplicaState.LEASED and self.kept and not self.recalling and self.in_flight_since is None)
+
     def idle_s(self, now: float) -> float:
-        """Idle time counts only while nobody holds it (ready, hibernated), or between the calls of a kept lease."""
-        idle = self.state in (ReplicaState.READY, ReplicaState.HIBERNATED) or (
-            self.state is ReplicaState.LEASED and self.kept)
-        return now - self.last_used if idle else 0.0
+        """How long it has been ``idle``: 0 while it is not."""
+        return now - self.last_used if self.idle else 0.0
 
 
 @dataclass(eq=False)
@@ -193,3 +199,8 @@ class Provider:
     queue: list[Ticket] = field(default_factory=list)  # in the order they are served
     starts: int = 0
     last_error: str | None = None
+
+    @property
+    def min_replicas(self) -> int:
+        """The replicas kept warm: its manifest's ``min_replicas``; none for a variant (a check's run ends with it)."""
+        return 0 if self.variant else self.spec.min_replicas

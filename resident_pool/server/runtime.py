@@ -13,7 +13,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ..admission import Admission
 from ..errors import ResidentPoolError
@@ -28,6 +28,7 @@ from . import events as ev
 from .core import PoolState
 from .corelog import CoreLog
 from .handles import Waiter, Worker
+from .observing import Observer
 from .registry import Registry
 from .starts import Starter
 from .states import ReplicaState, StopCause
@@ -38,6 +39,7 @@ __all__ = ["Runtime"]
 log = logging.getLogger("resident_pool.pool")
 
 
+_A = TypeVar("_A", bound=c.Start | c.Place | c.Withdraw | c.Spawn | c.Stop | c.Ping | c.Hibernate | c.Recall)
 _KEPT_START_ERRORS = 64  # the last failed starts, for warm-ups that wait on them
 _KEPT_DEATHS = 256  # the last kept leases ended with their dead worker, for releases that come after
 
@@ -46,7 +48,7 @@ class Runtime:
     """Carries out the core's actions and reports their outcomes; holds the one lock."""
 
     def __init__(self, core: PoolState, registry: Registry, admission: Admission, zygotes: Zygotes,
-                 hibernator: Hibernator, paths: Paths, observer: Any, config: Settings,
+                 hibernator: Hibernator, paths: Paths, observer: Observer, config: Settings,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``paths`` and ``config``: the pool's folders and settings, handed to each worker start and stop."""
         self.core = core
@@ -72,6 +74,7 @@ class Runtime:
         self.start_errors: dict[int, ResidentPoolError] = {}  # for warm-ups waiting on their starts
         self.nonce = secrets.token_hex(8)  # lease tokens of this pool never name another pool's lease
         self.on_exit: Callable[[str], None] = lambda why: None
+        self._view: CoreView | None = None  # the core's view since its last decision (``_look``)
         self.core_log: CoreLog | None = None  # RESIDENT_POOL_CORE_LOG: each event and its decision, for replay
         self.starter = Starter(self, registry, admission, zygotes, hibernator, observer, paths, config,
                                self.timings)
@@ -87,6 +90,7 @@ class Runtime:
         with self.lock:
             now = self.clock()
             decision = self.core.handle(now, event)
+            self._view = None  # the records changed: the next read builds the view again, once
             if self.core_log is not None:
                 self.core_log.write(now, event, decision)
             if noted is not None:
@@ -97,14 +101,21 @@ class Runtime:
         return decision
 
     def view(self) -> CoreView:
-        """The core's records now, read-only."""
+        """The core's records, read-only, as of its last decision."""
         with self.lock:
-            return self.core.view(self.clock())
+            return self._look()
 
     def snapshot(self) -> tuple[CoreView, dict[int, Worker]]:
         """The core's view and the workers the runtime holds, taken together."""
         with self.lock:
-            return self.core.view(self.clock()), dict(self.workers)
+            return self._look(), dict(self.workers)
+
+    def _look(self) -> CoreView:
+        """The core's view, built at most once per decision (the lock is held): a session's path reads it several
+        times, and each build walks every replica. Its ages are as of that build: a tick old at most."""
+        if self._view is None:
+            self._view = self.core.view(self.clock())
+        return self._view
 
     def settle(self, actions: list[c.Action]) -> list[c.Action]:
         """Answer waiting clients at once (the lock is held); return what must run outside it."""
@@ -120,6 +131,8 @@ class Runtime:
                 if waiter is not None:
                     waiter.answer = action
                     waiter.event.set()
+            elif isinstance(action, c.Forget):
+                self.registry.forget(action.key)  # under the lock: ordered with the manifest reads the core hears
             else:
                 later.append(action)
         return later
@@ -137,25 +150,34 @@ class Runtime:
             elif isinstance(action, c.Exit):
                 self.on_exit(action.why)
             elif isinstance(action, c.Announce):
-                self.observer.events.emit(action.event, action.slug, **dict(action.fields))
+                fields = dict(action.fields)
+                replica = fields.pop("replica", None)  # the record's own field, not its payload's
+                self.observer.events.emit(action.event, action.slug, replica if isinstance(replica, int) else None,
+                                          **fields)
             elif isinstance(action, c.Recall) and not action.worker:
                 self._tell_recall(action)  # a worker that cannot answer ``recall``: its client is the only way
-            else:
-                if isinstance(action, c.Recall) and action.client:
+            elif isinstance(action, c.Recall):
+                if action.client:
                     self._tell_recall(action)  # the fast path: its session gives it back before its next request
-                runs: dict[type, Callable[[Any], None]] = {
-                    c.Start: self.starter.start, c.Place: self.starter.place, c.Withdraw: self.starter.withdraw,
-                    c.Spawn: self.starter.spawn, c.Stop: self._stop, c.Ping: self._ping, c.Hibernate: self._hibernate,
-                    c.Recall: self._recall}
-                run = runs[type(action)]
-                if inline and isinstance(action, c.Recall):
+                if inline:
                     self._recall(action, inline=True)  # what comes of its answer (an eviction) runs here too
-                elif inline:
-                    run(action)
                 else:
-                    self._thread(run, action)
+                    self._run(self._recall, action, inline)
+            elif isinstance(action, c.Start | c.Place | c.Withdraw | c.Spawn):
+                self._run(self.starter.carry_out, action, inline)
+            elif isinstance(action, c.Stop):
+                self._run(self._stop, action, inline)
+            elif isinstance(action, c.Ping):
+                self._run(self._ping, action, inline)
+            elif isinstance(action, c.Hibernate):
+                self._run(self._hibernate, action, inline)
+            else:  # Grant and Refuse are settled under the lock
+                raise TypeError(f"the runtime has no way to carry out {action!r}")
 
-    def _thread(self, run: Callable[[Any], None], action: Any) -> None:
+    def _run(self, run: Callable[[_A], None], action: _A, inline: bool) -> None:
+        """``run(action)`` here (``inline``), else on a thread of its own."""
+        if inline:
+            return run(action)
         try:
             threading.Thread(target=run, args=(action,), daemon=True,
                              name=f"{type(action).__name__.lower()}-{action.rid}").start()
@@ -310,7 +332,7 @@ class Runtime:
         """Heartbeats, deaths between requests, the core's clock, and what each wait for memory is for."""
         with self.lock:
             workers = list(self.workers.values())
-            view = self.core.view(self.clock())
+            view = self._look()
             leased = {r.rid for r in view.replicas if r.state in (ReplicaState.LEASED, ReplicaState.DRAINING)}
             for lease in [lease for lease in self.by_lease if lease not in view.leases]:
                 gone = self.by_lease.pop(lease)  # recalled, its worker dead, or its client went away
@@ -348,7 +370,7 @@ class Runtime:
         """The lease a waiting client gets: where the worker's socket is, and how long a request may run."""
         with self.lock:
             worker = self.by_lease[grant.lease]
-            lease = self.core.view(self.clock()).lease(grant.lease)
+            lease = self._look().lease(grant.lease)
             priority, backfilled = (lease.priority, lease.backfilled) if lease is not None else ("normal", False)
         process, manifest = worker.process, worker.loaded.manifest
         return LeaseGrant(lease=grant.lease, slug=key, replica=worker.index, pid=process.pid,
@@ -361,7 +383,7 @@ class Runtime:
     def release(self, release: Release, connection: int) -> dict[str, Any] | None:
         """A lease ends; what the client's last request saw is turned into a fact first (did the worker die?)."""
         with self.lock:
-            lease = self.core.view(self.clock()).lease(release.lease)
+            lease = self._look().lease(release.lease)
             if lease is not None and lease.connection != connection:
                 raise ResidentPoolError(f"lease {release.lease} is not held by this connection; a client releases "
                                         "only its own leases", reason="bad_request")
@@ -398,7 +420,7 @@ class Runtime:
                     inline=outcome in ("timeout", "exiting", "died"))
         if outcome == "timeout":  # a request of a shared worker may time out in its queue: the worker serves on
             with self.lock:
-                replica = self.core.view(self.clock()).replica(lease.rid) if lease is not None else None
+                replica = self._look().replica(lease.rid) if lease is not None else None
             answer["stopped"] = replica is None or replica.ending
         return None if quiet else answer
 
@@ -406,7 +428,7 @@ class Runtime:
         """Wait until none of ``rids`` is left (every stop reports back, or is escalated), at most ``bound_s``."""
         deadline = self.clock() + bound_s
         with self.lock:
-            while any(self.core.view(self.clock()).replica(rid) for rid in rids) and self.clock() < deadline:
+            while any(self._look().replica(rid) for rid in rids) and self.clock() < deadline:
                 self.changed.wait(0.25)
 
     def wait_started(self, rids: list[int], bound_s: float) -> list[ResidentPoolError]:
@@ -414,7 +436,7 @@ class Runtime:
         deadline = self.clock() + bound_s
 
         def starting() -> bool:
-            view = self.core.view(self.clock())
+            view = self._look()
             return any((replica := view.replica(rid)) is not None and replica.state is ReplicaState.STARTING
                        for rid in rids)
 

@@ -76,6 +76,17 @@ class Starter:
         self.kill_grace_s = config.kill_grace_s
         self.timings = timings
 
+    def carry_out(self, action: c.Start | c.Place | c.Withdraw | c.Spawn) -> None:
+        """One step of a start, as the core decided it."""
+        if isinstance(action, c.Start):
+            self.start(action)
+        elif isinstance(action, c.Place):
+            self.place(action)
+        elif isinstance(action, c.Withdraw):
+            self.withdraw(action)
+        else:
+            self.spawn(action)
+
     def start(self, action: c.Start) -> None:
         """Prepare a start: its worker record, and the GPU memory it needs (refused at once if none could hold it)."""
         runtime = self.runtime
@@ -165,7 +176,8 @@ class Starter:
         else:
             error = WorkerStartError(f"{slug}: the start was called off", slug=slug, reason="start_cancelled")
         observer = self.observer
-        runtime.report(ev.StartFailed(action.rid, error), noted=(lambda _: observer.on_start_failed(worker, error))
+        runtime.report(ev.StartFailed(action.rid, error),
+                       noted=(lambda decision: observer.on_start_failed(worker, decision.error or error))
                        if worker is not None and action.reason != "start_cancelled" else None)
 
     def _ahead(self, rid: int) -> list[str]:
@@ -229,8 +241,9 @@ class Starter:
     def _failed(self, rid: int, worker: Worker | None, exc: Exception, key: str) -> None:
         error = self._start_error(rid, worker, exc, key)
         observer = self.observer
-        self.runtime.report(ev.StartFailed(rid, error),
-                            noted=(lambda _: observer.on_start_failed(worker, error)) if worker is not None else None)
+        self.runtime.report(ev.StartFailed(rid, error),  # the error a breaker opened with says so (decision.error)
+                            noted=(lambda decision: observer.on_start_failed(worker, decision.error or error))
+                            if worker is not None else None)
 
     def _called_off(self, rid: int) -> bool:
         replica = self.runtime.view().replica(rid)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..admission import Admission
+from ..admission.remote import ServiceClient
 from ..errors import ResidentPoolError
 from ..ops.gpu_memory import budget_advice
 from ..providers.hibernate import Hibernator
@@ -36,7 +37,7 @@ class StatusFacts:
     hibernator: Hibernator
     jit_sizes: JitSizes
     admission: Admission
-    service: Any  # the host admission service's client, or None
+    service: ServiceClient | None  # the host admission service's client
     manifests: Path
     socket_path: str
     started: float
@@ -69,6 +70,7 @@ def build_status(view: CoreView, facts: StatusFacts) -> dict[str, Any]:
             "in_flight_s": replica.in_flight_s,
             "gpu_used_gb": measured.gpu_used_gb, "gpu_peak_gb": measured.gpu_peak_gb,
             "over_budget": measured.over_budget, "kept_warm": replica.kept_warm, "idle": replica.idle,
+            "serving": replica.serving, "ending": replica.ending,
             "callers": len(replica.leases), "max_callers": replica.max_callers,
             "leases": [lease.row() for lease in replica.leases], "queue_wait_s": replica.queue_wait_s,
         })

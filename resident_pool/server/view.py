@@ -7,7 +7,7 @@ frozen records: nothing in them reaches back into the core's own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .states import ReplicaState
 
@@ -133,12 +133,18 @@ class CoreView:
     leases: dict[int, LeaseView]  # every lease, a session's on a replica that has ended too (until released)
 
     @property
-    def idle(self) -> bool:
-        """Nothing leased and every replica ready: a pool of another version may step aside."""
+    def resting(self) -> bool:
+        """Nothing leased and every replica ready (none starting, hibernated or on its way out): a pool of another
+        version may step aside (``hello`` says ``idle``)."""
         return not self.leases and all(r.state is ReplicaState.READY for r in self.replicas)
 
+    _by_rid: dict[int, ReplicaView] = field(init=False, repr=False, compare=False)  # ``replica``'s index
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_rid", {r.rid: r for r in self.replicas})
+
     def replica(self, rid: int) -> ReplicaView | None:
-        return next((r for r in self.replicas if r.rid == rid), None)
+        return self._by_rid.get(rid)
 
     def lease(self, lease: int) -> LeaseView | None:
         return self.leases.get(lease)
