@@ -188,6 +188,19 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def cpu_s(pids: list[int]) -> float:
+    """User and system CPU seconds the processes ``pids`` have used (those gone count 0)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -240,6 +253,11 @@ class LocalRay:
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(pid, os.WNOHANG)
         return killed
+
+
+def say(text: str) -> None:
+    """A line on how far the case has come (its rows come at its end)."""
+    print(f"  versus_ray: {text}", flush=True)
 
 
 # -- the loads --------------------------------------------------------------------------------------------------------
@@ -360,7 +378,7 @@ def case_versus_ray(table: Any, env: Any, quick: bool) -> None:
                               str(env.manifests / "minilm" / "worker.py"),
                               str(weights_root(load_manifest(env.manifests / "minilm" / "manifest.toml"))), threads)
         figures = asyncio.run(_measure(AsyncPool, slug, handle, inputs, refs, per_caller, rounds, open_seconds,
-                                       open_least, open_most))
+                                       open_least, open_most, local.own))
     finally:
         killed = local.close()
         shutil.rmtree(ray_folder, ignore_errors=True)
@@ -378,6 +396,11 @@ def case_versus_ray(table: Any, env: Any, quick: bool) -> None:
                    f"by round from {ratios[0]:.2f}x to {ratios[-1]:.2f}x")
     table.add(case, "closed loop: ours / Ray Serve throughput", ours_rate / ray_rate, "x", ">= 1.2",
               ours_rate / ray_rate >= 1.2)
+    cpu = figures["closed"]["cpu"]
+    table.add(case, "closed loop: CPU per answer, ours / Ray Serve", cpu["ours"] / cpu["ray"], "x", note=(
+        f"each side's whole stack while it ran (the callers' process; our pool and worker; Ray's raylet, GCS, "
+        f"controller and replica): {cpu['ours'] * 1e3:.1f} ms against {cpu['ray'] * 1e3:.1f} ms per answer. On a "
+        "host shared with other work the throughput follows the CPU each model process is given"))
     ms = 1e3
     for share in (50, 90):
         found = figures["open"][share]
@@ -414,7 +437,8 @@ def case_versus_ray(table: Any, env: Any, quick: bool) -> None:
 
 
 async def _measure(AsyncPool: Any, slug: str, handle: Any, inputs: list[str], refs: list[Any], per_caller: int,
-                   rounds: int, open_seconds: float, open_least: int, open_most: int) -> dict[str, Any]:
+                   rounds: int, open_seconds: float, open_least: int, open_most: int,
+                   ray_pids: list[int]) -> dict[str, Any]:
     """Every measurement, on one loop (the AsyncPool's kept leases live as long as it)."""
     async with AsyncPool() as apool:
 
@@ -430,15 +454,24 @@ async def _measure(AsyncPool: Any, slug: str, handle: Any, inputs: list[str], re
         rates: dict[str, list[float]] = {"ours": [], "ray": []}
         total = len(inputs) * per_caller * rounds
         before = await settled_calls(apool, slug, (0.0, 0.0), 2 * len(inputs))
-        elapsed = {"ours": 0.0, "ray": 0.0}
+        status = await apool.status()
+        # Each side's whole stack, this process (its callers) included: the CPU it spends per answer.
+        stacks = {"ours": [os.getpid(), status["pool"]["pid"], *(worker["pid"] for worker in status["workers"]
+                                                                  if worker["slug"] == slug)],
+                  "ray": [os.getpid(), *ray_pids]}
+        elapsed, spent = {"ours": 0.0, "ray": 0.0}, {"ours": 0.0, "ray": 0.0}
         for turn in range(rounds):  # alternated, each first in turn: a busy moment of the host falls on both
             for name in ("ours", "ray") if turn % 2 == 0 else ("ray", "ours"):
-                began = time.perf_counter()
+                began, used = time.perf_counter(), cpu_s(stacks[name])
                 rates[name].append(await closed_loop(sides[name], inputs, refs, per_caller, f"{name} closed loop"))
                 elapsed[name] += time.perf_counter() - began
+                spent[name] += cpu_s(stacks[name]) - used
+            say(f"closed loop round {turn + 1}/{rounds}: ours {rates['ours'][-1]:.1f}/s, Ray Serve "
+                f"{rates['ray'][-1]:.1f}/s")
         calls, items = await settled_calls(apool, slug, before, total)
         closed: dict[str, Any] = {name: total / elapsed[name] for name in sides}
         closed["per_call"] = items / max(1.0, calls)
+        closed["cpu"] = {name: spent[name] / total for name in sides}
         closed["ratios"] = sorted(mine / theirs for mine, theirs in zip(rates["ours"], rates["ray"], strict=True))
         opened: dict[int, dict[str, Any]] = {}
         for share in (50, 90):
@@ -452,6 +485,7 @@ async def _measure(AsyncPool: Any, slug: str, handle: Any, inputs: list[str], re
                 for name in order:
                     opened[share][name] += await open_loop(sides[name], inputs, refs, times,
                                                            f"{name} open loop {share}%")
+                    say(f"open loop {share}%, half {half + 1}: {name} done ({len(times)} arrivals at {rate:.2f}/s)")
         bad = CALLERS // 2
         clean_s, bad_s = [], []
         tries = 3
