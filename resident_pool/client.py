@@ -27,7 +27,7 @@ from .errors import ResidentPoolError, WorkerRequestError, error_from_dict
 from .host.paths import Paths
 from .lease import EXITING, KEPT_BUFFER_BYTES, RECALLED_RETRIES, Held, failure
 from .messages import Acquire, Release, StopWorkers, Variant, Warm, bad_request
-from .protocol import COPY, Inbox, PeerError, ProtocolError, connect, recv_line, send_line
+from .protocol import COPY, Inbox, PeerError, ProtocolError, connect, recv_line, send_line, set_timeouts
 from .settings import Settings, settings
 from .version import __version__
 
@@ -639,8 +639,9 @@ class Session(Held):
         with self._failures(timeout, sent=False):
             sock, inbox = self._worker()
             self._inbox = inbox  # for trim, after the call
-            if sock.gettimeout() != timeout:  # settimeout is a system call (FIONBIO) even when nothing changes
-                sock.settimeout(timeout)
+            if inbox.timeout != timeout:  # set in the kernel: Python's own timeout polls before each send and read
+                set_timeouts(sock, timeout)
+                inbox.timeout = timeout
             if inbox.peer is None:
                 arrays.negotiate(sock, inbox)
             if inbox.slabs is None and arrays.reuses(inbox.peer):

@@ -59,6 +59,7 @@ __all__ = [
     "seal_memfd",
     "send_line",
     "send_raw",
+    "set_timeouts",
 ]
 
 # A line is one whole request or reply; embeddings for a large batch are a few
@@ -117,7 +118,32 @@ def encode_line(obj: dict[str, Any]) -> bytes:
 
 
 def send_line(sock: socket.socket, obj: dict[str, Any]) -> None:
-    sock.sendall(encode_line(obj))
+    raw = encode_line(obj)
+    try:
+        sock.sendall(raw)
+    except BlockingIOError:
+        if _kernel_timeout(sock):
+            raise TimeoutError("timed out") from None
+        raise
+
+
+def set_timeouts(sock: socket.socket, seconds: float | None) -> None:
+    """Bound each send and each receive on the blocking ``sock`` by ``seconds`` (None: no bound) in the kernel
+    (SO_SNDTIMEO, SO_RCVTIMEO); one that runs out raises TimeoutError here, as with Python's socket timeout.
+
+    Python's own timeout polls the socket before every send and receive: two system calls more per round trip,
+    on the path of every call to a worker.
+    """
+    micros = 0 if seconds is None else max(1, round(seconds * 1e6))  # 0 is no bound to the kernel
+    value = struct.pack("ll", *divmod(micros, 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+
+
+def _kernel_timeout(sock: socket.socket) -> bool:
+    """Whether a send or receive on ``sock`` that would block means its kernel timeout ran out (set_timeouts): so on
+    a blocking socket; a non-blocking one's is its own to handle."""
+    return sock.gettimeout() is None
 
 
 def pop_line(buf: bytearray, max_bytes: int = MAX_LINE_BYTES, scan_from: int = 0) -> dict[str, Any] | None:
@@ -156,7 +182,12 @@ def recv_line(sock: socket.socket, buf: bytearray, max_bytes: int = MAX_LINE_BYT
         if message is not None:
             return message
         scanned = len(buf)
-        chunk = sock.recv(min(RECV_CHUNK, max_bytes + 1 - len(buf)) or 1)
+        try:
+            chunk = sock.recv(min(RECV_CHUNK, max_bytes + 1 - len(buf)) or 1)
+        except BlockingIOError:
+            if _kernel_timeout(sock):
+                raise TimeoutError("timed out") from None
+            raise
         if not chunk:
             return closed(buf)
         buf += chunk
@@ -403,6 +434,8 @@ class Inbox(bytearray):
         self.mappings = _MappingCache()
         # This side's own reused buffers (arrays.Slabs), for a reply that hands one back.
         self.slabs: Any = None
+        # The bound set_timeouts last gave this connection's socket (a client's, to a worker): None until set.
+        self.timeout: float | None = None
 
     def close_fds(self) -> None:
         while self.fds:
@@ -434,7 +467,12 @@ class Inbox(bytearray):
 
 def fill(sock: socket.socket, inbox: Inbox, size: int = RECV_CHUNK) -> int:
     """One read into ``inbox``, queueing any descriptors that came with it; 0 when the peer closed."""
-    data, ancillary, flags, _ = sock.recvmsg(size, _ANCILLARY_SPACE, socket.MSG_CMSG_CLOEXEC)
+    try:
+        data, ancillary, flags, _ = sock.recvmsg(size, _ANCILLARY_SPACE, socket.MSG_CMSG_CLOEXEC)
+    except BlockingIOError:
+        if _kernel_timeout(sock):
+            raise TimeoutError("timed out") from None
+        raise
     end = inbox.start + len(inbox) + len(data)
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -824,12 +862,17 @@ def recv_message(sock: socket.socket, inbox: Inbox, max_bytes: int = MAX_LINE_BY
 
 def send_raw(sock: socket.socket, raw: bytes, fds: Sequence[int] = ()) -> None:
     """Send an encoded line, with ``fds`` passed beside its first byte."""
-    if not fds:
-        sock.sendall(raw)
-        return
-    sent = sock.sendmsg([raw], rights(fds))
-    if sent < len(raw):
-        sock.sendall(memoryview(raw)[sent:])
+    try:
+        if not fds:
+            sock.sendall(raw)
+            return
+        sent = sock.sendmsg([raw], rights(fds))
+        if sent < len(raw):
+            sock.sendall(memoryview(raw)[sent:])
+    except BlockingIOError:
+        if _kernel_timeout(sock):
+            raise TimeoutError("timed out") from None
+        raise
 
 
 def rights(fds: Sequence[int]) -> list[tuple[int, int, array.array]]:

@@ -181,3 +181,25 @@ def test_protocol_is_standard_library_only():
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     assert alias.name.split(".")[0] not in {"resident_pool", "pydantic", "prefect", "torch"}
+
+
+def test_kernel_timeouts_raise_timeout_error_on_every_read_and_send(pair):
+    """set_timeouts bounds a blocking socket's reads and sends in the kernel, with no poll before each: one that runs
+    out is a TimeoutError, as with Python's own timeout (a session's request that outruns request_timeout_s)."""
+    import time
+
+    left, right = pair
+    protocol.set_timeouts(right, 0.05)
+    assert right.gettimeout() is None  # blocking: no poll before each call
+    for read in (lambda: recv_line(right, bytearray()), lambda: protocol.recv_message(right, protocol.Inbox())):
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            read()
+        assert 0.04 <= time.monotonic() - started < 5
+    with pytest.raises(TimeoutError):  # nobody reads `left`: the send fills the socket's buffer, then times out
+        protocol.send_raw(right, b"x" * (64 * 1024 * 1024))
+    with pytest.raises(TimeoutError):
+        send_line(right, {"blob": "x" * (8 * 1024 * 1024)})
+    right.setblocking(False)  # a non-blocking socket (a worker's) still says would-block as such
+    with pytest.raises(BlockingIOError):
+        protocol.fill(right, protocol.Inbox())
