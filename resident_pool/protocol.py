@@ -531,8 +531,8 @@ def pop_message(inbox: Inbox, max_bytes: int = MAX_LINE_BYTES, scan_from: int = 
     own = _take_fds(inbox, line_start, inbox.start)
     try:
         obj = _decode(line)
-        sizes = obj.get("buffers", ())
-        attachments = _attachments(own, sizes, inbox)
+        # Most lines carry no attachment: nothing to check.
+        attachments = _attachments(own, obj.get("buffers", ()), inbox) if own or "buffers" in obj else []
     except BaseException:
         for fd in own:
             os.close(fd)
