@@ -287,6 +287,8 @@ class Slabs:
 
     def settle(self, held: Any = None) -> None:
         """The reader of the last message let go of its buffers, except the attachment indexes ``held``."""
+        if not self.pending and not self._returned:  # nothing went with it (most messages carry no array)
+            return
         # From the peer: anything but attachment numbers is no claim at all.
         held = {index for index in held if _int(index)} if isinstance(held, list) else set()
         with self._lock:
@@ -392,6 +394,9 @@ class Slabs:
 # -- sending ---------------------------------------------------------------------
 class _Encoder:
     """json's ``default`` hook: each array or bytes becomes a reference (or plain JSON, for a peer without them)."""
+
+    __slots__ = ("accept", "fds", "fresh_index", "fresh_size", "max_bytes", "min_bytes", "numpy", "parts", "passed",
+                 "received", "sent", "sizes", "slabs", "torch")
 
     def __init__(self, peer: Mapping[str, Any] | None, min_bytes: int, received: list[Any],
                  slabs: Slabs | None = None) -> None:

@@ -27,7 +27,7 @@ from .errors import ResidentPoolError, WorkerRequestError, error_from_dict
 from .host.paths import Paths
 from .lease import EXITING, KEPT_BUFFER_BYTES, RECALLED_RETRIES, Held, failure
 from .messages import Acquire, Release, StopWorkers, Variant, Warm, bad_request
-from .protocol import COPY, Inbox, PeerError, ProtocolError, connect, recv_line, send_line
+from .protocol import COPY, Inbox, PeerError, ProtocolError, connect, recv_line, send_line, set_timeouts
 from .settings import Settings, settings
 from .version import __version__
 
@@ -636,41 +636,48 @@ class Session(Held):
     def _predict_once(self, payload: Any) -> Any:
         request_id = next(_Process.request_ids)  # unique in this process: a reply to another request is never taken
         timeout = self.lease["request_timeout_s"]
-        with self._failures(timeout, sent=False):
+        # try/except, not a context manager: entering and leaving two generator-based ones cost about what decoding
+        # the reply does (measured here).
+        try:
             sock, inbox = self._worker()
             self._inbox = inbox  # for trim, after the call
-            if sock.gettimeout() != timeout:  # settimeout is a system call (FIONBIO) even when nothing changes
-                sock.settimeout(timeout)
+            if inbox.timeout != timeout:  # set in the kernel: Python's own timeout polls before each send and read
+                set_timeouts(sock, timeout)
+                inbox.timeout = timeout
             if inbox.peer is None:
                 arrays.negotiate(sock, inbox)
             if inbox.slabs is None and arrays.reuses(inbox.peer):
                 inbox.slabs = arrays.Slabs()  # this session's reused buffers, on its connection to the worker
+        except BaseException as exc:
+            error = self._failed(exc, timeout, sent=False)
+            if error is None:
+                raise
+            raise error  # noqa: B904 - its cause is set by _failure_error (None where the exchange's adds nothing)
         # Encoded before a byte of it goes: a payload that cannot be sent (a dtype the protocol does not
         # carry, NaN, over a cap) raises here as the caller's mistake, and the session goes on as it was.
         encoded = arrays.encode(self._request(request_id, payload), inbox.peer, inbox.attach_min_bytes,
                                 slabs=inbox.slabs)
-        with self._failures(timeout):
+        try:
             # Arrays in the payload and the result travel beside the line (arrays.py).
             reply = self._answered(arrays.complete(sock, inbox, *encoded, request_id=request_id), request_id)
+        except BaseException as exc:
+            error = self._failed(exc, timeout, sent=True)
+            if error is None:
+                raise
+            raise error  # noqa: B904 - its cause is set by _failure_error (None where the exchange's adds nothing)
         result = self._outcome(reply)
         if result is EXITING:
             raise error_from_dict(self._end("exiting", {"reply": reply})["error"])
         return result
 
-    @contextmanager
-    def _failures(self, timeout: float, sent: bool = True) -> Iterator[None]:
-        """What a broken, timed-out or interrupted exchange with the worker does to this session (lease.failure).
+    def _failed(self, exc: BaseException, timeout: float, sent: bool) -> BaseException | None:
+        """What a broken, timed-out or interrupted exchange with the worker does to this session (lease.failure): the
+        error to raise instead of ``exc``, or None (``exc`` itself goes on).
 
         ``sent=False``: no request has gone yet (connecting, negotiating)."""
-        try:
-            yield
-        except BaseException as exc:
-            kind = failure(exc)
-            answer = self._end(kind, {}) if self._dropped(kind) else {}
-            error = self._failure_error(kind, exc, sent, timeout, answer)
-            if error is None:
-                raise
-            raise error  # noqa: B904 - its cause is set by _failure_error (None where the exchange's adds nothing)
+        kind = failure(exc)
+        answer = self._end(kind, {}) if self._dropped(kind) else {}
+        return self._failure_error(kind, exc, sent, timeout, answer)
 
     def _end(self, outcome: str, extra: dict[str, Any]) -> dict[str, Any]:
         self._ended = True

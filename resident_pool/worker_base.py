@@ -1128,7 +1128,8 @@ class _Server:
                     os._exit(0)
                 # New connections first, read at once: the pool's recall is read before a kept lease's next
                 # request in the same batch, which it refuses (a waiting client waits for one request at most).
-                events.sort(key=lambda event: event[0].fileobj is not listener)
+                if len(events) > 1:
+                    events.sort(key=lambda event: event[0].fileobj is not listener)
                 for key, mask in events:
                     if key.fileobj is listener:
                         # Every client waiting to be accepted, at once: their first lines join this pass (and a

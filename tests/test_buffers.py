@@ -1103,3 +1103,21 @@ def test_a_buffer_the_worker_let_go_and_then_hands_back_is_not_filled_again_unde
     del answer
     slabs.close()
     client.close()
+
+
+@pytest.mark.parametrize(("buffers", "match"), [([64], "announces 1 attachment"), (5, "must be a list"),
+                                                ([], None)])
+def test_a_line_that_announces_buffers_is_checked_even_with_no_descriptor_beside_it(pair, buffers, match):
+    """Lines with neither descriptors nor "buffers" skip the attachment checks (most calls); one that announces
+    buffers is checked all the same."""
+    left, right = pair
+    send_line(left, {"op": "predict", "payload": 1, "buffers": buffers})
+    send_line(left, {"op": "ping"})
+    inbox = Inbox()
+    if match is None:
+        assert recv_message(right, inbox).attachments == []
+    else:
+        with pytest.raises(ProtocolError, match=match) as info:
+            recv_message(right, inbox)
+        assert info.value.recoverable
+    assert recv_message(right, inbox).obj == {"op": "ping"}

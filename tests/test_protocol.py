@@ -3,6 +3,7 @@ from __future__ import annotations
 import math
 import socket
 import threading
+import time
 
 import pytest
 
@@ -65,12 +66,12 @@ def test_line_over_the_cap_never_buffers_past_it(pair):
     sender.start()
     buf = bytearray()
     peak = []
-    real_recv = right.recv
+    real_recv_into = right.recv_into
 
     class Spy:
-        def recv(self, size):
-            peak.append(len(buf) + size)
-            return real_recv(size)
+        def recv_into(self, view):
+            peak.append(len(buf) + len(view))
+            return real_recv_into(view)
 
     with pytest.raises(ProtocolError, match="over the cap") as info:
         recv_line(Spy(), buf, max_bytes=cap)
@@ -181,3 +182,23 @@ def test_protocol_is_standard_library_only():
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     assert alias.name.split(".")[0] not in {"resident_pool", "pydantic", "prefect", "torch"}
+
+
+def test_kernel_timeouts_raise_timeout_error_on_every_read_and_send(pair):
+    """set_timeouts bounds a blocking socket's reads and sends in the kernel, with no poll before each: one that runs
+    out is a TimeoutError, as with Python's own timeout (a session's request that outruns request_timeout_s)."""
+    _left, right = pair
+    protocol.set_timeouts(right, 0.05)
+    assert right.gettimeout() is None  # blocking: no poll before each call
+    for read in (lambda: recv_line(right, bytearray()), lambda: protocol.recv_message(right, protocol.Inbox())):
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            read()
+        assert 0.04 <= time.monotonic() - started < 5
+    with pytest.raises(TimeoutError):  # nobody reads `left`: the send fills the socket's buffer, then times out
+        protocol.send_raw(right, b"x" * (64 * 1024 * 1024))
+    with pytest.raises(TimeoutError):
+        send_line(right, {"blob": "x" * (8 * 1024 * 1024)})
+    right.setblocking(False)  # a non-blocking socket (a worker's) still says would-block as such
+    with pytest.raises(BlockingIOError):
+        protocol.fill(right, protocol.Inbox())
