@@ -62,6 +62,21 @@ def windows(length, window=WINDOW, stride=STRIDE):
     return [(start, start + window) for start in starts]
 
 
+_RESIDUE_TOKENS = {}  # id(tokenizer) -> (tokenizer, {letter: token id})
+
+
+def residue_tokens(tokenizer):
+    """Each residue letter's token id, either case, read from the vocabulary once per tokenizer: get_vocab() builds a
+    dict of 30,522 words each time, which cost more than the model for a batch of 64 short single-sequence requests."""
+    known = _RESIDUE_TOKENS.get(id(tokenizer))
+    if known is None or known[0] is not tokenizer:
+        vocabulary = tokenizer.get_vocab()
+        letters = {letter: vocabulary.get(letter.lower(), tokenizer.unk_token_id) for letter in map(chr, range(65, 91))}
+        letters.update({letter.lower(): token for letter, token in letters.items()})
+        known = _RESIDUE_TOKENS[id(tokenizer)] = (tokenizer, letters)
+    return known[1]
+
+
 def token_ids(tokenizer, texts, kind):
     """Each text's token ids (no [CLS] or [SEP]) and how many of them are [UNK]; ValueError names a bad input."""
     unknown_id = tokenizer.unk_token_id
@@ -71,9 +86,7 @@ def token_ids(tokenizer, texts, kind):
             if not found:
                 raise ValueError(f"input {position + 1} holds no text")
         return ids, [row.count(unknown_id) for row in ids]
-    vocabulary = tokenizer.get_vocab()
-    letters = {letter: vocabulary.get(letter.lower(), unknown_id) for letter in map(chr, range(65, 91))}
-    letters.update({letter.lower(): token for letter, token in letters.items()})
+    letters = residue_tokens(tokenizer)
     ids = []
     for position, text in enumerate(texts):
         try:
