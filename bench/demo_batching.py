@@ -153,8 +153,8 @@ async def _burst(pool: Any, slug: str, texts: list[str], reference: _Reference, 
 def _mixed(slug: str, chunks: list[list[str]], streams: int, arrivals: list[float], probe: str,
            reference: _Reference) -> dict[str, Any]:
     """``streams`` campaign streams (priority batch, a session each, as a campaign's chunk tasks) sending
-    ``chunks`` between them, and an interactive caller asking for ``probe`` at each of ``arrivals`` (seconds from the
-    start); the interactive waits, and each chunk's time."""
+    ``chunks`` between them, and an interactive caller (its lease kept, as a notebook's is) asking for ``probe`` at
+    each of ``arrivals`` (seconds from the start); the interactive waits, and each chunk's time."""
     from threads import together
 
     from resident_pool import Pool
@@ -163,7 +163,7 @@ def _mixed(slug: str, chunks: list[list[str]], streams: int, arrivals: list[floa
     queue = list(chunks)
     waits: list[float] = []
     chunk_times: list[float] = []
-    started = time.perf_counter()
+    ends: list[float] = []
 
     def stream() -> None:
         with Pool() as pool, pool.session(slug, priority="batch") as session:
@@ -176,17 +176,22 @@ def _mixed(slug: str, chunks: list[list[str]], streams: int, arrivals: list[floa
                 reference.check(chunk, session.predict(_payload(chunk)))
                 with lock:
                     chunk_times.append(time.perf_counter() - began)
+                    ends.append(time.perf_counter() - started)
+
+    interactive_pool = Pool()
+    reference.check([probe], interactive_pool.predict(slug, _payload([probe]), priority="interactive"))  # its lease
 
     def interactive() -> None:
-        with Pool() as pool:
+        with interactive_pool as pool:
             for at in arrivals:
                 time.sleep(max(0.0, at - (time.perf_counter() - started)))
                 began = time.perf_counter()
                 reference.check([probe], pool.predict(slug, _payload([probe]), priority="interactive"))
                 waits.append(time.perf_counter() - began)
 
+    started = time.perf_counter()
     together([stream] * streams + [interactive])
-    return {"waits": waits, "chunks": chunk_times, "makespan": time.perf_counter() - started}
+    return {"waits": waits, "chunks": chunk_times, "makespan": max(ends)}
 
 
 def _texts() -> list[str]:
@@ -284,15 +289,17 @@ def case_demo_mixed(table: Any, env: Any, quick: bool) -> None:
     span = chunk_s * len(chunks) / 2  # two streams, as a campaign on one replica runs (flows/screen.py)
     arrivals = [span * (0.05 + 0.8 * k / (arriving - 1)) for k in range(arriving)]
     run = _mixed("minilm", chunks, 2, arrivals, probe, reference)
-    # The bound, from the chunks' own times in the same run: the call running when the interactive request comes
-    # (a chunk), and the next call, which it rides in and which holds at most max_batch_work of tokens: a chunk's
-    # worth here (a chunk of whole proteins, about 54,000 tokens, is a call of its own, and it rides alone).
-    during = statistics.median(run["chunks"])
+    # The bound, from the chunks' compute time in the same run (the worker never idles while two streams send: the
+    # campaign's makespan over its chunks): the call running when the interactive request comes (a chunk), and the next
+    # call, which it rides in and which holds at most max_batch_work of tokens: a chunk's worth here (a chunk of
+    # whole proteins, about 54,000 tokens, is a call of its own, and an interactive request rides alone).
+    during = run["makespan"] / len(chunks)
     p95, bound = percentile(run["waits"], 95), 2 * during
     table.add(case, "interactive p95 during a campaign", p95, "s", "<= chunk + batch", p95 <= bound,
               note=f"{len(run['waits'])} interactive calls of one sequence, median "
-                   f"{statistics.median(run['waits']):.2f} s; a chunk of {CHUNK} sequences (one window each) "
-                   f"{during:.2f} s during the run, {chunk_s:.2f} s alone; the bound {bound:.2f} s; one sequence "
+                   f"{statistics.median(run['waits']):.2f} s, max {max(run['waits']):.2f} s; a chunk of {CHUNK} "
+                   "sequences (one window each) "
+                   f"{during:.2f} s each during the run, {chunk_s:.2f} s alone; the bound {bound:.2f} s; one sequence "
                    f"alone {one_s * 1e3:.0f} ms; 2 campaign streams")
 
 
