@@ -116,8 +116,9 @@ async def _closed_loop(pool: Any, slug: str, texts: list[str], seconds: float, r
     deadline[0] = started + seconds
     go.set()
     # Past the deadline a caller still waiting for its turn at a one-caller replica would wait for every other's:
-    # the callers not done a moment after it are cancelled (a waiting one leaves the line; docs/asyncio.md).
-    done, late = await asyncio.wait(tasks, timeout=seconds + (5.0 if shared else 1.0))
+    # those not done a moment after it are cancelled (a waiting one leaves the line; docs/asyncio.md). A shared
+    # replica answers every caller's last request in a call or two.
+    done, late = await asyncio.wait(tasks, timeout=seconds + (120.0 if shared else 1.0))
     for task in late:
         task.cancel()
     for outcome in [*(task.exception() for task in done), *await asyncio.gather(*late, return_exceptions=True)]:
