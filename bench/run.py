@@ -1033,6 +1033,7 @@ from adhoc import case_adhoc_predict  # noqa: E402 - bench/ is on the path now
 from async_client import case_async_client  # noqa: E402 - bench/ is on the path now
 from batching import case_worker_batching  # noqa: E402 - bench/ is on the path now
 from contention import case_head_of_line, case_host_race, case_mixed  # noqa: E402 - bench/ is on the path now
+from demo_batching import case_demo_batching, case_demo_failure, case_demo_mixed  # noqa: E402
 from versus_ray import case_versus_ray  # noqa: E402 - bench/ is on the path now
 
 CASES = {
@@ -1051,6 +1052,9 @@ CASES = {
     "host_race": case_host_race,
     "adhoc_predict": case_adhoc_predict,
     "worker_batching": case_worker_batching,
+    "demo_batching": case_demo_batching,
+    "demo_mixed": case_demo_mixed,
+    "demo_failure": case_demo_failure,
     "versus_ray": case_versus_ray,
 }
 FULL_ONLY = {"campaign_scale"}  # `make bench-full`; `make bench` stays near 10 minutes without them
