@@ -111,3 +111,24 @@ def test_r33_predict_help_names_the_inputs_table_it_rules_by():
                           capture_output=True, text=True, timeout=120, check=False, env={**__import__("os").environ,
                                                                                          "COLUMNS": "300"})
     assert "(the provider's [inputs])" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("invisible", ["\u200b", "\ufeff", "\u00ad", "\x00"],
+                         ids=["zero-width-space", "bom", "soft-hyphen", "nul"])
+def test_r33_a_text_the_rule_passes_is_one_the_minilm_worker_can_read(invisible):
+    """Issue 33, item 3: "a bad item fails that item alone ... and the others get their answers". The text rule
+    passes anything str.strip() leaves (a zero-width space, a BOM, a soft hyphen, NUL), but minilm's tokenizer reads
+    no token in them and the worker refuses the whole request ("ValueError: input 2 holds no text"). Reproduced:
+    `resident-pool predict minilm --payload '{"kind":"text","inputs":["hello world","\\u200b","good morning"]}'`
+    exits 1 with WorkerRequestError and no answer for the two good inputs. The rule must refuse what the worker
+    cannot read (or the worker must answer it)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    manifest = load_manifest(MINILM / "manifest.toml")
+    text, problem = manifest.inputs.check(f"  {invisible} ", "text")
+    if problem is not None:
+        return  # refused by the rule, named: what the issue asks
+    tokenizer = AutoTokenizer.from_pretrained(_weights(manifest))
+    ids, _ = _minilm_worker().token_ids(tokenizer, ["hello world", text, "good morning"], "text")
+    assert all(ids)
