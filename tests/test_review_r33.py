@@ -132,3 +132,23 @@ def test_r33_a_text_the_rule_passes_is_one_the_minilm_worker_can_read(invisible)
     tokenizer = AutoTokenizer.from_pretrained(_weights(manifest))
     ids, _ = _minilm_worker().token_ids(tokenizer, ["hello world", text, "good morning"], "text")
     assert all(ids)
+
+
+def test_r33_the_map_notes_answers_that_coincide_within_the_distinct_tolerance_not_only_byte_for_byte(tmp_path):
+    """Issue 33, item 6: "a note when many answers coincide". The map groups answers that are equal as float16
+    bytes, so 30 of 40 answers that lie within cosine 0.99998 of one another (one dot to the eye; a degenerate
+    model with a little noise, which [answers] distinct_cosine 0.9999 counts as one answer) draw 40 dots and no
+    note. The note should use the same tolerance as the checks."""
+    import json
+
+    from resident_pool.campaigns.report import VectorSample, write_report
+
+    rng = random.Random(6)
+    base = _random_unit(rng, 64)
+    sample = VectorSample()
+    for n in range(40):
+        vector = [x + rng.gauss(0.0, 3e-4) for x in base] if n < 30 else _random_unit(rng, 64)
+        sample.offer(f"p{n}", json.dumps({"embedding": vector}))
+    page = write_report(tmp_path / "r.html", title="t", summary={}, timeline=[], sample=sample,
+                        failures=[]).read_text()
+    assert "coincide" in page, "30 of 40 answers within cosine 0.99998 of each other: the map says nothing"
