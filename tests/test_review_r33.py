@@ -152,3 +152,36 @@ def test_r33_the_map_notes_answers_that_coincide_within_the_distinct_tolerance_n
     page = write_report(tmp_path / "r.html", title="t", summary={}, timeline=[], sample=sample,
                         failures=[]).read_text()
     assert "coincide" in page, "30 of 40 answers within cosine 0.99998 of each other: the map says nothing"
+
+
+def test_r33_one_input_that_outruns_the_request_timeout_fails_alone_not_its_whole_chunk():
+    """Issue 33, item 3: "a bad item fails that item alone ... and the others get their answers". The rule puts
+    no bound on a protein's length (the reader's is 1 MiB), and minilm now reads every residue: 787 windows for
+    100,001 residues (375 s on this shared 2-core machine, load ~20). A chunk whose one input outruns
+    request_timeout_s is never split: predict_chunk isolates inputs only for "request_failed", so the timeout is
+    retried 3 times (a worker killed and restarted each time) and then every input of the chunk fails.
+    Reproduced end to end: a minilm copy with request_timeout_s = 15 and a FASTA of 10 shipped proteins plus one
+    of 30,000 residues: `flows/screen.py` ended "0 ok, 11 failed", all request_timeout, after 4 tries.
+    Here: the screen flow's request step, with a session whose model times out on the long input only."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "flows"))
+    from screen import _request
+
+    from resident_pool.errors import RequestTimeout
+
+    long = "A" * 100_001
+
+    class Session:
+        def predict(self, payload):
+            if long in payload["inputs"]:
+                raise RequestTimeout("minilm: a request outran request_timeout_s = 600 s")
+            return {"items": [{"embedding": [float(len(text)), 1.0], "tokens": len(text)}
+                              for text in payload["inputs"]]}
+
+    failed: dict[int, tuple[str, str]] = {}
+    try:
+        results = _request(Session(), {}, ["MKV", long, "MKVLA"], 0, failed)
+    except RequestTimeout as error:
+        pytest.fail(f"one over-long input failed its whole chunk: {error}")
+    assert results[0] is not None and results[2] is not None and set(failed) == {1}
