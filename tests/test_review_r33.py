@@ -48,19 +48,25 @@ def _minilm_worker():
     return module
 
 
+@pytest.fixture(scope="module")
+def minilm():
+    """The demo's worker module, its model loaded in this process, and its manifest."""
+    pytest.importorskip("sentence_transformers")
+    worker = _minilm_worker()
+    manifest = load_manifest(MINILM / "manifest.toml")
+    return worker, worker.load(_weights(manifest)), manifest
+
+
 @pytest.mark.slow
-def test_r33_a_minilm_that_reads_only_its_first_window_fails_the_smoke_answers_checks():
+def test_r33_a_minilm_that_reads_only_its_first_window_fails_the_smoke_answers_checks(minilm):
     """Issue 33, item 1: "a demo whose answer depends on the whole input". The regression that matters next to
     the old [UNK] one is silent truncation: the model reads the first 254 residues and drops the rest. The shipped
     smoke set holds 15 proteins longer than one window, but its only relation (RECO_PORGI, 245 residues, mutant
     F122P) lies inside the first window, so a truncating minilm passes every [answers] check (and `check --bless`
     would bless it). The checks must fail it."""
-    pytest.importorskip("sentence_transformers")
-    worker = _minilm_worker()
-    manifest = load_manifest(MINILM / "manifest.toml")
+    worker, model, manifest = minilm
     smoke = expected.smoke_set(manifest)
     assert sum(len(text) > worker.WINDOW for text in smoke.texts) >= 10  # the set does reach past one window
-    model = worker.load(_weights(manifest))
     truncated = [text[:worker.WINDOW] for text in smoke.texts]
     vectors, items = worker.embed(model, truncated)
     for item, text in zip(items, smoke.texts, strict=True):
@@ -185,3 +191,17 @@ def test_r33_one_input_that_outruns_the_request_timeout_fails_alone_not_its_whol
     except RequestTimeout as error:
         pytest.fail(f"one over-long input failed its whole chunk: {error}")
     assert results[0] is not None and results[2] is not None and set(failed) == {1}
+
+
+@pytest.mark.slow
+def test_r33_a_negative_batch_size_is_refused_not_answered_with_zero_vectors(minilm):
+    """A hostile or mistaken request option: {"inputs": [...], "batch_size": -1} (the predict flow and
+    `resident-pool predict` pass a payload's other keys through). embed's batch loop is range(0, n, -1), empty, so
+    every input is answered "ok" with the zero vector (tokens, windows and unknown_tokens reported as if read);
+    batch_size 0 at least raises. Expected: the request is refused, or the inputs read."""
+    worker, model, _ = minilm
+    try:
+        vectors, _items = worker.embed(model, ["MKVLA", "WWWWW"], batch_size=-1)
+    except ValueError:
+        return
+    assert all(any(abs(float(x)) > 0 for x in vector) for vector in vectors), "answered with zero vectors"
