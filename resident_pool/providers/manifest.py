@@ -374,7 +374,7 @@ class Answers(_Strict):
         'base64 float32 under the same name with "_f32" added). Unset: no check below runs.')
     checks: list[Literal["distinct", "finite", "spread", "unknown_tokens", "relations"]] = Field(
         default_factory=lambda: list(ANSWER_CHECKS),
-        description="Which apply: distinct (distinct inputs, distinct answers), finite (no NaN or infinity), spread "
+        description="Which apply: distinct (distinct inputs, distinct answers), finite (no NaN or infinity, and no answer all zero or one value throughout), spread "
         "(the answers vary across inputs), unknown_tokens (the share the items report, where they report "
         "\"unknown_tokens\" and \"tokens\"), relations (those listed below).")
     distinct_cosine: float = Field(

@@ -205,3 +205,4 @@ def test_r33_a_negative_batch_size_is_refused_not_answered_with_zero_vectors(min
     except ValueError:
         return
     assert all(any(abs(float(x)) > 0 for x in vector) for vector in vectors), "answered with zero vectors"
+
