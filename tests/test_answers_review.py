@@ -206,3 +206,52 @@ def test_r33_a_negative_batch_size_is_refused_not_answered_with_zero_vectors(min
         return
     assert all(any(abs(float(x)) > 0 for x in vector) for vector in vectors), "answered with zero vectors"
 
+
+def test_a_chunk_whose_request_timed_out_holds_a_worker_again_for_its_other_inputs():
+    """The real session ends with a timeout (the pool replaces that worker): the chunk's hold opens a new one for
+    the inputs still to go, and an error it does not isolate still goes out through the session that raised it."""
+    import contextlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "flows"))
+    from screen import _Held, _request
+
+    from resident_pool.errors import RequestTimeout, WorkerRequestError
+
+    opened: list[str] = []
+    closed: list[tuple[str, object]] = []
+
+    class Session:
+        def __init__(self, name):
+            self.name, self.ended = name, False
+
+        def predict(self, payload):
+            if self.ended:
+                raise WorkerRequestError("this session has ended; open a new one", reason="session_ended")
+            if any(len(text) > 10 for text in payload["inputs"]):
+                self.ended = True
+                raise RequestTimeout("a request outran request_timeout_s")
+            if "RAISE" in payload["inputs"]:
+                raise WorkerRequestError("the pool is stopping", reason="pool_stopping")
+            return {"items": [{"n": len(text)} for text in payload["inputs"]]}
+
+    @contextlib.contextmanager
+    def open_session():
+        session = Session(f"s{len(opened)}")
+        opened.append(session.name)
+        try:
+            yield session
+        except BaseException as error:
+            closed.append((session.name, type(error).__name__))
+            raise
+        closed.append((session.name, None))
+
+    failed: dict[int, tuple[str, str]] = {}
+    with _Held(open_session) as held:
+        results = _request(held, {}, ["MKV", "A" * 20, "MKVLA", "W" * 30, "MK"], 0, failed)
+    assert [None if item is None else item["n"] for item in results] == [3, None, 5, None, 2]
+    assert {at: reason for at, (reason, _) in failed.items()} == {1: "request_timeout", 3: "request_timeout"}
+    assert opened == ["s0", "s1", "s2", "s3"] and all(error is None for _, error in closed)
+    with pytest.raises(WorkerRequestError, match="stopping"), _Held(open_session) as held:
+        _request(held, {}, ["MKV", "RAISE"], 0, {})
+    assert closed[-1] == ("s4", "WorkerRequestError")
