@@ -71,7 +71,7 @@ from resident_pool.prefect import (
 )
 from resident_pool.prefect.roots import check_path
 from resident_pool.providers.input_rules import Inputs, kind_option
-from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
+from resident_pool.providers.manifest import DISTINCT_COSINE, Manifest, load_manifest, manifest_path
 from resident_pool.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -383,12 +383,13 @@ def input_rule(source: InputFile, inputs: Inputs, kind: str) -> Callable[[Record
 
 def _screen_file(source: InputFile, output: Path, entry: FileProgress, *, store: ResultStore, version: str,
                  chunk_size: int, fmt: str, report: bool, title: str,
-                 rule: Callable[[Record], tuple[str, str | None]] | None = None, **run: Any) -> dict[str, Any]:
+                 rule: Callable[[Record], tuple[str, str | None]] | None = None,
+                 coincide_cosine: float = DISTINCT_COSINE, **run: Any) -> dict[str, Any]:
     """One input file through the provider; returns its line of the summary."""
     started = time.monotonic()
     progress: _Progress = run["progress"]
     progress.tally.begin(entry)
-    sample = VectorSample() if report else None
+    sample = VectorSample(coincide_cosine=coincide_cosine) if report else None
     campaign = Campaign(store, version, run["options"], chunk_size, output,
                         max_result_bytes=run["limits"].max_result_bytes, fmt=fmt, sample=sample, rule=rule)
     file_run = _FileRun(source, campaign, entry, **run)
@@ -580,6 +581,7 @@ def screen(
                                               chunk_size=chunk_size, fmt=format, submit=submit, window=window,
                                               progress=progress, limits=settings, report=report,
                                               title=f"{provider} screening", priority=priority,
+                                              coincide_cosine=manifest.answers.distinct_cosine,
                                               rule=input_rule(source, manifest.inputs, read_as)))
             except InputError as error:
                 refused.append(str(error))
