@@ -64,6 +64,11 @@ def test_an_answer_all_zero_or_one_value_throughout_fails_finite_and_two_zero_an
     assert zeros.figures["close_pairs"] == 1 and "a and b (1.000000)" in zeros.problems[0]
 
 
+def test_one_distinct_smoke_input_says_that_distinct_and_spread_compare_nothing():
+    found = judge(ANSWERS, ["a"], ["MKV"], [_item([1.0, 0.0])])
+    assert found.ok and "1 distinct smoke input: distinct and spread compare nothing" in found.describe()
+
+
 def test_a_declared_relation_holds_fails_or_names_an_id_the_smoke_set_lacks():
     relation = Relation(anchor="parent", closer="mutant", farther="other", why="a point mutant stays near")
     answers = Answers(embedding="embedding", relations=[relation])

@@ -93,6 +93,9 @@ def judge(answers: Answers, ids: Sequence[str], texts: Sequence[str], items: Seq
         else:
             verdict.said.append(f"{len(vectors_)} answers, all finite, none zero or constant")
     units = [_unit(vector) for vector in vectors_]
+    if len(set(texts)) < 2 and checks & {"distinct", "spread"}:
+        verdict.said.append(f"{len(set(texts))} distinct smoke input: distinct and spread compare nothing (give "
+                            "[smoke] two or more distinct inputs)")
     if "spread" in checks:
         _spread(answers, vectors_, verdict)
     if "distinct" in checks:
