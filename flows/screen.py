@@ -29,7 +29,7 @@ import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -71,7 +71,7 @@ from resident_pool.prefect import (
 )
 from resident_pool.prefect.roots import check_path
 from resident_pool.providers.input_rules import Inputs, kind_option
-from resident_pool.providers.manifest import Manifest, load_manifest, manifest_path
+from resident_pool.providers.manifest import DISTINCT_COSINE, Manifest, load_manifest, manifest_path
 from resident_pool.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,12 +121,14 @@ def predict_chunk(provider: str, manifests: str, texts: list[str] | Texts, optio
     results: list[dict[str, Any] | None] = []
     failed: dict[int, tuple[str, str]] = {}
     compute_s = 0.0  # the model's time, as the requests took it: what sizes the next chunks (TaskSizer)
-    with pool_session(provider, manifests, max_attachment_bytes=max_attachment_bytes, priority=priority) as session:
+    with _Held(lambda: pool_session(provider, manifests, max_attachment_bytes=max_attachment_bytes,
+                                    priority=priority)) as held:
+        session = held.session()
         cold, pid = session.cold, session.pid
         version = session.lease.get("version")
         for at in range(0, len(texts), size):
             sent = time.monotonic()
-            results += _request(session, options, texts[at:at + size], at, failed)
+            results += _request(held, options, texts[at:at + size], at, failed)
             compute_s += time.monotonic() - sent
     for position, result in enumerate(results):
         if result is None and position not in failed:
@@ -135,24 +137,57 @@ def predict_chunk(provider: str, manifests: str, texts: list[str] | Texts, optio
             "latency_s": time.monotonic() - started, "compute_s": compute_s}
 
 
+class _Held:
+    """A chunk's hold on its provider's worker, held again after a request that outran ``request_timeout_s`` (the
+    pool replaces that worker and ends the session's lease): the chunk's other inputs go on without a retry."""
+
+    def __init__(self, open_session: Callable[[], Any]) -> None:
+        self.open_session = open_session
+        self.stack = ExitStack()
+        self.current: Any = None
+
+    def __enter__(self) -> _Held:
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        return self.stack.__exit__(*exc)  # an error the chunk raises goes through pool_session: its artifact
+
+    def session(self) -> Any:
+        if self.current is None:
+            self.current = self.stack.enter_context(self.open_session())
+        return self.current
+
+    def predict(self, payload: dict[str, Any]) -> Any:
+        try:
+            return self.session().predict(payload)
+        except WorkerRequestError as error:
+            if error.reason == "request_timeout":
+                self.current = None
+                self.stack.close()
+            raise
+
+
+# A request that fails with one of these is split: the chunk's inputs go again one by one, so only the input the
+# model refuses, or the one that outruns the timeout, fails (a single input that timed out is not sent again: it
+# would only time out again, and cost another worker).
+ISOLATED = frozenset({"request_failed", "request_timeout"})
+
+
 def _request(session: Any, options: dict[str, Any], texts: list[str], offset: int,
              failed: dict[int, tuple[str, str]]) -> list[dict[str, Any] | None]:
-    """One request's items; when the model refuses the request, each input alone, to find the one it refuses."""
+    """One request's items; when the model refuses the request or it times out, each input alone, to find the one
+    it refuses or that outruns the timeout. One by one, not halves: each timeout costs a whole request_timeout_s
+    and a worker, and halving would pay one per level."""
     try:
         return per_input(session.predict({**options, "inputs": texts}), len(texts))
     except WorkerRequestError as error:
-        if error.reason != "request_failed":
+        if error.reason not in ISOLATED:
             raise
-    results: list[dict[str, Any] | None] = []
-    for position, text in enumerate(texts):
-        try:
-            results.append(per_input(session.predict({**options, "inputs": [text]}), 1)[0])
-        except WorkerRequestError as refused:
-            if refused.reason != "request_failed":
-                raise
-            results.append(None)
-            failed[offset + position] = ("request_failed", str(refused))
-    return results
+        if len(texts) == 1:
+            failed[offset] = (error.reason, str(error))
+            return [None]
+    return [item for position, text in enumerate(texts)
+            for item in _request(session, options, [text], offset + position, failed)]
 
 
 # -- running chunks ------------------------------------------------------------------
@@ -348,12 +383,13 @@ def input_rule(source: InputFile, inputs: Inputs, kind: str) -> Callable[[Record
 
 def _screen_file(source: InputFile, output: Path, entry: FileProgress, *, store: ResultStore, version: str,
                  chunk_size: int, fmt: str, report: bool, title: str,
-                 rule: Callable[[Record], tuple[str, str | None]] | None = None, **run: Any) -> dict[str, Any]:
+                 rule: Callable[[Record], tuple[str, str | None]] | None = None,
+                 coincide_cosine: float = DISTINCT_COSINE, **run: Any) -> dict[str, Any]:
     """One input file through the provider; returns its line of the summary."""
     started = time.monotonic()
     progress: _Progress = run["progress"]
     progress.tally.begin(entry)
-    sample = VectorSample() if report else None
+    sample = VectorSample(coincide_cosine=coincide_cosine) if report else None
     campaign = Campaign(store, version, run["options"], chunk_size, output,
                         max_result_bytes=run["limits"].max_result_bytes, fmt=fmt, sample=sample, rule=rule)
     file_run = _FileRun(source, campaign, entry, **run)
@@ -545,6 +581,7 @@ def screen(
                                               chunk_size=chunk_size, fmt=format, submit=submit, window=window,
                                               progress=progress, limits=settings, report=report,
                                               title=f"{provider} screening", priority=priority,
+                                              coincide_cosine=manifest.answers.distinct_cosine,
                                               rule=input_rule(source, manifest.inputs, read_as)))
             except InputError as error:
                 refused.append(str(error))

@@ -64,6 +64,9 @@ def test_a_policy_can_accept_refuse_or_replace_each_letter_and_the_stop():
 def test_text_is_anything_but_blank_and_a_kind_the_provider_lacks_falls_back_to_its_first():
     assert BOTH.check("  a sentence, with 1 digit  ", "text") == ("a sentence, with 1 digit", None)
     assert BOTH.check(" \n ", "text") == ("", "empty: it holds no text")
+    invisible = BOTH.check(" \u200b\ufeff\u00ad\x00\u200b ", "text")
+    assert invisible == ("", "empty: it holds no visible text, only invisible characters (U+200B, U+FEFF, U+00AD)")
+    assert BOTH.check("\u200bhello\u00ad", "text") == ("\u200bhello\u00ad", None)  # a visible letter: read
     assert BOTH.kind_for("text") == "text" and BOTH.kind_for(None) == "protein"
     assert PROTEIN.kind_for("text") == "protein"  # a protein-only provider reads a text column as proteins
     assert Inputs().kind_for("protein") == "text"  # a provider that declares nothing takes free text

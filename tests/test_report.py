@@ -82,10 +82,16 @@ def test_the_map_of_384_dimensional_vectors_orders_its_axes_by_spread():
     assert 2 < spread[0] / spread[1] < 4.5 and explained[0] > explained[1] > 0.05
 
 
+def _apart(n: int) -> list[float]:
+    """A vector of its own direction for each n < 105: no two within cosine 0.9999, where the map groups answers
+    ([n, n % 7, 1] were: their directions converge as n grows)."""
+    return [float(n % 5), float(n % 7), float(n % 3) + 1.0, 1.0]
+
+
 def test_the_page_is_self_contained_and_charts_what_it_is_given(tmp_path):
     sample = VectorSample()
     for n in range(50):
-        sample.offer(f"id<{n}>", _row([float(n), float(n % 7), 1.0]))
+        sample.offer(f"id<{n}>", _row(_apart(n)))
     timeline = [(0.0, 0, 0), (1.0, 100, 1), (2.5, 400, 3)]
     failures = [{"index": 3, "id": "<script>x</script>", "reason": "bad_input", "error": "a.fasta:7: empty & odd"}]
     path = write_report(tmp_path / "out.jsonl.report.html", title="embedder screening: a.fasta",
@@ -181,15 +187,16 @@ def test_the_map_names_its_axes_labels_each_dot_by_id_and_says_when_many_answers
     shared an embedding), with unnamed axes; it now names its axes and its dots, and says so."""
     sample = VectorSample()
     for n in range(40):  # 30 inputs answered alike, 10 apart
-        sample.offer(f"p{n}", _row([1.0, 2.0, 3.0] if n < 30 else [float(n), float(n % 7), 1.0]))
+        sample.offer(f"p{n}", _row([1.0, 2.0, 3.0, 4.0] if n < 30 else _apart(n)))
     page = write_report(tmp_path / "r.html", title="t", summary={}, timeline=[], sample=sample,
                         failures=[]).read_text()
     assert page.count("<circle") == 11  # the 30 alike are one dot
     assert "<title>30 answers alike: p0, p1, p2, p3, p4 and 25 more</title>" in page and "<title>p35</title>" in page
     assert "principal component 1 (" in page and "principal component 2 (" in page and "hover a dot for its id" in page
-    assert "30 of these 40 answers (75%) coincide with another's exactly, the largest group 30 alike" in page
+    assert "30 of these 40 answers (75%) coincide with another's (within cosine 0.9999), the largest group 30 " \
+           "alike" in page
     distinct = VectorSample()
     for n in range(40):
-        distinct.offer(f"p{n}", _row([float(n), float(n % 7), 1.0]))
+        distinct.offer(f"p{n}", _row(_apart(n)))
     assert "coincide" not in write_report(tmp_path / "d.html", title="t", summary={}, timeline=[], sample=distinct,
                                           failures=[]).read_text()

@@ -54,6 +54,21 @@ def test_an_answer_with_nan_or_without_its_vector_fails_and_identical_answers_ha
     assert flat.problems and flat.problems[0].startswith("the answers do not vary: their spread")
 
 
+def test_an_answer_all_zero_or_one_value_throughout_fails_finite_and_two_zero_answers_are_one_for_distinct():
+    found = judge(ANSWERS, ["a", "b", "c"], ["MKV", "MKA", "MKC"],
+                  [_item([0.0, 0.0, 0.0]), _item([0.2, 0.2, 0.2]), _item([0.0, 1.0, 0.0])])
+    (problem,) = found.problems
+    assert problem.startswith("2 of 3 answers carry no direction: a (all zero), b (0.2 throughout)")
+    zeros = judge(Answers(embedding="embedding", checks=["distinct"]), ["a", "b", "c"], ["MKV", "MKA", "MKC"],
+                  [_item([0.0, 0.0]), _item([0.0, 0.0]), _item([0.0, 1.0])])
+    assert zeros.figures["close_pairs"] == 1 and "a and b (1.000000)" in zeros.problems[0]
+
+
+def test_one_distinct_smoke_input_says_that_distinct_and_spread_compare_nothing():
+    found = judge(ANSWERS, ["a"], ["MKV"], [_item([1.0, 0.0])])
+    assert found.ok and "1 distinct smoke input: distinct and spread compare nothing" in found.describe()
+
+
 def test_a_declared_relation_holds_fails_or_names_an_id_the_smoke_set_lacks():
     relation = Relation(anchor="parent", closer="mutant", farther="other", why="a point mutant stays near")
     answers = Answers(embedding="embedding", relations=[relation])

@@ -141,6 +141,8 @@ def encode(model, rows, batch_size=32):
     sums = numpy.zeros((len(rows), dim), dtype=numpy.float64)
     weights = numpy.zeros(len(rows), dtype=numpy.float64)
     device = next(transformer.parameters()).device
+    if batch_size < 1:  # range(0, n, -1) is empty: every answer would be the zero vector
+        raise ValueError(f"batch_size must be at least 1, not {batch_size!r}")
     with torch.inference_mode():
         for at in range(0, len(passes), batch_size):
             batch = passes[at:at + batch_size]

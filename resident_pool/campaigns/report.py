@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..providers.manifest import DISTINCT_COSINE
+
 __all__ = ["SAMPLE_LIMIT", "VectorSample", "pca_2d", "report_path", "write_report"]
 
 SAMPLE_LIMIT = 10_000
@@ -42,10 +44,12 @@ def report_path(output: str | os.PathLike[str]) -> Path:
 
 
 class VectorSample:
-    """A uniform sample of at most ``limit`` result vectors, drawn from the results as they are written."""
+    """A uniform sample of at most ``limit`` result vectors, drawn from the results as they are written;
+    ``coincide_cosine``: answers at least this alike are one answer on the map."""
 
-    def __init__(self, limit: int = SAMPLE_LIMIT, seed: int = 0) -> None:
+    def __init__(self, limit: int = SAMPLE_LIMIT, seed: int = 0, coincide_cosine: float = DISTINCT_COSINE) -> None:
         self.limit = limit
+        self.coincide_cosine = coincide_cosine  # answers this close are one answer (the provider's distinct_cosine)
         self.random = random.Random(seed)  # noqa: S311 - a sample for a picture, not a secret
         self.offered = 0
         self.dim = 0
@@ -354,6 +358,77 @@ def _line_chart(name: str, xs: Sequence[float], ys: Sequence[float], unit: str, 
     return head + "".join(grid) + f'<polyline fill=none stroke="{colour}" stroke-width=1.6 points="{points}"/></svg>'
 
 
+def coinciding(sample: VectorSample) -> list[list[int]]:
+    """The sample's answers in groups of those that coincide, as the [answers] distinct check counts them alike:
+    equal answers, and answers within ``sample.coincide_cosine`` of each other (a chain of such pairs is one
+    group); each group in sample order, the groups in the order of their first answer.
+
+    Equal answers are grouped over the whole sample; near ones by comparing every pair of distinct answers, but
+    of an evenly spaced subset of at most COINCIDE_POINTS of them (245,000 pairs; 10,000 would be 50 million dot
+    products in plain Python), each pair first on the PREFILTER_AXES coordinates that vary most: unit vectors
+    within cosine c lie within sqrt(2 - 2c) of each other, so in every coordinate too.
+    """
+    equal: dict[bytes, list[int]] = {}
+    for at, vector in enumerate(sample.vectors):
+        equal.setdefault(vector, []).append(at)
+    groups = list(equal.values())
+    if len(groups) < 2:
+        return groups
+    unpack = struct.Struct(f"<{sample.dim}e").unpack
+    axes = _varied_axes(sample, unpack)
+    radius = math.sqrt(max(2.0 - 2.0 * sample.coincide_cosine, 0.0))
+    compared = list(range(0, len(groups), -(-len(groups) // COINCIDE_POINTS)))
+    units: list[array | None] = []
+    for group in compared:
+        row = unpack(sample.vectors[groups[group][0]])
+        norm = math.sqrt(_dot(row, row))
+        units.append(array("f", (x / norm for x in row)) if norm else None)  # a zero one is equal to zeros only
+    keys = [[unit[axis] for axis in axes] if unit is not None else None for unit in units]
+    parent = list(range(len(groups)))
+
+    def root(group: int) -> int:
+        while parent[group] != group:
+            parent[group] = parent[parent[group]]
+            group = parent[group]
+        return group
+
+    for i, (first, first_key) in enumerate(zip(units, keys, strict=True)):
+        if first is None or first_key is None:
+            continue
+        for j in range(i + 1, len(units)):
+            second, second_key = units[j], keys[j]
+            if second is None or second_key is None:
+                continue
+            if all(abs(a - b) <= radius for a, b in zip(first_key, second_key, strict=True)) \
+                    and _dot(first, second) >= sample.coincide_cosine:
+                parent[root(compared[j])] = root(compared[i])
+    merged: dict[int, list[int]] = {}
+    for group, members in enumerate(groups):
+        merged.setdefault(root(group), []).extend(members)
+    return sorted((sorted(members) for members in merged.values()), key=lambda members: members[0])
+
+
+COINCIDE_POINTS = 700  # distinct answers compared pair by pair for the map's note
+PREFILTER_AXES = 8  # coordinates compared before a whole dot product
+
+
+def _varied_axes(sample: VectorSample, unpack: Any) -> list[int]:
+    """The PREFILTER_AXES coordinates of the unit answers that vary most, the most first, over an evenly spaced
+    subset of at most AXES_POINTS answers."""
+    subset = sample.vectors[::-(-len(sample.vectors) // AXES_POINTS)]
+    total = [0.0] * sample.dim
+    squares = [0.0] * sample.dim
+    for vector in subset:
+        row = unpack(vector)
+        norm = math.sqrt(_dot(row, row)) or 1.0
+        unit = [x / norm for x in row]
+        total = list(map(operator.add, total, unit))
+        squares = list(map(operator.add, squares, map(operator.mul, unit, unit)))
+    count = len(subset)
+    variance = [sq / count - (t / count) ** 2 for t, sq in zip(total, squares, strict=True)]
+    return sorted(range(sample.dim), key=lambda axis: -variance[axis])[:min(PREFILTER_AXES, sample.dim)]
+
+
 COINCIDE_NOTE = 0.05  # the share of mapped answers that coincide with another's past which the map says so
 
 
@@ -368,13 +443,11 @@ def _map_section(sample: VectorSample | None) -> str:
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
     y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
-    # Answers that coincide (the same vector, as sampled) are one dot, drawn larger, its label naming them all: a
-    # model that answers many inputs alike shows as one dot beside a cloud, and says so.
-    groups: dict[bytes, list[int]] = {}
-    for at, vector in enumerate(sample.vectors):
-        groups.setdefault(vector, []).append(at)
+    # Answers that coincide (within the provider's distinct_cosine) are one dot, drawn larger, its label naming them
+    # all: a model that answers many inputs alike shows as one dot beside a cloud, and says so.
+    groups = coinciding(sample)
     dots = []
-    for members in groups.values():
+    for members in groups:
         x, y = points[members[0]]
         named = [ids[at] for at in members]
         label = named[0] if len(named) == 1 else (
@@ -384,17 +457,18 @@ def _map_section(sample: VectorSample | None) -> str:
         dots.append(f'<circle cx="{axis + pad + (x - x0) / (x1 - x0) * (size - axis - 2 * pad):.1f}" '
                     f'cy="{size - axis - pad - (y - y0) / (y1 - y0) * (size - axis - 2 * pad):.1f}" r={radius:g}>'
                     f"<title>{html.escape(label)}</title></circle>")
-    coinciding = sum(len(members) for members in groups.values() if len(members) > 1)
+    alike_count = sum(len(members) for members in groups if len(members) > 1)
     shown = len(points)
     note = (f"{shown:,} of {sample.offered:,} results (a uniform sample), {sample.dim}-dimensional "
             f"<code>{html.escape(sample.field or '')}</code> projected on its first two principal components "
             f"(they explain about {explained[0]:.0%} and {explained[1]:.0%} of its variance); hover a dot for its "
             "id")
     alike = ""
-    if coinciding >= 3 and coinciding >= COINCIDE_NOTE * shown:
-        largest = max(len(members) for members in groups.values())
-        alike = (f"<p class=warn>{coinciding:,} of these {shown:,} answers ({coinciding / shown:.0%}) coincide with "
-                 f"another's exactly, the largest group {largest:,} alike, each group drawn as one larger dot. A "
+    if alike_count >= 3 and alike_count >= COINCIDE_NOTE * shown:
+        largest = max(len(members) for members in groups)
+        alike = (f"<p class=warn>{alike_count:,} of these {shown:,} answers ({alike_count / shown:.0%}) coincide with "
+                 f"another's (within cosine {sample.coincide_cosine:g}), the largest group {largest:,} alike, each "
+                 "group drawn as one larger dot. A "
                  "repeated input shares its answer by right; distinct inputs that share one mean a model that does "
                  "not read them (<code>resident-pool check --smoke</code> judges it)</p>")
     names = (f'<text x={axis + pad} y={size - 8}>principal component 1 ({explained[0]:.0%} of the variance)</text>'

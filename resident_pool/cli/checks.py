@@ -10,7 +10,7 @@ import typer
 
 from ..providers.manifest import json_schema
 from ..providers.transcripts import without_controls
-from ..validation.check import check_providers, junit_xml
+from ..validation.check import NOT_JUDGED, check_providers, junit_xml
 from ..validation.provenance import columns
 from .base import AsJson, ManifestsOption, app, configured, console, manifests_dir, require_provider, safe
 from .tables import Column, fit_table
@@ -79,7 +79,12 @@ def check(
                     console.print(f"  {without_controls(line)}", highlight=False, markup=False)
         if not results:
             console.print(f"no provider in {safe(folder)}", highlight=False)
+        unjudged = [r.slug for r in results if r.step == "answers" and r.data.get("reason") == NOT_JUDGED]
+        skipped = sum(r.skipped for r in results)
         console.print(f"{len(failed)} failed, {sum(r.ok for r in results)} passed"
+                      + (f", {skipped} skipped" if skipped else "")
+                      + (f"; answers not judged ({', '.join(map(safe, unjudged))}): run with --smoke to judge them"
+                         if unjudged else "")
                       + (f"; JUnit report: {junit}" if junit else ""), highlight=False)
     if failed or not results:
         raise typer.Exit(1)
@@ -88,9 +93,12 @@ def check(
 def _print_provenance(results) -> None:
     """One line per provider: what produced its answers."""
     for slug in dict.fromkeys(r.slug for r in results):
-        values = next(r for r in results if r.slug == slug).provenance
+        values: dict[str, str] = {}
+        for r in results:
+            if r.slug == slug:
+                values.update(r.provenance)  # a smoke or bless step adds the expected file it compared or wrote
         if "manifest.fingerprint" in values:
-            line = "; ".join(f"{name} {value}" for name, value in columns(values).items())
+            line = "; ".join(f"{name} {value}" for name, value in columns(values).items() if value)
             console.print(f"{slug}: {without_controls(line)}", highlight=False, markup=False, soft_wrap=True)
 
 

@@ -129,7 +129,7 @@ def predict(
 ) -> None:
     """Send one prediction to SLUG through the pool and print its result as JSON.
 
-    The payload's "inputs" are ruled as every entry point rules them (the provider's [inputs]): one it refuses
+    The payload's "inputs" are ruled as every entry point rules them (the provider's \\[inputs]): one it refuses
     fails alone, named on stderr and as {"ok": false, "reason": "bad_input", ...} in its place among the items;
     the others are answered, and the command exits 1.
     """

@@ -4,13 +4,16 @@ A provider takes protein sequences, free text, or both (``kinds``, the first
 the default). A protein is read as FASTA's sequences are (whitespace dropped,
 upper case); the 20 standard residues always pass, and the manifest states what
 happens to each of ``X``, ``B``, ``Z``, ``U``, ``O`` and ``*`` (``[inputs.protein]``).
-Free text passes when it holds more than whitespace. ``check`` is that rule: the
-predict flow, the screen flow, ``resident-pool predict`` and ``check``'s smoke set
-all call it, so an input passes or fails alike wherever it is given.
+Free text passes when it holds a visible character (a letter, number, punctuation
+or symbol; not only whitespace, zero-width or control characters). ``check`` is
+that rule: the predict flow, the screen flow, ``resident-pool predict`` and
+``check``'s smoke set all call it, so an input passes or fails alike wherever it
+is given.
 """
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -22,6 +25,7 @@ KINDS: tuple[str, ...] = ("protein", "text")
 STANDARD_RESIDUES = "ACDEFGHIKLMNPQRSTVWY"
 _STANDARD = STANDARD_RESIDUES.encode()
 _WHITESPACE = b" \t\r\n\v\f"
+SHOWN_CHARACTERS = 3  # of an invisible text, the distinct characters its refusal names
 # What a letter a policy rules on may become: passed on, refused, or replaced by a standard residue (U -> C).
 Action = Literal["accept", "refuse", "A", "C", "D", "E", "F", "G", "H", "I", "K", "L", "M", "N", "P", "Q", "R", "S",
                  "T", "V", "W", "Y"]
@@ -97,7 +101,12 @@ class Inputs(BaseModel):
             return "", f"{_json_kind(value)}, not text"
         if kind == "text":
             text = value.strip()
-            return (text, None) if text else ("", "empty: it holds no text")
+            if not text:
+                return "", "empty: it holds no text"
+            if not any(map(_visible, text)):
+                shown = ", ".join(map(show_character, list(dict.fromkeys(text))[:SHOWN_CHARACTERS]))
+                return "", f"empty: it holds no visible text, only invisible characters ({shown})"
+            return text, None
         return self._protein(value)
 
     def _protein(self, value: str) -> tuple[str, str | None]:
@@ -167,6 +176,13 @@ def _json_kind(value: Any) -> str:
     if isinstance(value, int | float):
         return "a number"
     return "a list" if isinstance(value, list) else "an object" if isinstance(value, dict) else type(value).__name__
+
+
+def _visible(character: str) -> bool:
+    """A character a tokenizer reads as something: a letter, number, punctuation or symbol. Not a control or
+    format character (NUL, a zero-width space, a BOM, a soft hyphen), a separator, a combining mark on its own or
+    U+FFFD (an undecodable byte), which a model's text cleaning drops: a text of nothing else reads as no token."""
+    return unicodedata.category(character)[0] in "LNPS" and character != "\ufffd"
 
 
 def show_character(character: str) -> str:

@@ -354,6 +354,7 @@ class Smoke(_Strict):
         return values
 
 
+DISTINCT_COSINE = 0.9999  # answers of two distinct inputs at least this alike are one answer
 ANSWER_CHECKS = ("distinct", "finite", "spread", "unknown_tokens", "relations")
 
 
@@ -374,11 +375,12 @@ class Answers(_Strict):
         'base64 float32 under the same name with "_f32" added). Unset: no check below runs.')
     checks: list[Literal["distinct", "finite", "spread", "unknown_tokens", "relations"]] = Field(
         default_factory=lambda: list(ANSWER_CHECKS),
-        description="Which apply: distinct (distinct inputs, distinct answers), finite (no NaN or infinity), spread "
-        "(the answers vary across inputs), unknown_tokens (the share the items report, where they report "
-        "\"unknown_tokens\" and \"tokens\"), relations (those listed below).")
+        description="Which apply: distinct (distinct inputs, distinct answers), finite (no NaN or infinity, and no "
+        "answer all zero or one value throughout), spread (the answers vary across inputs), unknown_tokens (the "
+        "share the items report, where they report \"unknown_tokens\" and \"tokens\"), relations (those listed "
+        "below).")
     distinct_cosine: float = Field(
-        0.9999, gt=0, le=1, allow_inf_nan=False,
+        DISTINCT_COSINE, gt=0, le=1, allow_inf_nan=False,
         description="Two distinct inputs whose answers lie at this cosine similarity or above count as one answer.")
     max_close_pairs: int = Field(0, ge=0, description="How many such pairs the smoke set may hold.")
     max_unknown_share: float = Field(

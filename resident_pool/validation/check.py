@@ -37,6 +37,7 @@ from .provenance import environment, gpu, gpu_name, host, own_version
 
 __all__ = ["DECLARED", "SmokeRun", "StepResult", "Variant", "check_providers", "junit_xml", "run_smoke"]
 
+NOT_JUDGED = "answers_not_judged"  # the answers step's reason when no smoke run gave answers to judge
 STEPS = ("manifest", "interpreter", "weights", "gpu", "kit", "smoke", "answers", "bless", "against-stock")
 
 
@@ -422,6 +423,11 @@ def _answer_steps(manifest: Manifest, python: str | None, row: KitRow | None, re
     if any(not r.ok for r in results):
         results += [StepResult(slug, step, False, "skipped: an earlier step failed", skipped=True) for step in wanted]
         return extras
+    if first is None and manifest.answers.embedding is not None:
+        # Said, not silent: a check that passes a degenerate model must not read as one that judged its answers.
+        results.append(StepResult(slug, "answers", False, f"not judged: the [answers] checks run over the smoke "
+                                  f"answers; run `resident-pool check --smoke {slug}`", skipped=True,
+                                  data={"reason": NOT_JUDGED}))
     steps = _Smoke(manifest, row, provenance, extras, first or "smoke", priority, fake_nvml)
     if first:
         ran = _run(slug, first, steps.answer)

@@ -3,7 +3,8 @@
 Pure: no files, no processes. Given the inputs a provider answered and its
 answer items, it says whether distinct inputs got distinct answers, how many of
 the tokens read were unknown to the model, whether the answers are finite and
-vary at all, and whether known relations hold (a point mutant nearer its parent
+point somewhere (none all zero, none one value throughout), whether they vary
+at all, and whether known relations hold (a point mutant nearer its parent
 than an unrelated protein). A model that maps most inputs to one vector passes
 every golden comparison of itself; it fails here.
 """
@@ -81,8 +82,20 @@ def judge(answers: Answers, ids: Sequence[str], texts: Sequence[str], items: Seq
         if bad:
             verdict.problems.append(f"{len(bad)} answers hold NaN or an infinity ({_some(bad)})")
             return verdict  # nothing below means anything then
-        verdict.said.append(f"{len(vectors_)} answers, all finite")
+        hollow = [(ident, how) for ident, vector in zip(ids, vectors_, strict=True)
+                  if (how := _hollow(vector)) is not None]
+        verdict.figures["hollow"] = len(hollow)
+        if hollow:
+            verdict.problems.append(
+                f"{len(hollow)} of {len(vectors_)} answers carry no direction: "
+                f"{_some([f'{ident} ({how})' for ident, how in hollow])}; a model that answers zeros (an all-masked "
+                "pool, an input it did not read) or one value throughout answers nothing")
+        else:
+            verdict.said.append(f"{len(vectors_)} answers, all finite, none zero or constant")
     units = [_unit(vector) for vector in vectors_]
+    if len(set(texts)) < 2 and checks & {"distinct", "spread"}:
+        verdict.said.append(f"{len(set(texts))} distinct smoke input: distinct and spread compare nothing (give "
+                            "[smoke] two or more distinct inputs)")
     if "spread" in checks:
         _spread(answers, vectors_, verdict)
     if "distinct" in checks:
@@ -120,13 +133,14 @@ def _distinct(answers: Answers, ids: Sequence[str], texts: Sequence[str], units:
     closest: tuple[float, int, int] = (-2.0, -1, -1)
     examples: list[tuple[float, int, int]] = []
     dot = _dot
+    zero = [not any(unit) for unit in units]  # no direction: two of them are one answer, not cosine 0 apart
     for i in range(len(units)):
         first = units[i]
         for j in range(i + 1, len(units)):
             if texts[i] == texts[j] or (i, j) in related:
                 continue
             pairs += 1
-            cosine = dot(first, units[j])
+            cosine = 1.0 if zero[i] and zero[j] else dot(first, units[j])
             if cosine > closest[0]:
                 closest = (cosine, i, j)
             if cosine >= answers.distinct_cosine:
@@ -193,6 +207,15 @@ def _relations(answers: Answers, ids: Sequence[str], units: list[list[float]], v
         verdict.figures.setdefault("relations", []).append(
             {"anchor": relation.anchor, "closer": relation.closer, "farther": relation.farther,
              "closer_cosine": near, "farther_cosine": far})
+
+
+def _hollow(vector: list[float]) -> str | None:
+    """Why an answer vector carries no direction (all zero, or one value in every component), else None."""
+    if not any(vector):
+        return "all zero"
+    if len(vector) > 1 and all(x == vector[0] for x in vector):
+        return f"{vector[0]:g} throughout"
+    return None
 
 
 def _unit(vector: list[float]) -> list[float]:
