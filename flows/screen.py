@@ -171,6 +171,9 @@ class _Held:
 # model refuses, or the one that outruns the timeout, fails (a single input that timed out is not sent again: it
 # would only time out again, and cost another worker).
 ISOLATED = frozenset({"request_failed", "request_timeout"})
+# After this many inputs in a row outran the timeout alone, the rest of their chunk is not sent: a model that hangs
+# on every input would otherwise cost a whole request_timeout_s and a worker per input (64 x 600 s for one chunk).
+TIMEOUTS_IN_A_ROW = 2
 
 
 def _request(session: Any, options: dict[str, Any], texts: list[str], offset: int,
@@ -186,8 +189,19 @@ def _request(session: Any, options: dict[str, Any], texts: list[str], offset: in
         if len(texts) == 1:
             failed[offset] = (error.reason, str(error))
             return [None]
-    return [item for position, text in enumerate(texts)
-            for item in _request(session, options, [text], offset + position, failed)]
+    results: list[dict[str, Any] | None] = []
+    in_a_row = 0  # inputs just before this one that each outran the timeout alone
+    for position, text in enumerate(texts):
+        at = offset + position
+        if in_a_row >= TIMEOUTS_IN_A_ROW:
+            failed[at] = ("request_timeout", f"not sent: the {in_a_row} inputs before it in its chunk each outran the "
+                          "provider's request_timeout_s alone, so its model is taken to hang on every input (see "
+                          "the transcript); it is tried again when the screen runs again")
+            results.append(None)
+            continue
+        results += _request(session, options, [text], at, failed)
+        in_a_row = in_a_row + 1 if at in failed and failed[at][0] == "request_timeout" else 0
+    return results
 
 
 # -- running chunks ------------------------------------------------------------------

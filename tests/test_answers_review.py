@@ -255,3 +255,30 @@ def test_a_chunk_whose_request_timed_out_holds_a_worker_again_for_its_other_inpu
     with pytest.raises(WorkerRequestError, match="stopping"), _Held(open_session) as held:
         _request(held, {}, ["MKV", "RAISE"], 0, {})
     assert closed[-1] == ("s4", "WorkerRequestError")
+
+
+def test_a_model_that_hangs_on_every_input_costs_a_chunk_two_timeouts_not_one_per_input():
+    """The chunk that timed out goes again one input at a time (above); when its model hangs on everything, two
+    single inputs in a row outrunning the timeout end the chunk: the rest are recorded as not sent, each with why,
+    rather than costing request_timeout_s and a worker each (a chunk of 64 at 600 s would take over ten hours)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "flows"))
+    from screen import _request
+
+    from resident_pool.errors import RequestTimeout
+
+    sent: list[list[str]] = []
+
+    class Hung:
+        def predict(self, payload):
+            sent.append(payload["inputs"])
+            raise RequestTimeout("minilm: a request outran request_timeout_s = 600 s")
+
+    failed: dict[int, tuple[str, str]] = {}
+    texts = [f"MKV{n}" for n in range(64)]
+    results = _request(Hung(), {}, texts, 100, failed)
+    assert results == [None] * 64 and sorted(failed) == list(range(100, 164))
+    assert len(sent) == 3, sent  # the chunk, then two singles
+    assert all(reason == "request_timeout" for reason, _ in failed.values())
+    assert "not sent" in failed[163][1] and "not sent" not in failed[101][1]
