@@ -210,6 +210,37 @@ def test_r34_3_each_forked_run_has_its_own_hash_seed(stack):
     assert first["hash"] != second["hash"], "two flow runs share one hash seed"
 
 
+ALPHA_V2 = textwrap.dedent("""
+    import json
+    import os
+
+    from prefect import flow
+
+
+    @flow
+    def alpha(report: str) -> None:
+        seen = {"pid": os.getpid(), "ppid": os.getppid(),
+                "patched": getattr(json, "review_r34_alpha_was_here", False)}
+        with open(report + ".tmp", "w") as out:
+            json.dump(seen, out)
+        os.replace(report + ".tmp", report)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_r34_5_a_flow_file_edited_to_drop_its_import_time_patch_runs_without_it(stack):
+    """R34-5: the flow file is re-read by each fork, but what its old version did at import stays in the zygote
+    (alpha.py is in no module stamp, so the zygote is not stale): the edit that removes a top-level patch is not
+    what the next run executes. On the process worker the next run imports only the new file."""
+    zygote = stack.zygote_pid()
+    (stack.base / "alpha" / "alpha.py").write_text(ALPHA_V2)
+    state, seen = stack.run("alpha")
+    assert state["type"] == "COMPLETED", state
+    assert seen["ppid"] == zygote  # forked from the zygote that preloaded the old alpha.py
+    assert seen["patched"] is False, "the edited flow file's run still has the old file's import-time patch"
+
+
 SLOW = "import time\ntime.sleep(45)\n"
 
 
