@@ -9,6 +9,7 @@ process sees). With Prefect's process worker, each run imports only its own flow
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -290,3 +291,33 @@ def test_r34_4_a_run_while_the_zygote_rebuilds_for_a_slow_flow_file_starts_at_on
         process = outcome.get("process")
         if isinstance(process, ForkedProcess):
             process.wait(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_r34_9_a_zygote_replaced_during_its_preload_is_stopped_without_a_bad_descriptor(tmp_path):
+    """R34-9: the flow files change while the zygote preloads (two deployments registered a heartbeat apart):
+    the retired zygote is stopped under its own start, which then reads a closed socket; the operator's log
+    says 'the flow-run zygote could not start: ... Bad file descriptor' and its transcript stays open."""
+    from resident_pool.prefect.forking import FlowRunZygote
+
+    one, two = tmp_path / "one.py", tmp_path / "two.py"
+    one.write_text("import time\ntime.sleep(3)\n")
+    two.write_text("X = 2\n")
+    _, paths = configured()
+    zygotes = FlowRunZygote(paths=paths, kill_grace_s=1.0)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("resident_pool.prefect.forking").addHandler(handler)
+    try:
+        zygotes.build([str(one)])
+        time.sleep(0.5)  # a preload under way: the replacement comes before it is ready
+        zygotes.build([str(one), str(two)])
+        wait_until(lambda: zygotes._current is not None and zygotes._current.info, timeout=120,
+                   message="the replacement zygote ready")
+        wait_until(lambda: not zygotes._retiring, timeout=30, message="the first zygote retired")
+        time.sleep(1)
+    finally:
+        zygotes.stop()
+        logging.getLogger("resident_pool.prefect.forking").removeHandler(handler)
+    assert not [line for line in said if "could not start" in line], said
