@@ -245,6 +245,7 @@ def test_r34_5_a_flow_file_edited_to_drop_its_import_time_patch_runs_without_it(
 SLOW = "import time\ntime.sleep(45)\n"
 
 
+@pytest.mark.slow  # real zygotes preloading Prefect: `make test`, not test-fast
 @pytest.mark.timeout(180)
 # Stopping a zygote mid-preload leaks its transcript's descriptor (R34-9): not what this probe is about.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -293,6 +294,7 @@ def test_r34_4_a_run_while_the_zygote_rebuilds_for_a_slow_flow_file_starts_at_on
             process.wait(timeout=30)
 
 
+@pytest.mark.slow  # real zygotes preloading Prefect: `make test`, not test-fast
 @pytest.mark.timeout(120)
 def test_r34_9_a_zygote_replaced_during_its_preload_is_stopped_without_a_bad_descriptor(tmp_path):
     """R34-9: the flow files change while the zygote preloads (two deployments registered a heartbeat apart):
