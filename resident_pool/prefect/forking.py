@@ -24,9 +24,9 @@ import anyio.abc
 
 from ..errors import ManifestError
 from ..exits import LOST_EXIT, describe_exit
+from ..host.paths import Paths
 from ..host.procs import ForkRefused
 from ..host.trust import check_trusted
-from ..host.paths import Paths
 from ..providers.zygote import ForkedProcess, Zygote
 
 if TYPE_CHECKING:
