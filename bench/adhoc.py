@@ -52,13 +52,13 @@ def tagged_processes(tag: str) -> list[int]:
     return found
 
 
-def end_tagged(tag: str, timeout: float = 30.0) -> list[int]:
-    """SIGKILL every process that carries ``tag``, and the process group of each that leads one (a flow run's
-    session, the engine it spawned); the pids it found."""
+def end_tagged(tag: str, timeout: float = 30.0, spare: int | None = None) -> list[int]:
+    """SIGKILL every process that carries ``tag`` (but ``spare``), and the process group of each that leads one (a
+    flow run's session, the engine it spawned); the pids it found."""
     ours = os.getpgid(0)
     found: list[int] = []
     deadline = time.monotonic() + timeout
-    while (pids := tagged_processes(tag)) and time.monotonic() < deadline:
+    while (pids := [pid for pid in tagged_processes(tag) if pid != spare]) and time.monotonic() < deadline:
         found.extend(pid for pid in pids if pid not in found)
         for pid in pids:
             try:
@@ -170,12 +170,18 @@ class Stack:
             time.sleep(0.05)
 
     def stop_worker(self) -> None:
-        """Killed, group and all: Prefect's worker answers SIGTERM with a stop that can take minutes, and the runs
-        are over. A resident-process worker's zygote exits as its channel closes."""
+        """Killed, group and all: Prefect's worker answers SIGTERM with a stop that can take minutes. A
+        resident-process worker's zygote exits as its channel closes. A run still going (a screen past its
+        timeout) would hold the model through the next worker's runs: it is ended too, with the pool it used,
+        everything the case started but the server."""
+        from resident_pool.client import shutdown_pool
+
         if self.worker is not None:
             os.killpg(self.worker.pid, signal.SIGKILL)
             self.worker.wait(timeout=30)
             self.worker = None
+            shutdown_pool(wait_s=30)
+            end_tagged(self.tag, spare=self.server.pid)
 
     def predict_once(self) -> float:
         started = time.perf_counter()
@@ -198,7 +204,7 @@ class Stack:
 
         try:
             self.stop_worker()
-            shutdown_pool(wait_s=30)
+            shutdown_pool(wait_s=30)  # a pool started by a run of a worker that failed to start
             if self.server.poll() is None:
                 os.killpg(self.server.pid, signal.SIGTERM)
                 try:

@@ -108,14 +108,16 @@ def test_the_adhoc_case_ends_every_process_carrying_its_tag_its_sessions_include
     child = int(leader.stdout.readline())
     loner = subprocess.Popen(["sleep", "300"], env=env)
     bystander = subprocess.Popen(["sleep", "300"], env=untagged)
+    server = subprocess.Popen(["sleep", "300"], env=env)  # between two workers, the server is spared
     try:
         # (the child too, where it was caught before `env` dropped the tag)
-        assert {leader.pid, loner.pid} <= set(adhoc.end_tagged(tag))
+        assert {leader.pid, loner.pid} <= set(adhoc.end_tagged(tag, spare=server.pid))
         assert leader.wait(timeout=10) and loner.wait(timeout=10)
         wait_until(lambda: not pid_alive(child), timeout=10, message="the leader's untagged child gone")
-        assert bystander.poll() is None
+        assert bystander.poll() is None and server.poll() is None
+        assert adhoc.end_tagged(tag) == [server.pid]
     finally:
-        for process in (leader, loner, bystander):
+        for process in (leader, loner, bystander, server):
             if process.poll() is None:
                 process.kill()
             process.wait(timeout=10)
