@@ -20,6 +20,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 __all__ = ["flow_imports", "fresh_prefect", "installed_module", "main", "preload_flows"]
@@ -148,29 +149,30 @@ def flow_imports(path: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _inside(place: str, folders: list[str]) -> bool:
-    real = os.path.realpath(place)
-    return any(real == folder or real.startswith(folder + os.sep) for folder in folders)
-
-
 def installed_module(name: str, folders: list[str]) -> bool:
-    """Whether ``name``'s top-level package resolves, on this import path, to code outside every flow folder (an
-    installed package, the standard library, a folder on PYTHONPATH), and no module of that name sits in a flow
-    folder to shadow it in the run. Finding a top-level spec runs none of its code."""
+    """Whether ``name``'s top-level package is installed: no module of that name sits in a flow folder (the run's
+    working folder, first on its path, or its flow file's: there it is the deployment's own, which each run imports
+    afresh), unless it is the very files the import path finds, and this interpreter's import path finds it (the
+    standard library, site-packages, a folder on PYTHONPATH, an editable install, even one inside a deployment's
+    folder: a module loaded from there is stamped like any other, and an edit makes the zygote stale). Finding a
+    top-level spec runs none of its code."""
     import importlib.machinery
     import importlib.util
 
     top = name.partition(".")[0]
-    if importlib.machinery.PathFinder.find_spec(top, folders) is not None:
-        return False  # the deployment's own module (or one beside its flow file): each run imports it afresh
     try:
         spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         return False
-    if spec is None:
-        return False
-    places = [*([spec.origin] if spec.has_location and spec.origin else []), *(spec.submodule_search_locations or [])]
-    return not any(_inside(place, folders) for place in places)
+    own = importlib.machinery.PathFinder.find_spec(top, folders)
+    # One in a flow folder is the deployment's own, unless it is the very files the path finds (an editable
+    # install whose project is the deployment's folder).
+    return spec is not None and (own is None or _where(own) == _where(spec))
+
+
+def _where(spec: Any) -> set[str]:
+    return {os.path.realpath(place) for place in [spec.origin if spec.has_location else None,
+                                                   *(spec.submodule_search_locations or [])] if place}
 
 
 def preload_flows(spec: str | None) -> list[str]:
