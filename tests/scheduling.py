@@ -14,7 +14,7 @@ from helpers import run_folder
 from xdist.scheduler import LoadScopeScheduling
 
 # Files whose tests share a module-scoped stack or server and run in file order.
-ONE_WORKER_FILES = frozenset({"test_ui.py", "test_deployment.py", "test_forked_runs.py"})
+ONE_WORKER_FILES = frozenset({"test_ui.py", "test_deployment.py", "test_forked_runs.py", "test_review_r34.py"})
 
 
 class OneWorkerPerListedFile(LoadScopeScheduling):

@@ -78,3 +78,88 @@ def test_a_case_whose_thread_raised_fails_and_prints_no_rows_from_what_was_left(
     rows = __import__("json").loads((tmp_path / "latest.json").read_text())["rows"]
     assert [(row["case"], row["measure"], row["met"]) for row in rows] == [("dying", "the case raised", False)]
     assert "1 of 3 thread(s) raised" in rows[0]["note"] and "ConnectionResetError" in capsys.readouterr().err
+
+
+def _adhoc():
+    spec = importlib.util.spec_from_file_location("bench_adhoc", ROOT / "bench" / "adhoc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_adhoc_case_ends_every_process_carrying_its_tag_its_sessions_included(tmp_path):
+    """A failed adhoc_predict left the pool daemon, its model worker and a `python -m prefect.engine` running:
+    everything the case starts carries its tag, and its close ends each one, and each group one leads."""
+    import os
+    import subprocess
+    import uuid
+
+    from helpers import wait_until
+
+    from resident_pool.host.procs import pid_alive
+
+    adhoc = _adhoc()
+    tag = uuid.uuid4().hex
+    env = {**os.environ, adhoc.TAG_VARIABLE: tag}
+    untagged = {name: value for name, value in os.environ.items() if name != adhoc.TAG_VARIABLE}
+    # A session leader with a child that dropped the tag (as a model worker's own environment may): its group ends.
+    leader = subprocess.Popen(["sh", "-c", f"env -u {adhoc.TAG_VARIABLE} sleep 300 & echo $!; wait"], env=env,
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = int(leader.stdout.readline())
+    loner = subprocess.Popen(["sleep", "300"], env=env)
+    bystander = subprocess.Popen(["sleep", "300"], env=untagged)
+    server = subprocess.Popen(["sleep", "300"], env=env)  # between two workers, the server is spared
+    try:
+        # (the child too, where it was caught before `env` dropped the tag)
+        assert {leader.pid, loner.pid} <= set(adhoc.end_tagged(tag, spare=server.pid))
+        assert leader.wait(timeout=10) and loner.wait(timeout=10)
+        wait_until(lambda: not pid_alive(child), timeout=10, message="the leader's untagged child gone")
+        assert bystander.poll() is None and server.poll() is None
+        assert adhoc.end_tagged(tag) == [server.pid]
+    finally:
+        for process in (leader, loner, bystander, server):
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=10)
+        leader.stdout.close()
+
+
+def test_a_screen_that_gives_no_answer_in_time_fails_its_row_with_the_reason_and_the_case_goes_on(tmp_path,
+                                                                                                   monkeypatch):
+    import types
+
+    import resident_pool.client
+
+    adhoc = _adhoc()
+    bench = _bench()
+    closed = []
+
+    class Stack:
+        def __init__(self, env, tmp):
+            pass
+
+        def start_worker(self, kind, name, **extra):
+            self.kind = kind
+
+        def predict_once(self):
+            return 0.5 if self.kind == "resident-process" else 10.0
+
+        def screen_once(self, name):
+            if self.kind == "process":
+                raise TimeoutError("flow run x gave no answer within 300 s")
+            return 30.0
+
+        def stop_worker(self):
+            pass
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(adhoc, "Stack", Stack)
+    monkeypatch.setattr(resident_pool.client, "shutdown_pool", lambda *args, **kwargs: None)
+    table = bench.Table()
+    adhoc.case_adhoc_predict(table, types.SimpleNamespace(tmp=tmp_path), quick=True)
+    assert closed == [True]
+    row = next(row for row in table.rows if row["measure"] == "screen: ours / process worker (defaults)")
+    assert row["met"] is False and "process worker (defaults): flow run x gave no answer within 300 s" in row["note"]
+    assert next(row for row in table.rows if row["measure"] == "warm: ours / process worker (defaults)")["met"]

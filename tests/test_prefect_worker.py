@@ -3,6 +3,7 @@ it forks under, which flow files its zygote preloads, and how a fork reads Prefe
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -80,22 +81,61 @@ PRELOAD = textwrap.dedent("""
     import json, sys
     from resident_pool.prefect.forked import preload_flows
     ran = preload_flows(sys.argv[1])
-    print(json.dumps({"ran": ran, "helpers": "helpers" in sys.modules, "colorsys": "colorsys" in sys.modules}))
+    print(json.dumps({"ran": ran, "modules": sorted(name for name in ("colorsys", "helpers", "flow", "one_pkg",
+                                                                        "sibling", "lib_mod", "wave") if name in sys.modules),
+                      "marker": getattr(json, "flow_ran", False)}))
 """)
 
 
-def test_preloading_keeps_what_flows_import_from_installs_and_drops_each_deployments_own_modules(tmp_path):
+def test_preloading_imports_what_flows_import_from_installs_never_the_flow_files_or_their_own_modules(tmp_path):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "lib_mod.py").write_text("VALUE = 1\n")
+    (lib / "helpers.py").write_text("WHO = 'installed'\n")  # shadowed by each deployment's own helpers.py
     flows = []
     for name in ("one", "two"):
         folder = tmp_path / name
         folder.mkdir()
         (folder / "helpers.py").write_text(f"WHO = {name!r}\n")
-        (folder / "flow.py").write_text("import colorsys\nimport helpers\n")
+        (folder / "sibling.py").write_text("import json\njson.flow_ran = True\n")
+        (folder / "flow.py").write_text(textwrap.dedent("""
+            import json
+            import colorsys
+            import helpers
+            import sibling
+            from lib_mod import VALUE
+            from . import nothing
+            try:
+                import no_such_module
+            except ImportError:
+                pass
+            json.flow_ran = True  # import-time code: never run in the zygote
+
+
+            def later():
+                import wave
+        """))
         flows.append(str(folder / "flow.py"))
-    (tmp_path / "broken.py").write_text("raise RuntimeError('not today')\n")
-    files = os.pathsep.join([*flows, str(tmp_path / "broken.py")])
-    done = subprocess.run([sys.executable, "-c", PRELOAD, files], capture_output=True, text=True, timeout=120,
-                          check=True)
-    seen = __import__("json").loads(done.stdout.strip().splitlines()[-1])
-    assert seen == {"ran": flows, "helpers": False, "colorsys": True}  # two deployments' helpers never meet
-    assert f"preloading {tmp_path / 'broken.py'} failed, skipped: RuntimeError: not today" in done.stderr
+    broken = tmp_path / "three" / "broken.py"
+    broken.parent.mkdir()
+    broken.write_text("import (\n")
+    spec = json.dumps({"files": [*flows, str(broken)], "folders": []})
+    env = {**os.environ, "PYTHONPATH": str(lib)}
+    done = subprocess.run([sys.executable, "-c", PRELOAD, spec], capture_output=True, text=True, timeout=120,
+                          check=True, env=env)
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    # Installed modules (the standard library's, one on PYTHONPATH) only; no flow file, no module beside one
+    # (helpers shadows the installed one in the run, so it is not preloaded either), nothing inside a function.
+    assert seen == {"ran": ["json", "colorsys", "lib_mod"], "modules": ["colorsys", "lib_mod"], "marker": False}
+    assert f"reading {broken} failed, skipped: SyntaxError" in done.stderr
+
+
+def test_a_flow_file_reads_its_top_level_imports_without_running(tmp_path):
+    from resident_pool.prefect.forked import flow_imports, installed_module
+
+    (tmp_path / "flow.py").write_text("import os.path, json as j\nfrom prefect.states import Completed\n"
+                                      "if True:\n    import wave\nraise SystemExit('never run')\n")
+    (tmp_path / "mine.py").write_text("")
+    assert flow_imports(str(tmp_path / "flow.py")) == ["os.path", "json", "prefect.states"]
+    assert installed_module("prefect.states", [str(tmp_path)]) and installed_module("json", [str(tmp_path)])
+    assert not installed_module("mine", [str(tmp_path)]) and not installed_module("no_such_module_r34", [])

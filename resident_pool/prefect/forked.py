@@ -20,9 +20,10 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
-__all__ = ["fresh_prefect", "main", "preload_flows"]
+__all__ = ["flow_imports", "fresh_prefect", "installed_module", "main", "preload_flows"]
 
 
 def fresh_prefect() -> None:
@@ -126,36 +127,99 @@ def _prefect_names() -> dict[str, str]:
             if name.startswith("PREFECT_") and not name.startswith("PREFECT__")}
 
 
-def preload_flows(files: str | None) -> list[str]:
-    """The zygote's load stage: run each flow file once, so what it imports is imported in every fork.
+def flow_imports(path: str) -> list[str]:
+    """The modules a flow file imports at its top level (in its body or a ``try`` there), absolute imports only,
+    in order: read with ``ast``, never run."""
+    import ast
 
-    ``files``: the flow files, os.pathsep-separated. What a file imports from its own folder (the deployment's
-    own modules) is dropped again: each flow run imports those afresh from its working folder, so two
-    deployments' ``helpers.py`` never meet. A file that fails is said and skipped; the flow run that loads it
-    meets the same error where its owner sees it. Returns the files that ran.
+    with open(path, "rb") as source:
+        tree = ast.parse(source.read(), filename=path)
+    names: list[str] = []
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.Import):
+                names.extend(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.append(node.module)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+
+    visit(tree.body)
+    return list(dict.fromkeys(names))
+
+
+def installed_module(name: str, folders: list[str]) -> bool:
+    """Whether ``name``'s top-level package is installed: no module of that name sits in a flow folder (the run's
+    working folder, first on its path, or its flow file's: there it is the deployment's own, which each run imports
+    afresh), unless it is the very files the import path finds, and this interpreter's import path finds it (the
+    standard library, site-packages, a folder on PYTHONPATH, an editable install, even one inside a deployment's
+    folder: a module loaded from there is stamped like any other, and an edit makes the zygote stale). Finding a
+    top-level spec runs none of its code."""
+    import importlib.machinery
+    import importlib.util
+
+    top = name.partition(".")[0]
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    own = importlib.machinery.PathFinder.find_spec(top, folders)
+    # One in a flow folder is the deployment's own, unless it is the very files the path finds (an editable
+    # install whose project is the deployment's folder).
+    return spec is not None and (own is None or _where(own) == _where(spec))
+
+
+def _where(spec: Any) -> set[str]:
+    return {os.path.realpath(place) for place in [spec.origin if spec.has_location else None,
+                                                   *(spec.submodule_search_locations or [])] if place}
+
+
+def preload_flows(spec: str | None) -> list[str]:
+    """The zygote's load stage: import what the flow files import from outside their folders, never the files.
+
+    ``spec``: JSON, ``{"files": [...], "folders": [...]}``, the flow files and the deployments' folders. Each
+    file is parsed (``flow_imports``) and each module it names that ``installed_module`` finds is imported, so a
+    fork finds it loaded; the flow file itself, and every module of its folder or its deployment's, is left for
+    each run to import afresh, exactly once, as Prefect's process worker does: one deployment's import-time code
+    (a metric, an atexit hook, a patch) never reaches another's runs, nor an edited file's next run. A module that
+    fails to import is said and skipped; the run that imports it meets the same error where its owner sees it.
+    Returns the modules imported.
     """
-    import runpy
+    import importlib
+    import json
 
-    ran = []
-    for path in (files or "").split(os.pathsep):
-        if not path:
-            continue
-        folder = os.path.dirname(path)
-        before = set(sys.modules)
-        sys.path.insert(0, folder)
-        try:
-            runpy.run_path(path, run_name="__resident_pool_preload__")
-            ran.append(path)
-        except BaseException as exc:  # noqa: BLE001 - any failure: said, and the next file is tried
-            print(f"preloading {path} failed, skipped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        finally:
-            sys.path.remove(folder)
-        for name in set(sys.modules) - before:
-            where = getattr(sys.modules[name], "__file__", None) or ""
-            if where.startswith(folder + os.sep):
-                del sys.modules[name]
-    print(f"preloaded {len(ran)} flow file(s): {', '.join(ran) or 'none'}", flush=True)
-    return ran
+    wanted = json.loads(spec) if spec else {}
+    files = [path for path in wanted.get("files") or [] if path]
+    folders = sorted({os.path.realpath(folder) for folder in
+                      [*(wanted.get("folders") or []), *(os.path.dirname(path) for path in files)] if folder})
+    # The zygote's own folder (this file's, sys.path[0] as `python forked.py` has it) is not on a run's path.
+    own = sys.path.pop(0) if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)) else None
+    imported: list[str] = []
+    seen: set[str] = set()
+    try:
+        for path in files:
+            try:
+                names = flow_imports(path)
+            except (OSError, SyntaxError, ValueError) as exc:
+                print(f"reading {path} failed, skipped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                continue
+            for name in names:
+                if name in seen or not installed_module(name, folders):
+                    continue
+                seen.add(name)
+                try:
+                    importlib.import_module(name)
+                    imported.append(name)
+                except BaseException as exc:  # noqa: BLE001 - any failure: said, and the next module is tried
+                    print(f"importing {name} (imported by {path}) failed, skipped: {type(exc).__name__}: {exc}",
+                          file=sys.stderr, flush=True)
+    finally:
+        if own is not None:
+            sys.path.insert(0, own)
+    print(f"preloaded {len(imported)} module(s) that {len(files)} flow file(s) import: {', '.join(imported) or 'none'}"
+          " (the flow files themselves run in each flow run)", flush=True)
+    return imported
 
 
 if __name__ == "__main__":

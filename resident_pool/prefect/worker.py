@@ -6,10 +6,12 @@ before the flow's first task runs: about 11 s from the UI's Submit to an answer 
 worker is Prefect's process worker (a ``BaseWorker`` registered through the ``prefect.collections`` entry point,
 as prefect-docker registers its own) with three changes:
 
-- each flow run is forked from a zygote that has imported Prefect, resident_pool and the pool's deployments'
-  flow files (``forking.py``), exactly as isolated as a spawned one: its own pid, session, environment, folder,
-  settings, log handlers and seeds; a zygote that died or went stale is rebuilt, and the runs meanwhile are
-  spawned as Prefect's process worker spawns them, said in their log;
+- each flow run is forked from a zygote that has imported Prefect, resident_pool and the installed modules the
+  pool's deployments' flow files import (``forking.py``; the flow files themselves run in each fork, once),
+  exactly as isolated as a spawned one: its own pid, session, environment, folder, settings, log handlers and
+  seeds (not the string-hash seed: docs/prefect-ui.md); a zygote that died or went stale is rebuilt, and the runs
+  meanwhile are forked by the one it replaced, or spawned as Prefect's process worker spawns them, said in their
+  log;
 - it wakes on Prefect's ``prefect.flow-run.Scheduled`` events for its pool (polling every
   ``RESIDENT_POOL_FLOW_RUN_POLL_S`` while the events stream is down) instead of waiting for the next poll;
 - its pool's job template is locked: a flow run may choose its name, labels and whether output streams, never
@@ -36,7 +38,7 @@ from prefect.workers.process import ProcessJobConfiguration, ProcessWorker, Proc
 
 from ..host.paths import Paths
 from ..settings import settings
-from .forking import FlowRunZygote, ForkStarter, exit_in_words_proposer, flow_files
+from .forking import FlowRunZygote, ForkStarter, exit_in_words_proposer, flow_sources
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
@@ -130,10 +132,12 @@ class ResidentProcessWorker(ProcessWorker):
 
         deployments = await self.client.read_deployments(
             work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[self._work_pool_name])))
-        files = flow_files(deployments)
-        if await anyio.to_thread.run_sync(self.zygote.build, files):
-            self._logger.info("forking flow runs from a zygote that preloads Prefect, resident_pool and %d flow "
-                              "file(s) (its transcript: zygote-flow-runs-*.log in the pool's log folder)", len(files))
+        sources = flow_sources(deployments)
+        files, folders = [file for file, _ in sources], [folder for _, folder in sources]
+        if await anyio.to_thread.run_sync(self.zygote.build, files, folders):
+            self._logger.info("forking flow runs from a zygote that preloads Prefect, resident_pool and the installed "
+                              "modules %d flow file(s) import (its transcript: zygote-flow-runs-*.log in the pool's "
+                              "log folder)", len(set(files)))
         if self._delivery is None:
             await self._start_wake()
 

@@ -142,6 +142,8 @@ class Zygote:
         self._ids = itertools.count(1)
         self._reader: threading.Thread | None = None
         self._down = threading.Event()
+        self._settled = threading.Event()  # its start ended: ready, or failed (or was never made: stopped first)
+        self._stop_asked = threading.Event()
 
     # -- facts -------------------------------------------------------------------
     @property
@@ -155,6 +157,15 @@ class Zygote:
 
     def up(self) -> bool:
         return self.proc is not None and not self._down.is_set() and self.failure is None
+
+    @property
+    def stopped(self) -> bool:
+        """It was asked to stop (it forks no more, and a start under way ends quietly)."""
+        return self._stop_asked.is_set()
+
+    def settle(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` for its start to end (ready or failed); whether it has."""
+        return self._settled.wait(timeout)
 
     def live_children(self) -> list[ForkedProcess]:
         with self._state_lock:
@@ -193,6 +204,9 @@ class Zygote:
                 raise ForkRefused(self.failure)
             if self._down.is_set():
                 raise ForkRefused(f"the zygote (pid {self.pid}) has exited")
+            if self._stop_asked.is_set() and self.proc is None:
+                self._settled.set()
+                raise ForkRefused("the zygote was stopped before it started")
             if self.proc is None:
                 try:
                     self._start()
@@ -203,8 +217,12 @@ class Zygote:
                     self.failure = f"the zygote could not start: {type(exc).__name__}: {exc}"
                     if self.proc is not None:
                         terminate_group(self.proc, self.kill_grace_s)
+                    if self.transcript is not None:
+                        self.transcript.close()
                     self._down.set()
                     raise ForkRefused(self.failure) from exc
+                finally:
+                    self._settled.set()
 
     def _start(self) -> None:
         self.transcript = Transcript.create(self.paths.log_dir(), f"zygote-{self.slug}", 0)
@@ -220,6 +238,9 @@ class Zygote:
         finally:
             theirs.close()
         self._sock = ours
+        if self._stop_asked.is_set():  # stopped while it was being made: stop() saw no channel to close
+            self._end("the zygote was stopped before it was ready")
+            raise ForkRefused(self.failure or "stopped")
         self.transcript.note(f"zygote pid {self.proc.pid} for {self.slug} (environment {self.key[:12]}): "
                              f"preloading {', '.join(self.preload) or 'nothing'}"
                              + (f", then the load stage {self.load}()" if self.load else ""))
@@ -233,6 +254,9 @@ class Zygote:
         except TimeoutError:
             self._end(f"the zygote did not finish its preload within start_timeout_s = {self.start_timeout_s:g} s")
             raise ForkRefused(self.failure or "the zygote did not start") from None
+        if line is None and self._stop_asked.is_set():  # stop() closed the channel: no failure, an end
+            self._end("the zygote was stopped before it was ready")
+            raise ForkRefused(self.failure or "stopped")
         if line is None or line.get("event") != "ready":
             why = (line or {}).get("error") or "it exited before it was ready"
             self._end(f"the zygote could not preload: {why}")
@@ -360,16 +384,20 @@ class Zygote:
 
     # -- stop ------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Close its channel (it exits on that) and wait; the workers it forked are not touched."""
-        if self._sock is None or self._down.is_set():
-            return
+        """Close its channel (it exits on that) and wait; the workers it forked are not touched. A start under way
+        (its preload) ends on that too, quietly: its process ended, its transcript closed, no failure said."""
+        self._stop_asked.set()
+        sock = self._sock
+        if sock is None or self._down.is_set():
+            return  # never made (a start made later sees it was stopped), or gone
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            sock.shutdown(socket.SHUT_RDWR)  # never close() under a start reading it: its read ends, then it closes
         except OSError:
             pass  # already gone
+        self._settled.wait(_EXIT_WAIT_S * 3)
         if self._reader is not None:
             self._reader.join(timeout=_EXIT_WAIT_S * 3)
-        self._sock.close()
+        sock.close()
 
 
 class _Refusal:
