@@ -32,7 +32,7 @@ import sys
 import time
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = ["BATCHING_ENV", "BATCH_SIZE_BUCKETS", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_ORPHAN_GRACE_S", "IN_FLIGHT_FILE",
@@ -800,12 +800,23 @@ class _Queue:
     The highest priority class first (a request rises one class per ``aging_s`` waited, so none starves), first
     come first served within a class, up to ``max_batch_size`` requests and ``max_batch_work`` of work (the first
     request is taken whatever its own work: it would never run otherwise).
+
+    With ``max_wait_ms`` above 0 a call is held open only for the callers answered in the last call that have not
+    asked again (``awaited``): closed-loop callers answered together come back over a few milliseconds and meet in
+    one call, and a caller whose every peer has asked again (a lone caller) never waits.
     """
 
     def __init__(self, limits: _Limits) -> None:
         self.limits = limits
         self.items: list[_Item] = []  # in the order they arrived
         self.work: float = 0
+        self.awaited: set[Any] = set()  # connections answered in the last model call that have not asked again
+        self.freed = -math.inf  # when the last model call ended
+
+    def answered(self, conns: Iterable[Any], now: float) -> None:
+        """A model call that ended at ``now`` answered ``conns``: the next call may wait for them to ask again."""
+        self.awaited = set(conns)
+        self.freed = now
 
     def __len__(self) -> int:
         return len(self.items)
@@ -813,18 +824,21 @@ class _Queue:
     def put(self, item: _Item) -> None:
         self.items.append(item)
         self.work += item.work
+        self.awaited.discard(item.conn)
 
     def due_in(self, now: float) -> float | None:
         """Seconds until the next model call is due (0: now), None when nothing waits. A call waits for more only
-        while fewer than ``max_batch_size`` requests (and less than ``max_batch_work``) wait, at most
-        ``max_wait_ms`` from the first one's arrival."""
+        while a caller answered in the last call has not asked again and fewer than ``max_batch_size`` requests
+        (and less than ``max_batch_work``) wait, at most ``max_wait_ms`` from the first one's arrival or the last
+        call's end, whichever is later (a request that came during a call waits for its stragglers as one that
+        came after it does)."""
         if not self.items:
             return None
         limits = self.limits
-        if (limits.max_wait_s <= 0 or len(self.items) >= limits.max_batch_size
+        if (limits.max_wait_s <= 0 or not self.awaited or len(self.items) >= limits.max_batch_size
                 or (limits.max_batch_work is not None and self.work >= limits.max_batch_work)):
             return 0.0
-        return max(0.0, self.items[0].arrived + limits.max_wait_s - now)
+        return max(0.0, max(self.items[0].arrived, self.freed) + limits.max_wait_s - now)
 
     def take(self, now: float) -> list[_Item]:
         """The requests of the next model call, taken off the queue."""
@@ -855,6 +869,7 @@ class _Queue:
 
     def drop(self, conn: socket.socket) -> list[_Item]:
         """The requests read from ``conn``, taken off the queue (its client is gone)."""
+        self.awaited.discard(conn)
         dropped = [item for item in self.items if item.conn is conn]
         if dropped:
             self.items = [item for item in self.items if item.conn is not conn]
@@ -867,6 +882,7 @@ class _Queue:
     def clear(self) -> list[_Item]:
         """Every request waiting, taken off the queue."""
         items, self.items, self.work = self.items, [], 0
+        self.awaited = set()
         return items
 
 
@@ -965,6 +981,7 @@ class _Batching(_Model):
             self.batch = []
             self.in_flight.end()
             self.last_request = time.monotonic()
+        self.queue.answered((item.conn for item in batch if item.conn is not None), self.last_request)
         if self.calls - calls > 1:
             self.log(f"isolated {failed} failing request(s) among {len(batch)} in {self.calls - calls} model calls")
 

@@ -221,21 +221,32 @@ def test_a_call_takes_no_more_work_than_max_batch_work_and_a_bad_size_fails_its_
         assert ["w8"] in [call["tags"] for call in calls]  # over the bound alone: it runs by itself
 
 
-def test_max_wait_ms_holds_a_call_open_for_more_and_a_full_one_goes_at_once_with_the_wait_set_to_1_s(tmp_path):
-    with batching_worker(tmp_path, RESIDENT_POOL_MAX_BATCH_SIZE="2", RESIDENT_POOL_MAX_WAIT_MS="1000") as worker:
+def test_max_wait_ms_holds_a_call_only_for_the_last_calls_callers_and_never_a_lone_caller_with_the_wait_at_1_s(
+        tmp_path):
+    """The rule itself is tested with a fake clock in test_batching_hold.py; this is the worker's loop keeping it."""
+    with batching_worker(tmp_path, RESIDENT_POOL_MAX_BATCH_SIZE="3", RESIDENT_POOL_MAX_WAIT_MS="1000") as worker:
         lone = worker.caller()
-        lone.send("lone", {"tag": "lone"})
-        ping = wait_until(lambda: (answer := worker.ask({"op": "ping", "id": "p"}))["queued"] and answer,
-                          message="the lone request to wait in the queue")
-        assert ping["queue_wait_s"] >= 0 and ping["batching"]["max_wait_ms"] == 1000
-        reply = lone.reply()
-        assert reply["batch_size"] == 1 and reply["queue_wait_s"] >= 1.0  # held open the whole second for more
+        for n in range(2):  # nobody else was answered in its last call: it never waits
+            reply = lone.ask(n, {"tag": n})
+            assert reply["batch_size"] == 1 and reply["queue_wait_s"] < 1.0, reply
+        gate = worker.hold(lone)
         first, second = worker.caller(), worker.caller()
         first.send(1, {"tag": 1})
         second.send(2, {"tag": 2})
+        ping = wait_until(lambda: (answer := worker.ask({"op": "ping", "id": "p"}))["queued"] == 2 and answer,
+                          message="the two requests to wait in the queue")
+        assert ping["batching"]["max_wait_ms"] == 1000
+        gate.touch()
+        assert lone.reply()["ok"]
         replies = [first.reply(), second.reply()]
-        assert [reply["batch_size"] for reply in replies] == [2, 2]  # the second joined the first's call
-        assert min(reply["queue_wait_s"] for reply in replies) < 1.0  # full: it went as soon as it was
+        assert [reply["batch_size"] for reply in replies] == [2, 2]
+        # held the whole second for the held caller, answered in the last call, which did not ask again
+        assert min(reply["queue_wait_s"] for reply in replies) >= 1.0, replies
+        first.send(3, {"tag": 3})
+        second.send(4, {"tag": 4})
+        replies = [first.reply(), second.reply()]
+        assert [reply["batch_size"] for reply in replies] == [2, 2]  # the first's call waited for the second
+        assert max(reply["queue_wait_s"] for reply in replies) < 1.0, replies  # and went once it came
 
 
 def test_one_poisoned_request_among_64_is_isolated_by_splitting_and_the_other_63_are_answered(tmp_path):
@@ -421,9 +432,11 @@ def _array_caller(socket_path: str) -> tuple[socket.socket, Inbox]:
 
 def test_arrays_go_in_and_out_of_one_call_and_each_caller_gets_its_own_back_bit_exact_with_the_wait_set_to_10_s(
         tmp_path):
-    """The four requests meet in one call (it waits up to 10 s for the fourth), each array beside its own line,
-    each answer in its own caller's reply buffers; twice, so the buffers are reused."""
+    """The four requests meet in one call (it waits up to 10 s for the fourth: the first time for the held caller,
+    which never asks again, the second for the four answered together), each array beside its own line, each answer in
+    its own caller's reply buffers; twice, so the buffers are reused."""
     with batching_worker(tmp_path, RESIDENT_POOL_MAX_BATCH_SIZE="4", RESIDENT_POOL_MAX_WAIT_MS="10000") as worker:
+        gate = worker.hold(worker.caller())
         connections = [_array_caller(worker.socket_path) for _ in range(4)]
         try:
             for round_ in range(2):
@@ -439,6 +452,8 @@ def test_arrays_go_in_and_out_of_one_call_and_each_caller_gets_its_own_back_bit_
                 threads = [threading.Thread(target=call, args=(n,)) for n in range(4)]
                 for thread in threads:
                     thread.start()
+                if round_ == 0:
+                    gate.touch()  # the held caller, answered, does not ask again: the next call waits for 4
                 for thread in threads:
                     thread.join(60)
                 for n, reply in enumerate(replies):
@@ -451,7 +466,7 @@ def test_arrays_go_in_and_out_of_one_call_and_each_caller_gets_its_own_back_bit_
             for conn, inbox in connections:
                 conn.close()
                 inbox.close()
-        assert [call["size"] for call in worker.calls()] == [4, 4]
+        assert [call["size"] for call in worker.calls()] == [1, 4, 4]
 
 
 def test_ten_thousand_mixed_calls_from_eight_callers_each_answer_belongs_to_its_own_input(tmp_path):
