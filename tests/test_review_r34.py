@@ -323,7 +323,9 @@ def test_r34_9_a_zygote_replaced_during_its_preload_is_stopped_without_a_bad_des
     try:
         zygotes.build([str(one)])
         first = zygotes._current
-        time.sleep(0.5)  # a preload under way: the replacement comes before it is ready
+        # A preload under way (its process started, its 3 s import not done): the replacement comes before it is ready.
+        wait_until(lambda: first.proc is not None, timeout=30, message="the first zygote's process to start")
+        assert not first.info, "the first zygote was ready before its replacement came"
         zygotes.build([str(one), str(two)])
         wait_until(lambda: zygotes._current is not None and zygotes._current.info, timeout=120,
                    message="the replacement zygote ready")
