@@ -36,6 +36,10 @@ def pytest_xdist_make_scheduler(config, log):
 # find them even after they were reparented.
 TAG = uuid.uuid4().hex
 os.environ[TAG_VARIABLE] = TAG
+# `make test` runs 4 test processes on 2 cores: each model worker gets one thread (the pool passes a thread limit on
+# to its workers, as an operator's on a shared host), not torch's default of one per core, whose threads spun waiting
+# for cores the other tests held. `make run` and `make bench` run the demo with torch's default.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The test harness's server must not try to phone home from an offline machine.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # The host's own admission service and its configuration are never the suite's: a test that wants one starts its

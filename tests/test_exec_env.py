@@ -166,6 +166,13 @@ def test_passthrough_keeps_only_what_is_allowed():
     assert passthrough_env("*", {"SECRET": "x"}) == {}
 
 
+def test_the_pools_thread_limits_reach_a_venv_worker_without_a_passthrough():
+    """A pool started under a CPU limit (OMP_NUM_THREADS=4 in a batch job) keeps its workers within it: torch would
+    otherwise start a thread per core of the host."""
+    limits = {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "OPENBLAS_NUM_THREADS": "4", "SECRET": "x"}
+    assert passthrough_env(None, limits) == {"SECRET": None}
+
+
 def test_a_passthrough_list_keeps_orchestrator_secrets_out_of_the_real_worker(tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hunter2")
     monkeypatch.setenv("ALLOWED_KNOB", "on")

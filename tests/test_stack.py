@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -49,11 +50,17 @@ class Api:
                                          headers={"Content-Type": "application/json"})
         if self.auth is not None:
             request.add_header("Authorization", "Basic " + base64.b64encode(self.auth.encode()).decode())
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return response.status, json.loads(response.read() or b"null")
-        except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read() or b"null")
+        for attempt in range(20):
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    return response.status, json.loads(response.read() or b"null")
+            except urllib.error.HTTPError as error:
+                # A 503 is the server's SQLite busy on a loaded machine (seen in a full run): asked again, as
+                # Prefect's own client does.
+                if error.code != 503 or attempt == 19:
+                    return error.code, json.loads(error.read() or b"null")
+            time.sleep(0.5)
+        raise AssertionError("unreachable")
 
     def run(self, deployment_id: str, parameters: dict) -> dict:
         """Create a flow run of the deployment and wait for it to end; its final flow run record."""

@@ -82,11 +82,16 @@ class Api:
                                          data=None if body is None else json.dumps(body).encode(),
                                          headers={"content-type": "application/json",
                                                   "authorization": "Basic " + _basic(self.auth)})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return json.load(response)
-        except urllib.error.HTTPError as error:  # the server's own words: a 409 names the bad parameter
-            raise AssertionError(f"{method} {path}: {error.code} {error.read().decode(errors='replace')}") from None
+        for attempt in range(20):
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    return json.load(response)
+            except urllib.error.HTTPError as error:  # the server's own words: a 409 names the bad parameter
+                if error.code != 503 or attempt == 19:  # 503: its SQLite busy on a loaded machine, asked again
+                    raise AssertionError(f"{method} {path}: {error.code} {error.read().decode(errors='replace')}") \
+                        from None
+            time.sleep(0.5)
+        raise AssertionError("unreachable")
 
     def run(self, deployment: str, parameters: dict) -> str:
         found = self.call("GET", f"/deployments/name/{deployment}")
@@ -128,6 +133,12 @@ class Stack:
     def script(self, action: str, timeout: float = 300) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", str(STACK), action], env=self.env, capture_output=True, text=True,
                               timeout=timeout, check=False)
+
+    def workers(self, slug: str) -> list[dict]:
+        """The stack pool's workers of ``slug``, as `resident-pool status --json` lists them."""
+        done = subprocess.run([sys.executable, "-m", "resident_pool", "status", "--json"], env=self.env,
+                              capture_output=True, text=True, timeout=120, check=True)
+        return [worker for worker in json.loads(done.stdout)["workers"] if worker["slug"] == slug]
 
     def down(self) -> subprocess.CompletedProcess:
         done = self.script("down")
@@ -364,8 +375,8 @@ def test_a_run_with_bad_inputs_shows_the_failed_inputs_table_and_ends_with_a_war
 @pytest.fixture(scope="module")
 def demo_run() -> dict:
     """The flow run of the demo file that a Quick run of the screen form started: started before the tests that run
-    no screen (the deployment screens one run at a time), so the model's 500 proteins compute while they look at
-    the UI; checked by a later test."""
+    no screen (the deployment screens one run at a time), so the model computes while they look at the UI; its
+    first answers are checked, and the run cancelled, by a later test."""
     return {}
 
 
@@ -433,14 +444,52 @@ def test_the_report_opens_offline_with_its_charts_drawn(screened, browser, stack
     assert asked == [report.as_uri()], asked  # nothing but the file itself: no request leaves the host
 
 
-def test_the_quick_run_of_the_demo_file_completes_with_a_distinct_answer_per_distinct_protein(stack, demo_run):
-    """The run the default form started (above) completes: 500 answers, the 498 distinct proteins' all distinct,
-    none read as unknown tokens."""
-    final = stack.api.wait(demo_run["run"], timeout=540)
-    assert final["type"] == "COMPLETED" and final["message"] == "500 ok, 0 failed", final
-    records = [json.loads(line) for line in demo_run["output"].read_text().splitlines()]
-    assert len(records) == 500 and all(r["ok"] and r["unknown_tokens"] == 0 for r in records)
-    assert len({r["embedding_f32"] for r in records}) == 498  # the two repeated sequences share theirs
+# The demo file's first answers checked here; the whole file's 500 cost the model about three CPU-minutes on the
+# 2-core machine (a quarter of the suite's), and `make bench` checks them (bench/adhoc.py, check_demo_answers).
+FIRST_ANSWERS = 64
+
+
+def _fasta(path: Path) -> dict[str, str]:
+    """Each record's id (its header's first word) and sequence."""
+    found, name = {}, None
+    for line in path.read_text().splitlines():
+        if line.startswith(">"):
+            name = line[1:].split()[0]
+            found[name] = ""
+        elif name is not None:
+            found[name] += line.strip()
+    return found
+
+
+def test_the_quick_run_of_the_demo_file_answers_distinct_real_proteins_and_a_cancel_ends_it_with_the_model_warm(
+        stack, demo_run):
+    """The run the default form started (above) screens the demo file: its first answers, read from the output as
+    it is written, are one ok record per protein in file order, none read as unknown tokens, a distinct embedding
+    per distinct sequence. Cancelled then, as the Cancel button on its page does, it ends Cancelled, and the model
+    stays warm in the stack's pool for the next run."""
+    run_id, output = demo_run["run"], demo_run["output"]
+    sequences = _fasta(output.with_name("uniprot-500.fasta"))
+
+    def first_answers():
+        assert stack.api.state(run_id)["type"] not in TERMINAL, stack.api.state(run_id)
+        lines = [line for path in output.parent.glob(f".{output.name}.*.tmp")
+                 for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
+        return len(lines) >= FIRST_ANSWERS and [json.loads(line) for line in lines]
+
+    records = wait_until(first_answers, timeout=400, interval=1.0, message=f"the first {FIRST_ANSWERS} answers")
+    assert [r["id"] for r in records] == list(sequences)[:len(records)]
+    assert all(r["ok"] and r["unknown_tokens"] == 0 for r in records), [r for r in records if not r["ok"]][:2]
+    distinct = {sequences[r["id"]] for r in records}
+    assert len({r["embedding_f32"] for r in records}) == len(distinct), "two proteins got one answer"
+
+    (serving,) = stack.workers("minilm")
+    stack.api.call("POST", f"/flow_runs/{run_id}/set_state", {"state": {"type": "CANCELLING"}, "force": True})
+    final = stack.api.wait(run_id, timeout=120)
+    assert final["type"] == "CANCELLED", final
+    # The chunk in flight is computed and dropped; the same worker is then ready for the next run.
+    after = wait_until(lambda: (found := stack.workers("minilm")) and all(w["idle"] for w in found) and found,
+                       timeout=120, interval=1.0, message="the model's worker to be idle after the cancel")
+    assert [w["pid"] for w in after] == [serving["pid"]], (serving, after)
 
 
 def test_stack_up_started_the_relay_and_a_deployments_own_toggle_runs_its_schedule_and_down_stops_all(stack, page):

@@ -28,7 +28,10 @@ __all__ = [
 
 # The fixed base every worker gets from the pool's environment; anything else only when a
 # manifest names it. What a worker sees must not depend on which client started the pool.
-BASE_VARIABLES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "TMPDIR", "TZ", "LD_LIBRARY_PATH"})
+# The pool's thread limits reach its workers: a pool started under a CPU limit (a batch job's cores, a container's
+# quota, a shared host) keeps its workers within it; torch and BLAS otherwise start a thread per core.
+THREAD_VARIABLES = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"})
+BASE_VARIABLES = THREAD_VARIABLES | {"PATH", "HOME", "USER", "LOGNAME", "LANG", "TMPDIR", "TZ", "LD_LIBRARY_PATH"}
 BASE_PREFIXES = ("LC_", "XDG_", "CUDA_", "NVIDIA_", "RESIDENT_POOL_")
 # Engine variables a pool may have in its own environment; they would be injected into every container.
 _ENGINE_PREFIXES = ("APPTAINERENV_", "SINGULARITYENV_")
