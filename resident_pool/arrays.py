@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["DTYPES", "Array", "ArrayError", "Slabs", "answer", "complete", "decode", "encode", "exchange", "limits",
-           "negotiate", "negotiated", "offer", "plain", "reuses", "stale", "with_field"]
+           "negotiate", "negotiated", "offer", "plain", "plain_line", "reuses", "stale", "with_field"]
 
 # 2: reused buffers (Slabs) and the "held" field of a reply.
 VERSION = 2
@@ -568,7 +568,7 @@ def encode(message: dict[str, Any], peer: Mapping[str, Any] | None, min_bytes: i
     (``slabs.pending`` records which, for ``settle``) instead of a fresh memfd.
     A message without arrays encodes exactly as ``protocol.encode_line``.
     """
-    plain = _plain_line(message)
+    plain = plain_line(message)
     if plain is not None:
         return plain, [], None
     encoder = _Encoder(peer, min_bytes, list(received), slabs)
@@ -620,7 +620,7 @@ _PLAIN_ENCODER = (json.encoder.c_make_encoder(None, _not_plain, json.encoder.enc
                   if json.encoder.c_make_encoder is not None else None)
 
 
-def _plain_line(message: dict[str, Any]) -> bytes | None:
+def plain_line(message: dict[str, Any]) -> bytes | None:
     """``message``'s line when it holds no array, bytes or anything else JSON does not carry as it is, and is under
     the cap; else None (``encode`` goes the whole way, and says what is wrong)."""
     if _PLAIN_ENCODER is None:
