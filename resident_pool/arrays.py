@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["DTYPES", "Array", "ArrayError", "Slabs", "answer", "complete", "decode", "encode", "exchange", "limits",
-           "negotiate", "negotiated", "offer", "plain", "reuses", "stale", "with_field"]
+           "negotiate", "negotiated", "offer", "plain", "plain_line", "reuses", "stale", "with_field"]
 
 # 2: reused buffers (Slabs) and the "held" field of a reply.
 VERSION = 2
@@ -568,6 +568,9 @@ def encode(message: dict[str, Any], peer: Mapping[str, Any] | None, min_bytes: i
     (``slabs.pending`` records which, for ``settle``) instead of a fresh memfd.
     A message without arrays encodes exactly as ``protocol.encode_line``.
     """
+    plain = plain_line(message)
+    if plain is not None:
+        return plain, [], None
     encoder = _Encoder(peer, min_bytes, list(received), slabs)
     text = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=encoder.default)
     slab = None
@@ -599,6 +602,34 @@ def encode(message: dict[str, Any], peer: Mapping[str, Any] | None, min_bytes: i
         if slab is not None:
             encoder.slabs.reserved(slab)  # the take's own use ends; the message's goes on until settled
     return raw, encoder.fds, fresh
+
+
+class _NotPlain(Exception):
+    """A value JSON does not carry as it is (an array, bytes): the message takes ``encode``'s whole path."""
+
+
+def _not_plain(value: Any) -> Any:
+    raise _NotPlain
+
+
+# One C encoder made once, with encode's settings: json.dumps with keyword arguments builds a JSONEncoder and a C
+# encoder on every call (about half of what encoding a short line costs here). No circular-reference markers: a
+# message that needs them (or fails in any other way) is encoded again on the whole path, which raises its error.
+_PLAIN_ENCODER = (json.encoder.c_make_encoder(None, _not_plain, json.encoder.encode_basestring, None, ":", ",",
+                                              False, False, False)
+                  if json.encoder.c_make_encoder is not None else None)
+
+
+def plain_line(message: dict[str, Any]) -> bytes | None:
+    """``message``'s line when it holds no array, bytes or anything else JSON does not carry as it is, and is under
+    the cap; else None (``encode`` goes the whole way, and says what is wrong)."""
+    if _PLAIN_ENCODER is None:
+        return None
+    try:
+        raw = "".join(_PLAIN_ENCODER(message, 0)).encode("utf-8") + b"\n"
+    except Exception:  # noqa: BLE001 - whatever it is, the whole path meets it again and raises it as it always has
+        return None
+    return raw if len(raw) <= protocol.MAX_LINE_BYTES else None
 
 
 def with_field(raw: bytes, name: str, value: Any) -> bytes:

@@ -219,9 +219,23 @@ def closed(buf: bytearray) -> None:
         raise ProtocolError(f"peer closed the connection mid-message ({size} bytes unterminated)")
 
 
+# The C scanner json.loads ends in, called directly: json.loads' own steps around it (its checks, two regex matches
+# for whitespace) cost about as much as the scan of a short line here. Anything it does not take whole (whitespace
+# around the object, bad JSON) goes through json.loads, which says what is wrong.
+_scan_once = json.decoder.JSONDecoder().scan_once
+
+
+def _loads(text: str) -> Any:
+    try:
+        obj, end = _scan_once(text, 0)
+    except Exception:  # noqa: BLE001 - StopIteration for bad JSON, and the rest: json.loads raises them as it does
+        end = -1
+    return obj if end == len(text) else json.loads(text)
+
+
 def _decode(line: bytes) -> dict[str, Any]:
     try:
-        obj = json.loads(line.decode("utf-8"))
+        obj = _loads(line.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise ProtocolError(f"line is not UTF-8: {exc}", recoverable=True) from None
     except (ValueError, RecursionError) as exc:
@@ -516,6 +530,8 @@ def pop_message(inbox: Inbox, max_bytes: int = MAX_LINE_BYTES, scan_from: int = 
     line whose descriptors fail that is a recoverable ProtocolError, and every
     descriptor that came with it is closed.
     """
+    if not inbox:  # asked once more after each line taken (by the worker), and before each read (by a client)
+        return None
     line_start = inbox.start
     size = len(inbox)
     try:

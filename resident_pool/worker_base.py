@@ -446,6 +446,8 @@ class _Outbox:
         try:
             if self.arrays is None:
                 raw, fds, fresh = self.protocol.encode_line(reply), [], None
+            elif (plain := self.arrays.plain_line(reply)) is not None:  # most replies carry no array
+                raw, fds, fresh = plain, [], None
             else:
                 peer = inbox.peer if inbox is not None else None
                 slabs = self.buffers.slabs(inbox) if self.arrays.reuses(peer) else None
@@ -461,6 +463,8 @@ class _Outbox:
                      release: Callable[[], None] | None, held: list[int] | None = None) -> bool:
         if held:
             raw = self.arrays.with_field(raw, "held", held)
+        if fresh is None:
+            return self._send(conn, memoryview(raw), list(fds), release or _nothing)
 
         def done() -> None:
             if fresh is not None:
@@ -560,10 +564,10 @@ class _Leases:
 
     def answered(self, lease: Any) -> None:
         if isinstance(lease, str) and lease:
-            self._served[lease] = self._served.get(lease, 0) + 1
-            self._served.move_to_end(lease)
-            while len(self._served) > _RECALLED_KEPT:
-                self._served.popitem(last=False)
+            served = self._served
+            served[lease] = served.pop(lease, 0) + 1  # popped and put back: now the newest
+            while len(served) > _RECALLED_KEPT:
+                served.popitem(last=False)
 
     def served(self, lease: Any) -> int:
         return self._served.get(lease, 0) if isinstance(lease, str) else 0
@@ -1379,6 +1383,8 @@ class _Server:
             if not self._send(conn, message, encoded):
                 self._close(conn)
                 return
+            if not inbox:  # the usual case: a client waits for its reply before it sends again
+                return
 
     def _encode(self, reply: dict[str, Any], inbox, message):
         """``reply`` encoded for ``conn``'s client; the request's descriptors are closed once it has gone."""
@@ -1409,6 +1415,8 @@ class _Server:
     def _still_held(self, message) -> list[int]:
         """The client's reused buffers (by attachment index) something here still reads, now the reply is
         made: the client must not fill those again. Checked once the request (its payload) is let go."""
+        if not message.attachments:
+            return []
         reused = [index for index, attachment in enumerate(message.attachments) if attachment.reused]
         if not reused:
             return []

@@ -6,6 +6,7 @@ import array
 import fcntl
 import hashlib
 import json
+import math
 import mmap
 import os
 import pickle
@@ -360,6 +361,23 @@ def test_small_payloads_stay_pure_json_lines(pair):
     assert fds == [] and b'"$base64"' in raw and b'"buffers"' not in raw
     got, message = receive(right)
     assert message.attachments == [] and got["payload"].tobytes() == small.tobytes()
+
+
+def test_a_message_the_plain_encoder_cannot_take_whole_goes_the_whole_way_and_fails_as_it_always_did(monkeypatch):
+    # encode tries one cached C encoder first (no arrays, no markers); anything else is encoded again on the whole
+    # path: its arrays travel, and its mistakes raise the errors they raised before the fast path.
+    circular: dict = {}
+    circular["self"] = circular
+    cases = [({"x": math.nan}, ValueError, "Out of range float"), ({"x": {1, 2}}, TypeError, "set is not JSON"),
+             ({(1, 2): 0}, TypeError, "keys must be"), (circular, ValueError, "Circular reference")]
+    for message, error, words in cases:
+        with pytest.raises(error, match=words):
+            arrays.encode(message, PEER)
+    raw = arrays.encode({"a": [{"b": np.float32(1.5)}], "c": b"\x01"}, PEER)[0]
+    assert json.loads(raw)["a"] == [{"b": 1.5}] and json.loads(raw)["c"]["dtype"] == "bytes"
+    monkeypatch.setattr(protocol, "MAX_LINE_BYTES", 100)
+    with pytest.raises(ValueError, match="over the protocol cap"):
+        arrays.encode({"x": "y" * 200}, PEER)
 
 
 def test_a_peer_that_did_not_ask_for_attachments_gets_lists_and_base64():

@@ -59,6 +59,32 @@ def test_malformed_lines_are_recoverable_errors(pair, line, what):
     assert recv_line(right, buf) == {"ok": True}
 
 
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [(b' {"a": 1} \t', {"a": 1}), (b'{"a": NaN, "b": [1.5, null, true, "\\u00e9"]}', None),
+     (b'{"a": {"b": {}}}', {"a": {"b": {}}})],
+)
+def test_a_line_decodes_as_json_loads_does_around_the_fast_scan(line, expected):
+    # _decode scans the line itself and gives anything the scan does not take whole (whitespace around the object)
+    # to json.loads: the object is the same either way.
+    decoded = protocol._decode(line)
+    if expected is None:
+        assert math.isnan(decoded["a"]) and decoded["b"] == [1.5, None, True, "\u00e9"]
+    else:
+        assert decoded == expected
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [(b'{"a": 1} x', "Extra data: line 1 column 10"), (b'{"a": ', "Expecting value: line 1 column 7"),
+     ("\ufeff{}".encode(), "BOM"), (b'{"a":' * 100_000, "recursion")],
+)
+def test_a_bad_line_is_refused_with_json_loads_own_words(line, words):
+    with pytest.raises(ProtocolError, match=words) as info:
+        protocol._decode(line)
+    assert info.value.recoverable
+
+
 def test_line_over_the_cap_never_buffers_past_it(pair):
     left, right = pair
     cap = 1000

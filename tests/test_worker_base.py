@@ -121,6 +121,18 @@ def test_release_cublas_workspaces_is_zero_without_cuda():
     assert worker_base.release_cublas_workspaces() == 0
 
 
+def test_a_worker_counts_each_leases_answers_and_forgets_the_least_recently_answered_first(monkeypatch):
+    # What a recall's answer says the lease served ("served"), kept for a bounded number of leases.
+    monkeypatch.setattr(worker_base, "_RECALLED_KEPT", 3)
+    leases = worker_base._Leases()
+    for lease in ["a", "b", "a", "c", "a", None, "", 7]:
+        leases.answered(lease)
+    assert [leases.served(lease) for lease in ("a", "b", "c", None, 7)] == [3, 1, 1, 0, 0]
+    leases.answered("b")  # now "c" is the least recently answered
+    leases.answered("d")
+    assert [leases.served(lease) for lease in ("a", "b", "c", "d")] == [3, 2, 0, 1]
+
+
 def test_exit_code_rules_for_a_last_reply():
     code = worker_base._exit_code
     assert code(SystemExit(5)) == 5
