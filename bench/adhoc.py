@@ -116,6 +116,21 @@ class Api:
         raise TimeoutError(f"flow run {run_id} gave no answer within {timeout:g} s")
 
 
+class AnswersError(Exception):
+    """A screen of the shipped file completed with answers that do not mean what they should."""
+
+
+def check_demo_answers(output: Path) -> None:
+    """The whole demo file's answers, as the suite checks only its first ones (tests/test_ui.py): one ok record per
+    protein, none read as unknown tokens, and a distinct embedding for each distinct sequence (the file holds 498)."""
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    bad = [r.get("id") for r in records if not r.get("ok") or r.get("unknown_tokens") != 0]
+    distinct = len({r.get("embedding_f32") for r in records})
+    if len(records) != 500 or bad or distinct != 498:
+        raise AnswersError(f"{output}: {len(records)} records (500 expected), {len(bad)} failed or with unknown "
+                           f"tokens (first: {bad[:3]}), {distinct} distinct embeddings (498 expected)")
+
+
 class Stack:
     """The server and the deployments; one worker at a time."""
 
@@ -200,20 +215,6 @@ class Stack:
         check_demo_answers(output)
         return seconds
 
-
-class AnswersError(Exception):
-    """A screen of the shipped file completed with answers that do not mean what they should."""
-
-
-def check_demo_answers(output: Path) -> None:
-    """The whole demo file's answers, as the suite checks only its first ones (tests/test_ui.py): one ok record per
-    protein, none read as unknown tokens, and a distinct embedding for each distinct sequence (the file holds 498)."""
-    records = [json.loads(line) for line in output.read_text().splitlines()]
-    bad = [r.get("id") for r in records if not r.get("ok") or r.get("unknown_tokens") != 0]
-    distinct = len({r.get("embedding_f32") for r in records})
-    if len(records) != 500 or bad or distinct != 498:
-        raise AnswersError(f"{output}: {len(records)} records (500 expected), {len(bad)} failed or with unknown "
-                           f"tokens (first: {bad[:3]}), {distinct} distinct embeddings (498 expected)")
 
     def close(self) -> None:
         """Everything the case started ended, on any exit: the worker's group, the pool the flow runs started (asked

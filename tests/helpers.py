@@ -199,24 +199,6 @@ def stop_group(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-@contextmanager
-def prefect_server(tmp_path: Path):
-    """A real `prefect server` on a free localhost port; yields the environment that points at it."""
-    port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_UI_URL": f"http://127.0.0.1:{port}", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true"}
-    with open(tmp_path / "server.log", "w") as log:
-        server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_until(lambda: healthy(f"http://127.0.0.1:{port}/api/health"), timeout=180, interval=0.5,
-                       message="the Prefect server to answer")
-            yield env
-        finally:
-            stop_group(server)
-
-
 def stop_pool_in(state_dir: str) -> None:
     """Shut down the pool serving ``state_dir`` if one does, and wait for it to be gone."""
     from resident_pool.client import Pool

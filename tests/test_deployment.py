@@ -1,4 +1,4 @@
-"""Deployments end to end on one real `prefect server` (shared by this file), a resident-process worker per test.
+"""Deployments end to end on the run's real `prefect server`, a resident-process worker per test.
 
 Warm across flow runs: two deployment runs, the second served by the worker the
 first started. The nightly screen: registered with its cron over an inbox, run
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers import prefect_server, stop_group, wait_until
+from helpers import stop_group, wait_until
 from providers import EMBEDDER_ENV, write_provider
 from scheduling import claim_worker
 
@@ -56,11 +56,13 @@ print(json.dumps(found))
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, request):
-    """One real Prefect server for this file's tests: the PREFECT_* variables that point at it."""
-    claim_worker(request, "test_deployment.py's server")
-    with prefect_server(tmp_path_factory.mktemp("server")) as env:
-        yield {name: value for name, value in env.items() if name.startswith("PREFECT_")}
+def server(prefect_harness, tmp_path_factory, request):
+    """The run's real Prefect server (a `prefect server start` of its own port, shared with the other files; this
+    file's work pools and deployments have names of their own): the PREFECT_* variables its processes get, with a
+    home of this file's, where a flow run's persisted result is read back."""
+    claim_worker(request, "test_deployment.py's deployments")
+    home = tmp_path_factory.mktemp("prefect-home")
+    yield {"PREFECT_API_URL": prefect_harness, "PREFECT_HOME": str(home), "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true"}
 
 
 def _env(server, **extra):

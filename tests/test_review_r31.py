@@ -327,7 +327,8 @@ def test_one_member_with_many_bookings_and_fifteen_connections_asking_status_can
         thread.start()
     slowest = 0.0
     try:
-        deadline = time.monotonic() + 20
+        # 8 s of probes, each a process of the other user's: on the code reviewed the first one took 20.6 s.
+        deadline = time.monotonic() + 8
         while time.monotonic() < deadline and slowest < CALL_TIMEOUT_S:
             asked = time.monotonic()
             assert _answered(other, service.socket), "another user was not answered"
