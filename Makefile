@@ -15,16 +15,11 @@ BENCH_STAMP := $(VENV)/.bench-stamp
 
 setup: $(STAMP)
 
-# pip byte-compiles what it installs one file at a time (half of the setup's time here); compileall does the same
-# on every core. Its status is not checked: like pip, it leaves out the few files that are not Python 3.11 (torch
-# ships one for 3.12), and a missing .pyc costs only a slower first import.
-INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check --no-compile
-COMPILE := $(PY) -m compileall -qq -j 0 $(VENV)/lib || true
+INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(INSTALL) -e ".[prefect,demo,test]"
-	$(COMPILE)
 	touch $(STAMP)
 
 # Test processes at once: the tests wait on real processes and sockets more than they compute.
@@ -76,7 +71,6 @@ deploy: setup
 
 $(BENCH_STAMP): $(STAMP)
 	$(INSTALL) -e ".[prefect,demo,test,bench]"
-	$(COMPILE)
 	touch $(BENCH_STAMP)
 
 # Ratios against baselines measured in the same run; writes bench/results/latest.json.

@@ -291,7 +291,7 @@ class Pool:
             # the flow run that started it. -P and the state directory as working directory: nothing
             # in the folder this client runs from is importable by the pool.
             started = subprocess.run(
-                [sys.executable, "-P", "-m", "resident_pool", "daemon", "--background",
+                [sys.executable, "-P", "-m", "resident_pool.server.daemon", "--background",
                  "--manifests", str(self.manifests)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=False, timeout=60,
                 cwd=self.state_dir,

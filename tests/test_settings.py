@@ -72,7 +72,8 @@ def test_every_test_runs_with_admission_settings_of_its_own_never_the_hosts(isol
 EDGES = {
     "cli/base.py": {"configured"},  # every command but one, through it
     "cli/admission.py": {"admission_service"},  # the host admission service's start
-    "server/pool.py": {"PoolServer.__init__"},  # the daemon's start (the CLI hands it its own; a test's reads them)
+    "server/pool.py": {"PoolServer.__init__"},  # a pool made without settings (a test's) reads them
+    "server/daemon.py": {"run"},  # the pool's process: `resident-pool daemon` and what a client starts
     "client.py": {"Pool.__init__"},  # Pool(): a client's settings are those of when it was made
     "providers/supervisor.py": {"ResidentWorker.__init__"},  # a standalone worker: the original design's entry
     "prefect/__init__.py": {"host_settings"},  # the flows and the helpers their tasks call

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import time
@@ -50,42 +49,11 @@ def daemon(
     ] = None,
 ) -> None:
     """Run this host's pool: it owns the workers, the ledger writes and the admission queue."""
-    from ..admission.remote import probe_service
-    from ..server.corelog import check_path
-    from ..server.pool import PoolServer
+    from ..server.daemon import run
 
-    config, paths = configured()
-    try:  # before detaching: a host admission service in force that does not answer, or a core log that cannot be
-        # written, is said here, where the client that starts the pool reads it at once, not in a log
-        probe_service(config)
-        if config.core_log is not None:
-            check_path(config.core_log)
-    except ResidentPoolError as exc:
-        errors.print(f"[red]cannot start the pool[/]: {safe(exc)}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
-    if background and os.fork() > 0:
-        os._exit(0)  # the client that started us waits for this exit, then for the socket
-    log_format = "%(asctime)s %(name)s %(levelname)s %(message)s"
-    if background:
-        os.setsid()
-        # Detached, it writes pool.log in the log folder (its stdout and stderr too), rotated by size;
-        # under systemd it logs to stderr and the journal rotates.
-        from ..ops.retention import PoolLogHandler
-
-        handler = PoolLogHandler(paths.log_dir() / "pool.log", int(config.pool_log_max_mb * 2**20))
-        handler.setFormatter(logging.Formatter(log_format))
-        logging.basicConfig(level=logging.INFO, handlers=[handler])
-    else:
-        logging.basicConfig(level=logging.INFO, format=log_format)
-    try:
-        server = PoolServer(manifests_dir(manifests), quiet_exit_s=quiet_exit_s, config=config)
-    except ResidentPoolError as exc:  # in the log (or the journal) as one sentence, not a traceback
-        logging.getLogger("resident_pool.pool").error("cannot start the pool: %s", exc)
-        raise typer.Exit(2) from None
-    # Never the folder it was started from (a shared project or scratch folder): what runs later
-    # (`python -c` probes, a tool's relative path) must find nothing planted there.
-    os.chdir(server.state_dir)
-    server.serve_forever()
+    status = run(manifests, background=background, quiet_exit_s=quiet_exit_s)
+    if status:
+        raise typer.Exit(status)
 
 
 @app.command()
