@@ -452,8 +452,9 @@ def test_the_report_opens_offline_with_its_charts_drawn(screened, browser, stack
     assert asked == [report.as_uri()], asked  # nothing but the file itself: no request leaves the host
 
 
-# The demo file's first answers checked here; the whole file's 500 cost the model about three CPU-minutes on the
-# 2-core machine (a quarter of the suite's), and `make bench` checks them (bench/adhoc.py, check_demo_answers).
+# The demo file's first answers checked here; the whole file's 500 cost the model about 190 CPU-s on the 2-core
+# machine (a sixth of the suite's, measured per test), and `make bench` checks them (bench/adhoc.py,
+# check_demo_answers).
 FIRST_ANSWERS = 64
 
 
