@@ -451,7 +451,8 @@ class _Outbox:
             else:
                 peer = inbox.peer if inbox is not None else None
                 slabs = self.buffers.slabs(inbox) if self.arrays.reuses(peer) else None
-                raw, fds, fresh = self.arrays.encode(reply, peer, self.attach_min_bytes, received, slabs)
+                raw, fds, fresh = self.arrays.encode(reply, peer, self.attach_min_bytes, received, slabs,
+                                                     try_plain=False)
         except (ValueError, TypeError) as exc:
             # The result itself cannot cross the wire (NaN, a set, over the cap).
             fallback = {"ok": False, "reason": "request_failed", "id": reply.get("id"),
