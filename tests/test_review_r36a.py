@@ -101,3 +101,15 @@ def test_a_worker_reply_the_plain_encoder_cannot_take_is_tried_on_it_once(monkey
     reply = json.loads(raw)
     assert reply["ok"] if kind == "array" else "over the protocol cap" in reply["error"]
     assert fds == [] and fresh is None and _Counted.walks <= 2
+
+
+def test_a_worker_reply_too_deep_to_encode_fails_its_request_not_the_worker():
+    # Found beside the review, older than it: RecursionError is neither ValueError nor TypeError, so it left
+    # Outbox.encode, and the serve loop with it (the worker ends, and with it every caller's item in a shared batch).
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    outbox = worker_base._Outbox("echo", protocol, arrays, None, selectors.DefaultSelector())
+    raw, _, _, _ = outbox.encode({"ok": True, "id": 1, "result": deep}, None, (), None)
+    reply = json.loads(raw)
+    assert not reply["ok"] and reply["reason"] == "request_failed" and "recursion" in reply["error"]
