@@ -559,7 +559,8 @@ def _owner(value: Any) -> Any:
 
 
 def encode(message: dict[str, Any], peer: Mapping[str, Any] | None, min_bytes: int = protocol.ATTACH_MIN_BYTES,
-           received: Sequence[Any] = (), slabs: Slabs | None = None) -> tuple[bytes, list[int], int | None]:
+           received: Sequence[Any] = (), slabs: Slabs | None = None, *, try_plain: bool = True,
+           ) -> tuple[bytes, list[int], int | None]:
     """The line for ``message``, the descriptors to send beside it, and the fresh memfd to close once sent.
 
     ``peer`` is what the other side said in its ping (falsy: plain JSON only).
@@ -567,8 +568,9 @@ def encode(message: dict[str, Any], peer: Mapping[str, Any] | None, min_bytes: i
     ``slabs``: this side's reused buffers; with a peer of version 2 the arrays go in one of them
     (``slabs.pending`` records which, for ``settle``) instead of a fresh memfd.
     A message without arrays encodes exactly as ``protocol.encode_line``.
+    ``try_plain=False``: the caller found ``plain_line`` None already (it is not tried twice).
     """
-    plain = plain_line(message)
+    plain = plain_line(message) if try_plain else None
     if plain is not None:
         return plain, [], None
     encoder = _Encoder(peer, min_bytes, list(received), slabs)
@@ -612,21 +614,21 @@ def _not_plain(value: Any) -> Any:
     raise _NotPlain
 
 
-# One C encoder made once, with encode's settings: json.dumps with keyword arguments builds a JSONEncoder and a C
-# encoder on every call (about half of what encoding a short line costs here). No circular-reference markers: a
-# message that needs them (or fails in any other way) is encoded again on the whole path, which raises its error.
-_PLAIN_ENCODER = (json.encoder.c_make_encoder(None, _not_plain, json.encoder.encode_basestring, None, ":", ",",
-                                              False, False, False)
-                  if json.encoder.c_make_encoder is not None else None)
+# json's C encoder called directly, with encode's settings: json.dumps with keyword arguments builds a JSONEncoder on
+# every call (about half of what encoding a short line costs here). Made per call with markers of its own: without
+# them a cycle is followed until RecursionError, which under a raised recursion limit is past the C stack (a
+# segfault); made once and shared, the markers a failed encode leaves would be another thread's too.
+_MAKE_ENCODER = json.encoder.c_make_encoder
 
 
 def plain_line(message: dict[str, Any]) -> bytes | None:
     """``message``'s line when it holds no array, bytes or anything else JSON does not carry as it is, and is under
     the cap; else None (``encode`` goes the whole way, and says what is wrong)."""
-    if _PLAIN_ENCODER is None:
+    if _MAKE_ENCODER is None:
         return None
     try:
-        raw = "".join(_PLAIN_ENCODER(message, 0)).encode("utf-8") + b"\n"
+        encoder = _MAKE_ENCODER({}, _not_plain, json.encoder.encode_basestring, None, ":", ",", False, False, False)
+        raw = "".join(encoder(message, 0)).encode("utf-8") + b"\n"
     except Exception:  # noqa: BLE001 - whatever it is, the whole path meets it again and raises it as it always has
         return None
     return raw if len(raw) <= protocol.MAX_LINE_BYTES else None

@@ -220,17 +220,27 @@ def closed(buf: bytearray) -> None:
 
 
 # The C scanner json.loads ends in, called directly: json.loads' own steps around it (its checks, two regex matches
-# for whitespace) cost about as much as the scan of a short line here. Anything it does not take whole (whitespace
-# around the object, bad JSON) goes through json.loads, which says what is wrong.
+# for whitespace) cost about as much as the scan of a short line here. What json.loads does after its scan is done
+# here after this one, so a line is scanned once whatever it holds (a junk byte after a line of up to the cap would
+# otherwise cost a second scan, with the first one's objects still alive); a line the scan cannot start on
+# (whitespace or a BOM first, no JSON at all) goes to json.loads, which says what is wrong.
 _scan_once = json.decoder.JSONDecoder().scan_once
+_WHITESPACE = json.decoder.WHITESPACE.match
 
 
 def _loads(text: str) -> Any:
+    """``json.loads(text)``: the same object, or the same error."""
     try:
         obj, end = _scan_once(text, 0)
-    except Exception:  # noqa: BLE001 - StopIteration for bad JSON, and the rest: json.loads raises them as it does
-        end = -1
-    return obj if end == len(text) else json.loads(text)
+    except StopIteration as stop:
+        if not stop.value:
+            return json.loads(text)
+        raise json.JSONDecodeError("Expecting value", text, stop.value) from None
+    if end != len(text):
+        end = _WHITESPACE(text, end).end()
+        if end != len(text):
+            raise json.JSONDecodeError("Extra data", text, end)
+    return obj
 
 
 def _decode(line: bytes) -> dict[str, Any]:

@@ -451,9 +451,10 @@ class _Outbox:
             else:
                 peer = inbox.peer if inbox is not None else None
                 slabs = self.buffers.slabs(inbox) if self.arrays.reuses(peer) else None
-                raw, fds, fresh = self.arrays.encode(reply, peer, self.attach_min_bytes, received, slabs)
-        except (ValueError, TypeError) as exc:
-            # The result itself cannot cross the wire (NaN, a set, over the cap).
+                raw, fds, fresh = self.arrays.encode(reply, peer, self.attach_min_bytes, received, slabs,
+                                                     try_plain=False)
+        except (ValueError, TypeError, RecursionError) as exc:
+            # The result itself cannot cross the wire (NaN, a set, over the cap, nested past the recursion limit).
             fallback = {"ok": False, "reason": "request_failed", "id": reply.get("id"),
                         "error": f"{self.slug}: the result cannot be sent: {exc}"}
             return self.encode(fallback, None, (), release)
