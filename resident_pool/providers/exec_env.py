@@ -17,6 +17,7 @@ from .manifest import ContainerEnv, Manifest, VenvEnv
 __all__ = [
     "BASE_PREFIXES",
     "BASE_VARIABLES",
+    "THREAD_VARIABLES",
     "Bind",
     "container_name",
     "engine_controls",

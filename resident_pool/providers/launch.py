@@ -21,7 +21,16 @@ from ..host.paths import Paths
 from ..host.trust import check_trusted
 from ..settings import Settings
 from . import jit_cache, kit_rules
-from .exec_env import Bind, container_name, engine_controls, interpreter, parse_bind, passthrough_env, wrap
+from .exec_env import (
+    THREAD_VARIABLES,
+    Bind,
+    container_name,
+    engine_controls,
+    interpreter,
+    parse_bind,
+    passthrough_env,
+    wrap,
+)
 from .kit_rules import KitRow, apply_row, jit_root, jit_root_is_default, kit_env, run_probe
 from .manifest import Manifest, VenvEnv
 from .supervisor import Admitter, ResidentWorker
@@ -228,7 +237,9 @@ class LaunchPlan:
             env.update(passthrough_env(manifest.env.passthrough, environ, keep=[root_env] if root_env else []))
         else:
             named = environ if manifest.env.passthrough == "*" else manifest.env.passthrough or ()
-            env.update({n: environ[n] for n in named if n in environ})
+            # The pool's thread limits reach a container's worker as they reach a venv worker's (docs/security.md):
+            # torch in a container otherwise starts a thread per core of the host, whatever the pool's CPU limit.
+            env.update({n: environ[n] for n in (*named, *sorted(THREAD_VARIABLES)) if n in environ})
         env.update(shared_files_env())
         env.update(worker_side_env(manifest, config))
         if heartbeat:
