@@ -212,23 +212,15 @@ def browser(stack):
     wait_until(lambda: not tagged_processes(tag), timeout=30, message="Chromium to exit")
 
 
-@pytest.fixture(scope="module")
-def signed_in(browser, stack):
-    """One browser context past the login page (the auth string where the UI keeps it after a login), as one user's
-    browser is: its pages share the UI's cached scripts, which a fresh context fetched and compiled again per test."""
+@pytest.fixture
+def page(browser, stack):
+    """A page already past the login page: the auth string where the UI keeps it after a login."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     context.add_init_script(f"localStorage.setItem('prefect-password', {_basic(stack.api.auth)!r})")
-    yield context
-    context.close()
-
-
-@pytest.fixture
-def page(signed_in):
-    """A page of its own for each test, in the signed-in context."""
-    opened = signed_in.new_page()
+    opened = context.new_page()
     opened.set_default_timeout(60_000)  # each wait below polls until its element appears
     yield opened
-    opened.close()
+    context.close()
 
 
 def _run_page(page, stack, run_id: str, tab: str) -> None:
