@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -10,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +46,40 @@ def wait_until(condition, timeout=10.0, interval=0.02, message="condition"):
             raise AssertionError(f"timed out after {timeout} s waiting for {message}")
         time.sleep(interval)
 
+
+
+def rest_call(url: str, method: str, path: str, body: object = None, auth: str | None = None) -> tuple[int, object]:
+    """One call to a Prefect server's REST API (``url`` ends in /api): its status and decoded body, whatever the
+    status. ``auth`` is sent as the stack's UI and Prefect's client send it (HTTP Basic, the string base64-encoded
+    whole). A 503 (the server's SQLite busy on a loaded machine, seen in full runs) is asked again, 20 times at
+    most half a second apart, as Prefect's own client does."""
+    headers = {"content-type": "application/json"}
+    if auth is not None:
+        headers["authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
+    data = None if body is None else json.dumps(body).encode()
+    for attempt in range(20):
+        request = urllib.request.Request(url + path, method=method, data=data, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as error:
+            if error.code != 503 or attempt == 19:
+                text = error.read().decode(errors="replace")
+                try:
+                    return error.code, json.loads(text or "null")
+                except ValueError:
+                    return error.code, text
+        time.sleep(0.5)
+    raise AssertionError("unreachable")
+
+
+def rest_answer(url: str, method: str, path: str, body: object = None, auth: str | None = None):
+    """``rest_call``'s body where the call succeeded; otherwise an AssertionError with the server's own words (a
+    409 names the bad parameter)."""
+    status, answer = rest_call(url, method, path, body, auth)
+    if status >= 400:
+        raise AssertionError(f"{method} {path}: {status} {json.dumps(answer) if not isinstance(answer, str) else answer}")
+    return answer
 
 def configured():
     """The settings as this test's environment gives them now, and the folders they name: what an edge (the CLI,
@@ -249,3 +287,27 @@ def breaker_open(slug="kernels", transcript="/tmp/kernels-0.log"):
                                 details={"breaker_opened": True})
     return ResidentPoolError(f"{slug}: not started: its breaker is open", slug=slug, reason="breaker_open",
                              details={"breaker": {"failures": 1, "closes_in_s": 157.4}, "original": original.to_dict()})
+
+
+def read_fasta(path: Path) -> dict[str, str]:
+    """Each record's id (its header's first word) and sequence: the tests' own reading, apart from the product's."""
+    found: dict[str, str] = {}
+    name = None
+    for line in Path(path).read_text().splitlines():
+        if line.startswith(">"):
+            name = line[1:].split()[0]
+            found[name] = ""
+        elif name is not None:
+            found[name] += line.strip()
+    return found
+
+
+def load_minilm_worker(name: str):
+    """The demo provider's worker script (manifests/minilm/worker.py) as a module of this process, under ``name``:
+    its tokenizing and its model called directly, without a pool."""
+    path = Path(__file__).resolve().parents[1] / "manifests" / "minilm" / "worker.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

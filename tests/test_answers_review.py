@@ -5,12 +5,12 @@ A probe that fails here shows a defect on the current code: a degenerate model t
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
 from pathlib import Path
 
 import pytest
+from helpers import load_minilm_worker
 
 from resident_pool.providers.manifest import Answers, load_manifest
 from resident_pool.validation import expected
@@ -40,19 +40,11 @@ def test_r33_answers_that_are_all_zero_for_most_inputs_fail_the_answers_checks()
     assert not found.ok, f"28 of 32 answers are the zero vector, yet the checks pass: {found.describe()}"
 
 
-def _minilm_worker():
-    spec = importlib.util.spec_from_file_location("r33_minilm_worker", MINILM / "worker.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def minilm():
     """The demo's worker module, its model loaded in this process, and its manifest."""
     pytest.importorskip("sentence_transformers")
-    worker = _minilm_worker()
+    worker = load_minilm_worker("r33_minilm_worker")
     manifest = load_manifest(MINILM / "manifest.toml")
     return worker, worker.load(_weights(manifest)), manifest
 
@@ -136,7 +128,7 @@ def test_r33_a_text_the_rule_passes_is_one_the_minilm_worker_can_read(invisible)
     if problem is not None:
         return  # refused by the rule, named: what the issue asks
     tokenizer = AutoTokenizer.from_pretrained(_weights(manifest))
-    ids, _ = _minilm_worker().token_ids(tokenizer, ["hello world", text, "good morning"], "text")
+    ids, _ = load_minilm_worker("r33_minilm_worker").token_ids(tokenizer, ["hello world", text, "good morning"], "text")
     assert all(ids)
 
 

@@ -14,14 +14,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
-from helpers import PREFECT, TAG_VARIABLE, describe_pids, tagged_processes, wait_until
+from helpers import PREFECT, TAG_VARIABLE, describe_pids, rest_answer, tagged_processes, wait_until
 from scheduling import claim_worker
 
 from resident_pool.host.procs import pid_alive
@@ -52,19 +49,7 @@ class Probe:
         self.count = 0
 
     def call(self, method: str, path: str, body: dict | None = None):
-        """One request; a 503 (the server's SQLite busy under a loaded machine) is asked again, as Prefect's own
-        client does."""
-        for attempt in range(20):
-            request = urllib.request.Request(self.api + path, method=method, data=None if body is None else
-                                             json.dumps(body).encode(), headers={"content-type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=30) as response:
-                    return json.loads(response.read() or b"null")
-            except urllib.error.HTTPError as error:
-                if error.code != 503 or attempt == 19:
-                    raise
-            time.sleep(0.5)
-        return None
+        return rest_answer(self.api, method, path, body)
 
     def start(self, **parameters) -> tuple[str, Path]:
         self.count += 1

@@ -17,13 +17,11 @@ import sys
 import textwrap
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
-from helpers import PREFECT, TAG_VARIABLE, configured, tagged_processes, wait_until
+from helpers import PREFECT, TAG_VARIABLE, configured, rest_answer, tagged_processes, wait_until
 from scheduling import claim_worker
 
 from resident_pool.host.procs import pid_alive
@@ -93,17 +91,7 @@ class Stack:
         self.count = 0
 
     def call(self, method: str, path: str, body: dict | None = None):
-        for attempt in range(20):
-            request = urllib.request.Request(self.api + path, method=method, data=None if body is None else
-                                             json.dumps(body).encode(), headers={"content-type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=30) as response:
-                    return json.loads(response.read() or b"null")
-            except urllib.error.HTTPError as error:
-                if error.code != 503 or attempt == 19:
-                    raise
-            time.sleep(0.5)
-        return None
+        return rest_answer(self.api, method, path, body)
 
     def start(self, name: str) -> tuple[str, Path]:
         self.count += 1

@@ -5,12 +5,11 @@ Each is small: a tokenizer, the demo model on a dozen proteins, a stand-in conta
 
 from __future__ import annotations
 
-import importlib.util
 import stat
 from pathlib import Path
 
 import pytest
-from helpers import as_the_pool
+from helpers import as_the_pool, load_minilm_worker, read_fasta
 from providers import write_provider
 
 from resident_pool.providers.launch import plan_launch, weights_root
@@ -23,26 +22,6 @@ FIRST_ANSWERS = 64  # the demo file's answers tests/test_ui.py's quick run still
 THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
-def _fasta(path: Path) -> dict[str, str]:
-    found: dict[str, str] = {}
-    name = None
-    for line in path.read_text().splitlines():
-        if line.startswith(">"):
-            name = line[1:].split()[0]
-            found[name] = ""
-        elif name is not None:
-            found[name] += line.strip()
-    return found
-
-
-def _minilm_worker():
-    spec = importlib.util.spec_from_file_location("r36_minilm_worker", MINILM / "worker.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_r36_every_protein_of_the_demo_file_reads_without_an_unknown_token():
     """eb6b9d8 moved the check of the demo file's 500 answers (each ok, no unknown token) from the suite to `make
     bench`; the UI's quick run checks the first 64. Those hold no 'X' (six proteins past the 268th do) and the smoke
@@ -51,9 +30,9 @@ def test_r36_every_protein_of_the_demo_file_reads_without_an_unknown_token():
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
-    proteins = _fasta(DEMO)
+    proteins = read_fasta(DEMO)
     tokenizer = AutoTokenizer.from_pretrained(weights_root(load_manifest(MINILM / "manifest.toml")))
-    ids, unknown = _minilm_worker().token_ids(tokenizer, list(proteins.values()), "protein")
+    ids, unknown = load_minilm_worker("r36_minilm_worker").token_ids(tokenizer, list(proteins.values()), "protein")
     assert [len(row) for row in ids] == [len(text) for text in proteins.values()]
     bad = [name for name, count in zip(proteins, unknown, strict=True) if count]
     assert not bad, f"{len(bad)} demo proteins read with unknown tokens, first {bad[:3]}"
@@ -81,10 +60,10 @@ def test_r36_the_demo_proteins_only_the_files_tail_holds_get_real_distinct_answe
     residues; the first 64 start at 31), the longest (4,291: 33 windows; the first 64 reach 15) and the repeated
     sequences, whose copies must share their answer (the old check's 498 distinct of 500)."""
     pytest.importorskip("sentence_transformers")
-    proteins = _fasta(DEMO)
+    proteins = read_fasta(DEMO)
     chosen = _tail(proteins)
     assert any("X" in proteins[name] for name in chosen) and len(chosen) >= 10
-    worker = _minilm_worker()
+    worker = load_minilm_worker("r36_minilm_worker")
     model = worker.load(weights_root(load_manifest(MINILM / "manifest.toml")))
     texts = [proteins[name] for name in chosen]
     vectors, items = worker.embed(model, texts)

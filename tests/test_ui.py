@@ -15,16 +15,28 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
-from helpers import TAG_VARIABLE, describe_pids, free_port, short_folder, tagged_processes, wait_until
+from helpers import (
+    TAG_VARIABLE,
+    describe_pids,
+    free_port,
+    read_fasta,
+    rest_answer,
+    rest_call,
+    short_folder,
+    tagged_processes,
+    wait_until,
+)
 from providers import EMBEDDER_ENV, write_provider
 from scheduling import claim_worker
 
@@ -78,20 +90,7 @@ class Api:
         self.url, self.auth = url, auth
 
     def call(self, method: str, path: str, body: dict | None = None):
-        request = urllib.request.Request(f"{self.url}/api{path}", method=method,
-                                         data=None if body is None else json.dumps(body).encode(),
-                                         headers={"content-type": "application/json",
-                                                  "authorization": "Basic " + _basic(self.auth)})
-        for attempt in range(20):
-            try:
-                with urllib.request.urlopen(request, timeout=30) as response:
-                    return json.load(response)
-            except urllib.error.HTTPError as error:  # the server's own words: a 409 names the bad parameter
-                if error.code != 503 or attempt == 19:  # 503: its SQLite busy on a loaded machine, asked again
-                    raise AssertionError(f"{method} {path}: {error.code} {error.read().decode(errors='replace')}") \
-                        from None
-            time.sleep(0.5)
-        raise AssertionError("unreachable")
+        return rest_answer(f"{self.url}/api", method, path, body, self.auth)
 
     def run(self, deployment: str, parameters: dict) -> str:
         found = self.call("GET", f"/deployments/name/{deployment}")
@@ -129,6 +128,7 @@ class Stack:
         self.api: Api | None = None
         self.tag = env[TAG_VARIABLE]
         self.down_done = False
+        self.up_output = ""
 
     def script(self, action: str, timeout: float = 300) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", str(STACK), action], env=self.env, capture_output=True, text=True,
@@ -151,7 +151,10 @@ def stack(tmp_path_factory, request):
     """`stack.sh up` on a free port, its own folders and providers (minilm, echo, a fast embedder, one that refuses
     to start); `stack.sh down` after the file's tests, and nothing of it left."""
     claim_worker(request, "test_ui.py's stack")
-    root = tmp_path_factory.mktemp("stack")
+    # A folder others may look into (the stack's own, inside it, is 0700): the auth file is kept from another
+    # local user by its own modes, which the stack's guard test checks, not by a private folder above it.
+    root = Path(tempfile.mkdtemp(prefix="rp-ui-stack-"))
+    os.chmod(root, 0o755)
     manifests = root / "manifests"
     for slug in ("minilm", "echo"):
         shutil.copytree(ROOT / "manifests" / slug, manifests / slug)
@@ -172,6 +175,7 @@ def stack(tmp_path_factory, request):
         })
         started = Stack(env, root)
         up = started.script("up")
+        started.up_output = up.stdout + up.stderr
         try:
             assert up.returncode == 0, up.stdout + up.stderr + _tail(root / "stack" / "server.log")
             started.api = Api(started.url, started.auth_file.read_text())
@@ -182,6 +186,7 @@ def stack(tmp_path_factory, request):
             left = tagged_processes(started.tag)
             for pid in left:
                 os.kill(pid, 9)
+            shutil.rmtree(root, ignore_errors=True)
             assert not left, f"left running after stack.sh down:\n{describe_pids(left)}"
 
 
@@ -450,18 +455,6 @@ def test_the_report_opens_offline_with_its_charts_drawn(screened, browser, stack
 FIRST_ANSWERS = 64
 
 
-def _fasta(path: Path) -> dict[str, str]:
-    """Each record's id (its header's first word) and sequence."""
-    found, name = {}, None
-    for line in path.read_text().splitlines():
-        if line.startswith(">"):
-            name = line[1:].split()[0]
-            found[name] = ""
-        elif name is not None:
-            found[name] += line.strip()
-    return found
-
-
 def test_the_quick_run_of_the_demo_file_answers_distinct_real_proteins_and_a_cancel_ends_it_with_the_model_warm(
         stack, demo_run):
     """The run the default form started (above) screens the demo file: its first answers, read from the output as
@@ -469,7 +462,7 @@ def test_the_quick_run_of_the_demo_file_answers_distinct_real_proteins_and_a_can
     per distinct sequence. Cancelled then, as the Cancel button on its page does, it ends Cancelled, and the model
     stays warm in the stack's pool for the next run."""
     run_id, output = demo_run["run"], demo_run["output"]
-    sequences = _fasta(output.with_name("uniprot-500.fasta"))
+    sequences = read_fasta(output.with_name("uniprot-500.fasta"))
 
     def first_answers():
         state = stack.api.state(run_id)
@@ -497,6 +490,110 @@ def test_the_quick_run_of_the_demo_file_answers_distinct_real_proteins_and_a_can
     after = wait_until(lambda: (found := stack.workers("minilm")) and all(w["idle"] for w in found) and found,
                        timeout=120, interval=1.0, message="the model's worker to be idle after the cancel")
     assert [w["pid"] for w in after] == [serving["pid"]], (serving, after)
+
+
+# -- the stack's guard: its API and worker against another local user and the UI's own user --------------------
+
+
+@pytest.mark.reliability  # `make reliability` prints its rows: the routes open without the auth string among them
+def test_the_stack_refuses_every_request_without_its_auth_string_and_every_job_variable_that_runs_code(
+        stack, other_user, tmp_path, security_row, reliability_row):
+    """Every local user reaches the server's loopback port, so: no request without the auth string is served, and
+    no flow run, even with it, chooses the command, environment or folder the worker starts it with, or a path
+    outside the folders the worker host allows. On this file's stack, whose folder others may look into."""
+    folder, port, auth_file = stack.root / "stack", int(stack.env["PREFECT_PORT"]), stack.auth_file
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(auth_file.stat().st_mode) == 0o600
+    assert all(stat.S_IMODE(p.stat().st_mode) & 0o005 == 0o005 for p in folder.parents)  # others get that far
+    auth = auth_file.read_text()
+    assert auth.startswith("resident-pool:") and len(auth) > 40 and auth not in stack.up_output
+    api = f"{stack.url}/api"
+    code, deployment = rest_call(api, "GET", "/deployments/name/predict/predict", auth=auth)
+    assert code == 200, deployment
+    marker = Path(tempfile.gettempdir()) / f"rp-stack-pwned-{uuid.uuid4().hex[:8]}"
+    override = {"job_variables": {"command": f"sh -c 'id > {marker}'"}}
+
+    # Another local user: no auth string, so nothing (not even the list of deployments).
+    from conftest import SYSTEM_PYTHON
+
+    probe = ("import sys, urllib.request, urllib.error\n"
+             "r = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode(), method='POST',"
+             " headers={'Content-Type': 'application/json'})\n"
+             "try:\n    print(urllib.request.urlopen(r, timeout=30).status)\n"
+             "except urllib.error.HTTPError as e:\n    print(e.code)\n")
+    for path, body in ((f"/deployments/{deployment['id']}/create_flow_run", override), ("/deployments/filter", {})):
+        done = subprocess.run(["setpriv", f"--reuid={other_user}", f"--regid={other_user}", "--clear-groups",
+                               SYSTEM_PYTHON, "-c", probe, api + path, json.dumps(body)],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.stdout.strip() == "401", done.stdout + done.stderr
+    cat = subprocess.run(["setpriv", f"--reuid={other_user}", f"--regid={other_user}", "--clear-groups", "cat",
+                          str(auth_file)], capture_output=True, text=True, timeout=30, check=False)
+    assert cat.returncode != 0 and auth not in cat.stdout
+    assert rest_call(api, "POST", "/deployments/filter", {}, "resident-pool:guessed")[0] == 401
+    documented, answered = _documented_open_routes(), _open_routes(port)
+    assert answered == documented, f"answered without the auth string: {sorted(answered)}; docs/security.md " \
+        f"lists {sorted(documented)}"
+
+    # With the auth string: no job variable that runs code, on the work pool or on a flow run.
+    code, pool = rest_call(api, "GET", f"/work_pools/{stack.env['WORK_POOL']}", auth=auth)
+    assert code == 200 and sorted(pool["base_job_template"]["variables"]["properties"]) == [
+        "labels", "name", "stream_output"], pool
+    assert deployment["job_variables"] in ({}, None)
+    for variables in ({"command": override["job_variables"]["command"]}, {"env": {"LD_PRELOAD": "/tmp/evil.so"}},
+                      {"working_dir": str(tmp_path)}):
+        # Parameters the form requires, so that the job variables are what is refused (a 409 names a parameter).
+        code, said = rest_call(api, "POST", f"/deployments/{deployment['id']}/create_flow_run",
+                               {"job_variables": variables, "parameters": {"provider": "echo", "payload": {"n": 1}}},
+                               auth)
+        assert code == 422 and "Additional properties are not allowed" in json.dumps(said), (variables, said)
+
+    # The worker runs what it is given: providers from its own environment, paths only under its roots.
+    ran = stack.api.wait(stack.api.run("predict/predict", {"provider": "echo", "payload": {"n": 1}}))
+    assert ran["type"] == "COMPLETED", ran["message"] + _tail(folder / "worker.log")
+    outside = stack.api.wait(stack.api.run("screen/screen", {"input": "/etc/passwd", "provider": "echo"}))
+    assert outside["type"] == "FAILED", outside
+    assert "/etc/passwd: is outside" in outside["message"] and "RESIDENT_POOL_INPUT_ROOT" in outside["message"], \
+        outside["message"]
+    assert not marker.exists()
+    security_row("another local user POSTs create_flow_run with job_variables.command; the UI user sets "
+                 "command, env or working_dir, or input=/etc/passwd",
+                 "401 without the auth string (0600, its folder 0700); 422 for every such variable; the "
+                 "path refused naming RESIDENT_POOL_INPUT_ROOT")
+    security_row("another local user calls every route of the stack's API without the auth string",
+                 f"401 but the {len(documented)} routes docs/security.md lists", got="health, the UI, the schema")
+    reliability_row("stack routes called without the auth string", f"401 but the {len(documented)} routes "
+                    "docs/security.md lists (checked against the server's own list)")
+
+
+def _documented_open_routes() -> set[str]:
+    """The routes docs/security.md says answer without the auth string: its table's `GET /path` cells."""
+    text = (ROOT / "docs" / "security.md").read_text()
+    if "exactly these routes answer" not in text:
+        return set()  # the manual lists none: every request without the auth string must then get 401
+    table = text.split("exactly these routes answer", 1)[1].split("\n\n", 2)[1]
+    return set(re.findall(r"^\| `([A-Z]+ /[^`]*)` \|", table, re.M))
+
+
+def _open_routes(port: int) -> set[str]:
+    """Every route of the real server that answers a request without the auth string (anything but a 401): each of
+    the API's (from its schema), with made-up ids, and the server's own pages."""
+    def status(method: str, path: str) -> int:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
+                                         data=b"{}" if method in ("POST", "PUT", "PATCH") else None,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            return error.code
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/openapi.json", timeout=30) as response:
+        schema = json.loads(response.read())
+    routes = [(method.upper(), "/api" + path) for path, methods in schema["paths"].items() for method in methods]
+    routes += [("GET", path) for path in ("/", "/ui-settings", "/docs", "/redoc", "/openapi.json")]
+    assert len(routes) > 100, routes  # the whole API, not a schema that lists nothing
+    made_up = str(uuid.uuid4())
+    return {f"{method} {path}" for method, path in routes
+            if status(method, re.sub(r"\{[^}]*\}", made_up, path)) != 401}
 
 
 def test_stack_up_started_the_relay_and_a_deployments_own_toggle_runs_its_schedule_and_down_stops_all(stack, page):
