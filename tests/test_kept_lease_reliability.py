@@ -70,7 +70,7 @@ def test_three_providers_of_which_two_fit_stream_900_calls_each_answered_and_non
     monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "0:10,1:10")
     slugs = ("big-a", "big-b", "big-c")
     for slug in slugs:
-        gpu_provider(pool_dir, slug, 8, extra="idle_timeout_s = 0\n")
+        gpu_provider(pool_dir, slug, 8)  # idle_timeout_s as users get it (the bench sets 0: never retired)
     logs = Path(os.environ["RESIDENT_POOL_LOG_DIR"])
     raised: list[str] = []
     answered = [0]

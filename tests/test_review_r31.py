@@ -187,7 +187,7 @@ def test_kept_leases_evicted_for_each_other_and_stopped_meanwhile_answer_every_c
     monkeypatch.setenv("RESIDENT_POOL_GPU_CAPACITY_GB", "0:10,1:10")
     slugs = ("big-a", "big-b", "big-c")
     for slug in slugs:
-        gpu_provider(pool_dir, slug, 8, extra="idle_timeout_s = 0\n")
+        gpu_provider(pool_dir, slug, 8)  # idle_timeout_s as users get it (the bench sets 0: never retired)
     raised: list[str] = []
     answered = [0]
     lock = threading.Lock()
