@@ -178,11 +178,12 @@ def prefect_harness(request):
 _SHARED_PREFECT: dict = {}
 
 
-def _start_shared_prefect(config) -> str:
+def _start_shared_prefect(config, wait: bool = True) -> str:
     """Start the run's Prefect server, or join the one another worker started; the last worker stops it.
 
-    Called while collecting, where no test's timeout runs: a first start (the database's migrations) can take
-    a minute on a busy 2-core machine.
+    An xdist worker starts (or joins) it as it is configured, without waiting, so that the server boots while the
+    workers collect; each waits for it once its collection is done (``wait``), where no test's timeout runs: a
+    first start (the database's migrations) can take a minute on a busy 2-core machine.
     """
     import json
     import subprocess
@@ -205,9 +206,6 @@ def _start_shared_prefect(config) -> str:
                                         stdin=subprocess.DEVNULL, start_new_session=True)
             shared = {"url": f"http://127.0.0.1:{port}/api", "pid": proc.pid, "users": 0}
             _SHARED_PREFECT["process"] = proc  # kept: a Popen collected while it runs warns, and warnings fail
-            wait_until(lambda: _healthy(shared["url"]) or proc.poll() is not None, timeout=300,
-                       message="the shared Prefect server to answer")
-            assert proc.poll() is None, (root / "prefect-server.log").read_text()[-2000:]
         shared["users"] += 1
         info.write_text(json.dumps(shared))
 
@@ -230,8 +228,22 @@ def _start_shared_prefect(config) -> str:
             process.wait(timeout=30 if last else 1800)
 
     config.add_cleanup(leave)
-    _SHARED_PREFECT["url"] = shared["url"]
+    _SHARED_PREFECT["url"], _SHARED_PREFECT["pid"] = shared["url"], shared["pid"]
+    _SHARED_PREFECT["log"] = root / "prefect-server.log"
+    if wait:
+        _await_shared_prefect()
     return shared["url"]
+
+
+def _await_shared_prefect() -> None:
+    """Wait until the run's Prefect server answers; fail, with its log's tail, if it exited instead."""
+    from resident_pool.host.procs import pid_alive
+
+    url, pid = _SHARED_PREFECT["url"], _SHARED_PREFECT["pid"]
+    wait_until(lambda: _healthy(url) or not pid_alive(pid), timeout=300, interval=0.1,
+               message="the shared Prefect server to answer")
+    assert _healthy(url), f"the shared Prefect server (pid {pid}) exited:\n" + \
+        _SHARED_PREFECT["log"].read_text()[-2000:]
 
 
 def _free_port() -> int:
@@ -300,10 +312,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
 
 
+@pytest.hookimpl(trylast=True)  # after the temporary folders' own configure: the run's folder holds its state
+def pytest_configure(config):
+    """An xdist worker starts (or joins) the run's Prefect server at once, not waiting for it: it boots while the
+    workers collect (the suite's tests nearly all run under xdist, and most of its files need it)."""
+    if hasattr(config, "workerinput"):
+        _start_shared_prefect(config, wait=False)
+
+
 def pytest_collection_finish(session):
-    """Start (or join) the run's Prefect server now, if a test that will run needs it: never inside a test."""
+    """Start (or join) the run's Prefect server, and wait for it, if a test that will run needs it: never inside a
+    test."""
     if any("prefect_harness" in getattr(item, "fixturenames", ()) for item in session.items):
-        _start_shared_prefect(session.config)
+        if "url" in _SHARED_PREFECT:
+            _await_shared_prefect()
+        else:
+            _start_shared_prefect(session.config)
 
 
 # Unique per run, removed at the end of the session.
