@@ -147,21 +147,22 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, request):
+def stack(request):
     """`stack.sh up` on a free port, its own folders and providers (minilm, echo, a fast embedder, one that refuses
     to start); `stack.sh down` after the file's tests, and nothing of it left."""
     claim_worker(request, "test_ui.py's stack")
-    # A folder others may look into (the stack's own, inside it, is 0700): the auth file is kept from another
-    # local user by its own modes, which the stack's guard test checks, not by a private folder above it.
-    root = Path(tempfile.mkdtemp(prefix="rp-ui-stack-"))
-    os.chmod(root, 0o755)
-    manifests = root / "manifests"
-    for slug in ("minilm", "echo"):
-        shutil.copytree(ROOT / "manifests" / slug, manifests / slug)
-    write_provider(manifests, "embedder", EMBEDDER_ENV + "[lifecycle]\nmax_replicas = 1\n", worker="embedder.py")
-    write_provider(manifests, "crashy", 'worker_args = ["{socket}", "--exit-before-bind", "3"]\n'
-                                       '[smoke]\npayload = { action = "echo" }\n')
-    with short_folder(request, "rp-ui-") as state:  # short: AF_UNIX paths
+    # Both kept when a test failed, for its logs. The root is a folder others may look into (the stack's own, inside
+    # it, is 0700): the auth file is kept from another local user by its own modes, which the stack's guard test
+    # checks, not by a private folder above it.
+    with short_folder(request, "rp-ui-stack-") as base, short_folder(request, "rp-ui-") as state:  # short: AF_UNIX
+        root = Path(base)
+        os.chmod(root, 0o755)
+        manifests = root / "manifests"
+        for slug in ("minilm", "echo"):
+            shutil.copytree(ROOT / "manifests" / slug, manifests / slug)
+        write_provider(manifests, "embedder", EMBEDDER_ENV + "[lifecycle]\nmax_replicas = 1\n", worker="embedder.py")
+        write_provider(manifests, "crashy", 'worker_args = ["{socket}", "--exit-before-bind", "3"]\n'
+                                           '[smoke]\npayload = { action = "echo" }\n')
         env = {name: value for name, value in os.environ.items() if not name.startswith(("RESIDENT_POOL_", "PREFECT_"))}
         env.update({
             "STACK_DIR": str(root / "stack"), "INPUT_ROOT": str(root),  # flow runs read only under it
@@ -186,7 +187,6 @@ def stack(tmp_path_factory, request):
             left = tagged_processes(started.tag)
             for pid in left:
                 os.kill(pid, 9)
-            shutil.rmtree(root, ignore_errors=True)
             assert not left, f"left running after stack.sh down:\n{describe_pids(left)}"
 
 
