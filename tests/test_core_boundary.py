@@ -134,7 +134,7 @@ def test_the_runtime_builds_the_view_once_per_decision(clock, monkeypatch):
 # -- idle: decided once, in the core -------------------------------------------------------------------------
 def test_a_kept_lease_running_a_request_is_neither_idle_nor_counting_idle_time(clock):
     state = PoolState(Timings(), clock())
-    state.handle(clock(), ev.ManifestRead("m", "m", "v", "f", Spec(idle_timeout_s=0, ping_interval_s=10_000)))
+    state.handle(clock(), ev.ManifestRead("m", "m", "v", "f", Spec(ping_interval_s=10_000)))
     start = one(state.handle(clock(), ev.ClientAsked("m", CONN, {}, keep=True)).actions, c.Start)
     one(state.handle(clock(), ev.WorkerStarted(start.rid, 7, True)).actions, c.Grant)
     clock.advance(30)
