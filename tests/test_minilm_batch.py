@@ -4,10 +4,10 @@ cannot be read fails alone."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers import load_minilm_worker
 
 from resident_pool.campaigns.inputs import InputFile
 from resident_pool.providers.launch import weights_root
@@ -20,9 +20,7 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def demo():
-    spec = importlib.util.spec_from_file_location("minilm_worker", MINILM / "worker.py")
-    worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)
+    worker = load_minilm_worker("minilm_worker")
     model = worker.load(str(weights_root(load_manifest(MINILM / "manifest.toml"))))
     return worker, model
 
