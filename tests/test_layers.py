@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import resident_pool
 
 PACKAGE = Path(resident_pool.__file__).parent
@@ -133,6 +135,31 @@ def test_importing_the_client_loads_nothing_of_the_server():
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
     assert "resident_pool.client" in loaded
     assert {m for m in loaded if _part(m.removeprefix("resident_pool.")) in ("server", "providers", "admission")} == set()
+
+
+@pytest.mark.parametrize("module", ["resident_pool.worker_base", "resident_pool.zygote_server",
+                                    "resident_pool.server.daemon"])
+def test_a_model_worker_a_zygote_and_the_pool_load_none_of_the_clients_modules_at_start(module):
+    """Every process of the pool imports the package; its ``__init__`` loaded the clients (settings, filelock,
+    asyncio) eagerly, 0.15 s of CPU at every model worker's start for nothing. The daemon loads settings on its own
+    when it runs, not at import."""
+    code = (f"import sys, {module}; "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith(('resident_pool', 'pydantic_settings', "
+            "'filelock', 'asyncio')))))")
+    loaded = set(subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
+                                check=True).stdout.split())
+    assert module in loaded
+    assert loaded & {"resident_pool.client", "resident_pool.aio", "resident_pool.settings", "pydantic_settings",
+                     "filelock", "asyncio"} == set()
+
+
+def test_the_packages_lazy_names_are_the_ones_it_exports():
+    code = ("import resident_pool as r; print(r.Pool.__module__, r.Session.__module__, r.AsyncPool.__module__, "
+            "r.AsyncSession.__module__, r.ResidentWorker.__module__, 'Pool' in dir(r))")
+    said = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert said == ["resident_pool.client", "resident_pool.client", "resident_pool.aio.pool",
+                    "resident_pool.aio.session", "resident_pool.providers.supervisor", "True"]
+    assert set(resident_pool.__all__) <= set(dir(resident_pool))
 
 
 def test_a_two_way_pair_hidden_behind_type_checking_is_an_import_cycle(tmp_path):
