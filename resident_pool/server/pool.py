@@ -129,6 +129,7 @@ class PoolServer:
         (self.state_dir / "pool.pid").write_text(str(os.getpid()))
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._record_signal)
+        signal.set_wakeup_fd(self.wire.wake_fd)  # a signal ends the wait for a client: it is acted on at once
         log.info("pool %d (resident-pool %s) serving %s (manifests %s)", os.getpid(), __version__,
                  self.socket_path, self.manifests)
         threading.Thread(target=self._maintain_loop, name="maintain", daemon=True).start()
@@ -142,6 +143,7 @@ class PoolServer:
                     self.begin_stop(f"signal {signal.Signals(self._signal).name}")
                 backoff = self.wire.accept_once(backoff)
         finally:
+            signal.set_wakeup_fd(-1)
             self.observer.stop()
             self.wire.close()
             if self.runtime.core_log is not None:
@@ -149,7 +151,7 @@ class PoolServer:
             log.info("pool %d stopped", os.getpid())
 
     def _record_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._signal = signum  # only record it: the accept loop acts within a tick
+        self._signal = signum  # only record it: the accept loop, woken by the signal, acts on it
 
     def _memory_freed(self) -> None:
         """The host admission service says memory was given back: whoever waits for it tries again."""
@@ -172,6 +174,7 @@ class PoolServer:
                 self.zygotes.stop_all()
             finally:
                 self.finished.set()
+                self.wire.wake()
 
         threading.Thread(target=stop_everything, name="drain", daemon=True).start()
 

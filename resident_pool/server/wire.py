@@ -159,12 +159,20 @@ class Wire:
         self._listener: socket.socket | None = None
         self._inode: int | None = None
         self._reserve: int | None = None
+        self._poll = select.poll()
+        # Written to end a wait for a client at once (wake(), and a signal through signal.set_wakeup_fd): a pool told
+        # to stop exits when its workers are gone, not a tick later, and a signal is acted on when it comes.
+        self._wake: tuple[int, int] | None = None
+        self._wake_lock = threading.Lock()  # a wake() from another thread never writes to a descriptor closed meanwhile
 
     # -- the socket ---------------------------------------------------------------------------------
     def bind(self) -> None:
         self._listener = bind_unix(self.socket_path)
         self._inode = os.stat(self.socket_path).st_ino
         self._listener.settimeout(self.tick_s)
+        self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poll.register(self._listener, select.POLLIN)
+        self._poll.register(self._wake[0], select.POLLIN)
         # One descriptor held back: at the descriptor limit, it is let go to accept a client and tell it
         # why it is turned away, instead of leaving it hanging in the backlog.
         self._reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -175,9 +183,30 @@ class Wire:
         except FileNotFoundError:
             return False
 
+    @property
+    def wake_fd(self) -> int:
+        """The descriptor whose writing wakes the accept loop (bound wires only)."""
+        assert self._wake is not None
+        return self._wake[1]
+
+    def wake(self) -> None:
+        """End the accept loop's wait now (from any thread)."""
+        with self._wake_lock:
+            if self._wake is None:
+                return
+            try:
+                os.write(self._wake[1], b"w")
+            except BlockingIOError:
+                pass  # already woken: the pipe is full
+
     def close(self) -> None:
         if self._listener is not None:
             self._listener.close()
+        with self._wake_lock:
+            if self._wake is not None:
+                wake, self._wake = self._wake, None
+                for fd in wake:
+                    os.close(fd)
         if self._reserve is not None:
             os.close(self._reserve)
             self._reserve = None
@@ -188,9 +217,18 @@ class Wire:
                 pass
 
     def accept_once(self, backoff: float) -> float:
-        """Accept one connection (or time out after a tick); returns the backoff to use next time."""
+        """Accept one connection (or return after a tick, or when woken); returns the backoff to use next time."""
         assert self._listener is not None
         self.accept_tick = time.monotonic()
+        ready = {fd for fd, _ in self._poll.poll(self.tick_s * 1000)}
+        if self._wake is not None and self._wake[0] in ready:
+            try:
+                while os.read(self._wake[0], 512):
+                    pass
+            except BlockingIOError:
+                pass
+        if self._listener.fileno() not in ready:
+            return backoff
         try:
             conn, _ = self._listener.accept()
         except TimeoutError:
