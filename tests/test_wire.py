@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
+import time
 
 from helpers import wait_until
 
+from resident_pool.protocol import send_line
 from resident_pool.server.wire import Wire
 
 
@@ -40,3 +43,30 @@ def test_a_wake_ends_the_accept_loops_wait_with_a_tick_of_an_hour_so_only_the_wa
         wire.close()
     wire.wake()  # after close: a no-op, never a write to a descriptor that may be someone else's now
     assert not os.path.exists(wire.socket_path)
+
+
+def test_the_loop_ends_only_once_the_shutdown_ops_own_reply_is_sent(short_tmp):
+    """Woken at once, the pool's exit cut off the reply to `shutdown` (seen under load: 2 of 40 shutdowns ended in
+    ConnectionResetError): the loop waits for the replies of the ops it read, not only for `finished`."""
+    finished = threading.Event()
+    wire = _wire(short_tmp, tick_s=0.25)
+
+    def shutdown(message, connection):
+        finished.set()
+        wire.wake()
+        time.sleep(0.3)  # the handler's own work after the stop began (a scene: nothing to wait on)
+        return {"ok": True, "pid": os.getpid()}
+
+    wire.handlers["shutdown"] = shutdown
+    wire.bind()
+    loop = threading.Thread(target=wire.serve_until, args=(finished, lambda: None), daemon=True)
+    loop.start()
+    try:
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(wire.socket_path)
+            send_line(client, {"op": "shutdown"})
+            wait_until(lambda: not loop.is_alive(), timeout=15, message="the loop to end")
+            client.setblocking(False)
+            assert json.loads(client.recv(65536)) == {"ok": True, "pid": os.getpid()}  # there when the loop ended
+    finally:
+        wire.close()

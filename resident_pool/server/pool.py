@@ -136,12 +136,8 @@ class PoolServer:
         if self.admission.orphans is not None:
             self.admission.orphans.start()  # a previous pool's idle workers give their memory back now
         self.observer.start()
-        backoff = 0.0
         try:
-            while not self.finished.is_set():
-                if self._signal is not None:
-                    self.begin_stop(f"signal {signal.Signals(self._signal).name}")
-                backoff = self.wire.accept_once(backoff)
+            self.wire.serve_until(self.finished, self._act_on_signal)
         finally:
             signal.set_wakeup_fd(-1)
             self.observer.stop()
@@ -149,6 +145,10 @@ class PoolServer:
             if self.runtime.core_log is not None:
                 self.runtime.core_log.close()
             log.info("pool %d stopped", os.getpid())
+
+    def _act_on_signal(self) -> None:
+        if self._signal is not None:
+            self.begin_stop(f"signal {signal.Signals(self._signal).name}")
 
     def _record_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signal = signum  # only record it: the accept loop, woken by the signal, acts on it

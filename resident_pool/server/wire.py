@@ -29,6 +29,9 @@ log = logging.getLogger("resident_pool.pool")
 
 # Control messages are small; a payload never passes through the pool.
 CONTROL_LINE_BYTES = 1024 * 1024
+# At exit, how long the ops already read may take to be answered: the stop has ended every lease by then (a wait it
+# refused is answered at once), so each is a reply on its way, not work.
+REPLIES_BOUND_S = 5.0
 Handler = Callable[[dict[str, Any], "Connection"], dict[str, Any] | None]
 
 
@@ -156,6 +159,8 @@ class Wire:
         self.connections = 0
         self.accept_tick = time.monotonic()  # the watchdog's sign that the accept loop turns
         self._count_lock = threading.Lock()
+        self._answering = 0  # ops read and not yet answered: the pool's exit waits for their replies
+        self._answered = threading.Condition()
         self._listener: socket.socket | None = None
         self._inode: int | None = None
         self._reserve: int | None = None
@@ -198,6 +203,19 @@ class Wire:
                 os.write(self._wake[1], b"w")
             except BlockingIOError:
                 pass  # already woken: the pipe is full
+
+    def serve_until(self, finished: threading.Event, each_turn: Callable[[], None]) -> None:
+        """Accept clients until ``finished`` is set (``each_turn`` runs before each wait), then wait, at most
+        REPLIES_BOUND_S, for the replies of the ops already read: the reply to `shutdown` itself among them, which
+        the exiting process would otherwise cut off."""
+        backoff = 0.0
+        while not finished.is_set():
+            each_turn()
+            backoff = self.accept_once(backoff)
+        with self._answered:
+            if not self._answered.wait_for(lambda: self._answering == 0, timeout=REPLIES_BOUND_S):
+                log.warning("exiting with %d op(s) unanswered after %g s; their clients see the connection close",
+                            self._answering, REPLIES_BOUND_S)
 
     def close(self) -> None:
         if self._listener is not None:
@@ -320,13 +338,20 @@ class Wire:
                     return
                 if message is None:
                     return
-                if message.get("op") in self.long_ops:
-                    with self.keepalives.during(connection):
+                with self._answered:
+                    self._answering += 1
+                try:
+                    if message.get("op") in self.long_ops:
+                        with self.keepalives.during(connection):
+                            reply = self.dispatch(message, connection)
+                    else:
                         reply = self.dispatch(message, connection)
-                else:
-                    reply = self.dispatch(message, connection)
-                if reply is not None:
-                    connection.send(reply)
+                    if reply is not None:
+                        connection.send(reply)
+                finally:
+                    with self._answered:
+                        self._answering -= 1
+                        self._answered.notify_all()
         except OSError:
             pass  # the client went away mid-reply; its leases end below
         finally:
