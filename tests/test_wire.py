@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 from helpers import wait_until
 
 from resident_pool.protocol import send_line
+from resident_pool.server import wire as wire_module
 from resident_pool.server.wire import Wire
 
 
@@ -70,3 +74,121 @@ def test_the_loop_ends_only_once_the_shutdown_ops_own_reply_is_sent(short_tmp):
             assert json.loads(client.recv(65536)) == {"ok": True, "pid": os.getpid()}  # there when the loop ended
     finally:
         wire.close()
+
+
+def test_a_client_that_never_reads_its_reply_holds_the_exit_no_longer_than_the_bound(short_tmp, monkeypatch):
+    """The exit waits for the replies of the ops it read: one whose client never reads (a reply larger than the
+    socket's buffers, sent to a stopped process) must not hold it past REPLIES_BOUND_S."""
+    monkeypatch.setattr(wire_module, "REPLIES_BOUND_S", 1.0)
+    finished = threading.Event()
+    wire = _wire(short_tmp, tick_s=3600.0)
+    sending = threading.Event()
+
+    def big(message, connection):
+        sending.set()
+        return {"ok": True, "blob": "x" * (16 * 2**20)}  # far past what the two ends' buffers hold
+
+    wire.handlers["big"] = big
+    wire.bind()
+    loop = threading.Thread(target=wire.serve_until, args=(finished, lambda: None), daemon=True)
+    loop.start()
+    client = socket.socket(socket.AF_UNIX)
+    try:
+        client.connect(wire.socket_path)
+        send_line(client, {"op": "big"})  # and never read
+        wait_until(sending.is_set, timeout=10, message="the reply to be on its way")
+        started = time.monotonic()
+        finished.set()
+        wire.wake()
+        wait_until(lambda: not loop.is_alive(), timeout=15, message="the loop to end")
+        assert time.monotonic() - started < 1.0 + 3.0
+    finally:
+        client.close()  # the blocked send fails now: its thread ends
+        wire.close()
+
+
+SIGNALLED = """
+import os, signal, sys, threading, time
+from resident_pool.server.wire import Wire
+wire = Wire(sys.argv[1], {}, frozenset(), lambda conn: None, max_connections=8, keepalive_s=10.0, tick_s=3600.0,
+            log_hint="pool.log")
+wire.bind()
+got = []
+signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+signal.set_wakeup_fd(wire.wake_fd)
+finished = threading.Event()
+def each_turn():
+    if got:  # as the pool's begin_stop does: the stop's end is a wake of its own
+        finished.set()
+        wire.wake()
+print("serving", flush=True)
+wire.serve_until(finished, each_turn)
+signal.set_wakeup_fd(-1)
+wire.close()
+print("ended", flush=True)
+"""
+
+
+def test_a_signal_ends_the_wait_with_a_tick_of_an_hour(short_tmp):
+    """The pool's signals write to the wake pipe (signal.set_wakeup_fd): a SIGTERM is acted on at once, even while
+    the accept loop waits with a tick of an hour, and from whichever thread the kernel delivers it to."""
+    proc = subprocess.Popen([sys.executable, "-c", SIGNALLED, os.path.join(short_tmp, "s.sock")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "serving"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert proc.stdout.read().strip() == "ended"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+AT_THE_LIMIT = """
+import os, resource, sys, threading
+from resident_pool.server.wire import Wire
+wire = Wire(sys.argv[1], {"hi": lambda message, connection: {"ok": True}}, frozenset(), lambda conn: None,
+            max_connections=1000, keepalive_s=10.0, tick_s=0.25, log_hint="pool.log")
+wire.bind()
+used = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (used + 4, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print("serving", flush=True)
+wire.serve_until(threading.Event(), lambda: None)
+"""
+
+
+def test_at_the_descriptor_limit_a_client_is_turned_away_with_a_reason_after_poll(short_tmp):
+    """Accept follows poll() now: at EMFILE the reserve descriptor still lets the wire tell a client why."""
+    path = os.path.join(short_tmp, "l.sock")
+    proc = subprocess.Popen([sys.executable, "-c", AT_THE_LIMIT, path], stdout=subprocess.PIPE, text=True)
+    clients = []
+    try:
+        assert proc.stdout.readline().strip() == "serving"
+        told = []
+        for _ in range(12):
+            client = socket.socket(socket.AF_UNIX)
+            client.settimeout(5)
+            client.connect(path)
+            clients.append(client)
+        for client in clients:
+            try:
+                send_line(client, {"op": "hi"})
+            except OSError:
+                pass  # turned away already: its reason waits in its buffer
+            try:
+                line = client.recv(65536)
+            except OSError:
+                continue
+            if line:
+                told.append(json.loads(line))
+        refused = [t for t in told if t.get("reason") == "too_many_connections"]
+        assert refused and "descriptors" in refused[0]["error"]["error"], told
+        assert {"ok": True} in told  # the ones within the limit are served
+    finally:
+        for client in clients:
+            client.close()
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
