@@ -192,3 +192,44 @@ def test_at_the_descriptor_limit_a_client_is_turned_away_with_a_reason_after_pol
         proc.kill()
         proc.wait()
         proc.stdout.close()
+
+
+def test_a_client_that_comes_while_the_exit_waits_for_replies_is_refused_at_once(short_tmp, monkeypatch):
+    """While the exit waits for the replies of the ops it read (up to REPLIES_BOUND_S, when a client does not read
+    its own), the socket still listened: a new client's connect succeeded and its op went unanswered until the
+    listener closed, up to the bound later (then a reset). No longer accepting, the pool stops listening first, so
+    a new client is refused at once and starts the next pool."""
+    monkeypatch.setattr(wire_module, "REPLIES_BOUND_S", 3.0)
+    finished = threading.Event()
+    wire = _wire(short_tmp, tick_s=3600.0)
+    sending = threading.Event()
+
+    def big(message, connection):
+        sending.set()
+        return {"ok": True, "blob": "x" * (16 * 2**20)}
+
+    wire.handlers["big"] = big
+    wire.bind()
+    loop = threading.Thread(target=wire.serve_until, args=(finished, lambda: None), daemon=True)
+    loop.start()
+    stuck = socket.socket(socket.AF_UNIX)
+    try:
+        stuck.connect(wire.socket_path)
+        send_line(stuck, {"op": "big"})  # and never read: the exit waits the bound for it
+        wait_until(sending.is_set, timeout=10, message="the reply to be on its way")
+        finished.set()
+        wire.wake()
+        wait_until(lambda: not os.path.exists(wire.socket_path), timeout=1.5,
+                   message="the socket to go while the exit waits for the stuck reply")
+        assert loop.is_alive()  # still waiting for the stuck reply
+        with socket.socket(socket.AF_UNIX) as late:
+            try:
+                late.connect(wire.socket_path)
+            except (FileNotFoundError, ConnectionRefusedError):
+                pass
+            else:
+                raise AssertionError("a client that came after the loop ended was let in to wait unanswered")
+    finally:
+        stuck.close()
+        wait_until(lambda: not loop.is_alive(), timeout=15, message="the loop to end")
+        wire.close()

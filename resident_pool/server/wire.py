@@ -212,14 +212,25 @@ class Wire:
         while not finished.is_set():
             each_turn()
             backoff = self.accept_once(backoff)
+        # Accepting no more: a client that comes while the replies go out is refused at once (and a client waiting
+        # for the socket to go starts the next pool), not let in to wait unanswered until the bound.
+        self._stop_listening()
         with self._answered:
             if not self._answered.wait_for(lambda: self._answering == 0, timeout=REPLIES_BOUND_S):
                 log.warning("exiting with %d op(s) unanswered after %g s; their clients see the connection close",
                             self._answering, REPLIES_BOUND_S)
 
-    def close(self) -> None:
+    def _stop_listening(self) -> None:
         if self._listener is not None:
             self._listener.close()
+        if self.socket_is_ours():
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        self._stop_listening()
         with self._wake_lock:
             if self._wake is not None:
                 wake, self._wake = self._wake, None
@@ -228,11 +239,6 @@ class Wire:
         if self._reserve is not None:
             os.close(self._reserve)
             self._reserve = None
-        if self.socket_is_ours():
-            try:
-                os.unlink(self.socket_path)
-            except FileNotFoundError:
-                pass
 
     def accept_once(self, backoff: float) -> float:
         """Accept one connection (or return after a tick, or when woken); returns the backoff to use next time."""
