@@ -58,6 +58,9 @@ _LAZY = {
     "Session": ".client",
     "ResidentWorker": ".providers.supervisor",
 }
+# The modules a plain `import resident_pool` made attributes of the package while it loaded the clients at import
+# (docs/arrays.md names `resident_pool.arrays.Array`): each is still reachable so, loaded when first named.
+_SUBMODULES = frozenset({"aio", "arrays", "client", "lease", "messages", "priority", "protocol", "settings"})
 
 
 def __getattr__(name: str) -> Any:
@@ -67,6 +70,10 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value
         return value
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)  # the import binds it on the package
     raise AttributeError(f"module 'resident_pool' has no attribute {name!r}")
 
 

@@ -162,6 +162,21 @@ def test_the_packages_lazy_names_are_the_ones_it_exports():
     assert set(resident_pool.__all__) <= set(dir(resident_pool))
 
 
+def test_a_plain_import_still_reaches_the_submodules_the_eager_package_made_reachable():
+    """The package loads its clients on first use (0632ea7): a plain ``import resident_pool`` then
+    ``resident_pool.arrays.Array`` (the type docs/arrays.md names; a worker script or a payload builder touches it
+    before any Pool) raised AttributeError, as did ``.client``, ``.aio``, ``.settings`` and the other modules the
+    eager import had made attributes of the package. Each is reachable again, loaded when first named, and a plain
+    import still loads none of them."""
+    code = ("import sys, resident_pool as r; print('resident_pool.client' in sys.modules, r.arrays.Array.__name__, "
+            "r.client.Pool.__name__, r.aio.AsyncPool.__name__, r.settings.Settings.__name__, "
+            "' '.join(m.__name__ for m in (r.protocol, r.lease, r.messages, r.priority)))")
+    said = subprocess.run([sys.executable, "-P", "-c", code], check=False, capture_output=True, text=True)
+    assert said.returncode == 0, said.stderr[-2000:]
+    assert said.stdout.split() == ["False", "Array", "Pool", "AsyncPool", "Settings", "resident_pool.protocol",
+                                   "resident_pool.lease", "resident_pool.messages", "resident_pool.priority"]
+
+
 def test_a_two_way_pair_hidden_behind_type_checking_is_an_import_cycle(tmp_path):
     """server/pool.py <-> status.py, runtime.py <-> starts.py and lifecycle.py <-> drains.py each hid their back edge
     behind TYPE_CHECKING, which this test skipped: a planted pair must fail it."""

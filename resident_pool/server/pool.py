@@ -193,7 +193,7 @@ class PoolServer:
             self.finished.wait(self.tick_s)
 
     def _maintain(self) -> None:
-        if not self.wire.socket_is_ours():
+        if not self.wire.socket_is_ours() and not self.finished.is_set():  # the exit removes it before its replies
             # The state directory was deleted or another pool took the socket: no client can
             # reach this pool, so its workers would only hold memory. Stand down.
             log.warning("socket %s is gone or no longer ours; stopping every worker and exiting", self.socket_path)
