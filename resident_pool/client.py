@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import select
 import socket
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from .errors import ResidentPoolError, WorkerRequestError, error_from_dict
 from .host.paths import Paths
 from .lease import EXITING, KEPT_BUFFER_BYTES, RECALLED_RETRIES, Held, failure
 from .messages import Acquire, Release, StopWorkers, Variant, Warm, bad_request
-from .protocol import COPY, Inbox, PeerError, ProtocolError, connect, recv_line, send_line, set_timeouts
+from .protocol import COPY, Inbox, PeerError, ProtocolError, connect, ready, recv_line, send_line, set_timeouts
 from .settings import Settings, settings
 from .version import __version__
 
@@ -141,7 +140,7 @@ class _Link:
 
     def poll(self) -> None:
         """Read what the pool sent since (a recall), without waiting."""
-        while select.select([self.pool], [], [], 0)[0]:
+        while ready(self.pool):
             line = recv_line(self.pool, self.buf)
             if line is None:
                 return  # the pool went away: the next call says so

@@ -14,6 +14,7 @@ import fcntl
 import json
 import mmap
 import os
+import select
 import socket
 import stat
 import struct
@@ -54,6 +55,7 @@ __all__ = [
     "peer_uid",
     "pop_line",
     "pop_message",
+    "ready",
     "recv_line",
     "recv_message",
     "rights",
@@ -116,6 +118,15 @@ def encode_line(obj: dict[str, Any]) -> bytes:
             "return a path to a file instead of inlining data this large"
         )
     return raw
+
+
+def ready(obj: socket.socket | int, *, write: bool = False) -> bool:
+    """Whether ``obj`` (a socket or a descriptor) can be read (or written) now without waiting; its peer's close and
+    an error count as ready, as with select(). poll(), not select(): select() refuses a descriptor past 1023, and a
+    pool serving hundreds of clients and workers, or a notebook, holds that many."""
+    poller = select.poll()
+    poller.register(obj, select.POLLOUT if write else select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def send_line(sock: socket.socket, obj: dict[str, Any]) -> None:

@@ -1160,7 +1160,7 @@ class _Server:
                             accepted = self._accept(listener)
                             if accepted is None:
                                 break
-                            if select.select([accepted[0]], [], [], 0)[0]:
+                            if self.protocol.ready(accepted[0]):
                                 self._read(*accepted)
                     elif mask & selectors.EVENT_WRITE:
                         self._flushed(key.fileobj, key.data)

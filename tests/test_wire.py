@@ -286,3 +286,33 @@ def test_an_op_sent_before_the_exit_and_not_yet_read_by_its_thread_is_answered(s
         for client in clients:
             client.close()
         wire.close()
+
+
+def test_a_client_on_a_descriptor_past_1023_is_seen_as_there_until_it_closes():
+    """select() refuses a descriptor past 1023 (ValueError), which Connection.gone() took for a client that went
+    away: a pool holding that many descriptors (hundreds of clients and workers) dropped a live waiting client's
+    place in the line; the keepalive to it failed the same way."""
+    import resource
+
+    from resident_pool import protocol
+    from resident_pool.server.wire import Connection
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    high = 1500
+    assert hard > high, f"the descriptor limit here ({hard}) leaves no room past 1023"
+    if soft <= high:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (high + 1, hard))
+    ours, client = socket.socketpair()
+    try:
+        os.dup2(ours.fileno(), high)
+        ours.close()
+        ours = socket.socket(fileno=high)
+        connection = Connection(ours)
+        assert not connection.gone()
+        assert protocol.ready(ours, write=True)  # the keepalive may write to it
+        client.close()
+        assert connection.gone()
+    finally:
+        ours.close()
+        client.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -15,7 +15,6 @@ import itertools
 import json
 import logging
 import os
-import select
 import socket
 import subprocess
 import threading
@@ -28,6 +27,7 @@ from typing import Any
 from ..exits import LOST_EXIT, describe_exit
 from ..host.paths import Paths
 from ..host.procs import ForkRefused, child_env, pid_alive, terminate_group
+from ..protocol import ready
 from .exec_env import interpreter
 from .launch import weights_root
 from .manifest import ContainerEnv, Manifest
@@ -94,8 +94,7 @@ class ForkedProcess:
 
     def _gone(self) -> bool:
         if self._pidfd is not None:
-            readable, _, _ = select.select([self._pidfd], [], [], 0)
-            return bool(readable)
+            return ready(self._pidfd)
         return not pid_alive(self.pid)
 
 

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import ResidentPoolError
-from ..protocol import ProtocolError, bind_unix, recv_line, send_line
+from ..protocol import ProtocolError, bind_unix, ready, recv_line, send_line
 
 __all__ = ["CONTROL_LINE_BYTES", "Connection", "Keepalives", "Wire"]
 
@@ -64,8 +64,7 @@ class Connection:
     def gone(self) -> bool:
         """Whether the client closed its end (a killed flow run) while the pool worked for it."""
         try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-            if not readable:
+            if not ready(self.sock):
                 return False
             return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except BlockingIOError:
@@ -130,7 +129,7 @@ class Keepalives:
             sock = op.connection.sock
             # A client that does not read (stopped, at a debugger) gets no keepalive: a blocking send
             # would hold this thread, and every other client's keepalive, until it reads again.
-            if not select.select([], [sock], [], 0)[1]:
+            if not ready(sock, write=True):
                 return
             try:
                 send_line(sock, {"progress": {"alive_s": round(now - op.started)}})
