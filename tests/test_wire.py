@@ -24,6 +24,28 @@ def _wire(short_tmp, tick_s: float) -> Wire:
                 keepalive_s=10.0, tick_s=tick_s, log_hint="pool.log")
 
 
+def _serving(wire: Wire, finished: threading.Event) -> threading.Thread:
+    """The wire bound and its loop running in a thread until ``finished``."""
+    wire.bind()
+    loop = threading.Thread(target=wire.serve_until, args=(finished, lambda: None), daemon=True)
+    loop.start()
+    return loop
+
+
+def _with_a_big_reply(short_tmp) -> tuple[Wire, threading.Event]:
+    """A wire (its tick an hour: only a wake ends a wait) whose op ``big`` answers past what the two ends' buffers
+    hold, and the event its handler sets as the reply goes out."""
+    wire = _wire(short_tmp, tick_s=3600.0)
+    sending = threading.Event()
+
+    def big(message, connection):
+        sending.set()
+        return {"ok": True, "blob": "x" * (16 * 2**20)}
+
+    wire.handlers["big"] = big
+    return wire, sending
+
+
 def _accept_in_a_thread(wire: Wire) -> threading.Thread:
     thread = threading.Thread(target=wire.accept_once, args=(0.0,), daemon=True)
     thread.start()
@@ -63,9 +85,7 @@ def test_the_loop_ends_only_once_the_shutdown_ops_own_reply_is_sent(short_tmp):
         return {"ok": True, "pid": os.getpid()}
 
     wire.handlers["shutdown"] = shutdown
-    wire.bind()
-    loop = threading.Thread(target=wire.serve_until, args=(finished, lambda: None), daemon=True)
-    loop.start()
+    loop = _serving(wire, finished)
     try:
         with socket.socket(socket.AF_UNIX) as client:
             client.connect(wire.socket_path)
@@ -82,17 +102,8 @@ def test_a_client_that_never_reads_its_reply_holds_the_exit_no_longer_than_the_b
     socket's buffers, sent to a stopped process) must not hold it past REPLIES_BOUND_S."""
     monkeypatch.setattr(wire_module, "REPLIES_BOUND_S", 1.0)
     finished = threading.Event()
-    wire = _wire(short_tmp, tick_s=3600.0)
-    sending = threading.Event()
-
-    def big(message, connection):
-        sending.set()
-        return {"ok": True, "blob": "x" * (16 * 2**20)}  # far past what the two ends' buffers hold
-
-    wire.handlers["big"] = big
-    wire.bind()
-    loop = threading.Thread(target=wire.serve_until, args=(finished, lambda: None), daemon=True)
-    loop.start()
+    wire, sending = _with_a_big_reply(short_tmp)
+    loop = _serving(wire, finished)
     client = socket.socket(socket.AF_UNIX)
     try:
         client.connect(wire.socket_path)
@@ -202,17 +213,8 @@ def test_a_client_that_comes_while_the_exit_waits_for_replies_is_refused_at_once
     a new client is refused at once and starts the next pool."""
     monkeypatch.setattr(wire_module, "REPLIES_BOUND_S", 3.0)
     finished = threading.Event()
-    wire = _wire(short_tmp, tick_s=3600.0)
-    sending = threading.Event()
-
-    def big(message, connection):
-        sending.set()
-        return {"ok": True, "blob": "x" * (16 * 2**20)}
-
-    wire.handlers["big"] = big
-    wire.bind()
-    loop = threading.Thread(target=wire.serve_until, args=(finished, lambda: None), daemon=True)
-    loop.start()
+    wire, sending = _with_a_big_reply(short_tmp)
+    loop = _serving(wire, finished)
     stuck = socket.socket(socket.AF_UNIX)
     try:
         stuck.connect(wire.socket_path)
@@ -263,9 +265,7 @@ def test_an_op_sent_before_the_exit_and_not_yet_read_by_its_thread_is_answered(s
         return {"ok": True}
 
     wire.handlers["shutdown"] = shutdown
-    wire.bind()
-    loop = threading.Thread(target=wire.serve_until, args=(finished, lambda: None), daemon=True)
-    loop.start()
+    loop = _serving(wire, finished)
     try:
         for _ in range(2):
             client = socket.socket(socket.AF_UNIX)
