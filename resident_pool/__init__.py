@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -65,14 +66,10 @@ _SUBMODULES = frozenset({"aio", "arrays", "client", "lease", "messages", "priori
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value
         return value
     if name in _SUBMODULES:
-        import importlib
-
         return importlib.import_module(f".{name}", __name__)  # the import binds it on the package
     raise AttributeError(f"module 'resident_pool' has no attribute {name!r}")
 
