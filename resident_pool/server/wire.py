@@ -263,14 +263,14 @@ class Wire:
         """Accept one connection (or return after a tick, or when woken); returns the backoff to use next time."""
         assert self._listener is not None
         self.accept_tick = time.monotonic()
-        ready = {fd for fd, _ in self._poll.poll(self.tick_s * 1000)}
-        if self._wake is not None and self._wake[0] in ready:
+        readable = {fd for fd, _ in self._poll.poll(self.tick_s * 1000)}
+        if self._wake is not None and self._wake[0] in readable:
             try:
                 while os.read(self._wake[0], 512):
                     pass
             except BlockingIOError:
                 pass
-        if self._listener.fileno() not in ready:
+        if self._listener.fileno() not in readable:
             return backoff
         try:
             conn, _ = self._listener.accept()
