@@ -20,6 +20,11 @@ from resident_pool.cli.status import breaker_words
 from resident_pool.version import __version__
 
 CLI = str(Path(sys.executable).with_name("resident-pool"))
+# A command that Ctrl-C reaches as in a terminal: a suite started in the background of a script inherits SIGINT
+# ignored, and so would the command, which then never stops (a follower hung a whole run so; a check ran its
+# 30-s smoke to the end).
+AS_IN_A_TERMINAL = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                    "os.execv(sys.argv[1], sys.argv[1:])"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -146,7 +151,8 @@ def test_check_and_status_name_providers_as_people_do_never_by_their_variant_key
 
 def test_status_names_a_checks_own_worker_by_its_provider(pool_dir):
     write_provider(pool_dir, "slow", '[smoke]\npayload = { action = "sleep", seconds = 30 }\n')
-    check = subprocess.Popen([CLI, "check", "--smoke", "slow"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    check = subprocess.Popen([*AS_IN_A_TERMINAL, CLI, "check", "--smoke", "slow"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
     try:
         def running():
             shown = _cli("status")
@@ -156,7 +162,7 @@ def test_status_names_a_checks_own_worker_by_its_provider(pool_dir):
         assert not [line for line in shown.splitlines() if line.startswith("│ slow~")]
     finally:
         check.send_signal(signal.SIGINT)
-        check.wait(timeout=60)
+        assert check.wait(timeout=20) == 130  # Ctrl-C ends the check, its smoke request still in the worker
         with Pool() as pool:
             pool.stop(None, now=True)
 
@@ -205,11 +211,7 @@ def test_logs_follow_prints_what_the_transcript_gains_and_moves_to_a_newer_one_u
     first.write_text("old line\n")
     (logs / "talker-x-0-20260101-000001-bbbbbb.log").write_text("another provider's\n")  # talker-x is not talker
     seen: list[str] = []
-    # Ctrl-C as in a terminal: a suite started in the background of a script inherits SIGINT ignored, and so
-    # would the follower, which then never stops (it hung a whole run so).
-    as_in_a_terminal = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                        "os.execv(sys.argv[1], sys.argv[1:])"]
-    with subprocess.Popen([*as_in_a_terminal, CLI, "logs", "talker", "-f"], stdout=subprocess.PIPE,
+    with subprocess.Popen([*AS_IN_A_TERMINAL, CLI, "logs", "talker", "-f"], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True) as follower:
         reader = threading.Thread(target=lambda: seen.extend(iter(follower.stdout.readline, "")), daemon=True)
         reader.start()
@@ -252,9 +254,7 @@ def test_logs_shows_and_follows_the_worker_serving_now_not_a_checks_newer_one(po
         assert newest != serving  # the check's own worker started after the serving one, and stopped
         done = _cli("logs", "talker", "--tail", "1")
         assert done.returncode == 0 and done.stdout.splitlines()[0] == f"==> {serving} <==", done.stdout
-        as_in_a_terminal = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, "
-                            "signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"]
-        with subprocess.Popen([*as_in_a_terminal, CLI, "logs", "talker", "-f"], stdout=subprocess.PIPE,
+        with subprocess.Popen([*AS_IN_A_TERMINAL, CLI, "logs", "talker", "-f"], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True) as follower:
             try:
                 first = follower.stdout.readline()
