@@ -83,7 +83,8 @@ EDGES = {
 
 def _readers(source: str) -> set[str]:
     """The functions (qualified names; ``<module>`` for top-level code) of ``source`` that read the settings from
-    the environment: ``settings()`` under any name it is imported as, or ``Settings()`` built directly."""
+    the environment: ``settings()`` under any name it is imported as, ``Settings.from_environment()``, or
+    ``Settings()`` built directly (which reads nothing: the defaults, whatever the variables say)."""
     tree = ast.parse(source)
     readers_of = {"settings", "Settings"}  # what resident_pool.settings exports that reads the environment
     aliases: dict[str, str] = {}  # local name -> what it is: one of readers_of, or "module" (resident_pool.settings)
@@ -105,6 +106,10 @@ def _readers(source: str) -> set[str]:
                 continue
             if isinstance(child, ast.Call):
                 called = child.func
+                if isinstance(called, ast.Attribute) and called.attr == "from_environment":
+                    called = called.value  # Settings.from_environment(): a reading, as Settings() is
+                    if isinstance(called, ast.Attribute) and called.attr != "Settings":
+                        called = None
                 direct = isinstance(called, ast.Name) and aliases.get(called.id) in readers_of
                 through = (isinstance(called, ast.Attribute) and called.attr in readers_of
                            and isinstance(called.value, ast.Name) and aliases.get(called.value.id) == "module")
@@ -122,8 +127,10 @@ def test_the_reader_finds_settings_called_under_any_name_and_a_settings_object_b
               "def plain():\n    return read().tick_s\n"
               "class Deep:\n    def method(self):\n        return module.settings()\n"
               "def built():\n    return Settings()\n"
+              "def read_now():\n    return Settings.from_environment().tick_s\n"
+              "def through_module():\n    return module.Settings.from_environment()\n"
               "def typed(config: Settings) -> float:\n    return config.tick_s\n")
-    assert _readers(source) == {"plain", "Deep.method", "built"}
+    assert _readers(source) == {"plain", "Deep.method", "built", "read_now", "through_module"}
 
 
 def test_only_the_edges_read_the_settings_everything_below_takes_them_as_values():
