@@ -20,6 +20,14 @@ from helpers import (
     tagged_processes,
     wait_until,
 )
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
+
+# Property tests judge answers, never time: Hypothesis' default deadline (200 ms an example) and its too-slow health
+# check are absolute times, which the suite leaves to bench/. On this 2-core machine under the whole suite, a property
+# test of test_golden.py failed twice in two stops and passed alone each time (its output was not kept).
+hypothesis_settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.load_profile("suite")
 
 
 @pytest.hookimpl(optionalhook=True)

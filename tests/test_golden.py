@@ -176,3 +176,10 @@ def test_a_property_test_holds_while_another_thread_draws_from_the_random_module
         stop.set()
         thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def test_property_tests_here_judge_answers_not_time():
+    """The suite's Hypothesis profile (conftest.py): no deadline, no too-slow health check, whatever the machine."""
+    from hypothesis import HealthCheck, settings
+
+    assert settings.default.deadline is None and HealthCheck.too_slow in settings.default.suppress_health_check
