@@ -31,9 +31,11 @@ $(STAMP): pyproject.toml
 	$(PY) infra/precompile.py
 	touch $(STAMP)
 
-# Test processes at once: the tests wait on real processes and sockets more than they compute.
+# Test processes at once: the tests wait on real processes and sockets more than they compute. On this project's
+# 2-core machine, fresh clones of one commit (877cccb): the tests' phase took 570 s with 4 (the cores busy 89% of
+# it) and 529 s with 5 (95%).
 # --dist loadgroup: each file listed in tests/scheduling.py runs whole on one of them.
-JOBS ?= 4
+JOBS ?= 5
 # Every process make starts writes bytecode, even where the shell says not to (PYTHONDONTWRITEBYTECODE): setup
 # compiles nothing (above), and without a cache each of the hundreds of pools, workers, flow runs and CLIs a run
 # starts would compile what it imports again (a full run: 11 min 18 s with the cache, 12 min 49 s with only the
