@@ -223,8 +223,11 @@ def test_a_call_takes_no_more_work_than_max_batch_work_and_a_bad_size_fails_its_
 
 def test_max_wait_ms_holds_a_call_only_for_the_last_calls_callers_and_never_a_lone_caller_with_the_wait_at_1_s(
         tmp_path):
-    """The rule itself is tested with a fake clock in test_batching_hold.py; this is the worker's loop keeping it."""
+    """The rule itself is tested with a fake clock in test_batching_hold.py; this is the worker's loop keeping it.
+    The worker reads nothing while its model runs (a ping then waited for the held call's 30-s cap): the two requests
+    sent during the held call are read together once it ends, and their replies say they were queued together."""
     with batching_worker(tmp_path, RESIDENT_POOL_MAX_BATCH_SIZE="3", RESIDENT_POOL_MAX_WAIT_MS="1000") as worker:
+        assert worker.ask({"op": "ping", "id": "p"})["batching"]["max_wait_ms"] == 1000
         lone = worker.caller()
         for n in range(2):  # nobody else was answered in its last call: it never waits
             reply = lone.ask(n, {"tag": n})
@@ -233,9 +236,6 @@ def test_max_wait_ms_holds_a_call_only_for_the_last_calls_callers_and_never_a_lo
         first, second = worker.caller(), worker.caller()
         first.send(1, {"tag": 1})
         second.send(2, {"tag": 2})
-        ping = wait_until(lambda: (answer := worker.ask({"op": "ping", "id": "p"}))["queued"] == 2 and answer,
-                          message="the two requests to wait in the queue")
-        assert ping["batching"]["max_wait_ms"] == 1000
         gate.touch()
         assert lone.reply()["ok"]
         replies = [first.reply(), second.reply()]
@@ -434,10 +434,11 @@ def test_arrays_go_in_and_out_of_one_call_and_each_caller_gets_its_own_back_bit_
         tmp_path):
     """The four requests meet in one call (it waits up to 10 s for the fourth: the first time for the held caller,
     which never asks again, the second for the four answered together), each array beside its own line, each answer in
-    its own caller's reply buffers; twice, so the buffers are reused."""
+    its own caller's reply buffers; twice, so the buffers are reused. The callers agree on arrays before the model is
+    held: the worker answers nothing while its model runs (their offers waited for the held call's 30-s cap)."""
     with batching_worker(tmp_path, RESIDENT_POOL_MAX_BATCH_SIZE="4", RESIDENT_POOL_MAX_WAIT_MS="10000") as worker:
-        gate = worker.hold(worker.caller())
         connections = [_array_caller(worker.socket_path) for _ in range(4)]
+        gate = worker.hold(worker.caller())
         try:
             for round_ in range(2):
                 sent = [np.random.default_rng(10 * round_ + n).standard_normal(2**18, dtype=np.float32)
