@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
