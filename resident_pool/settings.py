@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -157,16 +158,15 @@ class Settings(BaseModel):
         return path
 
     @classmethod
-    def from_environment(cls, environ: dict[str, str] | None = None) -> Settings:
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """The settings the ``RESIDENT_POOL_*`` variables of ``environ`` (this process's by default) give; a name
-        is matched in any case, as the variables are."""
-        environ = os.environ if environ is None else environ
+        is matched in any case, as pydantic-settings matched it: the whole name lowercased is ``resident_pool_<field>``
+        (``name.upper()`` would also take a dotless i or a long s for the prefix's I or S)."""
         given: dict[str, Any] = {}
-        for name, value in environ.items():
-            if name.upper().startswith(PREFIX):
-                field = name[len(PREFIX):].lower()
-                if field in cls.model_fields:
-                    given[field] = value
+        for name, value in (os.environ if environ is None else environ).items():
+            key = name.lower()
+            if key.startswith(PREFIX.lower()) and key[len(PREFIX):] in cls.model_fields:
+                given[key[len(PREFIX):]] = value
         return cls.model_validate(given)
 
 

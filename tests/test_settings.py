@@ -42,6 +42,19 @@ def test_a_bad_value_names_its_variable(monkeypatch):
         settings()
 
 
+def test_a_variable_is_read_under_exactly_the_names_pydantic_settings_matched():
+    """``Settings`` was pydantic-settings' ``BaseSettings`` (case-insensitive, prefix ``RESIDENT_POOL_``): a variable
+    set a field when its whole name, lowercased, was ``resident_pool_<field>``. The hand-written reader matched
+    ``name.upper()`` against the prefix, and so also read names no one means as this one, whose prefix upper-cases
+    to it: a dotless i (U+0131) or a long s (U+017F) in it set tick_s to 1.0 where pydantic-settings kept 0.25."""
+    given = {"resident_pool_tick_s": "1", "Resident_Pool_Max_Connections": "8", "RESIDENT_POOL_aging_s": "5",
+             "RES\u0131DENT_POOL_KEEPALIVE_S": "3", "re\u017fident_pool_liveness_timeout_s": "4",
+             "RESIDENT_POOL_NOT_A_FIELD": "x", "RESIDENT_POOL_": "x"}
+    config = Settings.from_environment(given)
+    assert (config.tick_s, config.max_connections, config.aging_s) == (1.0, 8, 5.0)
+    assert (config.keepalive_s, config.liveness_timeout_s) == (10.0, 10.0)  # the defaults: neither name is read
+
+
 def test_modules_other_than_settings_and_the_worker_side_do_not_read_the_environment_for_these_names():
     readers = []
     for path in sorted((ROOT / "resident_pool").rglob("*.py")):
