@@ -292,3 +292,16 @@ def test_status_says_when_an_open_breaker_closes(pool_dir):
         pool.predict("refuser", {})
     shown = _cli("status")
     assert re.search(r"breaker refuser: open, closes in \d+(\.\d)? s", shown.stdout), shown.stdout
+
+
+@pytest.mark.parametrize("command", [["status"], ["status", "--json"], ["metrics"], ["check"], ["warm", "x"],
+                                     ["events"], ["logs", "x"]])
+def test_a_bad_setting_ends_every_command_with_its_sentence_and_exit_2_never_a_traceback_or_success(pool_dir,
+                                                                                                  command):
+    """Review r39: with RESIDENT_POOL_GPU_HEADROOM_GB=x, status and metrics printed the sentence and exited 0 (status
+    took it for "no pool runs"); check, warm, events and logs printed a 40-line traceback ending in it."""
+    done = _cli(*command, env={"RESIDENT_POOL_GPU_HEADROOM_GB": "x"})
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, (done.returncode, said)
+    assert "Traceback" not in said, said
+    assert "bad setting: RESIDENT_POOL_GPU_HEADROOM_GB='x'" in said and "fix or unset the variable" in said, said

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..arrays import plain
+from ..errors import ResidentPoolError
 from ..providers.manifest import SLUG
 from ..providers.transcripts import without_controls
 from ..version import __version__
@@ -79,7 +80,10 @@ def configured() -> tuple[Settings, Paths]:
     from ..host.paths import Paths
     from ..settings import settings
 
-    config = settings()
+    try:
+        config = settings()
+    except ResidentPoolError as exc:  # a bad RESIDENT_POOL_* value: its sentence, and no command runs on a guess
+        fail(str(exc), reason=exc.reason, code=2)
     return config, Paths.of(config)
 
 
