@@ -248,11 +248,11 @@ def case_demo_batching(table: Any, env: Any, quick: bool) -> None:
               batched / single >= 0.9)
     table.add(case, f"{CALLERS} callers batching / one request per call", batched / serial, "x", ">= 2",
               batched / serial >= 2)
-    # What any batching could give on this machine: the sequences in one request against one a request. On this
+    # About what batching can give on this machine: the sequences in one request against one a request. On this
     # 2-core CPU the model's work grows with its tokens whether they come together or not (1.66x here); on a GPU a
     # batch of 64 costs little more than one.
-    table.add(case, f"ceiling: one client of {CALLERS} / one request per call", single / serial, "x",
-              note="the most batching can gain over serial serving with this model on this machine")
+    table.add(case, f"one client of {CALLERS} / one request per call", single / serial, "x",
+              note="what batching can gain over serial serving with this model on this machine, roughly")
 
     # a lone caller: one sequence a request, batching and serial taken in turn
     probe = texts[len(texts) // 2]
