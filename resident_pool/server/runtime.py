@@ -44,6 +44,29 @@ _KEPT_START_ERRORS = 64  # the last failed starts, for warm-ups that wait on the
 _KEPT_DEATHS = 256  # the last kept leases ended with their dead worker, for releases that come after
 
 
+class _Deaths:
+    """Who holds each lease, and the deaths of leased workers their clients have not yet heard of: a death is told
+    once, to the connection the lease was granted to (a release may come after the lease ended in the core)."""
+
+    def __init__(self) -> None:
+        self.owners: dict[int, int] = {}  # lease: its connection, while the runtime holds its worker
+        self.untold: dict[int, tuple[int, dict[str, Any]]] = {}
+
+    def ended(self, lease: int, worker: Any, connection: int | None = None) -> None:
+        """``lease`` ended (its client released it, or the core ended it); a death of its worker is kept for its
+        owner (``connection``, where it is the one who releases it now: then it is told at once)."""
+        owner = self.owners.pop(lease, None)
+        rc = worker.process.returncode
+        if rc is not None and owner is not None and owner != connection:
+            self.untold[lease] = (owner, worker.process.died_error(rc, stopping=worker.stopped_on_purpose).to_dict())
+            while len(self.untold) > _KEPT_DEATHS:
+                del self.untold[next(iter(self.untold))]
+
+    def told(self, lease: int, connection: int) -> dict[str, Any] | None:
+        owner, died = self.untold.pop(lease, (None, None))
+        return died if owner == connection else None
+
+
 class Runtime:
     """Carries out the core's actions and reports their outcomes; holds the one lock."""
 
@@ -68,7 +91,7 @@ class Runtime:
         self.by_lease: dict[int, Worker] = {}  # the worker each lease holds, kept past the replica's end
         # Kept leases the pool ended with their dead worker before their client released them: (connection, what
         # the worker's death was), so a release that comes after the pool's own look still says how it died.
-        self.deaths: dict[int, tuple[int, dict[str, Any]]] = {}
+        self.deaths = _Deaths()
         self.waiters: dict[int, Waiter] = {}
         self.tell_lease: dict[int, tuple[int, Callable[[dict[str, Any]], None]]] = {}  # lease: (connection, tell)
         self.start_errors: dict[int, ResidentPoolError] = {}  # for warm-ups waiting on their starts
@@ -335,14 +358,8 @@ class Runtime:
             view = self._look()
             leased = {r.rid for r in view.replicas if r.state in (ReplicaState.LEASED, ReplicaState.DRAINING)}
             for lease in [lease for lease in self.by_lease if lease not in view.leases]:
-                gone = self.by_lease.pop(lease)  # recalled, its worker dead, or its client went away
-                told = self.tell_lease.pop(lease, None)
-                rc = gone.process.returncode
-                if rc is not None and told is not None:
-                    error = gone.process.died_error(rc, stopping=gone.stopped_on_purpose)
-                    self.deaths[lease] = (told[0], error.to_dict())
-                    while len(self.deaths) > _KEPT_DEATHS:
-                        del self.deaths[next(iter(self.deaths))]
+                self.deaths.ended(lease, self.by_lease.pop(lease))  # recalled, its worker dead, or its client gone
+                self.tell_lease.pop(lease, None)
         for worker in workers:
             if beat:  # a worker still loading its model counts on it too
                 worker.process.beat()
@@ -371,6 +388,7 @@ class Runtime:
         with self.lock:
             worker = self.by_lease[grant.lease]
             lease = self._look().lease(grant.lease)
+            self.deaths.owners.update({grant.lease: lease.connection} if lease is not None else {})
             priority, backfilled = (lease.priority, lease.backfilled) if lease is not None else ("normal", False)
         process, manifest = worker.process, worker.loaded.manifest
         return LeaseGrant(lease=grant.lease, slug=key, replica=worker.index, pid=process.pid,
@@ -387,15 +405,19 @@ class Runtime:
             if lease is not None and lease.connection != connection:
                 raise ResidentPoolError(f"lease {release.lease} is not held by this connection; a client releases "
                                         "only its own leases", reason="bad_request")
-            worker = self.by_lease.pop(release.lease, None) if lease is not None else None
+            # Where the core ended the lease first (its worker's exit), the maintenance loop may not have swept it yet.
+            worker = self.by_lease.pop(release.lease, None) if lease is not None or self.deaths.owners.get(
+                release.lease) == connection else None
+            if worker is not None:
+                self.deaths.ended(release.lease, worker, connection)
             self.tell_lease.pop(release.lease, None)
         quiet = release.outcome in ("ok", "abandoned", "bad_reply")  # the client does not wait for an answer to these
-        if worker is None:  # ended already (a kept lease recalled, a stop --now): the client may acquire again
+        if worker is None or lease is None:  # ended already (a kept lease recalled, its worker died, a stop --now)
             with self.lock:
-                connection_of, died = self.deaths.pop(release.lease, (None, None))
-            if quiet:
-                return None
-            return {"ok": True, "gone": True, **({"error": died} if died and connection_of == connection else {})}
+                died = self.deaths.told(release.lease, connection)
+            if worker is not None and release.outcome == "broken" and (rc := worker.process.wait_dead()) is not None:
+                died = worker.process.died_error(rc, stopping=worker.stopped_on_purpose).to_dict()
+            return None if quiet else {"ok": True, "gone": True, **({"error": died} if died else {})}
         outcome, rc = release.outcome, None
         ran: float | None = None  # a timeout's: how long the worker's model call had run as its client gave up
         answer: dict[str, Any] = {"ok": True}
