@@ -50,7 +50,7 @@ class _Deaths:
 
     def __init__(self) -> None:
         self.owners: dict[int, int] = {}  # lease: its connection, while the runtime holds its worker
-        self.untold: dict[int, tuple[int, dict[str, Any]]] = {}
+        self.untold: dict[int, tuple[int, dict[str, Any], str, int]] = {}  # lease: (owner, death, slug, replica)
 
     def ended(self, lease: int, worker: Any, connection: int | None = None) -> None:
         """``lease`` ended (its client released it, or the core ended it); a death of its worker is kept for its
@@ -58,13 +58,19 @@ class _Deaths:
         owner = self.owners.pop(lease, None)
         rc = worker.process.returncode
         if rc is not None and owner is not None and owner != connection:
-            self.untold[lease] = (owner, worker.process.died_error(rc, stopping=worker.stopped_on_purpose).to_dict())
+            died = worker.process.died_error(rc, stopping=worker.stopped_on_purpose).to_dict()
+            self.untold[lease] = (owner, died, worker.loaded.slug, worker.index)
             while len(self.untold) > _KEPT_DEATHS:
                 del self.untold[next(iter(self.untold))]
 
-    def told(self, lease: int, connection: int) -> dict[str, Any] | None:
-        owner, died = self.untold.pop(lease, (None, None))
-        return died if owner == connection else None
+    def told(self, lease: int, connection: int) -> tuple[dict[str, Any], str, int] | None:
+        """The death of ``lease``'s worker, with its slug and replica, once, and only to its owner: another
+        connection naming the lease neither hears it nor takes it from its owner."""
+        untold = self.untold.get(lease)
+        if untold is None or untold[0] != connection:
+            return None
+        del self.untold[lease]
+        return untold[1:]
 
 
 class Runtime:
@@ -414,10 +420,16 @@ class Runtime:
         quiet = release.outcome in ("ok", "abandoned", "bad_reply")  # the client does not wait for an answer to these
         if worker is None or lease is None:  # ended already (a kept lease recalled, its worker died, a stop --now)
             with self.lock:
-                died = self.deaths.told(release.lease, connection)
-            if worker is not None and release.outcome == "broken" and (rc := worker.process.wait_dead()) is not None:
-                died = worker.process.died_error(rc, stopping=worker.stopped_on_purpose).to_dict()
-            return None if quiet else {"ok": True, "gone": True, **({"error": died} if died else {})}
+                told = self.deaths.told(release.lease, connection)
+                # A worker that serves on (its kept lease taken back for another client) is not waited on to die.
+                replica = self._look().replica(worker.rid) if worker is not None else None
+            if worker is not None and (replica is None or replica.ending) and release.outcome == "broken" and (
+                    rc := worker.process.wait_dead()) is not None:
+                told = (worker.process.died_error(rc, stopping=worker.stopped_on_purpose).to_dict(),
+                        worker.loaded.slug, worker.index)
+            if told is not None and not quiet:  # counted once, as a release before the pool's look counts it (below)
+                self.observer.metrics.book.failed(told[1], told[2], str(told[0].get("reason")))
+            return None if quiet else {"ok": True, "gone": True, **({"error": told[0]} if told else {})}
         outcome, rc = release.outcome, None
         ran: float | None = None  # a timeout's: how long the worker's model call had run as its client gave up
         answer: dict[str, Any] = {"ok": True}
