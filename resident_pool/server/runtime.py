@@ -19,6 +19,7 @@ from ..admission import Admission
 from ..errors import ResidentPoolError
 from ..host.paths import Paths
 from ..messages import LeaseGrant, Release
+from ..ops.metrics import StatsBook
 from ..providers.hibernate import CheckpointError, Hibernator
 from ..providers.worker_process import DEATH_WAIT_S
 from ..providers.zygote import Zygotes
@@ -71,6 +72,19 @@ class _Deaths:
             return None
         del self.untold[lease]
         return untold[1:]
+
+
+def _gone(told: tuple[dict[str, Any], str, int] | None, dying: Worker | None, quiet: bool,
+          book: StatsBook) -> dict[str, Any] | None:
+    """The answer to a release of a lease the pool ended first: the death its owner had not heard of (``told``), or
+    that of ``dying`` (a broken exchange with a worker that is ending) if it ends now; counted once as a failed
+    request, as a release that comes before the pool's look counts it (``Runtime.release``)."""
+    if dying is not None and (rc := dying.process.wait_dead()) is not None:
+        told = (dying.process.died_error(rc, stopping=dying.stopped_on_purpose).to_dict(), dying.loaded.slug,
+                dying.index)
+    if told is not None and not quiet:
+        book.failed(told[1], told[2], str(told[0].get("reason")))
+    return None if quiet else {"ok": True, "gone": True, **({"error": told[0]} if told else {})}
 
 
 class Runtime:
@@ -419,17 +433,11 @@ class Runtime:
             self.tell_lease.pop(release.lease, None)
         quiet = release.outcome in ("ok", "abandoned", "bad_reply")  # the client does not wait for an answer to these
         if worker is None or lease is None:  # ended already (a kept lease recalled, its worker died, a stop --now)
-            with self.lock:
+            with self.lock:  # a worker that serves on (its kept lease taken back for another) is not waited on to die
                 told = self.deaths.told(release.lease, connection)
-                # A worker that serves on (its kept lease taken back for another client) is not waited on to die.
                 replica = self._look().replica(worker.rid) if worker is not None else None
-            if worker is not None and (replica is None or replica.ending) and release.outcome == "broken" and (
-                    rc := worker.process.wait_dead()) is not None:
-                told = (worker.process.died_error(rc, stopping=worker.stopped_on_purpose).to_dict(),
-                        worker.loaded.slug, worker.index)
-            if told is not None and not quiet:  # counted once, as a release before the pool's look counts it (below)
-                self.observer.metrics.book.failed(told[1], told[2], str(told[0].get("reason")))
-            return None if quiet else {"ok": True, "gone": True, **({"error": told[0]} if told else {})}
+            waits = release.outcome == "broken" and (replica is None or replica.ending)
+            return _gone(told, worker if waits else None, quiet, self.observer.metrics.book)
         outcome, rc = release.outcome, None
         ran: float | None = None  # a timeout's: how long the worker's model call had run as its client gave up
         answer: dict[str, Any] = {"ok": True}
