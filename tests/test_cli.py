@@ -305,3 +305,28 @@ def test_a_bad_setting_ends_every_command_with_its_sentence_and_exit_2_never_a_t
     assert done.returncode == 2, (done.returncode, said)
     assert "Traceback" not in said, said
     assert "bad setting: RESIDENT_POOL_GPU_HEADROOM_GB='x'" in said and "fix or unset the variable" in said, said
+
+
+@pytest.mark.parametrize("command", [["status", "--json"], ["metrics", "--json"], ["check", "--json"],
+                                     ["warm", "x", "--json"], ["stop", "--all", "--json"],
+                                     ["logs", "x", "--json"], ["cache", "prune", "--json"]])
+def test_a_bad_setting_under_json_is_one_error_object_on_stdout(pool_dir, command):
+    """Review r40: docs/cli.md says a failure under --json is one object on stdout, {"error", "reason"}; a bad
+    RESIDENT_POOL_* setting printed its sentence on stderr only and nothing on stdout (a script reading stdout got
+    no JSON at all)."""
+    done = _cli(*command, env={"RESIDENT_POOL_GPU_HEADROOM_GB": "x"})
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    said = json.loads(done.stdout)
+    assert said["reason"] == "bad_setting" and "RESIDENT_POOL_GPU_HEADROOM_GB='x'" in said["error"], said
+    assert "fix or unset the variable" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("value", ["[/x]", "[red]x"])
+def test_the_admission_service_says_a_bad_setting_as_it_is_never_as_markup(value):
+    """Review r40: the admission service printed its error as rich markup: a bad value with a closing tag in it
+    ended in a MarkupError traceback (exit 1), one with an opening tag was shown without it ('x', not '[red]x')."""
+    done = _cli("admission-service", env={"RESIDENT_POOL_GPU_HEADROOM_GB": value})
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, (done.returncode, said)
+    assert "Traceback" not in said, said
+    assert f"bad setting: RESIDENT_POOL_GPU_HEADROOM_GB={value!r}" in _said(said), said

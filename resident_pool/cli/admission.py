@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from ..errors import ResidentPoolError
-from .base import app, errors
+from .base import app, errors, safe
 
 __all__ = ["admission_service"]
 
@@ -35,5 +35,5 @@ def admission_service(
         service = AdmissionService(load_config(config or settings().admission_config))
         service.serve_forever()
     except ResidentPoolError as exc:
-        errors.print(f"[red]{type(exc).__name__}[/]: {exc}", highlight=False, markup=True)
+        errors.print(f"[red]{type(exc).__name__}[/]: {safe(exc)}", highlight=False, markup=True)
         raise typer.Exit(2) from None

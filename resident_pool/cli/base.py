@@ -41,6 +41,7 @@ def _main(
                                           is_eager=True)] = False,
 ) -> None:
     """Keep model workers warm within a GPU memory budget."""
+    chosen["json"] = False  # each command's own --json says (an app run in-process runs several)
 
 
 # Tables are wide; a pipe or a CI log gets 160 columns rather than rich's 80. $COLUMNS wins, as for any tool.
@@ -54,7 +55,17 @@ ManifestsOption = Annotated[
         "where it exists, else the running pool's folder).",
     ),
 ]
-AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON, for scripts.")]
+# The running command's --json, for a failure before the command reads its own (a bad setting in ``configured``).
+chosen: dict[str, bool] = {"json": False}
+
+
+def json_chosen(value: bool) -> bool:
+    """Every --json flag's callback: the failures ``configured`` ends a command with are an object under it too."""
+    chosen["json"] = bool(value)
+    return value
+
+
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON, for scripts.", callback=json_chosen)]
 
 
 def safe(value: object) -> str:
@@ -83,7 +94,7 @@ def configured() -> tuple[Settings, Paths]:
     try:
         config = settings()
     except ResidentPoolError as exc:  # a bad RESIDENT_POOL_* value: its sentence, and no command runs on a guess
-        fail(str(exc), reason=exc.reason, code=2)
+        fail(str(exc), as_json=chosen["json"], reason=exc.reason, code=2)
     return config, Paths.of(config)
 
 

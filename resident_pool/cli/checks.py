@@ -12,7 +12,17 @@ from ..providers.manifest import json_schema
 from ..providers.transcripts import without_controls
 from ..validation.check import NOT_JUDGED, check_providers, junit_xml
 from ..validation.provenance import columns
-from .base import AsJson, ManifestsOption, app, configured, console, manifests_dir, require_provider, safe
+from .base import (
+    AsJson,
+    ManifestsOption,
+    app,
+    configured,
+    console,
+    json_chosen,
+    manifests_dir,
+    require_provider,
+    safe,
+)
 from .tables import Column, fit_table
 
 __all__ = ["cache_app"]
@@ -112,7 +122,8 @@ def cache_prune(
         "--older-than", help="Days a superseded stack key is kept after its last use (0: remove them all now).",
     )] = 7.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would go; remove nothing.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print what was removed and kept as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print what was removed and kept as JSON.",
+                                          callback=json_chosen)] = False,
 ) -> None:
     """Remove JIT cache folders no start uses: each provider's newest stack key is always kept.
 

@@ -22,6 +22,7 @@ from .base import (
     console,
     errors,
     fail,
+    json_chosen,
     manifests_dir,
     print_json,
     require_provider,
@@ -271,7 +272,7 @@ def events(
         "--to-prefect", help="Relay each event to the Prefect API ($PREFECT_API_URL) instead of printing it; "
         "runs until stopped.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Accepted for scripts: the events are JSON lines "
-                                          "either way.")] = False,
+                                          "either way.", callback=json_chosen)] = False,
 ) -> None:
     """The pool's lifecycle events (workers started, stopped and why, over budget), one JSON object a line."""
     from ..ops.events import EVENTS_FILE, Follower
@@ -325,7 +326,8 @@ def logs(
     follow: Annotated[bool, typer.Option(
         "--follow", "-f", help="Keep printing what the transcript gains, and move to the next one when another "
         "worker of SLUG starts serving, until Ctrl-C.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print {transcript, line} objects, one a line.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print {transcript, line} objects, one a line.",
+                                          callback=json_chosen)] = False,
     manifests: ManifestsOption = None,
 ) -> None:
     """The transcript of the worker serving SLUG now (the running pool says which), else SLUG's newest: its

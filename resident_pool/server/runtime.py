@@ -19,6 +19,7 @@ from ..admission import Admission
 from ..errors import ResidentPoolError
 from ..host.paths import Paths
 from ..messages import LeaseGrant, Release
+from ..ops.metrics import StatsBook
 from ..providers.hibernate import CheckpointError, Hibernator
 from ..providers.worker_process import DEATH_WAIT_S
 from ..providers.zygote import Zygotes
@@ -50,7 +51,7 @@ class _Deaths:
 
     def __init__(self) -> None:
         self.owners: dict[int, int] = {}  # lease: its connection, while the runtime holds its worker
-        self.untold: dict[int, tuple[int, dict[str, Any]]] = {}
+        self.untold: dict[int, tuple[int, dict[str, Any], str, int]] = {}  # lease: (owner, death, slug, replica)
 
     def ended(self, lease: int, worker: Any, connection: int | None = None) -> None:
         """``lease`` ended (its client released it, or the core ended it); a death of its worker is kept for its
@@ -58,13 +59,32 @@ class _Deaths:
         owner = self.owners.pop(lease, None)
         rc = worker.process.returncode
         if rc is not None and owner is not None and owner != connection:
-            self.untold[lease] = (owner, worker.process.died_error(rc, stopping=worker.stopped_on_purpose).to_dict())
+            died = worker.process.died_error(rc, stopping=worker.stopped_on_purpose).to_dict()
+            self.untold[lease] = (owner, died, worker.loaded.slug, worker.index)
             while len(self.untold) > _KEPT_DEATHS:
                 del self.untold[next(iter(self.untold))]
 
-    def told(self, lease: int, connection: int) -> dict[str, Any] | None:
-        owner, died = self.untold.pop(lease, (None, None))
-        return died if owner == connection else None
+    def told(self, lease: int, connection: int) -> tuple[dict[str, Any], str, int] | None:
+        """The death of ``lease``'s worker, with its slug and replica, once, and only to its owner: another
+        connection naming the lease neither hears it nor takes it from its owner."""
+        untold = self.untold.get(lease)
+        if untold is None or untold[0] != connection:
+            return None
+        del self.untold[lease]
+        return untold[1:]
+
+
+def _gone(told: tuple[dict[str, Any], str, int] | None, dying: Worker | None, quiet: bool,
+          book: StatsBook) -> dict[str, Any] | None:
+    """The answer to a release of a lease the pool ended first: the death its owner had not heard of (``told``), or
+    that of ``dying`` (a broken exchange with a worker that is ending) if it ends now; counted once as a failed
+    request, as a release that comes before the pool's look counts it (``Runtime.release``)."""
+    if dying is not None and (rc := dying.process.wait_dead()) is not None:
+        told = (dying.process.died_error(rc, stopping=dying.stopped_on_purpose).to_dict(), dying.loaded.slug,
+                dying.index)
+    if told is not None and not quiet:
+        book.failed(told[1], told[2], str(told[0].get("reason")))
+    return None if quiet else {"ok": True, "gone": True, **({"error": told[0]} if told else {})}
 
 
 class Runtime:
@@ -413,11 +433,11 @@ class Runtime:
             self.tell_lease.pop(release.lease, None)
         quiet = release.outcome in ("ok", "abandoned", "bad_reply")  # the client does not wait for an answer to these
         if worker is None or lease is None:  # ended already (a kept lease recalled, its worker died, a stop --now)
-            with self.lock:
-                died = self.deaths.told(release.lease, connection)
-            if worker is not None and release.outcome == "broken" and (rc := worker.process.wait_dead()) is not None:
-                died = worker.process.died_error(rc, stopping=worker.stopped_on_purpose).to_dict()
-            return None if quiet else {"ok": True, "gone": True, **({"error": died} if died else {})}
+            with self.lock:  # a worker that serves on (its kept lease taken back for another) is not waited on to die
+                told = self.deaths.told(release.lease, connection)
+                replica = self._look().replica(worker.rid) if worker is not None else None
+            waits = release.outcome == "broken" and (replica is None or replica.ending)
+            return _gone(told, worker if waits else None, quiet, self.observer.metrics.book)
         outcome, rc = release.outcome, None
         ran: float | None = None  # a timeout's: how long the worker's model call had run as its client gave up
         answer: dict[str, Any] = {"ok": True}
