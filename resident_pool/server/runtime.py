@@ -42,7 +42,7 @@ log = logging.getLogger("resident_pool.pool")
 
 _A = TypeVar("_A", bound=c.Start | c.Place | c.Withdraw | c.Spawn | c.Stop | c.Ping | c.Hibernate | c.Recall)
 _KEPT_START_ERRORS = 64  # the last failed starts, for warm-ups that wait on them
-_KEPT_DEATHS = 256  # the last kept leases ended with their dead worker, for releases that come after
+_KEPT_DEATHS = 256  # the last leases ended with their dead worker, for releases that come after
 
 
 class _Deaths:
@@ -109,8 +109,8 @@ class Runtime:
         self.changed = threading.Condition(self.lock)  # notified after every event: warm and stop wait on it
         self.workers: dict[int, Worker] = {}
         self.by_lease: dict[int, Worker] = {}  # the worker each lease holds, kept past the replica's end
-        # Kept leases the pool ended with their dead worker before their client released them: (connection, what
-        # the worker's death was), so a release that comes after the pool's own look still says how it died.
+        # Each lease's owner, and the deaths the pool saw before the lease's client released it, so that release
+        # still says how its worker died.
         self.deaths = _Deaths()
         self.waiters: dict[int, Waiter] = {}
         self.tell_lease: dict[int, tuple[int, Callable[[dict[str, Any]], None]]] = {}  # lease: (connection, tell)
